@@ -1,0 +1,1 @@
+"""layerwise: training transformers with layer-wise parallelism strategies."""

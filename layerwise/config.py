@@ -1,0 +1,157 @@
+"""Typed schemas behind every Hydra config group.
+
+Each group file in `conf/<group>/` extends one of these dataclasses (its defaults list names
+`/schema/<group>/<schema>@_here_`), so a misspelt key or a string where a number belongs fails at
+composition, before any process starts. Cross-group rules live in `layerwise/validate.py`.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    """A transformer shape; `models.build_model` turns it into a plain nn.Module."""
+
+    name: str = MISSING  # config name, written into summary.json
+    architecture: str = "gpt"  # gpt (causal LM) | bert (encoder, masked LM)
+    layers: int = 2  # transformer blocks L
+    hidden: int = 64  # model width h
+    heads: int = 4  # attention heads; hidden % heads == 0
+    mlp_ratio: int = 4  # MLP width = mlp_ratio × hidden
+    max_sequence_length: int = 256  # positional-embedding size; data.sequence_length must fit
+    dropout: float = 0.0  # dropout probability in embeddings and blocks
+    tie_embeddings: bool = False  # share the token embedding with the output projection
+    planning_only: bool = False  # too large to build on this machine: composed for planning only
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from and how many make one optimizer step."""
+
+    name: str = MISSING
+    corpus: str = "stdlib"  # stdlib | text_files | token_bin
+    path: Optional[str] = None  # directory for text_files / token_bin
+    vocab_size: int = 256  # token_bin only: the tokenizer's vocabulary (bytes give 256)
+    max_bytes: int = 16 * 2**20  # cap on the bytes read from stdlib / text_files
+    validation_fraction: float = 0.05  # share of files held out for validation
+    global_batch_size: int = 16  # sequences per optimizer step, the same under every strategy
+    sequence_length: int = 64  # tokens per sequence
+
+
+@dataclass
+class HardwareConfig:
+    """A machine profile: sets the Trainer now, prices schedules in the planner later."""
+
+    name: str = MISSING
+    accelerator: str = "cpu"  # cpu | gpu
+    devices_per_node: int = 2  # GPUs per node; on cpu the number of local processes
+    nodes: int = 1  # nodes in the job
+    precision: str = "32-true"  # Lightning precision: 32-true | bf16-mixed | 16-mixed
+    process_group_backend: str = "gloo"  # gloo | nccl
+    peak_flops: Dict[str, float] = field(default_factory=dict)  # dense FLOP/s per dtype
+    device_memory_bytes: float = 0.0  # memory of one device (on cpu: the share of one process)
+    host_memory_bytes: float = 0.0  # host memory of one node
+    intra_node_bandwidth: float = 0.0  # bytes/s per device inside a node (NVLink, shared memory)
+    inter_node_bandwidth: float = 0.0  # bytes/s per device between nodes (InfiniBand, Ethernet)
+    host_device_bandwidth: float = 0.0  # bytes/s host <-> device (PCIe)
+
+
+@dataclass
+class StrategyConfig:
+    """The parallelism technique; every strategy schema extends this one."""
+
+    name: str = MISSING  # single | ddp | modular_pipeline | gpipe | one_f_one_b | ...
+    micro_batches: int = 1  # micro-batches per optimizer step
+    data_degree: Optional[int] = None  # data-parallel replicas; null = world / other degrees
+    pipeline_degree: int = 1  # pipeline ranks
+
+
+@dataclass
+class PipelineStrategyConfig(StrategyConfig):
+    """A schedule from strategies/schedule run over pipeline (and data-parallel) ranks."""
+
+    schedule: str = "looped_breadth_first"  # gpipe | one_f_one_b | looped_breadth_first | ...
+    layers_per_stage: int = 1  # k consecutive blocks per stage; stages = layers / k
+    placement: str = "looping"  # contiguous | looping (stage c on rank c mod p)
+    breadth_first_micro_batches: Optional[int] = None  # null = all micro-batches breadth-first
+    depth_first_micro_batches: Optional[int] = None  # null = micro_batches / breadth_first
+
+
+@dataclass
+class OptimizerConfig:
+    """The first-order optimizer and its learning-rate schedule."""
+
+    name: str = "adamw"  # adamw | lamb | sgd
+    lr: float = 1e-3  # peak learning rate
+    weight_decay: float = 0.0  # decoupled weight decay on matrices
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd only
+    warmup_steps: int = 10  # linear warm-up
+    lr_schedule: str = "cosine"  # cosine | constant (after warm-up)
+    min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go besides metrics.csv and summary.json (always written)."""
+
+    name: str = "wandb"  # wandb | csv | tensorboard | none
+    mode: str = "offline"  # wandb: offline | online | disabled
+    project: str = "layerwise"  # wandb project
+    entity: Optional[str] = None  # wandb entity (team)
+    group: Optional[str] = None  # wandb group; null = the sweep's name in a multirun
+
+
+@dataclass
+class TrainerConfig:
+    """Loop lengths and cadences (Lightning Trainer arguments we expose)."""
+
+    max_steps: int = 200  # optimizer steps
+    val_check_interval: int = 50  # steps between validations
+    limit_val_batches: int = 4  # validation batches per evaluation
+    log_every_n_steps: int = 1  # rows in metrics.csv are per step regardless
+    checkpoint_every_n_steps: int = 50  # the `last` checkpoint is rewritten this often
+    gradient_clip_val: float = 0.0  # global gradient-norm clip; 0 = off
+    progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | none
+
+
+@dataclass
+class Config:
+    """The whole experiment: one strategy, model, hardware, data, optimizer and logger."""
+
+    strategy: Any = MISSING
+    model: Any = MISSING
+    hardware: Any = MISSING
+    data: Any = MISSING
+    optimizer: Any = MISSING
+    logger: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    seed: int = 1234  # one seed for weights, data order and dropout
+    mode: str = "fit"  # fit | check (compose and validate only)
+    run_name: str = "default"  # the run directory's name
+    resume: bool = True  # continue from the run directory's `last` checkpoint if present
+
+
+SCHEMAS = {
+    "model": {"model": ModelConfig},
+    "data": {"data": DataConfig},
+    "hardware": {"hardware": HardwareConfig},
+    "strategy": {"strategy": StrategyConfig, "pipeline": PipelineStrategyConfig},
+    "optimizer": {"optimizer": OptimizerConfig},
+    "logger": {"logger": LoggerConfig},
+}
+
+
+def register_schemas() -> None:
+    """Put every schema in Hydra's ConfigStore (idempotent; train.py calls it before compose)."""
+    store = ConfigStore.instance()
+    store.store(name="config_schema", node=Config)
+    for group, schemas in SCHEMAS.items():
+        for name, node in schemas.items():
+            store.store(group=f"schema/{group}", name=name, node=node)

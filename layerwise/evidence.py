@@ -1,0 +1,269 @@
+"""Every run leaves evidence: metrics.csv per step, summary.json at the end, progress as it goes.
+
+The numbers are reduced over ranks before rank 0 writes them (DESIGN.md §8): the train loss is the
+world mean of what each rank's strategy returns (every strategy returns a loss whose world mean is
+the global-batch loss), communication bytes and peak memory are the maximum over ranks. The
+callback's history is part of the checkpoint, so a resumed run's summary covers the whole run.
+"""
+
+import csv
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from layerwise.comm import KINDS
+from layerwise.memory import ComputeMemoryMeter
+
+COLUMNS = (["step", "loss", "lr", "step_time_s", "tokens_per_s"]
+           + [f"comm_bytes_{kind}" for kind in KINDS] + ["peak_compute_bytes", "val_loss"])
+
+
+def reduce_over_ranks(values: list, op) -> list:
+    """All-reduce a short list of floats (not counted: evidence, not training traffic)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def git_sha() -> str:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def versions() -> dict:
+    import hydra
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "lightning": lightning.__version__, "hydra": hydra.__version__}
+
+
+def write_json_atomically(path: Path, payload: dict) -> None:
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    temporary.write_text(json.dumps(payload, indent=2))
+    os.replace(temporary, path)
+
+
+class RunEvidence(pl.Callback):
+    """Measures each step, writes metrics.csv and summary.json, prints progress on rank 0.
+
+    1. step start: reset the communication counter, start the compute-memory meter;
+    2. step end: reduce loss (mean), bytes and peak (max) over ranks; rank 0 writes the row;
+    3. validation: mean loss over batches and ranks, attached to the step's row;
+    4. end (or failure): summary.json with the fixed schema of DESIGN.md.
+    """
+
+    def __init__(self, run_directory: Path, cfg, world_size: int, layout: dict,
+                 progress_lines: bool = True, measure_memory: bool = True):
+        self.run_directory = Path(run_directory)
+        self.cfg = cfg
+        self.world_size = world_size
+        self.layout = layout
+        self.progress_lines = progress_lines
+        self.measure_memory = measure_memory
+        self.history = {"losses": [], "val_losses": {}, "initial_val_loss": None, "rows": []}
+        self.tokens_per_step = cfg.data.global_batch_size * cfg.data.sequence_length
+        self._pending_row = None
+        self._meter = None
+        self._validation_losses = []
+        self._started = None
+
+    # ----- checkpointed history
+    def state_dict(self):
+        return dict(self.history)
+
+    def load_state_dict(self, state):
+        self.history = {**self.history, **state}
+
+    # ----- steps
+    def _communicator(self, trainer):
+        layout = getattr(trainer.strategy, "layout", None)
+        return layout.communicator if layout is not None else None
+
+    def on_train_start(self, trainer, module):
+        self._started = time.perf_counter()
+        if trainer.is_global_zero:
+            self._rewrite_csv_up_to(trainer.global_step)
+        if self.history["initial_val_loss"] is None and self.cfg.trainer.limit_val_batches > 0:
+            self.history["initial_val_loss"] = evaluate(trainer, module)
+            self._say(trainer, f"initial validation loss {self.history['initial_val_loss']:.4f}")
+
+    def on_train_batch_start(self, trainer, module, batch, batch_index):
+        self._flush_row(trainer)
+        communicator = self._communicator(trainer)
+        if communicator is not None:
+            communicator.reset()
+        if self.measure_memory:
+            self._meter = ComputeMemoryMeter()
+            self._meter.resident(resident_tensors(trainer, module))
+            self._meter.__enter__()
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
+        step_time = time.perf_counter() - self._step_start
+        peak = 0.0
+        if self._meter is not None:
+            self._meter.__exit__(None, None, None)
+            peak = float(self._meter.peak_bytes)
+            self._meter = None
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        communicator = self._communicator(trainer)
+        comm = communicator.snapshot() if communicator else {kind: 0.0 for kind in KINDS}
+        (loss_value,) = reduce_over_ranks([float(loss)], dist.ReduceOp.SUM)
+        maxima = reduce_over_ranks([step_time, peak] + [comm[k] for k in KINDS], dist.ReduceOp.MAX)
+        row = {"step": trainer.global_step, "loss": loss_value / self.world_size,
+               "lr": trainer.optimizers[0].param_groups[0]["lr"], "step_time_s": maxima[0],
+               "tokens_per_s": self.tokens_per_step / maxima[0], "peak_compute_bytes": maxima[1],
+               **{f"comm_bytes_{k}": v for k, v in zip(KINDS, maxima[2:])}, "val_loss": None}
+        self.history["losses"].append(row["loss"])
+        self.history["rows"].append({k: v for k, v in row.items() if k != "val_loss"})
+        self._pending_row = row
+        module.log("loss", row["loss"], prog_bar=True, logger=False, rank_zero_only=True)
+        self._progress(trainer, row)
+
+    # ----- validation
+    def on_validation_epoch_start(self, trainer, module):
+        self._validation_losses = []
+
+    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_index, dataloader_idx=0):
+        self._validation_losses.append(float(outputs))
+
+    def on_validation_epoch_end(self, trainer, module):
+        if trainer.sanity_checking or not self._validation_losses:
+            return
+        local = sum(self._validation_losses) / len(self._validation_losses)
+        (total,) = reduce_over_ranks([local], dist.ReduceOp.SUM)
+        self._record_validation(trainer, total / self.world_size)
+
+    def _record_validation(self, trainer, value: float):
+        self.history["val_losses"][str(trainer.global_step)] = value
+        if self._pending_row is not None:
+            self._pending_row["val_loss"] = value
+        self._say(trainer, f"step {trainer.global_step}: validation loss {value:.4f}")
+
+    # ----- end of run
+    def on_train_end(self, trainer, module):
+        last = str(trainer.global_step)
+        if self.cfg.trainer.limit_val_batches > 0 and last not in self.history["val_losses"]:
+            self._record_validation(trainer, evaluate(trainer, module))
+        self._flush_row(trainer)
+        self.write_summary(trainer, "completed")
+
+    def on_exception(self, trainer, module, exception):
+        status = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
+        self._flush_row(trainer)
+        self.write_summary(trainer, status, error=f"{type(exception).__name__}: {exception}")
+
+    # ----- files
+    def _flush_row(self, trainer):
+        if self._pending_row is None or not trainer.is_global_zero:
+            self._pending_row = None
+            return
+        path = self.run_directory / "metrics.csv"
+        new = not path.exists()
+        with path.open("a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+            if new:
+                writer.writeheader()
+            writer.writerow(self._pending_row)
+        loggable = {k: v for k, v in self._pending_row.items() if v is not None and k != "step"}
+        for logger in trainer.loggers:
+            logger.log_metrics(loggable, step=self._pending_row["step"])
+        self._pending_row = None
+
+    def _rewrite_csv_up_to(self, step: int):
+        """On resume, drop rows written after the checkpoint's step (they will be redone)."""
+        path = self.run_directory / "metrics.csv"
+        if not path.exists():
+            return
+        with path.open() as handle:
+            rows = [r for r in csv.DictReader(handle) if int(r["step"]) <= step]
+        with path.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+
+    def write_summary(self, trainer, status: str, error: str = None):
+        if not trainer.is_global_zero:
+            return
+        rows = self.history["rows"]
+        median = lambda key: statistics.median(r[key] for r in rows) if rows else None
+        val = self.history["val_losses"]
+        summary = {
+            "status": status, "error": error,
+            "strategy": self.cfg.strategy.name, "model": self.cfg.model.name,
+            "hardware": self.cfg.hardware.name, "data": self.cfg.data.name,
+            "world_size": self.world_size, "layout": self.layout,
+            "steps": trainer.global_step, "tokens_per_step": self.tokens_per_step,
+            "losses": self.history["losses"],
+            "initial_val_loss": self.history["initial_val_loss"],
+            "final_val_loss": val[max(val, key=int)] if val else None,
+            "val_losses": val,
+            "final_train_loss": self.history["losses"][-1] if self.history["losses"] else None,
+            "step_time_s_median": median("step_time_s"),
+            "tokens_per_s_median": median("tokens_per_s"),
+            "comm_bytes_per_step": {k: median(f"comm_bytes_{k}") for k in KINDS} if rows else {},
+            "peak_compute_bytes": max((r["peak_compute_bytes"] for r in rows), default=None),
+            "wall_time_s": time.perf_counter() - self._started if self._started else None,
+            "versions": versions(), "git_sha": git_sha(),
+        }
+        bubble = getattr(trainer.strategy, "bubble_fraction", None)
+        if callable(bubble):
+            summary["bubble_fraction"] = bubble()
+        write_json_atomically(self.run_directory / "summary.json", summary)
+
+    # ----- progress
+    def _say(self, trainer, message: str):
+        if trainer.is_global_zero and self.progress_lines:
+            print(f"[layerwise] {message}", flush=True)
+
+    def _progress(self, trainer, row):
+        every = max(1, self.cfg.trainer.max_steps // 20)
+        if row["step"] % every and row["step"] != self.cfg.trainer.max_steps:
+            return
+        elapsed = time.perf_counter() - self._started
+        done = len(self.history["losses"])
+        remaining = elapsed / max(1, done) * (self.cfg.trainer.max_steps - row["step"])
+        self._say(trainer, f"step {row['step']}/{self.cfg.trainer.max_steps} loss {row['loss']:.4f} "
+                           f"lr {row['lr']:.2e} {row['step_time_s']:.3f} s/step "
+                           f"{row['tokens_per_s']:.0f} tokens/s eta {remaining:.0f} s")
+
+
+def resident_tensors(trainer, module):
+    """What the compute side holds before a step: parameters, gradients, optimizer state."""
+    holder = getattr(trainer.strategy, "compute_resident_tensors", None)
+    if callable(holder):
+        return holder()
+    tensors = [p for p in module.parameters()] + [p.grad for p in module.parameters() if p.grad is not None]
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+@torch.no_grad()
+def evaluate(trainer, module) -> float:
+    """Validation loss outside Lightning's loop (before step 1 and at the very end)."""
+    was_training = module.training
+    module.eval()
+    losses = []
+    for index, batch in enumerate(trainer.datamodule.val_dataloader()):
+        batch = trainer.strategy.batch_to_device(batch)
+        losses.append(float(trainer.strategy.validation_step(batch, index)))
+    module.train(was_training)
+    (total,) = reduce_over_ranks([sum(losses) / len(losses)], dist.ReduceOp.SUM)
+    return total / (dist.get_world_size() if dist.is_initialized() else 1)

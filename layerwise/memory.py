@@ -1,0 +1,68 @@
+"""Compute-side peak memory, measured from the tensors themselves.
+
+On a machine without an accelerator, "device" and host are the same DRAM, so allocator statistics
+cannot tell what a strategy holds on the compute side. This meter counts storages instead:
+1. `resident(tensors)` registers what lives on the compute side before the step (weights, grads,
+   optimizer state of the strategy's compute copy);
+2. inside the `with` block a TorchDispatchMode registers every storage an operator creates;
+3. a weak reference on each storage subtracts its bytes when it is freed;
+4. `peak_bytes` is the largest live total seen. Tensors a strategy keeps in its host store are
+   never registered (they are created outside the meter's block or marked with `host()`).
+"""
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class ComputeMemoryMeter(TorchDispatchMode):
+    """Peak bytes of live compute-side storages during a block (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self._storages = WeakIdKeyDictionary()
+        self._host = WeakIdKeyDictionary()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def resident(self, tensors) -> None:
+        for tensor in tensors:
+            self._track(tensor)
+
+    def host(self, tensor: torch.Tensor) -> None:
+        """Mark a tensor as host-store memory: never counted, even if an op produced it."""
+        storage = tensor.untyped_storage()
+        self._host[storage] = True
+        self._forget(storage)
+
+    def _forget(self, storage) -> None:
+        entry = self._storages.pop(storage, None)
+        if entry is not None:
+            self.live_bytes -= entry[0]
+            entry[0] = 0  # the weak reference's callback will then subtract nothing
+
+    def _track(self, tensor) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return
+        storage = tensor.untyped_storage()
+        if storage in self._storages or storage in self._host:
+            return
+        entry = [storage.nbytes()]
+        entry.append(weakref.ref(storage, self._make_release(entry)))
+        self._storages[storage] = entry
+        self.live_bytes += entry[0]
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _make_release(self, entry: list):
+        def release(_reference):
+            self.live_bytes -= entry[0]
+        return release
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(output)[0]:
+            self._track(tensor)
+        return output

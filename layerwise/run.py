@@ -1,0 +1,161 @@
+"""One training run: build data, task, strategy and Trainer in each rank, fit, leave evidence.
+
+`train(cfg, run_directory)` is what train.py calls after validation. It forks local ranks (or runs
+in place when Slurm/torchrun started the ranks), resumes from the run directory's `last`
+checkpoint when there is one, and returns rank 0's summary.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from omegaconf import OmegaConf
+
+from layerwise import data as data_lib
+from layerwise.evidence import RunEvidence, write_json_atomically
+from layerwise.launch import RankError, launched_externally, run_ranks
+from layerwise.task import LanguageModelData, LanguageModelTask, objective_of
+from strategies import strategy_module
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """torch.save to a temporary name, then rename: a preempted save never leaves half a file."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(path.name + ".tmp")
+        torch.save(checkpoint, temporary)
+        os.replace(temporary, path)
+
+
+class LastCheckpoint(pl.Callback):
+    """Rewrite `checkpoints/last.ckpt` every n steps and at the end, on all ranks together."""
+
+    def __init__(self, path: Path, every_n_steps: int):
+        self.path = Path(path)
+        self.every_n_steps = every_n_steps
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
+        if trainer.global_step % self.every_n_steps == 0:
+            trainer.save_checkpoint(self.path, weights_only=False)
+
+    def on_train_end(self, trainer, module):
+        if trainer.global_step % self.every_n_steps:
+            trainer.save_checkpoint(self.path, weights_only=False)
+
+
+def checkpoint_path(run_directory: Path) -> Path:
+    return Path(run_directory) / "checkpoints" / "last.ckpt"
+
+
+def build_loggers(cfg, run_directory: Path):
+    name = cfg.logger.name
+    if name == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+        return [WandbLogger(save_dir=str(run_directory), project=cfg.logger.project,
+                            entity=cfg.logger.entity, group=cfg.logger.group, name=cfg.run_name,
+                            job_type=cfg.strategy.name, offline=cfg.logger.mode == "offline",
+                            mode=cfg.logger.mode, id=wandb_run_id(run_directory),
+                            resume="allow", config=OmegaConf.to_container(cfg, resolve=True))]
+    if name == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+        return [CSVLogger(str(run_directory), name="csv_logs")]
+    if name == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+        return [TensorBoardLogger(str(run_directory), name="tensorboard")]
+    return []
+
+
+def wandb_run_id(run_directory: Path) -> str:
+    """One W&B run per run directory: a requeued or resumed job continues the same run."""
+    path = Path(run_directory) / "wandb_run_id"
+    if not path.exists():
+        import uuid
+        path.write_text(uuid.uuid4().hex[:12])
+    return path.read_text().strip()
+
+
+def show_bar(cfg) -> bool:
+    progress = cfg.trainer.progress
+    return progress == "bar" or (progress == "auto" and sys.stdout.isatty())
+
+
+def build_trainer(cfg, run_directory: Path, world_size: int, strategy, evidence) -> pl.Trainer:
+    callbacks = [evidence, LastCheckpoint(checkpoint_path(run_directory),
+                                          cfg.trainer.checkpoint_every_n_steps)]
+    if show_bar(cfg):
+        from lightning.pytorch.callbacks import RichProgressBar
+        callbacks.append(RichProgressBar())
+    single = world_size == 1
+    return pl.Trainer(
+        accelerator="gpu" if cfg.hardware.accelerator == "gpu" else "cpu",
+        devices=1 if single else cfg.hardware.devices_per_node,
+        num_nodes=1 if single else cfg.hardware.nodes, strategy=strategy,
+        precision=cfg.hardware.precision, max_steps=cfg.trainer.max_steps,
+        val_check_interval=cfg.trainer.val_check_interval, check_val_every_n_epoch=None,
+        limit_val_batches=cfg.trainer.limit_val_batches, num_sanity_val_steps=0,
+        logger=build_loggers(cfg, run_directory) or False, callbacks=callbacks,
+        enable_checkpointing=False, enable_progress_bar=show_bar(cfg),
+        enable_model_summary=False, use_distributed_sampler=False,
+        gradient_clip_val=cfg.trainer.gradient_clip_val or None,
+        log_every_n_steps=cfg.trainer.log_every_n_steps, default_root_dir=str(run_directory),
+        plugins=[AtomicCheckpointIO()], accumulate_grad_batches=1)
+
+
+def load_corpus(cfg):
+    data = cfg.data
+    return data_lib.load_corpus(data.corpus, path=data.path, max_bytes=data.max_bytes,
+                                validation_fraction=data.validation_fraction,
+                                vocab_size=data.vocab_size)
+
+
+def fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:
+    """Everything one rank does: build, fit (resuming if possible), return the summary path."""
+    pl.seed_everything(cfg.seed, workers=False, verbose=False)
+    corpus = load_corpus(cfg)
+    objective = objective_of(cfg.model)
+    task = LanguageModelTask(cfg, data_lib.model_vocab_size(corpus, objective))
+    module = strategy_module(cfg.strategy.name)
+    layout = module.degrees(cfg, world_size).as_dict()
+    evidence = RunEvidence(run_directory, cfg, world_size, layout,
+                           progress_lines=not show_bar(cfg) and cfg.trainer.progress != "none")
+    trainer = build_trainer(cfg, run_directory, world_size, module.build(cfg, world_size), evidence)
+    resume_from = checkpoint_path(run_directory)
+    resume = cfg.resume and resume_from.exists()
+    if resume and trainer.is_global_zero:
+        print(f"[layerwise] resuming from {resume_from}", flush=True)
+    trainer.fit(task, datamodule=LanguageModelData(cfg, corpus),
+                ckpt_path=str(resume_from) if resume else None)
+    return {"rank": rank, "steps": trainer.global_step}
+
+
+def train(cfg, run_directory: Path, world_size: int) -> dict:
+    """Fit on all ranks; on any rank's failure, record it in summary.json and re-raise."""
+    run_directory = Path(run_directory)
+    run_directory.mkdir(parents=True, exist_ok=True)
+    try:
+        if world_size == 1 or launched_externally():
+            fit_rank(int(os.environ.get("RANK", 0)), cfg, run_directory, world_size)
+        else:
+            run_ranks(fit_rank, world_size, cfg, run_directory, world_size)
+    except RankError as error:
+        record_failure(run_directory, cfg, world_size, error)
+        raise
+    import json
+    return json.loads((run_directory / "summary.json").read_text())
+
+
+def record_failure(run_directory: Path, cfg, world_size: int, error: RankError) -> None:
+    """Keep rank 0's own failed summary if it wrote one; otherwise write a minimal one."""
+    path = run_directory / "summary.json"
+    import json
+    if path.exists() and json.loads(path.read_text()).get("status") == "failed":
+        return
+    write_json_atomically(path, {"status": "failed", "error": str(error).splitlines()[-1],
+                                 "failed_rank": error.rank, "strategy": cfg.strategy.name,
+                                 "model": cfg.model.name, "hardware": cfg.hardware.name,
+                                 "data": cfg.data.name, "world_size": world_size})

@@ -1,0 +1,93 @@
+"""The Lightning task (model, loss, optimizer, schedule) and the data module every strategy shares.
+
+The task is strategy-agnostic: it computes a loss from a batch with the plain model. Strategies
+that own the step (pipelines, ZeRO, offload) call into `task.model` themselves and leave
+`training_step` unused; `single` and `ddp` use it as it is.
+"""
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from layerwise import data as data_lib
+from layerwise.optim import build_optimizer, build_scheduler
+from models import build_model
+
+
+def objective_of(model_config) -> str:
+    return "masked" if model_config.architecture == "bert" else "causal"
+
+
+def model_arguments(model_config, vocab_size: int, seed: int) -> dict:
+    """Keyword arguments of `models.build_model` from the model config group."""
+    return dict(vocab_size=vocab_size, sequence_length=model_config.max_sequence_length,
+                layers=model_config.layers, hidden=model_config.hidden,
+                heads=model_config.heads, mlp_ratio=model_config.mlp_ratio,
+                dropout=model_config.dropout, tie_embeddings=model_config.tie_embeddings,
+                seed=seed)
+
+
+def data_rank(strategy):
+    """(data-parallel rank, data-parallel degree) as the strategy reports them."""
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+    return kwargs.get("rank", 0), kwargs.get("num_replicas", 1)
+
+
+class LanguageModelTask(pl.LightningModule):
+    """A GPT (causal) or BERT (masked) language model with its optimizer and LR schedule.
+
+    1. the model is built deterministically from `cfg.seed` (every rank builds the same weights);
+    2. a step's loss is the mean cross-entropy over the rank's slice of the global batch;
+    3. dropout masks are re-seeded from (seed, step, data rank) so a resumed run replays them.
+    """
+
+    def __init__(self, cfg, vocab_size: int):
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.model = build_model(cfg.model.architecture,
+                                 **model_arguments(cfg.model, vocab_size, cfg.seed))
+
+    def training_step(self, batch, batch_index):
+        return self.model.loss(self.model(batch["tokens"]), batch["targets"])
+
+    def validation_step(self, batch, batch_index):
+        return self.model.loss(self.model(batch["tokens"]), batch["targets"])
+
+    def on_train_batch_start(self, batch, batch_index):
+        rank, _ = data_rank(self.trainer.strategy)
+        # Integers only: tuple hashes of ints are stable across processes (strings are salted).
+        torch.manual_seed(hash((int(self.cfg.seed), int(self.global_step), rank)) % 2**63)
+
+    def configure_optimizers(self):
+        # Strategies that keep only some layers prune `self.model` before this runs.
+        optimizer = build_optimizer(self.cfg.optimizer, self.model.named_parameters())
+        scheduler = build_scheduler(optimizer, self.cfg.optimizer, self.cfg.trainer.max_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class LanguageModelData(pl.LightningDataModule):
+    """Global batches sliced per data-parallel rank; resumes at the trainer's global step."""
+
+    def __init__(self, cfg, corpus):
+        super().__init__()
+        self.cfg = cfg
+        self.corpus = corpus
+        self.objective = objective_of(cfg.model)
+
+    def _arguments(self):
+        rank, degree = data_rank(self.trainer.strategy)
+        return dict(global_batch_size=self.cfg.data.global_batch_size,
+                    sequence_length=self.cfg.data.sequence_length, seed=self.cfg.seed,
+                    objective=self.objective, data_rank=rank, data_degree=degree)
+
+    def train_dataloader(self):
+        # Built after checkpoint restore, so a resumed run continues with the next global batch.
+        dataset = data_lib.TrainBatches(self.corpus, start_step=self.trainer.global_step,
+                                        **self._arguments())
+        return DataLoader(dataset, batch_size=None, num_workers=0)
+
+    def val_dataloader(self):
+        dataset = data_lib.ValidationBatches(self.corpus, batches=self.cfg.trainer.limit_val_batches,
+                                             **self._arguments())
+        return DataLoader(dataset, batch_size=None, num_workers=0)

@@ -1,0 +1,34 @@
+"""Plain nn.Module language models. Nothing here knows about ranks or process groups.
+
+    from models import GPT, BERT, build_model
+    model = build_model("gpt", vocab_size=256, sequence_length=128, layers=4, hidden=128, heads=4)
+"""
+
+from models.bert import BERT
+from models.gpt import GPT
+from models.transformer import (
+    Block,
+    LanguageModel,
+    build_block,
+    initialize_block,
+    model_flops_per_token,
+    parameter_count,
+)
+
+ARCHITECTURES = {"gpt": GPT, "bert": BERT}
+
+
+def build_model(architecture: str, **kwargs) -> LanguageModel:
+    """The model named by `architecture` ("gpt" | "bert"), built from the keyword arguments."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"model.architecture: unknown {architecture!r}; "
+            f"choose one of {', '.join(ARCHITECTURES)}"
+        )
+    return ARCHITECTURES[architecture](**kwargs)
+
+
+__all__ = [
+    "ARCHITECTURES", "BERT", "Block", "GPT", "LanguageModel", "build_block", "build_model",
+    "initialize_block", "model_flops_per_token", "parameter_count",
+]

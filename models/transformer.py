@@ -1,0 +1,254 @@
+"""The pieces every language model here is made of: embedding, pre-LayerNorm block, seeded init.
+
+A model is a sequence of layers: `embed`, then `blocks` (a ModuleDict keyed "0".."L-1" so parameter
+names survive partitioning), then `head`. Each of the three is initialised from its own generator,
+seeded by (seed, "embed"), (seed, block index) or (seed, "head"), so a process that builds only some
+blocks gets exactly the weights those blocks have in the full model.
+"""
+
+import hashlib
+import math
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+INIT_STD = 0.02  # GPT-2 / BERT initial standard deviation of every weight matrix
+IGNORE_INDEX = -100  # targets equal to this are not scored (padding, unmasked BERT positions)
+
+
+# ----------------------------------------------------------------------------- deterministic init
+
+
+def derived_seed(seed: int, name) -> int:
+    """A 63-bit seed for the part `name` of a model seeded with `seed`, equal in every process."""
+    # hashlib rather than hash(): Python salts str hashes per process.
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@contextmanager
+def preserved_global_rng():
+    """Run the body without changing the global CPU RNG state.
+
+    nn.Linear and nn.Embedding draw their default init from the global RNG. A pipeline rank that
+    builds 3 blocks and the full model that builds 12 must leave the global RNG (which dropout
+    uses afterwards) in the same state, so construction must not consume it.
+    """
+    with torch.random.fork_rng(devices=[]):
+        yield
+
+
+@torch.no_grad()
+def initialize(module: nn.Module, *, seed: int, name, residual_std: float = INIT_STD) -> None:
+    """Overwrite every parameter of `module` from a generator seeded with (seed, name).
+
+    Linear/Embedding weights ~ N(0, 0.02); residual-output projections (`proj`, `fc_out`)
+    ~ N(0, residual_std); biases 0; LayerNorm weight 1, bias 0. Values are drawn in float32 on
+    the CPU and then copied, so the result does not depend on the default device or dtype.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(derived_seed(seed, name))
+    for module_name, child in module.named_modules():
+        if isinstance(child, nn.LayerNorm):
+            _fill(child.weight, 1.0)
+            _fill(child.bias, 0.0)
+        elif isinstance(child, (nn.Linear, nn.Embedding)):
+            is_residual_output = module_name.split(".")[-1] in ("proj", "fc_out")
+            std = residual_std if is_residual_output else INIT_STD
+            _normal(child.weight, std, generator)
+            _fill(getattr(child, "bias", None), 0.0)
+
+
+def _normal(parameter: nn.Parameter, std: float, generator: torch.Generator) -> None:
+    if parameter.device.type == "meta":
+        return  # the planner builds full-size models on meta: drawing 175B numbers would stall it
+    values = torch.empty(parameter.shape, dtype=torch.float32, device="cpu")
+    values.normal_(0.0, std, generator=generator)
+    parameter.copy_(values)
+
+
+def _fill(parameter, value: float) -> None:
+    if parameter is not None:
+        parameter.fill_(value)
+
+
+def residual_init_std(layers: int) -> float:
+    """GPT-2's scaled init: each of the 2L residual additions gets std 0.02/sqrt(2L)."""
+    return INIT_STD / math.sqrt(2 * layers)
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class Embedding(nn.Module):
+    """Tokens [b, s] -> vectors [b, s, h].
+
+    x = token_embedding[tokens] + position_embedding[0..s-1]; x = dropout(x).
+    """
+
+    def __init__(self, vocab_size: int, sequence_length: int, hidden: int, dropout: float):
+        super().__init__()
+        self.token = nn.Embedding(vocab_size, hidden)
+        self.position = nn.Embedding(sequence_length, hidden)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        if length > self.position.num_embeddings:
+            raise ValueError(
+                f"data.sequence_length: sequences of {length} tokens exceed the model's "
+                f"{self.position.num_embeddings} positions; raise model.max_sequence_length"
+            )
+        positions = torch.arange(length, device=tokens.device)
+        return self.dropout(self.token(tokens) + self.position(positions))
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a fused query/key/value projection.
+
+    q, k, v = split(qkv(x)) into heads; y = softmax(q kᵀ / sqrt(d)) v (causal mask for GPT);
+    out = dropout(proj(merge heads(y))).
+    """
+
+    def __init__(self, hidden: int, heads: int, dropout: float, causal: bool):
+        super().__init__()
+        if hidden % heads != 0:
+            raise ValueError(f"model.heads: hidden {hidden} is not divisible by heads {heads}")
+        self.heads = heads
+        self.causal = causal
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        # Dropout on the output only, as an nn.Dropout: scaled_dot_product_attention's dropout_p
+        # would draw from the global RNG inside a fused kernel, which RNG replay cannot reproduce.
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, hidden = x.shape
+        query, key, value = self.qkv(x).split(hidden, dim=-1)
+        # [b, s, h] -> [b, heads, s, h/heads], the layout scaled_dot_product_attention expects
+        query, key, value = (
+            t.view(batch, length, self.heads, hidden // self.heads).transpose(1, 2)
+            for t in (query, key, value)
+        )
+        y = F.scaled_dot_product_attention(query, key, value, is_causal=self.causal)
+        y = y.transpose(1, 2).reshape(batch, length, hidden)
+        return self.dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: out = dropout(fc_out(gelu(fc_in(x)))), width mlp_ratio × h."""
+
+    def __init__(self, hidden: int, mlp_ratio: int, dropout: float):
+        super().__init__()
+        self.fc_in = nn.Linear(hidden, mlp_ratio * hidden)
+        self.activation = nn.GELU(approximate="tanh")  # GPT-2's choice; BERT's erf differs < 1e-3
+        self.fc_out = nn.Linear(mlp_ratio * hidden, hidden)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc_out(self.activation(self.fc_in(x))))
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer layer, x[b, s, h] -> x[b, s, h].
+
+    x = x + attention(norm_attention(x)); x = x + mlp(norm_mlp(x)).
+    """
+
+    def __init__(self, hidden: int, heads: int, mlp_ratio: int = 4, dropout: float = 0.0,
+                 causal: bool = True):
+        super().__init__()
+        self.norm_attention = nn.LayerNorm(hidden)
+        self.attention = Attention(hidden, heads, dropout, causal)
+        self.norm_mlp = nn.LayerNorm(hidden)
+        self.mlp = MLP(hidden, mlp_ratio, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm_attention(x))
+        return x + self.mlp(self.norm_mlp(x))
+
+
+def initialize_block(block: Block, *, seed: int, index: int, layers: int) -> None:
+    """Initialise block `index` of an L-layer model seeded with `seed`, alone."""
+    initialize(block, seed=seed, name=index, residual_std=residual_init_std(layers))
+
+
+def build_block(*, hidden: int, heads: int, mlp_ratio: int, dropout: float, causal: bool,
+                seed: int, index: int, layers: int) -> Block:
+    """Block `index` exactly as the full model built with `seed` holds it; global RNG untouched."""
+    with preserved_global_rng():
+        block = Block(hidden, heads, mlp_ratio, dropout, causal)
+    initialize_block(block, seed=seed, index=index, layers=layers)
+    return block
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class LanguageModel(nn.Module):
+    """embed -> blocks "0".."L-1" -> head, with a cross-entropy loss; GPT and BERT subclass it.
+
+    Subclasses set `causal` and implement `make_head`. forward is a plain loop over blocks, so a
+    strategy can run any contiguous or looping subset of layers by indexing `blocks` by name.
+    """
+
+    causal: bool = True
+
+    def __init__(self, *, vocab_size: int, sequence_length: int, layers: int, hidden: int,
+                 heads: int, mlp_ratio: int = 4, dropout: float = 0.0,
+                 tie_embeddings: bool = False, seed: int = 0):
+        super().__init__()
+        if layers < 1:
+            raise ValueError(f"model.layers: need at least one block, got {layers}")
+        self.vocab_size = vocab_size
+        self.sequence_length = sequence_length
+        self.seed = seed
+        with preserved_global_rng():
+            self.embed = Embedding(vocab_size, sequence_length, hidden, dropout)
+            self.head = self.make_head(hidden, vocab_size)
+        initialize(self.embed, seed=seed, name="embed")
+        initialize(self.head, seed=seed, name="head")
+        self.blocks = nn.ModuleDict({
+            str(index): build_block(hidden=hidden, heads=heads, mlp_ratio=mlp_ratio,
+                                    dropout=dropout, causal=self.causal, seed=seed,
+                                    index=index, layers=layers)
+            for index in range(layers)
+        })
+        if tie_embeddings:
+            # After init, so the shared Parameter keeps the embedding's values.
+            self.head.output.weight = self.embed.token.weight
+
+    def make_head(self, hidden: int, vocab_size: int) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(x)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy in nats over the positions whose target is not -100."""
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                               targets.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+# ----------------------------------------------------------------------------- accounting
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Number of distinct parameters (a tied embedding counts once)."""
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def model_flops_per_token(layers: int, hidden: int, sequence_length: int, vocab_size: int,
+                          mlp_ratio: int = 4) -> int:
+    """Training FLOPs per token: 6·N for the matrix multiplies plus 12·L·h·s for attention.
+
+    N counts the weights that take part in a matmul: (4 + 2·mlp_ratio)·h² per block and the h·V
+    output projection (embedding lookups are free). The attention term is PaLM's (Chowdhery et al.
+    2022, appendix B): QKᵀ and AV, forward and backward, without discounting the causal mask.
+    """
+    matmul_weights = layers * (4 + 2 * mlp_ratio) * hidden**2 + hidden * vocab_size
+    return 6 * matmul_weights + 12 * layers * hidden * sequence_length

@@ -1,0 +1,20 @@
+"""One Lightning Strategy per technique, and the machinery they share (schedule/, ...).
+
+`STRATEGIES` maps a config name (`strategy.name`) to the module that builds it. Every such module
+has `check(cfg, world_size) -> list[str]` (config errors, each naming the field and the fix; runs
+before any process starts), `degrees(cfg, world_size) -> Degrees` and `build(cfg, **runtime)`.
+"""
+
+import importlib
+
+STRATEGIES = {
+    "single": "strategies.plain",
+    "ddp": "strategies.plain",
+}
+
+
+def strategy_module(name: str):
+    """The builder module of a strategy; KeyError with the known names otherwise."""
+    if name not in STRATEGIES:
+        raise KeyError(name)
+    return importlib.import_module(STRATEGIES[name])

@@ -1,0 +1,88 @@
+"""The two strategies without a schedule: `single` (the reference) and `ddp` (data parallel).
+
+`single` runs the whole model on the whole global batch in one process; every other strategy is
+proven equal to it. `ddp` is Lightning's DDPStrategy with one change: its gradient all-reduce is
+routed through the layout's communicator (a DDP communication hook), so metrics.csv shows DDP's
+volume, 2(n-1)/n·P·bytes per step, counted where every other strategy's traffic is counted.
+"""
+
+from datetime import timedelta
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from typing_extensions import override
+
+from layerwise.layout import Degrees, ParallelLayout
+
+
+class SingleStrategy(SingleDeviceStrategy):
+    """One process, one device: forward and backward over the whole global batch, then step."""
+
+    strategy_name = "single"
+
+    def __init__(self, device: str = "cpu"):
+        super().__init__(device=torch.device(device))
+        self.layout = ParallelLayout(Degrees(), rank=0)
+
+
+def _counted_all_reduce_hook(layout: ParallelLayout, bucket):
+    """DDP communication hook: average a gradient bucket over the data group, counted."""
+    group = layout.group("data")
+    tensor = bucket.buffer().div_(group.size)
+    work = layout.communicator.all_reduce(tensor, group, async_op=True)
+    return work.get_future().then(lambda future: future.value()[0])
+
+
+class CountedDDPStrategy(DDPStrategy):
+    """Data parallel: replicas on every rank, slices of the global batch, averaged gradients.
+
+    1. every rank builds the same weights from the seed (DDP also broadcasts rank 0's);
+    2. each rank takes its contiguous slice of the global batch;
+    3. backward all-reduces gradient buckets (through our counter) and divides by n;
+    4. every rank applies the same optimizer step.
+    """
+
+    strategy_name = "ddp"
+
+    def __init__(self, timeout_seconds: float = 300.0, **kwargs):
+        super().__init__(timeout=timedelta(seconds=timeout_seconds), **kwargs)
+        self.layout = None
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # creates the process group
+        if self.layout is None:  # setup_environment runs again for validate/test: stay idempotent
+            self.layout = ParallelLayout(Degrees(data=self.world_size), rank=self.global_rank)
+
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        # Lightning registers comm hooks only on CUDA; on every device we want the counted hook.
+        self.model.register_comm_hook(self.layout, _counted_all_reduce_hook)
+
+
+# ----- the registry interface (see strategies/__init__.py)
+
+def degrees(cfg, world_size: int) -> Degrees:
+    return Degrees(data=world_size)
+
+
+def check(cfg, world_size: int) -> list:
+    errors = []
+    if cfg.strategy.micro_batches != 1:
+        errors.append(f"strategy.micro_batches={cfg.strategy.micro_batches}: `{cfg.strategy.name}` "
+                      "runs the global batch in one pass. Fix: strategy.micro_batches=1, or "
+                      "strategy=modular_pipeline strategy.pipeline_degree=1 for layered accumulation.")
+    if cfg.strategy.pipeline_degree != 1:
+        errors.append(f"strategy.pipeline_degree={cfg.strategy.pipeline_degree}: `{cfg.strategy.name}` "
+                      "has no pipeline. Fix: strategy.pipeline_degree=1 or a pipeline strategy.")
+    if cfg.strategy.data_degree not in (None, world_size):
+        errors.append(f"strategy.data_degree={cfg.strategy.data_degree} but the world has {world_size} "
+                      f"ranks. Fix: strategy.data_degree={world_size} (or null).")
+    return errors
+
+
+def build(cfg, world_size: int):
+    if cfg.strategy.name == "single":
+        return SingleStrategy("cuda" if cfg.hardware.accelerator == "gpu" else "cpu")
+    return CountedDDPStrategy(process_group_backend=cfg.hardware.process_group_backend)

@@ -1,0 +1,236 @@
+"""Schedule generators: small functions that each return a compute-only `Plan`.
+
+Every generator lists FORWARD/BACKWARD actions per rank; `passes.add_communication` adds the
+transfers afterwards. Leading `None`s draw the warm-up idle slots the papers draw (rank r waits r
+units for its first input); they cost nothing, the idle time itself comes from dependencies.
+Every generator honours Fast-LLM's two knobs, m = breadth_first_micro_batches × depth_first: it
+builds the plan of one breadth-first group and runs it depth_first times in a row.
+`build_plan` is the registry used by configs: it also checks the combinations a user can get wrong
+and names the config field to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .ir import BACKWARD, FORWARD, Action, Plan
+
+PLACEMENTS = ("contiguous", "looping")
+
+
+def stage_placement(stages: int, pipeline_degree: int, placement: str = "contiguous") -> tuple[int, ...]:
+    """Rank of every stage: "contiguous" puts stage c on rank c // (stages/p); "looping" on rank c mod p.
+
+    Looping is the modular pipeline of Lamy-Poirier 2021: each micro-batch loops v = stages/p
+    times around the ring of ranks.
+    """
+    if pipeline_degree < 1 or stages % pipeline_degree:
+        raise ValueError(f"stages ({stages}) must be a positive multiple of strategy.pipeline_degree "
+                         f"({pipeline_degree}): change strategy.layers_per_stage or strategy.pipeline_degree")
+    if placement == "contiguous":
+        return tuple(stage // (stages // pipeline_degree) for stage in range(stages))
+    if placement == "looping":
+        return tuple(stage % pipeline_degree for stage in range(stages))
+    raise ValueError(f"unknown strategy.placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")
+
+
+def _forwards(stages, micro_batches) -> list[Action]:
+    return [Action(FORWARD, stage, micro_batch) for stage in stages for micro_batch in micro_batches]
+
+
+def _backwards(stages, micro_batches) -> list[Action]:
+    return [Action(BACKWARD, stage, micro_batch) for stage in stages for micro_batch in micro_batches]
+
+
+def _breadth_first(micro_batches: int, breadth_first_micro_batches: int | None) -> int:
+    """Fast-LLM's knobs: m = breadth_first × depth_first; breadth_first defaults to all micro-batches."""
+    breadth_first = breadth_first_micro_batches or micro_batches
+    if breadth_first < 1 or micro_batches % breadth_first:
+        raise ValueError(f"strategy.breadth_first_micro_batches ({breadth_first}) must divide "
+                         f"strategy.micro_batches ({micro_batches})")
+    return breadth_first
+
+
+def _in_depth_first_groups(group: Plan, micro_batches: int, name: str) -> Plan:
+    """Run `group`, a plan for breadth_first micro-batches, depth_first = m / breadth_first times in a row.
+
+    Each group drains before the next starts (that is what makes the groups depth-first); the
+    micro-batches are renumbered, and only the first group keeps its leading bubble slots.
+    """
+    depth_first = micro_batches // group.micro_batches
+    rows = [_repeat(row, depth_first, group.micro_batches) for row in group.ranks]
+    return Plan(rows, group.stages, micro_batches, group.placement, name)
+
+
+def _repeat(row: tuple[Action | None, ...], times: int, offset: int) -> list[Action | None]:
+    lead = next((slot for slot, action in enumerate(row) if action is not None), len(row))
+    return list(row[:lead]) + [None if action is None else
+                               dataclasses.replace(action, micro_batch=action.micro_batch + copy * offset)
+                               for copy in range(times) for action in row[lead:]]
+
+
+def _name(schedule: str, micro_batches: int, breadth_first: int, **sizes: int) -> str:
+    fields = [f"{key}={value}" for key, value in sizes.items()] + [f"m={micro_batches}"]
+    return " ".join([schedule, *fields] + ([f"bf={breadth_first}"] if breadth_first != micro_batches else []))
+
+
+def gpipe(pipeline_degree: int, micro_batches: int, breadth_first_micro_batches: int | None = None) -> Plan:
+    """GPipe (Huang et al. 2019), one stage per rank: all forwards, then all backwards (per breadth-first group).
+
+    Backwards run in the same micro-batch order as the forwards (first in, first out), as
+    torch.pipelining's ScheduleGPipe does: the upstream rank then receives gradients in the order it
+    sent activations, the same pattern as 1F1B and breadth-first, and the makespan is the same.
+    """
+    breadth_first = _breadth_first(micro_batches, breadth_first_micro_batches)
+    placement = stage_placement(pipeline_degree, pipeline_degree, "contiguous")
+    rows = [[None] * rank + _forwards([rank], range(breadth_first)) + _backwards([rank], range(breadth_first))
+            for rank in range(pipeline_degree)]
+    group = Plan(rows, pipeline_degree, breadth_first, placement)
+    return _in_depth_first_groups(group, micro_batches, _name("gpipe", micro_batches, breadth_first, p=pipeline_degree))
+
+
+def one_f_one_b(pipeline_degree: int, micro_batches: int, breadth_first_micro_batches: int | None = None) -> Plan:
+    """1F1B (PipeDream-Flush, Narayanan et al. 2021), one stage per rank.
+
+    Rank r runs p−1−r warm-up forwards, then alternates one forward and one backward, then the
+    cool-down backwards: at most p−r micro-batches' activations are alive at once.
+    """
+    breadth_first = _breadth_first(micro_batches, breadth_first_micro_batches)
+    placement = stage_placement(pipeline_degree, pipeline_degree, "contiguous")
+    rows = []
+    for rank in range(pipeline_degree):
+        warmup = min(pipeline_degree - 1 - rank, breadth_first)
+        forwards = _forwards([rank], range(breadth_first))
+        backwards = _backwards([rank], range(breadth_first))
+        steady = [action for pair in zip(forwards[warmup:], backwards) for action in pair]
+        rows.append([None] * rank + forwards[:warmup] + steady + backwards[breadth_first - warmup:])
+    group = Plan(rows, pipeline_degree, breadth_first, placement)
+    name = _name("one_f_one_b", micro_batches, breadth_first, p=pipeline_degree)
+    return _in_depth_first_groups(group, micro_batches, name)
+
+
+def looped_breadth_first(pipeline_degree: int, micro_batches: int, loops: int,
+                         breadth_first_micro_batches: int | None = None) -> Plan:
+    """Breadth-first looped pipeline = modular pipeline + layered gradient accumulation (Lamy-Poirier).
+
+    Looping placement: rank r holds stages r, r+p, ..., r+(v−1)p. Per breadth-first group, rank r
+    runs the forwards of every micro-batch for each local stage in order, then the backwards of
+    its local stages in reverse order, all micro-batches per stage — so each stage's gradient is
+    final early (see passes.add_gradient_reductions). The depth-first groups run one after another.
+    """
+    breadth_first = _breadth_first(micro_batches, breadth_first_micro_batches)
+    stages = pipeline_degree * loops
+    placement = stage_placement(stages, pipeline_degree, "looping")
+    rows = []
+    for rank in range(pipeline_degree):
+        local = [stage for stage in range(stages) if placement[stage] == rank]
+        rows.append([None] * rank + _forwards(local, range(breadth_first)) +
+                    _backwards(reversed(local), range(breadth_first)))
+    group = Plan(rows, stages, breadth_first, placement)
+    name = _name("looped_breadth_first", micro_batches, breadth_first, p=pipeline_degree, v=loops)
+    return _in_depth_first_groups(group, micro_batches, name)
+
+
+def interleaved_one_f_one_b(pipeline_degree: int, micro_batches: int, loops: int,
+                            breadth_first_micro_batches: int | None = None) -> Plan:
+    """Megatron-LM's interleaved 1F1B (Narayanan et al. 2021): the looped *depth-first* schedule.
+
+    Looping placement; micro-batches advance in groups of p through one local stage (a "chunk")
+    after another. Rank r runs 2(p−1−r) + (v−1)p warm-up forwards, then 1F1B, then the cool-down;
+    backwards visit the chunks in reverse. Needs m (and breadth_first) % p == 0.
+    """
+    if micro_batches % pipeline_degree:
+        raise ValueError(f"interleaved_one_f_one_b needs strategy.micro_batches ({micro_batches}) to be a "
+                         f"multiple of strategy.pipeline_degree ({pipeline_degree})")
+    breadth_first = _breadth_first(micro_batches, breadth_first_micro_batches)
+    if breadth_first % pipeline_degree:
+        raise ValueError(f"interleaved_one_f_one_b needs strategy.breadth_first_micro_batches ({breadth_first}) "
+                         f"to be a multiple of strategy.pipeline_degree ({pipeline_degree})")
+    stages = pipeline_degree * loops
+    rows = [_interleaved_row(rank, pipeline_degree, breadth_first, loops) for rank in range(pipeline_degree)]
+    group = Plan(rows, stages, breadth_first, stage_placement(stages, pipeline_degree, "looping"))
+    name = _name("interleaved_one_f_one_b", micro_batches, breadth_first, p=pipeline_degree, v=loops)
+    return _in_depth_first_groups(group, micro_batches, name)
+
+
+def _interleaved_row(rank: int, pipeline_degree: int, micro_batches: int, loops: int) -> list[Action | None]:
+    """Rank `rank`'s list: its k-th forward/backward maps to (chunk, micro-batch) in groups of p micro-batches."""
+    p, total = pipeline_degree, micro_batches * loops
+
+    def action(kind: str, k: int) -> Action:
+        chunk = (k % (p * loops)) // p
+        chunk = chunk if kind == FORWARD else loops - 1 - chunk
+        return Action(kind, chunk * p + rank, (k // (p * loops)) * p + k % p)
+
+    warmup = min(2 * (p - 1 - rank) + (loops - 1) * p, total)
+    steady = [a for k in range(total - warmup) for a in (action(FORWARD, warmup + k), action(BACKWARD, k))]
+    cooldown = [action(BACKWARD, k) for k in range(total - warmup, total)]
+    return [None] * rank + [action(FORWARD, k) for k in range(warmup)] + steady + cooldown
+
+
+def layered(stages: int, micro_batches: int, breadth_first_micro_batches: int | None = None) -> Plan:
+    """Single-rank layered gradient accumulation: `looped_breadth_first` at p = 1.
+
+    breadth_first = m: every micro-batch through stage 0, then stage 1, ...; breadth_first = 1:
+    ordinary depth-first accumulation (one micro-batch through all stages, forward then backward).
+    """
+    plan = looped_breadth_first(1, micro_batches, stages, breadth_first_micro_batches)
+    breadth_first = _breadth_first(micro_batches, breadth_first_micro_batches)
+    return dataclasses.replace(plan, name=_name("layered", micro_batches, breadth_first, stages=stages))
+
+
+# -----------------------------------------------------------------------------
+# Registry with the config-time checks
+
+
+SCHEDULES = ("gpipe", "one_f_one_b", "looped_breadth_first", "interleaved_one_f_one_b", "layered")
+
+
+def build_plan(schedule: str, *, pipeline_degree: int, stages: int, micro_batches: int,
+               breadth_first_micro_batches: int | None = None) -> Plan:
+    """The compute-only plan named `schedule`.
+
+    ValueError naming the config field and the fix when the combination is wrong.
+    """
+    _check_combination(schedule, pipeline_degree, stages, micro_batches, breadth_first_micro_batches)
+    loops = stages // pipeline_degree
+    breadth_first = breadth_first_micro_batches
+    if schedule == "gpipe":
+        return gpipe(pipeline_degree, micro_batches, breadth_first)
+    if schedule == "one_f_one_b":
+        return one_f_one_b(pipeline_degree, micro_batches, breadth_first)
+    if schedule == "looped_breadth_first":
+        return looped_breadth_first(pipeline_degree, micro_batches, loops, breadth_first)
+    if schedule == "interleaved_one_f_one_b":
+        return interleaved_one_f_one_b(pipeline_degree, micro_batches, loops, breadth_first)
+    return layered(stages, micro_batches, breadth_first)
+
+
+def _check_combination(schedule, pipeline_degree, stages, micro_batches, breadth_first) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown strategy.schedule {schedule!r}; valid names: {', '.join(SCHEDULES)}")
+    if pipeline_degree < 1 or micro_batches < 1:
+        raise ValueError(f"strategy.pipeline_degree ({pipeline_degree}) and strategy.micro_batches "
+                         f"({micro_batches}) must be at least 1")
+    stage_placement(stages, pipeline_degree)  # stages must be a multiple of p
+    if schedule in ("gpipe", "one_f_one_b") and stages != pipeline_degree:
+        raise ValueError(f"strategy.schedule={schedule} puts one stage on each rank but there are {stages} "
+                         f"stages for strategy.pipeline_degree={pipeline_degree}: set strategy.layers_per_stage "
+                         f"to model.layers / pipeline_degree, or use strategy.schedule=looped_breadth_first")
+    if schedule == "layered" and pipeline_degree != 1:
+        raise ValueError(f"strategy.schedule=layered runs on one rank: set strategy.pipeline_degree=1 "
+                         f"(got {pipeline_degree}) or use strategy.schedule=looped_breadth_first")
+    if schedule == "looped_breadth_first" and stages > pipeline_degree:
+        _check_looped_batches(pipeline_degree, micro_batches, breadth_first or micro_batches)
+
+
+def _check_looped_batches(pipeline_degree, micro_batches, breadth_first) -> None:
+    # With fewer micro-batches in flight than ranks, every loop transition waits for the ring (TECHNIQUES §1).
+    if micro_batches < pipeline_degree:
+        raise ValueError(f"strategy.micro_batches ({micro_batches}) must be >= strategy.pipeline_degree "
+                         f"({pipeline_degree}) for a looped schedule, which otherwise stalls at every loop "
+                         f"transition: raise strategy.micro_batches or lower strategy.pipeline_degree")
+    if breadth_first < pipeline_degree:
+        raise ValueError(f"strategy.breadth_first_micro_batches ({breadth_first}) must be >= "
+                         f"strategy.pipeline_degree ({pipeline_degree}): each depth-first group of a looped "
+                         f"schedule stalls at every loop transition otherwise")

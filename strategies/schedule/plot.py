@@ -1,0 +1,81 @@
+"""The one plotter: a Timeline (simulated or measured) as a Gantt chart PNG.
+
+One row per rank; forwards in blues and backwards in oranges, darker for later stages so looping
+placement shows as a repeating shade pattern; communication in grey; gradient reductions as green
+diamonds. Uses matplotlib's object API (no pyplot), so it never changes the global backend.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.lines import Line2D
+
+from .ir import BACKWARD, FORWARD, REDUCE_GRADIENT
+from .simulate import TimedAction, Timeline
+
+_COLOUR_MAPS = {FORWARD: colormaps["Blues"], BACKWARD: colormaps["Oranges"]}
+_COMMUNICATION_COLOUR, _REDUCE_COLOUR = "0.6", "tab:green"
+_FONT_SIZE = 7
+_CHARACTER_INCHES = 0.62 * _FONT_SIZE / 72  # rough width of one label character
+
+
+def plot_timeline(timeline: Timeline, path: str | Path, title: str | None = None, time_unit: str = "s") -> Path:
+    """Draw `timeline` as a Gantt chart PNG at `path` and return the path.
+
+    Boxes wide enough carry the compact action string; the title gives makespan and bubble fraction.
+    """
+    stages = 1 + max((record.action.stage for row in timeline.ranks for record in row), default=0)
+    longest_row = max((sum(r.action.info.is_compute for r in row) for row in timeline.ranks), default=1)
+    figure = Figure(figsize=(min(28.0, max(9.0, 0.3 * longest_row)), 1.9 + 0.5 * len(timeline.ranks)),
+                    layout="constrained")
+    axes = figure.add_subplot()
+    inches_per_time = 0.92 * figure.get_figwidth() / (timeline.makespan or 1.0)
+    for rank, row in enumerate(timeline.ranks):
+        for record in row:
+            _draw(axes, rank, record, stages, inches_per_time)
+    _decorate(axes, timeline, title, time_unit)
+    figure.savefig(path, dpi=110)
+    return Path(path)
+
+
+def _draw(axes, rank: int, record: TimedAction, stages: int, inches_per_time: float) -> None:
+    """One action: a box for compute and timed communication, a diamond for a reduction."""
+    action, width = record.action, record.end - record.start
+    if action.kind == REDUCE_GRADIENT:
+        axes.plot(record.start + width / 2, rank - 0.3, marker="D", markersize=5, color=_REDUCE_COLOUR, zorder=3)
+        return
+    if width <= 0:
+        return  # an instantaneous transfer (unit cost): nothing to see
+    shade = 0.35 + 0.5 * action.stage / max(stages - 1, 1)
+    colour = _COLOUR_MAPS[action.kind](shade) if action.kind in _COLOUR_MAPS else _COMMUNICATION_COLOUR
+    height = 0.8 if action.info.is_compute else 0.35
+    axes.barh(rank, width, left=record.start, height=height, color=colour, edgecolor="white", linewidth=0.6)
+    label = str(action)
+    if width * inches_per_time >= len(label) * _CHARACTER_INCHES + 0.04:
+        axes.text(record.start + width / 2, rank, label, ha="center", va="center", fontsize=_FONT_SIZE,
+                  color="white" if shade > 0.6 and action.info.is_compute else "black")
+
+
+def _decorate(axes, timeline: Timeline, title: str | None, time_unit: str) -> None:
+    ranks = len(timeline.ranks)
+    axes.set_yticks(range(ranks), [f"rank {rank}" for rank in range(ranks)])
+    axes.set_ylim(ranks - 0.5, -0.5)  # rank 0 on top, as in the papers' figures
+    axes.set_xlim(0, 1.01 * (timeline.makespan or 1.0))  # room for a reduction diamond at the very end
+    axes.set_xlabel(f"time ({time_unit})")
+    axes.grid(axis="x", linewidth=0.3, alpha=0.5)
+    summary = (f"makespan {timeline.makespan:.4g} {time_unit}, ideal {timeline.ideal:.4g}, "
+               f"bubble {timeline.bubble_fraction:.1%}")
+    axes.set_title(f"{title or timeline.name or 'schedule'}\n{summary}", fontsize=10)
+    axes.legend(handles=_legend_handles(), loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.12 / ranks),
+                ncol=4, fontsize=8, frameon=False)
+
+
+def _legend_handles() -> list:
+    return [Patch(color=_COLOUR_MAPS[FORWARD](0.6), label="forward (darker = later stage)"),
+            Patch(color=_COLOUR_MAPS[BACKWARD](0.6), label="backward (darker = later stage)"),
+            Patch(color=_COMMUNICATION_COLOUR, label="communication"),
+            Line2D([], [], marker="D", linestyle="", color=_REDUCE_COLOUR, label="gradient reduction")]

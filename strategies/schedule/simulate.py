@@ -1,0 +1,153 @@
+"""The one simulator: a plan and a cost model in, a `Timeline` out.
+
+Each rank runs its list in order; an action starts when its rank is free and every action it
+depends on (`ir.dependencies`, a receive waits for its send) has finished. `None` slots cost
+nothing: they are drawn bubbles, the idle time comes from dependencies — otherwise a plan's makespan
+would depend on how many bubbles its generator chose to draw. Measured executor records become
+the same `Timeline` type, so bubble fractions are computed one way for both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple, Sequence
+
+from .ir import BACKWARD, FORWARD, RECEIVE_ARROW, Action, Plan, PlanError, dependencies
+
+Cost = Callable[[Action], float]
+
+
+class TimedAction(NamedTuple):
+    """An action with its start and end time (seconds, or units under `unit_cost`)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Per-rank (action, start, end) records of one step, simulated or measured, starting at time 0."""
+
+    ranks: tuple[tuple[TimedAction, ...], ...]
+    name: str = ""
+
+    @classmethod
+    def from_records(cls, records_by_rank: Sequence[Sequence[tuple[Action, float, float]]], name: str = "") -> Timeline:
+        """Measured (action, start, end) triples per rank (e.g. the executor's), shifted so the earliest start is 0."""
+        origin = min((start for row in records_by_rank for _, start, _ in row), default=0.0)
+        ranks = tuple(tuple(TimedAction(action, start - origin, end - origin) for action, start, end in row)
+                      for row in records_by_rank)
+        return cls(ranks, name)
+
+    @property
+    def makespan(self) -> float:
+        """End of the last action on any rank."""
+        return max((record.end for row in self.ranks for record in row), default=0.0)
+
+    def busy(self, rank: int) -> float:
+        """Time `rank` spends on compute (communication and waiting are not busy)."""
+        return sum(record.end - record.start for record in self.ranks[rank] if record.action.info.is_compute)
+
+    @property
+    def ideal(self) -> float:
+        """Makespan without bubbles: the busiest rank's compute time."""
+        return max((self.busy(rank) for rank in range(len(self.ranks))), default=0.0)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle compute time / (makespan × ranks)."""
+        capacity = self.makespan * len(self.ranks)
+        busy = sum(self.busy(rank) for rank in range(len(self.ranks)))
+        return 1.0 - busy / capacity if capacity else 0.0
+
+
+# -----------------------------------------------------------------------------
+# Cost models
+
+
+def unit_cost(action: Action) -> float:
+    """TECHNIQUES.md §1's unit cost: every compute action takes 1, communication and reductions 0."""
+    return 1.0 if action.info.is_compute else 0.0
+
+
+def flop_cost(forward_flops_per_stage: Sequence[float] | float, flops_per_second: float, backward_factor: float = 2.0,
+              bytes_per_second: float | None = None, activation_bytes: float = 0) -> Cost:
+    """Cost model from FLOPs: F(s) = flops[s] / (FLOP/s), B(s) = backward_factor × F(s).
+
+    A receive takes activation_bytes / bytes_per_second (gradients are the same size); sends cost
+    nothing on the sender (posted asynchronously); other kinds cost 0.
+    """
+    def forward_seconds(stage: int) -> float:
+        flops = forward_flops_per_stage if isinstance(forward_flops_per_stage, (int, float)) \
+            else forward_flops_per_stage[stage]
+        return flops / flops_per_second
+
+    def cost(action: Action) -> float:
+        if action.kind == FORWARD:
+            return forward_seconds(action.stage)
+        if action.kind == BACKWARD:
+            return backward_factor * forward_seconds(action.stage)
+        is_receive = action.info.arrow == RECEIVE_ARROW
+        return activation_bytes / bytes_per_second if is_receive and bytes_per_second else 0.0
+
+    return cost
+
+
+# -----------------------------------------------------------------------------
+# The simulator
+
+
+def simulate(plan: Plan, cost: Cost = unit_cost) -> Timeline:
+    """Time `plan` under `cost`; PlanError with the waiting actions marked if it gets stuck (a cyclic wait).
+
+    Repeatedly runs every rank as far as its dependencies allow; each started action's time is
+    fixed by its rank's previous end and its dependencies' ends, so the sweep order does not matter.
+    """
+    cursor = [0] * plan.pipeline_degree
+    timed: list[list[TimedAction]] = [[] for _ in plan.ranks]
+    end: dict[Action, float] = {}
+    while _advance(plan, cost, cursor, timed, end):
+        pass
+    if any(cursor[rank] < len(row) for rank, row in enumerate(plan.ranks)):
+        raise _stuck(plan, cursor, end)
+    return Timeline(tuple(tuple(row) for row in timed), plan.name)
+
+
+def _advance(plan: Plan, cost: Cost, cursor: list[int], timed: list[list[TimedAction]], end: dict) -> bool:
+    """Run every rank as far as its dependencies allow; report whether anything ran."""
+    progressed = False
+    for rank, row in enumerate(plan.ranks):
+        while cursor[rank] < len(row):
+            action = row[cursor[rank]]
+            if action is not None:
+                ready = [end.get(dependency) for dependency in dependencies(action, plan)]
+                if None in ready:
+                    break
+                start = max([timed[rank][-1].end if timed[rank] else 0.0, *ready])
+                end[action] = start + cost(action)
+                timed[rank].append(TimedAction(action, start, end[action]))
+            cursor[rank] += 1
+            progressed = True
+    return progressed
+
+
+def _stuck(plan: Plan, cursor: list[int], end: dict) -> PlanError:
+    """Describe every blocked rank: where it waits, and for what."""
+    where = {action: (rank, slot) for rank, slot, action in plan.positions()}
+    waits, marks = [], []
+    for rank, row in enumerate(plan.ranks):
+        if cursor[rank] < len(row):
+            action = row[cursor[rank]]
+            missing = [_describe(dependency, where, rank) for dependency in dependencies(action, plan)
+                       if dependency not in end]
+            waits.append(f"rank {rank} waits at {action} for {', '.join(missing)}")
+            marks.append((rank, cursor[rank]))
+    return PlanError(f"Dry run is stuck (cyclic wait): {'; '.join(waits)}.", plan, marks)
+
+
+def _describe(dependency: Action, where: dict, waiting_rank: int) -> str:
+    if dependency not in where:
+        return f"{dependency} (in no rank's list)"
+    rank, slot = where[dependency]
+    return f"{dependency} ({'later on its own list' if rank == waiting_rank else f'rank {rank}'}, slot {slot})"

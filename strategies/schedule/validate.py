@@ -1,0 +1,87 @@
+"""The validator: every plan is checked before it runs, and a fault is shown on the rank × slot grid.
+
+Checks, in order: shape (stage, micro-batch and rank numbers in range), each action on the rank
+its stage is placed on, each action at most once and every F and B exactly once, F before its B
+on a rank, every transfer paired with its other end, every dependency present, and a unit-time dry
+run (the simulator itself) that always makes progress.
+"""
+
+from __future__ import annotations
+
+from .ir import BACKWARD, FORWARD, SEND_ARROW, Action, Plan, PlanError, counterpart, dependencies
+from .simulate import simulate, unit_cost
+
+__all__ = ["PlanError", "validate_plan"]
+
+
+def validate_plan(plan: Plan) -> Plan:
+    """Raise PlanError at the first fault (one sentence + the grid with the fault marked); return `plan` if sound."""
+    for check in (_check_shape, _check_placement, _check_once, _check_forward_before_backward,
+                  _check_transfers_paired, _check_dependencies_present):
+        check(plan)
+    simulate(plan, unit_cost)  # the dry run: raises PlanError on a cyclic wait
+    return plan
+
+
+def _check_shape(plan: Plan) -> None:
+    if len(plan.placement) != plan.stages or not all(0 <= rank < plan.pipeline_degree for rank in plan.placement):
+        raise PlanError(f"placement {plan.placement} must give one rank in 0..{plan.pipeline_degree - 1} "
+                        f"for each of the {plan.stages} stages.", plan)
+    for rank, slot, action in plan.positions():
+        stages_ok = all(0 <= stage < plan.stages for stage in (action.stage, action.peer_stage) if stage is not None)
+        if not stages_ok or not (action.micro_batch is None or 0 <= action.micro_batch < plan.micro_batches):
+            raise PlanError(f"{action} names a stage or micro-batch outside the plan's "
+                            f"{plan.stages} stages and {plan.micro_batches} micro-batches.", plan, [(rank, slot)])
+
+
+def _check_placement(plan: Plan) -> None:
+    for rank, slot, action in plan.positions():
+        if plan.rank_of(action.stage) != rank:
+            raise PlanError(f"{action} is on rank {rank} but stage {action.stage} is placed on rank "
+                            f"{plan.rank_of(action.stage)}.", plan, [(rank, slot)])
+
+
+def _check_once(plan: Plan) -> None:
+    seen: dict[Action, tuple[int, int]] = {}
+    for rank, slot, action in plan.positions():
+        if action in seen:
+            raise PlanError(f"{action} occurs twice (first at rank {seen[action][0]}, slot {seen[action][1]}).",
+                            plan, [seen[action], (rank, slot)])
+        seen[action] = (rank, slot)
+    for kind in (FORWARD, BACKWARD):
+        for stage in range(plan.stages):
+            for micro_batch in range(plan.micro_batches):
+                if Action(kind, stage, micro_batch) not in seen:
+                    raise PlanError(f"{Action(kind, stage, micro_batch)} is missing: each stage runs the forward and "
+                                    f"the backward of every micro-batch exactly once (stage {stage} is on "
+                                    f"rank {plan.rank_of(stage)}).", plan)
+
+
+def _check_forward_before_backward(plan: Plan) -> None:
+    for rank, row in enumerate(plan.ranks):
+        done = set()
+        for slot, action in enumerate(row):
+            if action is not None and action.kind == BACKWARD:
+                forward = Action(FORWARD, action.stage, action.micro_batch)
+                if forward not in done:
+                    raise PlanError(f"{action} comes before its forward {forward} on rank {rank}.",
+                                    plan, [(rank, slot)])
+            done.add(action)
+
+
+def _check_transfers_paired(plan: Plan) -> None:
+    present = {action for _, _, action in plan.positions()}
+    for rank, slot, action in plan.positions():
+        if action.info.arrow is not None and counterpart(action) not in present:
+            role = "send" if action.info.arrow == SEND_ARROW else "receive"
+            raise PlanError(f"{action} is a {role} with no matching {counterpart(action)} on rank "
+                            f"{plan.rank_of(action.peer_stage)}.", plan, [(rank, slot)])
+
+
+def _check_dependencies_present(plan: Plan) -> None:
+    present = {action for _, _, action in plan.positions()}
+    for rank, slot, action in plan.positions():
+        for dependency in dependencies(action, plan):
+            if dependency not in present:
+                raise PlanError(f"{action} needs {dependency}, which is in no rank's list "
+                                f"(add_communication inserts every transfer).", plan, [(rank, slot)])

@@ -1,0 +1,87 @@
+"""Numerics and evidence of the plain strategies: ddp equals single; bytes equal the formula."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from layerwise.run import train
+from layerwise.validate import validate
+from tests.harness import QUICK, assert_same_losses, assert_same_parameters, compose_config
+
+STEPS = 10
+
+
+def run(tmp_path, name, *overrides):
+    cfg = compose_config(*QUICK, f"trainer.max_steps={STEPS}", "trainer.val_check_interval=5",
+                         *overrides)
+    world = validate(cfg)
+    directory = tmp_path / name
+    summary = train(cfg, directory, world)
+    return summary, directory
+
+
+def final_parameters(directory):
+    state = torch.load(directory / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    return {name.removeprefix("module."): value for name, value in state.items()}
+
+
+def metrics(directory):
+    with (directory / "metrics.csv").open() as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("single"), "single", "strategy=single")
+
+
+def test_ddp_reproduces_single(reference, tmp_path):
+    single_summary, single_directory = reference
+    ddp_summary, ddp_directory = run(tmp_path, "ddp", "strategy=ddp")
+    assert ddp_summary["status"] == "completed" and ddp_summary["world_size"] == 2
+    assert_same_losses(ddp_summary["losses"], single_summary["losses"])
+    assert_same_parameters(final_parameters(ddp_directory), final_parameters(single_directory))
+
+
+def test_ddp_communication_equals_the_ring_formula(tmp_path):
+    summary, directory = run(tmp_path, "ddp", "strategy=ddp", "trainer.max_steps=3")
+    parameters = sum(p.numel() for p in final_parameters(directory).values())
+    expected = 2 * (2 - 1) / 2 * parameters * 4  # 2(n-1)/n · P · bytes, n = 2, fp32
+    rows = metrics(directory)
+    assert [float(r["comm_bytes_all_reduce"]) for r in rows] == [expected] * 3
+    assert summary["comm_bytes_per_step"]["all_reduce"] == expected
+    assert summary["comm_bytes_per_step"]["send_recv"] == 0.0
+
+
+def test_single_run_is_bit_identical_on_rerun(reference, tmp_path):
+    again, _ = run(tmp_path, "single", "strategy=single")
+    assert again["losses"] == reference[0]["losses"]
+
+
+def test_evidence_files_follow_the_schema(reference):
+    summary, directory = reference
+    for key in ("status", "strategy", "model", "hardware", "data", "world_size", "layout", "steps",
+                "tokens_per_step", "losses", "initial_val_loss", "final_val_loss",
+                "final_train_loss", "step_time_s_median", "tokens_per_s_median",
+                "comm_bytes_per_step", "peak_compute_bytes", "versions", "git_sha"):
+        assert key in summary, key
+    assert summary["steps"] == STEPS and len(summary["losses"]) == STEPS
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
+    rows = metrics(directory)
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+    assert [r["val_loss"] != "" for r in rows] == [s in (5, 10) for s in range(1, STEPS + 1)]
+    assert all(float(r["peak_compute_bytes"]) > 0 for r in rows)
+
+
+def test_resume_continues_bit_identically(reference, tmp_path):
+    """Stop after 4 steps, rerun with 10: steps 5-10 equal the uninterrupted run."""
+    cfg_overrides = ["strategy=single", "trainer.checkpoint_every_n_steps=2"]
+    first, directory = run(tmp_path, "resumed", *cfg_overrides, "trainer.max_steps=4")
+    assert first["steps"] == 4
+    cfg = compose_config(*QUICK, f"trainer.max_steps={STEPS}", "trainer.val_check_interval=5",
+                         *cfg_overrides)
+    resumed = train(cfg, directory, 1)
+    assert resumed["losses"][4:] == reference[0]["losses"][4:]
+    assert [int(r["step"]) for r in metrics(directory)] == list(range(1, STEPS + 1))

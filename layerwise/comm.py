@@ -98,14 +98,18 @@ class Communicator:
         self._counted("broadcast", group, tensor)
         return dist.broadcast(tensor, src=source, group=group.process_group, async_op=async_op)
 
-    def send(self, tensor: torch.Tensor, destination: int, group: Group):
-        """Post an asynchronous send to global rank `destination`; returns the work handle."""
-        self.count("send_recv", group.name, tensor.numel(), tensor.element_size(), 2)
-        return dist.isend(tensor, dst=destination, group=group.process_group)
+    def send(self, tensor: torch.Tensor, destination: int, group: Group, tag: int = 0):
+        """Post an asynchronous send to global rank `destination`; returns the work handle.
 
-    def receive(self, tensor: torch.Tensor, source: int, group: Group):
+        A distinct `tag` per message lets a receiver take messages in any order: one channel
+        between two ranks may carry activations one way and gradients the other, interleaved.
+        """
+        self.count("send_recv", group.name, tensor.numel(), tensor.element_size(), 2)
+        return dist.isend(tensor, dst=destination, group=group.process_group, tag=tag)
+
+    def receive(self, tensor: torch.Tensor, source: int, group: Group, tag: int = 0):
         """Blocking receive from global rank `source` (only the sender's side is counted)."""
-        dist.recv(tensor, src=source, group=group.process_group)
+        dist.recv(tensor, src=source, group=group.process_group, tag=tag)
 
     def host_device(self, tensor: torch.Tensor, group_name: str = "host"):
         """Count one host<->device copy of `tensor` (L2L's transfers)."""

@@ -161,6 +161,9 @@ class RunEvidence(pl.Callback):
         if self.cfg.trainer.limit_val_batches > 0 and last not in self.history["val_losses"]:
             self._record_validation(trainer, evaluate(trainer, module))
         self._flush_row(trainer)
+        charts = getattr(trainer.strategy, "write_evidence", None)
+        if callable(charts) and trainer.is_global_zero:
+            charts(self.run_directory, trainer.loggers)
         self.write_summary(trainer, "completed")
 
     def on_exception(self, trainer, module, exception):

@@ -19,6 +19,7 @@ from layerwise.evidence import RunEvidence, write_json_atomically
 from layerwise.launch import RankError, launched_externally, run_ranks
 from layerwise.task import LanguageModelData, LanguageModelTask, objective_of
 from strategies import strategy_module
+from strategies.checkpoint import checkpoint_exists
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -125,7 +126,7 @@ def fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:
                            progress_lines=not show_bar(cfg) and cfg.trainer.progress != "none")
     trainer = build_trainer(cfg, run_directory, world_size, module.build(cfg, world_size), evidence)
     resume_from = checkpoint_path(run_directory)
-    resume = cfg.resume and resume_from.exists()
+    resume = cfg.resume and checkpoint_exists(resume_from)
     if resume and trainer.is_global_zero:
         print(f"[layerwise] resuming from {resume_from}", flush=True)
     trainer.fit(task, datamodule=LanguageModelData(cfg, corpus),

@@ -59,6 +59,12 @@ class LanguageModelTask(pl.LightningModule):
         # Integers only: tuple hashes of ints are stable across processes (strings are salted).
         torch.manual_seed(hash((int(self.cfg.seed), int(self.global_step), rank)) % 2**63)
 
+    def optimizer_zero_grad(self, epoch, batch_index, optimizer):
+        # Lightning's closure zeroes gradients *after* training_step; a strategy whose
+        # training_step runs the whole schedule (backward included) zeroes them itself, before.
+        if not getattr(self.trainer.strategy, "owns_step", False):
+            optimizer.zero_grad()
+
     def configure_optimizers(self):
         # Strategies that keep only some layers prune `self.model` before this runs.
         optimizer = build_optimizer(self.cfg.optimizer, self.model.named_parameters())

@@ -10,6 +10,10 @@ import importlib
 STRATEGIES = {
     "single": "strategies.plain",
     "ddp": "strategies.plain",
+    "modular_pipeline": "strategies.modular_pipeline",
+    "gpipe": "strategies.modular_pipeline",
+    "one_f_one_b": "strategies.modular_pipeline",
+    "interleaved_1f1b": "strategies.modular_pipeline",
 }
 
 

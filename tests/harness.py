@@ -51,3 +51,27 @@ def assert_same_parameters(actual: dict, expected: dict):
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=PARAMETER_RTOL,
                                    atol=PARAMETER_ATOL, msg=lambda m: f"{name}: {m}")
+
+
+def consolidated_parameters(run_directory, strategy_name: str) -> dict:
+    """The full model's state dict from a run's `last` checkpoint, whatever the strategy.
+
+    A single file is already whole; a per-rank directory is merged by the strategy module's
+    `consolidate(rank_state_dicts, layout) -> state_dict` (pipelines: disjoint keys; shards:
+    concatenated), which is also what a user calls to export a single-device checkpoint.
+    """
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from strategies import strategy_module
+
+    path = Path(run_directory) / "checkpoints" / "last.ckpt"
+    if path.is_file():
+        state = torch.load(path, weights_only=False, map_location="cpu")["state_dict"]
+        return {name.removeprefix("module."): value for name, value in state.items()}
+    layout = json.loads((path / "layout.json").read_text())
+    ranks = sorted(path.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
+    states = [torch.load(p, weights_only=False, map_location="cpu")["state_dict"] for p in ranks]
+    return strategy_module(strategy_name).consolidate(states, layout)

@@ -22,7 +22,7 @@ def run(tmp_path, name, *overrides):
     return summary, directory
 
 
-def final_parameters(directory):
+def final_parameters(directory):  # single and ddp write one file
     state = torch.load(directory / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     return {name.removeprefix("module."): value for name, value in state.items()}
 

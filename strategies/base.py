@@ -1,0 +1,97 @@
+"""The thin Lightning adapter every technique's strategy stands on (DESIGN.md principle 6).
+
+`LayerwiseStrategy` is a DDPStrategy without the DDP wrapper: the technique places and
+synchronises the model itself. It builds the ParallelLayout once, reports the data-parallel rank
+to the data module, and checkpoints per rank. `OwnedStepStrategy` adds the DeepSpeed/NeMo pattern
+for techniques whose schedule runs forward *and* backward: `training_step` runs the schedule,
+`backward` does nothing, `optimizer_step` calls the closure and then steps.
+"""
+
+from datetime import timedelta
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from typing_extensions import override
+
+from layerwise.layout import Degrees, ParallelLayout
+from strategies.checkpoint import PerRankCheckpoints
+
+
+class LayerwiseStrategy(PerRankCheckpoints, DDPStrategy):
+    """Process group from Lightning, everything else ours.
+
+    1. `setup_environment`: process group, then the layout (groups built once, in one order);
+    2. `configure_ddp`: no wrapper; the subclass synchronises gradients itself;
+    3. the data module asks `distributed_sampler_kwargs` for the data-parallel rank and degree;
+    4. checkpoints: one file per rank (strategies/checkpoint.py).
+    """
+
+    def __init__(self, degrees: Degrees, process_group_backend: str = "gloo",
+                 timeout_seconds: float = 300.0, **kwargs):
+        super().__init__(process_group_backend=process_group_backend,
+                         timeout=timedelta(seconds=timeout_seconds), **kwargs)
+        self.degrees = degrees
+        self.layout = None
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.layout is None:  # runs again for validate/test in one process: build once
+            if self.world_size != self.degrees.world_size:
+                raise ValueError(f"the strategy's degrees {self.degrees.as_dict()} need "
+                                 f"{self.degrees.world_size} ranks, the job has {self.world_size}")
+            self.layout = ParallelLayout(self.degrees, rank=self.global_rank)
+
+    @override
+    def configure_ddp(self) -> None:
+        pass  # no DistributedDataParallel: gradients are reduced by the technique's own code
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict:
+        return {"num_replicas": self.degrees.data, "rank": self.layout.index("data")}
+
+    def synchronise_replicas(self, module: torch.nn.Module) -> None:
+        """Make data-parallel replicas bit-identical (DDP would broadcast; we build from the seed,
+        and this broadcast guards against any rank-dependent initialisation)."""
+        group = self.layout.group("data")
+        source = group.ranks[0]
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            self.layout.communicator.broadcast(tensor.data, source, group)
+        self.layout.communicator.reset()  # set-up traffic is not a training step's
+
+
+class OwnedStepStrategy(LayerwiseStrategy):
+    """For techniques whose schedule runs the whole step, backward included.
+
+    1. `training_step` zeroes gradients, runs `run_step(batch)` and returns its detached loss;
+    2. `backward` is a no-op (the schedule already ran every backward);
+    3. `optimizer_step` calls the closure (that is what runs `training_step`), then
+       `before_optimizer_step` (reductions, preconditioning), then the optimizer.
+    """
+
+    owns_step = True  # LanguageModelTask.optimizer_zero_grad defers to us (see there)
+
+    def run_step(self, batch) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement run_step(batch)")
+
+    def before_optimizer_step(self, optimizer) -> None:
+        """Hook between the schedule and the optimizer; default: nothing."""
+
+    @override
+    def training_step(self, *args, **kwargs):
+        batch = args[0]
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        return self.run_step(batch).detach()
+
+    @override
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        return closure_loss  # the schedule ran every backward inside training_step
+
+    @override
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        closure_result = closure()
+        self.before_optimizer_step(optimizer)
+        optimizer.step()
+        return closure_result

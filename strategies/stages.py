@@ -1,0 +1,194 @@
+"""Stages of a layered model, and the handlers that run a schedule's actions on them.
+
+A stage is `layers_per_stage` consecutive blocks; stage 0 also owns the embedding, the last stage
+the head and the loss. `StageWork` holds one rank's stages and implements one handler per action
+kind of strategies/schedule: the executor calls them in plan order. Every stage input is a leaf
+(`detach().requires_grad_()`), whether it came from another rank or from the previous stage on
+this rank, so a backward never reaches across stages: the input's gradient is handed on explicitly.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from strategies.schedule import (BACKWARD, FINISH, FORWARD, RECV_ACTIVATION, RECV_GRADIENT,
+                                 REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, Action)
+
+
+def stage_blocks(stage: int, layers_per_stage: int) -> list:
+    """Block names ("0".."L-1") of one stage."""
+    return [str(index) for index in range(stage * layers_per_stage, (stage + 1) * layers_per_stage)]
+
+
+def keep_local_stages(model: nn.Module, local_stages: list, stages: int, layers_per_stage: int):
+    """Drop every module this rank does not run; its parameters then belong to other ranks."""
+    kept = {name for stage in local_stages for name in stage_blocks(stage, layers_per_stage)}
+    for name in [name for name in model.blocks if name not in kept]:
+        del model.blocks[name]
+    if 0 not in local_stages:
+        model.embed = None
+    if stages - 1 not in local_stages:
+        model.head = None
+
+
+def stage_parameters(model: nn.Module, stage: int, stages: int, layers_per_stage: int) -> list:
+    modules = [model.blocks[name] for name in stage_blocks(stage, layers_per_stage)]
+    modules += [model.embed] if stage == 0 else []
+    modules += [model.head] if stage == stages - 1 else []
+    return [p for module in modules for p in module.parameters()]
+
+
+@dataclass
+class Peers:
+    """Where messages go: a global rank per stage, the groups, the communicator."""
+
+    rank_of_stage: list  # global rank running each stage, within this pipeline
+    pipeline_group: object
+    data_group: object
+    communicator: object
+
+
+@dataclass
+class StepState:
+    """Everything one step keeps between actions, keyed by (stage, micro-batch)."""
+
+    inputs: dict = field(default_factory=dict)  # leaf input of each stage's forward
+    outputs: dict = field(default_factory=dict)  # output (or scaled loss on the last stage)
+    output_gradients: dict = field(default_factory=dict)  # gradient arriving for an output
+    pending_sends: list = field(default_factory=list)  # (work, tensor): keep tensors alive
+    pending_reductions: list = field(default_factory=list)  # (work, gradient) per parameter
+    loss: torch.Tensor = None
+
+
+class StageWork:
+    """One rank's stages and the handlers the executor dispatches to (one per action kind).
+
+    1. FORWARD(c, i): input (tokens, a received activation, or the local previous stage's output
+       as a leaf) → blocks of c (+ head and loss/m on the last stage);
+    2. BACKWARD(c, i): backpropagate the loss or the received output gradient into ∂W_c and the
+       input's gradient, which is what the previous stage receives;
+    3. SEND_* post asynchronous sends; RECV_* block; REDUCE_GRADIENT(c) starts the data-parallel
+       all-reduce of stage c's gradients as soon as its last backward is done (layered accumulation).
+    """
+
+    def __init__(self, model: nn.Module, stages: int, layers_per_stage: int, micro_batches: int,
+                 peers: Peers):
+        self.model = model
+        self.stages = stages
+        self.layers_per_stage = layers_per_stage
+        self.micro_batches = micro_batches
+        self.peers = peers
+        self.state = StepState()
+        self.batch = None
+        self.training = True
+
+    def handlers(self) -> dict:
+        return {FORWARD: self.forward, BACKWARD: self.backward,
+                SEND_ACTIVATION: self.send_activation, RECV_ACTIVATION: self.receive_activation,
+                SEND_GRADIENT: self.send_gradient, RECV_GRADIENT: self.receive_gradient,
+                REDUCE_GRADIENT: self.reduce_gradient, FINISH: self.finish}
+
+    def start(self, batch: dict, training: bool) -> None:
+        self.state = StepState()
+        self.training = training
+        self.batch = {key: value.chunk(self.micro_batches) for key, value in batch.items()}
+
+    # ----- compute
+    def forward(self, action: Action) -> None:
+        stage, micro_batch = action.stage, action.micro_batch
+        hidden = self._stage_input(stage, micro_batch)
+        for name in stage_blocks(stage, self.layers_per_stage):
+            hidden = self.model.blocks[name](hidden)
+        if stage == self.stages - 1:
+            loss = self.model.loss(self.model.head(hidden), self.batch["targets"][micro_batch])
+            hidden = loss / self.micro_batches  # mean over micro-batches = mean over the batch
+            self.state.loss = hidden.detach() + (0 if self.state.loss is None else self.state.loss)
+        self.state.outputs[(stage, micro_batch)] = hidden
+
+    def _stage_input(self, stage: int, micro_batch: int) -> torch.Tensor:
+        if stage == 0:
+            return self.model.embed(self.batch["tokens"][micro_batch])
+        if (stage, micro_batch) not in self.state.inputs:  # previous stage ran on this rank
+            previous = self.state.outputs[(stage - 1, micro_batch)]
+            self.state.inputs[(stage, micro_batch)] = previous.detach().requires_grad_(self.training)
+        return self.state.inputs[(stage, micro_batch)]
+
+    def backward(self, action: Action) -> None:
+        key = (action.stage, action.micro_batch)
+        output = self.state.outputs.pop(key)
+        if action.stage == self.stages - 1:
+            output.backward()
+        else:
+            output.backward(self.state.output_gradients.pop(key))
+        if action.stage > 0:
+            gradient = self.state.inputs.pop(key).grad
+            previous = (action.stage - 1, action.micro_batch)
+            if previous in self.state.outputs:  # the previous stage is on this rank
+                self.state.output_gradients[previous] = gradient
+            else:
+                self.state.inputs[key] = gradient  # held until SEND_GRADIENT
+
+    # ----- point to point
+    def _tag(self, action: Action, gradient: bool) -> int:
+        return (action.stage * self.micro_batches + action.micro_batch) * 2 + int(gradient)
+
+    def send_activation(self, action: Action) -> None:
+        tensor = self.state.outputs[(action.stage, action.micro_batch)].detach()
+        self._send(tensor, action.peer_stage, self._tag(action, False))
+
+    def send_gradient(self, action: Action) -> None:
+        tensor = self.state.inputs.pop((action.stage, action.micro_batch))
+        self._send(tensor, action.peer_stage, self._tag(action, True))
+
+    def _send(self, tensor, peer_stage, tag):
+        tensor = tensor.contiguous()
+        work = self.peers.communicator.send(tensor, self.peers.rank_of_stage[peer_stage],
+                                            self.peers.pipeline_group, tag=tag)
+        self.state.pending_sends.append((work, tensor))
+
+    def receive_activation(self, action: Action) -> None:
+        # The sender's tag is computed from its own action: (peer stage, same micro-batch).
+        sender = Action(SEND_ACTIVATION, action.peer_stage, action.micro_batch, action.stage)
+        tensor = self._receive(action.peer_stage, self._tag(sender, False))
+        self.state.inputs[(action.stage, action.micro_batch)] = tensor.requires_grad_(self.training)
+
+    def receive_gradient(self, action: Action) -> None:
+        sender = Action(SEND_GRADIENT, action.peer_stage, action.micro_batch, action.stage)
+        tensor = self._receive(action.peer_stage, self._tag(sender, True))
+        self.state.output_gradients[(action.stage, action.micro_batch)] = tensor
+
+    def _receive(self, peer_stage: int, tag: int) -> torch.Tensor:
+        tokens = self.batch["tokens"][0]
+        shape = (tokens.shape[0], tokens.shape[1], self.model_hidden())
+        tensor = torch.empty(shape, dtype=torch.float32, device=tokens.device)
+        self.peers.communicator.receive(tensor, self.peers.rank_of_stage[peer_stage],
+                                        self.peers.pipeline_group, tag=tag)
+        return tensor
+
+    def model_hidden(self) -> int:
+        block = next(iter(self.model.blocks.values()))
+        return block.norm_attention.normalized_shape[0]
+
+    # ----- data parallel
+    def reduce_gradient(self, action: Action) -> None:
+        group = self.peers.data_group
+        for parameter in stage_parameters(self.model, action.stage, self.stages, self.layers_per_stage):
+            if parameter.grad is None:  # every replica must join every all-reduce
+                parameter.grad = torch.zeros_like(parameter)
+            work = self.peers.communicator.all_reduce(parameter.grad, group, async_op=True)
+            self.state.pending_reductions.append((work, parameter.grad))
+
+    def finish(self) -> None:
+        for work, _ in self.state.pending_sends:
+            work.wait()
+        self.state.pending_sends.clear()
+
+    def wait_for_reductions(self) -> None:
+        """Called before the optimizer: the all-reduces summed; divide for the mean."""
+        size = self.peers.data_group.size
+        for work, gradient in self.state.pending_reductions:
+            if work is not None:
+                work.wait()
+                gradient.div_(size)
+        self.state.pending_reductions.clear()

@@ -26,6 +26,8 @@ def finish_config(cfg) -> None:
     hydra_config = HydraConfig.get()
     if cfg.logger.group is None and hydra_config.mode.name == "MULTIRUN":
         cfg.logger.group = os.path.basename(hydra_config.sweep.dir)
+    if hydra_config.mode.name == "MULTIRUN" and hydra_config.job.override_dirname:
+        cfg.run_name = hydra_config.job.override_dirname  # the point's overrides name its W&B run
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -37,7 +39,8 @@ def main(cfg) -> float:
         print(f"layerwise: {error}", file=sys.stderr)
         sys.exit(2)
     run_directory = HydraConfig.get().runtime.output_dir
-    OmegaConf.save(cfg, os.path.join(run_directory, "config.yaml"), resolve=True)
+    if int(os.environ.get("SLURM_PROCID", 0)) == 0:  # under srun every rank gets here: one writes
+        OmegaConf.save(cfg, os.path.join(run_directory, "config.yaml"), resolve=True)
     print(f"[layerwise] {cfg.strategy.name} × {cfg.model.name} × {cfg.hardware.name}: "
           f"{world_size} rank(s), run directory {run_directory}", flush=True)
     if cfg.mode == "check":

@@ -108,8 +108,9 @@ class Communicator:
         return dist.isend(tensor, dst=destination, group=group.process_group, tag=tag)
 
     def receive(self, tensor: torch.Tensor, source: int, group: Group, tag: int = 0):
-        """Blocking receive from global rank `source` (only the sender's side is counted)."""
-        dist.recv(tensor, src=source, group=group.process_group, tag=tag)
+        """Post a receive from global rank `source`; wait on the returned handle before use.
+        Only the sender's side is counted."""
+        return dist.irecv(tensor, src=source, group=group.process_group, tag=tag)
 
     def host_device(self, tensor: torch.Tensor, group_name: str = "host"):
         """Count one host<->device copy of `tensor` (L2L's transfers)."""

@@ -82,6 +82,46 @@ class PipelineStrategyConfig(StrategyConfig):
 
 
 @dataclass
+class TensorParallelStrategyConfig(StrategyConfig):
+    """Tensor parallelism on a grid of edge q (1-D: q ranks, 2-D: q², 3-D: q³) × data replicas."""
+
+    tensor_grid: int = 2  # q, the grid's edge; the tensor-parallel group has q^dimension ranks
+    tensor_mode: str = "3d"  # 1d (Megatron) | 2d (SUMMA) | 3d (Bian et al. 2021)
+
+
+@dataclass
+class L2LStrategyConfig(StrategyConfig):
+    """L2L relay with an eager host parameter server (TECHNIQUES §3); one device per data rank."""
+
+    constant_memory: bool = False  # stash activations on the host: compute memory flat in depth and m
+    prefetch: bool = True  # copy the next layer's weights while this one computes (two in flight)
+
+
+@dataclass
+class KFACStrategyConfig(StrategyConfig):
+    """K-FAC on one process (the PipeFisher oracle): block Linears preconditioned, the rest first-order."""
+
+    damping: float = 1e-3  # Tikhonov λ, split as λ_A = √λ·π, λ_B = √λ/π (TECHNIQUES §2)
+    refresh_interval: int = 1  # k: curvature captured every k steps, inverses used from the cycle's last step
+
+
+@dataclass
+class PipeFisherStrategyConfig(PipelineStrategyConfig):
+    """A pipeline whose bubbles run K-FAC's curvature, factor sync and inversion (Osawa et al. 2023)."""
+
+    damping: float = 1e-3  # Tikhonov λ, split as λ_A = √λ·π, λ_B = √λ/π (TECHNIQUES §2)
+    refresh_interval: Optional[int] = None  # k; null = the steps the bubble packing needs
+    bubble_margin: float = 0.05  # a unit is placed in a bubble only if it fits with this margin
+
+
+@dataclass
+class Fsdp2StrategyConfig(StrategyConfig):
+    """PyTorch's FSDP2 (fully_shard) through Lightning's ModelParallelStrategy: the ZeRO-3 baseline."""
+
+    sync_every_micro_batch: bool = True  # false = no-sync accumulation: one reduce-scatter per step
+
+
+@dataclass
 class OptimizerConfig:
     """The first-order optimizer and its learning-rate schedule."""
 
@@ -142,7 +182,10 @@ SCHEMAS = {
     "model": {"model": ModelConfig},
     "data": {"data": DataConfig},
     "hardware": {"hardware": HardwareConfig},
-    "strategy": {"strategy": StrategyConfig, "pipeline": PipelineStrategyConfig},
+    "strategy": {"strategy": StrategyConfig, "pipeline": PipelineStrategyConfig, "l2l": L2LStrategyConfig,
+                 "tensor_parallel": TensorParallelStrategyConfig,
+                 "kfac": KFACStrategyConfig, "pipefisher": PipeFisherStrategyConfig,
+                 "fsdp2": Fsdp2StrategyConfig},
     "optimizer": {"optimizer": OptimizerConfig},
     "logger": {"logger": LoggerConfig},
 }

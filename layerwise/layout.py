@@ -9,7 +9,7 @@ order (torch.distributed.new_group is collective over the world) and keeps the o
 
 import itertools
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -64,25 +64,32 @@ class ParallelLayout:
     4. every collective goes through `self.communicator`, which counts logical bytes.
     """
 
-    def __init__(self, degrees: Degrees, rank: int = 0):
+    def __init__(self, degrees: Degrees, rank: int = 0, tensor_grid: Optional[str] = None):
         self.degrees = degrees
         self.rank = rank
+        self.tensor_grid = tensor_grid  # None | "1d" | "2d" | "3d": see TENSOR_GRID_FAMILIES
         self.coordinates = coordinates(rank, degrees)
         self.communicator = Communicator()
         self.groups: Dict[str, Group] = {}
         for axis in AXES:
             self.groups[axis] = self._build_axis(axis)
+        for family in TENSOR_GRID_FAMILIES.get(tensor_grid, ()):  # after the axes, same order
+            self.groups[family] = self._build_family(family)
 
     def _build_axis(self, axis: str) -> Group:
+        return self._create_groups(axis, group_members(axis, self.degrees))
+
+    def _create_groups(self, name: str, member_lists) -> Group:
+        """Create every group of a family on every rank, in order; return this rank's."""
         mine = None
-        for members in group_members(axis, self.degrees):
+        for members in member_lists:
             handle = None
-            if len(members) > 1 and len(members) < self.degrees.world_size:
+            if 1 < len(members) < self.degrees.world_size:
                 handle = dist.new_group(list(members))  # collective: every rank calls it
             elif len(members) > 1:
                 handle = dist.group.WORLD
             if self.rank in members:
-                mine = Group(axis, members, handle)
+                mine = Group(name, tuple(members), handle)
         return mine
 
     def group(self, axis: str) -> Group:
@@ -92,4 +99,62 @@ class ParallelLayout:
         return self.coordinates[axis]
 
     def describe(self) -> Dict[str, int]:
-        return self.degrees.as_dict()
+        described = self.degrees.as_dict()
+        if self.tensor_grid is not None:  # per-rank checkpoints record the grid they were cut on
+            described["tensor_grid"] = self.tensor_grid
+        return described
+
+    def _build_family(self, family: str) -> Group:
+        """One tensor-grid family: every member list in every tensor block, in a fixed order."""
+        block = self.degrees.tensor
+        member_lists = [tuple(base + t for t in local)
+                        for base in range(0, self.degrees.world_size, block)  # one per (data, pipe)
+                        for local in tensor_family_members(family, self.tensor_grid, block)]
+        return self._create_groups(family, member_lists)
+
+
+# ----- tensor-parallel grids inside one tensor block (TECHNIQUES.md §4)
+#
+# 3d: q³ ranks, local index t = i + q·(j + q·k). Families of size q: input (vary j), weight
+#     (vary i), output (vary k); unions of size q²: input_weight (vary i, j), output_weight
+#     (vary i, k). 2d: q² ranks, t = column + q·row; `row` holds one row (vary column),
+#     `column` one column (vary row). 1d: the tensor group itself, nothing more.
+TENSOR_GRID_FAMILIES = {
+    "1d": (),
+    "2d": ("row", "column"),
+    "3d": ("input", "weight", "output", "input_weight", "output_weight"),
+}
+_VARYING = {  # family -> the grid coordinates that vary inside one of its groups
+    "row": ("column",), "column": ("row",),
+    "input": ("j",), "weight": ("i",), "output": ("k",),
+    "input_weight": ("i", "j"), "output_weight": ("i", "k"),
+}
+
+
+def grid_edge(tensor_grid: str, tensor_degree: int) -> int:
+    """q such that q^dimension == tensor_degree (ValueError otherwise)."""
+    dimension = {"1d": 1, "2d": 2, "3d": 3}[tensor_grid]
+    edge = round(tensor_degree ** (1 / dimension))
+    if edge ** dimension != tensor_degree:
+        raise ValueError(f"a {tensor_grid} tensor grid needs a perfect power, got {tensor_degree}")
+    return edge
+
+
+def grid_coordinates(tensor_grid: str, local: int, edge: int) -> Dict[str, int]:
+    """Coordinates of local tensor index `local` on the grid (see the table above)."""
+    if tensor_grid == "3d":
+        return {"i": local % edge, "j": local // edge % edge, "k": local // edge ** 2}
+    if tensor_grid == "2d":
+        return {"column": local % edge, "row": local // edge}
+    return {"t": local}
+
+
+def tensor_family_members(family: str, tensor_grid: str, block: int):
+    """Local index lists of every group of `family`, sorted so coordinate order = rank order."""
+    edge = grid_edge(tensor_grid, block)
+    key = lambda t: tuple(v for c, v in sorted(grid_coordinates(tensor_grid, t, edge).items())
+                          if c not in _VARYING[family])
+    groups: Dict[tuple, list] = {}
+    for t in range(block):
+        groups.setdefault(key(t), []).append(t)
+    return tuple(tuple(members) for _, members in sorted(groups.items()))

@@ -10,6 +10,8 @@ cannot tell what a strategy holds on the compute side. This meter counts storage
    never registered (they are created outside the meter's block or marked with `host()`).
 """
 
+import contextlib
+import threading
 import weakref
 
 import torch
@@ -63,6 +65,23 @@ class ComputeMemoryMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         output = func(*args, **(kwargs or {}))
+        if getattr(_suspended, "depth", 0):
+            return output  # inside host_side(): host-store work
         for tensor in tree_flatten(output)[0]:
             self._track(tensor)
         return output
+
+
+@contextlib.contextmanager
+def host_side():
+    """Suspend every active meter of this thread: work on the host store (L2L's gradient copies,
+    stash offload, mask drawing) is not compute-side memory. Meters are per thread already, so the
+    host store's background worker is never counted."""
+    _suspended.depth = getattr(_suspended, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _suspended.depth -= 1
+
+
+_suspended = threading.local()

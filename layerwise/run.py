@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from layerwise import data as data_lib
 from layerwise.evidence import RunEvidence, write_json_atomically
 from layerwise.launch import RankError, launched_externally, run_ranks
+from layerwise.slurm import slurm_callbacks, slurm_plugins
 from layerwise.task import LanguageModelData, LanguageModelTask, objective_of
 from strategies import strategy_module
 from strategies.checkpoint import checkpoint_exists
@@ -74,9 +75,16 @@ def build_loggers(cfg, run_directory: Path):
 def wandb_run_id(run_directory: Path) -> str:
     """One W&B run per run directory: a requeued or resumed job continues the same run."""
     path = Path(run_directory) / "wandb_run_id"
-    if not path.exists():
+    if not path.exists():  # created once even when every Slurm rank gets here at the same time
         import uuid
-        path.write_text(uuid.uuid4().hex[:12])
+        candidate = path.with_name(f"{path.name}.{uuid.uuid4().hex}")
+        candidate.write_text(uuid.uuid4().hex[:12])
+        try:
+            os.link(candidate, path)  # atomic; fails if another rank won
+        except FileExistsError:
+            pass
+        finally:
+            candidate.unlink()
     return path.read_text().strip()
 
 
@@ -88,6 +96,7 @@ def show_bar(cfg) -> bool:
 def build_trainer(cfg, run_directory: Path, world_size: int, strategy, evidence) -> pl.Trainer:
     callbacks = [evidence, LastCheckpoint(checkpoint_path(run_directory),
                                           cfg.trainer.checkpoint_every_n_steps)]
+    callbacks += slurm_callbacks(checkpoint_path(run_directory))  # preemption: save, requeue
     if show_bar(cfg):
         from lightning.pytorch.callbacks import RichProgressBar
         callbacks.append(RichProgressBar())
@@ -104,7 +113,7 @@ def build_trainer(cfg, run_directory: Path, world_size: int, strategy, evidence)
         enable_model_summary=False, use_distributed_sampler=False,
         gradient_clip_val=cfg.trainer.gradient_clip_val or None,
         log_every_n_steps=cfg.trainer.log_every_n_steps, default_root_dir=str(run_directory),
-        plugins=[AtomicCheckpointIO()], accumulate_grad_batches=1)
+        plugins=[AtomicCheckpointIO()] + slurm_plugins(strategy), accumulate_grad_batches=1)
 
 
 def load_corpus(cfg):
@@ -125,13 +134,25 @@ def fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:
     evidence = RunEvidence(run_directory, cfg, world_size, layout,
                            progress_lines=not show_bar(cfg) and cfg.trainer.progress != "none")
     trainer = build_trainer(cfg, run_directory, world_size, module.build(cfg, world_size), evidence)
+    for logger in trainer.loggers:  # the resolved config is logged at creation; add the layout
+        logger.log_hyperparams({"layout": layout, "world_size": world_size})
     resume_from = checkpoint_path(run_directory)
     resume = cfg.resume and checkpoint_exists(resume_from)
     if resume and trainer.is_global_zero:
         print(f"[layerwise] resuming from {resume_from}", flush=True)
-    trainer.fit(task, datamodule=LanguageModelData(cfg, corpus),
-                ckpt_path=str(resume_from) if resume else None)
+    try:
+        trainer.fit(task, datamodule=LanguageModelData(cfg, corpus),
+                    ckpt_path=str(resume_from) if resume else None)
+    finally:
+        finish_wandb(cfg)
     return {"rank": rank, "steps": trainer.global_step}
+
+
+def finish_wandb(cfg) -> None:
+    """Close this process's W&B run: the next sweep point may fork from this process, and a
+    child that inherits an open run would log into it instead of starting its own."""
+    if cfg.logger.name == "wandb" and "wandb" in sys.modules and sys.modules["wandb"].run is not None:
+        sys.modules["wandb"].finish()
 
 
 def train(cfg, run_directory: Path, world_size: int) -> dict:

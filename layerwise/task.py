@@ -65,6 +65,12 @@ class LanguageModelTask(pl.LightningModule):
         if not getattr(self.trainer.strategy, "owns_step", False):
             optimizer.zero_grad()
 
+    def configure_model(self):
+        # Lightning's ModelParallelStrategy (strategy=fsdp2) requires this hook; the strategy shards.
+        shard = getattr(self.trainer.strategy, "shard_lightning_module", None)
+        if callable(shard):
+            shard(self)
+
     def configure_optimizers(self):
         # Strategies that keep only some layers prune `self.model` before this runs.
         optimizer = build_optimizer(self.cfg.optimizer, self.model.named_parameters())

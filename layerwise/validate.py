@@ -49,7 +49,7 @@ def lookup(cfg, dotted: str):
 
 def world_size(cfg) -> int:
     """Processes in the job: nodes × devices per node; `single` always uses one."""
-    if cfg.strategy.name == "single":
+    if cfg.strategy.name in ("single", "kfac"):  # kfac: PipeFisher's one-process oracle
         return 1
     return cfg.hardware.nodes * cfg.hardware.devices_per_node
 
@@ -93,7 +93,7 @@ def approximate_parameters(model) -> int:
     return blocks + (256 + model.max_sequence_length) * model.hidden
 
 
-def check_hardware(cfg, world: int) -> list:
+def check_hardware(cfg, world: int, submitting: bool = False) -> list:
     hardware, errors = cfg.hardware, []
     if hardware.accelerator == "cpu" and hardware.precision not in CPU_PRECISIONS:
         errors.append(f"hardware.precision={hardware.precision!r} is not supported on CPU. "
@@ -101,7 +101,8 @@ def check_hardware(cfg, world: int) -> list:
     if hardware.accelerator == "cpu" and hardware.process_group_backend != "gloo":
         errors.append("hardware.process_group_backend must be gloo on CPU. Fix: "
                       "hardware.process_group_backend=gloo.")
-    if cfg.mode == "fit" and hardware.accelerator == "gpu" and not gpu_available():
+    # submitting (hydra/launcher=slurm): the GPUs are on the cluster's nodes, not on this machine
+    if cfg.mode == "fit" and hardware.accelerator == "gpu" and not submitting and not gpu_available():
         errors.append(f"hardware={hardware.name} needs CUDA GPUs and this machine has none. "
                       f"Fix: hardware=cpu here, or submit with hydra/launcher=slurm.")
     budget = hardware.device_memory_bytes if hardware.accelerator == "gpu" else hardware.host_memory_bytes
@@ -149,13 +150,17 @@ def check_strategy(cfg, world: int) -> list:
     return errors
 
 
-def validate(cfg) -> int:
-    """Raise ConfigError listing every problem; return the world size when the config is sound."""
+def validate(cfg, submitting: bool = False) -> int:
+    """Raise ConfigError listing every problem; return the world size when the config is sound.
+
+    `submitting`: the run goes to a cluster (layerwise.slurm checks every point before submission),
+    so this machine's own devices do not matter."""
     errors = check_choices(cfg)
     if errors:  # later checks assume known names
         raise ConfigError(errors)
     world = world_size(cfg)
-    errors = check_model(cfg) + check_hardware(cfg, world) + check_data(cfg) + check_strategy(cfg, world)
+    errors = (check_model(cfg) + check_hardware(cfg, world, submitting) + check_data(cfg)
+              + check_strategy(cfg, world))
     if errors:
         raise ConfigError(errors)
     return world

@@ -10,10 +10,19 @@ import importlib
 STRATEGIES = {
     "single": "strategies.plain",
     "ddp": "strategies.plain",
+    "l2l": "strategies.l2l",
     "modular_pipeline": "strategies.modular_pipeline",
     "gpipe": "strategies.modular_pipeline",
     "one_f_one_b": "strategies.modular_pipeline",
     "interleaved_1f1b": "strategies.modular_pipeline",
+    "zero_layered": "strategies.zero_layered",
+    "zero_depth_first": "strategies.zero_layered",
+    "fsdp2": "strategies.fsdp2",
+    "kfac": "strategies.kfac",
+    "pipefisher": "strategies.pipefisher",
+    "three_d": "strategies.three_d",
+    "tp_1d": "strategies.three_d",
+    "tp_2d": "strategies.three_d",
 }
 
 

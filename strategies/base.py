@@ -40,7 +40,12 @@ class LayerwiseStrategy(PerRankCheckpoints, DDPStrategy):
             if self.world_size != self.degrees.world_size:
                 raise ValueError(f"the strategy's degrees {self.degrees.as_dict()} need "
                                  f"{self.degrees.world_size} ranks, the job has {self.world_size}")
-            self.layout = ParallelLayout(self.degrees, rank=self.global_rank)
+            self.layout = ParallelLayout(self.degrees, rank=self.global_rank,
+                                         **self.layout_arguments())
+
+    def layout_arguments(self) -> dict:
+        """Extra ParallelLayout arguments of a subclass (e.g. a tensor grid); default none."""
+        return {}
 
     @override
     def configure_ddp(self) -> None:

@@ -96,8 +96,9 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         return self._broadcast_loss()
 
     def _execute(self, plan: Plan, batch, training: bool):
-        self.work.start(batch, training)
-        return execute(plan.ranks[self.layout.index("pipeline")], self.work.handlers())
+        actions = plan.ranks[self.layout.index("pipeline")]
+        self.work.start(batch, training, actions)
+        return execute(actions, self.work.handlers())
 
     def _broadcast_loss(self) -> torch.Tensor:
         """The loss lives on the last stage's rank; every rank must log the same value."""

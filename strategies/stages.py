@@ -58,6 +58,7 @@ class StepState:
     output_gradients: dict = field(default_factory=dict)  # gradient arriving for an output
     pending_sends: list = field(default_factory=list)  # (work, tensor): keep tensors alive
     pending_reductions: list = field(default_factory=list)  # (work, gradient) per parameter
+    posted_receives: dict = field(default_factory=dict)  # action -> (work, buffer)
     loss: torch.Tensor = None
 
 
@@ -89,10 +90,15 @@ class StageWork:
                 SEND_GRADIENT: self.send_gradient, RECV_GRADIENT: self.receive_gradient,
                 REDUCE_GRADIENT: self.reduce_gradient, FINISH: self.finish}
 
-    def start(self, batch: dict, training: bool) -> None:
+    def start(self, batch: dict, training: bool, actions=()) -> None:
+        """Reset per-step state, split the batch, and post every receive of `actions` at once:
+        a message then lands as soon as its sender posts it, and the RECV action only waits."""
         self.state = StepState()
         self.training = training
         self.batch = {key: value.chunk(self.micro_batches) for key, value in batch.items()}
+        for action in actions:
+            if action is not None and action.kind in (RECV_ACTIVATION, RECV_GRADIENT):
+                self.state.posted_receives[action] = self._post_receive(action)
 
     # ----- compute
     def forward(self, action: Action) -> None:
@@ -148,23 +154,30 @@ class StageWork:
         self.state.pending_sends.append((work, tensor))
 
     def receive_activation(self, action: Action) -> None:
-        # The sender's tag is computed from its own action: (peer stage, same micro-batch).
-        sender = Action(SEND_ACTIVATION, action.peer_stage, action.micro_batch, action.stage)
-        tensor = self._receive(action.peer_stage, self._tag(sender, False))
+        tensor = self._arrived(action)
         self.state.inputs[(action.stage, action.micro_batch)] = tensor.requires_grad_(self.training)
 
     def receive_gradient(self, action: Action) -> None:
-        sender = Action(SEND_GRADIENT, action.peer_stage, action.micro_batch, action.stage)
-        tensor = self._receive(action.peer_stage, self._tag(sender, True))
-        self.state.output_gradients[(action.stage, action.micro_batch)] = tensor
+        self.state.output_gradients[(action.stage, action.micro_batch)] = self._arrived(action)
 
-    def _receive(self, peer_stage: int, tag: int) -> torch.Tensor:
+    def _arrived(self, action: Action) -> torch.Tensor:
+        if action not in self.state.posted_receives:
+            self.state.posted_receives[action] = self._post_receive(action)
+        work, tensor = self.state.posted_receives.pop(action)
+        work.wait()
+        return tensor
+
+    def _post_receive(self, action: Action):
+        # The sender's tag is computed from its own action: (peer stage, same micro-batch).
+        gradient = action.kind == RECV_GRADIENT
+        sender = Action(SEND_GRADIENT if gradient else SEND_ACTIVATION, action.peer_stage,
+                        action.micro_batch, action.stage)
         tokens = self.batch["tokens"][0]
         shape = (tokens.shape[0], tokens.shape[1], self.model_hidden())
         tensor = torch.empty(shape, dtype=torch.float32, device=tokens.device)
-        self.peers.communicator.receive(tensor, self.peers.rank_of_stage[peer_stage],
-                                        self.peers.pipeline_group, tag=tag)
-        return tensor
+        work = self.peers.communicator.receive(tensor, self.peers.rank_of_stage[action.peer_stage],
+                                               self.peers.pipeline_group, tag=self._tag(sender, gradient))
+        return work, tensor
 
     def model_hidden(self) -> int:
         block = next(iter(self.model.blocks.values()))

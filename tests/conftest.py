@@ -2,5 +2,43 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+# ----- the local Slurm cluster (scripts/local_slurm.sh) for tests marked `slurm` (-m slurm)
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slurm: needs the local Slurm cluster (scripts/local_slurm.sh); "
+                                       "skipped with the reason when it cannot start")
+
+
+def _slurm_is_up() -> bool:
+    import shutil
+    import subprocess
+    if shutil.which("sinfo") is None:
+        return False
+    result = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True)
+    return result.returncode == 0 and "node1" in result.stdout and "node2" in result.stdout
+
+
+@pytest.fixture(scope="session")
+def local_slurm():
+    """A running 2-node Slurm with accounting: reuse one that runs, else install/start one and stop
+    it at the end. Not root / no apt: skip, printing why (pytest -ra lists the reason)."""
+    import subprocess
+    script = Path(__file__).resolve().parent.parent / "scripts" / "local_slurm.sh"
+    if _slurm_is_up():
+        yield "already running"
+        return
+    result = subprocess.run([str(script), "up"], capture_output=True, text=True, timeout=600)
+    if result.returncode == 2:
+        pytest.skip(f"local Slurm cannot start here: {result.stderr.strip().splitlines()[-1]}")
+    if result.returncode != 0:
+        pytest.fail(f"scripts/local_slurm.sh up failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    try:
+        yield "started"
+    finally:
+        subprocess.run([str(script), "stop"], capture_output=True, text=True, timeout=120)

@@ -75,3 +75,16 @@ def consolidated_parameters(run_directory, strategy_name: str) -> dict:
     ranks = sorted(path.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
     states = [torch.load(p, weights_only=False, map_location="cpu")["state_dict"] for p in ranks]
     return strategy_module(strategy_name).consolidate(states, layout)
+
+
+def cached_references(tmp_path_factory, run):
+    """`reference(layers) -> (summary, directory)`: single-process runs made once per module with
+    that module's `run(directory, *overrides)`, so every strategy case compares with the same one."""
+    cache = {}
+
+    def reference(layers):
+        if layers not in cache:
+            directory = tmp_path_factory.mktemp(f"single{layers}")
+            cache[layers] = (run(directory, "strategy=single", f"model.layers={layers}"), directory)
+        return cache[layers]
+    return reference

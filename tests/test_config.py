@@ -26,7 +26,8 @@ def test_every_option_composes(group):
 
 
 def test_default_config_is_valid():
-    assert validate(compose_config()) == 2
+    cfg = compose_config()
+    assert validate(cfg) == 2 and cfg.strategy.name == "modular_pipeline"
 
 
 def test_experiment_and_debug_presets_compose():
@@ -55,10 +56,10 @@ BAD_INPUTS = [
     (["strategy.name=pipedream"], "strategy='pipedream' is unknown"),
     (["model.hidden=100", "model.heads=3"], "model.hidden=100 is not divisible by model.heads=3"),
     (["data.sequence_length=512"], "data.sequence_length=512 exceeds"),
-    (["data.global_batch_size=3"], "data.global_batch_size=3 does not split into 2 data-parallel"),
+    (["strategy=ddp", "data.global_batch_size=3"], "data.global_batch_size=3 does not split into 2 data-parallel"),
     (["model=gpt3_175b", "data.sequence_length=64"], "planning-only shape"),
-    (["strategy.micro_batches=4"], "strategy.micro_batches=4"),
-    (["strategy.data_degree=4"], "strategy.data_degree=4 but the world has 2"),
+    (["strategy=ddp", "strategy.micro_batches=4"], "strategy.micro_batches=4"),
+    (["strategy=ddp", "strategy.data_degree=4"], "strategy.data_degree=4 but the world has 2"),
     (["data=text_files", "data.path=/nonexistent/texts"], "data.path='/nonexistent/texts' does not exist"),
     (["data=token_bin"], "data.path is not set"),
     (["hardware=dgx_a100_80g"], "needs CUDA GPUs and this machine has none"),
@@ -66,7 +67,7 @@ BAD_INPUTS = [
     (["optimizer.name=adagrad"], "optimizer.name='adagrad' is unknown"),
     (["trainer.max_steps=0"], "trainer.max_steps=0 must be at least 1"),
     (["model.layers=400", "model.hidden=4096", "model.heads=32"], "more than hardware.host_memory_bytes"),
-    (["strategy.pipeline_degree=2"], "strategy.pipeline_degree=2"),
+    (["strategy=ddp", "strategy.pipeline_degree=2"], "strategy.pipeline_degree=2"),
     (["hardware.process_group_backend=nccl"], "must be gloo on CPU"),
 ]
 

@@ -10,8 +10,8 @@ import pytest
 
 from layerwise.run import train
 from layerwise.validate import ConfigError, validate
-from tests.harness import (QUICK, assert_same_losses, assert_same_parameters, compose_config,
-                           consolidated_parameters)
+from tests.harness import (QUICK, assert_same_losses, assert_same_parameters, cached_references,
+                           compose_config, consolidated_parameters)
 
 STEPS = 5
 
@@ -24,15 +24,7 @@ def run(directory, *overrides, steps=STEPS):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Single-process runs, one per depth, computed once."""
-    cache = {}
-
-    def reference(layers):
-        if layers not in cache:
-            directory = tmp_path_factory.mktemp(f"single{layers}")
-            cache[layers] = (run(directory, "strategy=single", f"model.layers={layers}"), directory)
-        return cache[layers]
-    return reference
+    return cached_references(tmp_path_factory, run)
 
 
 CASES = {

@@ -13,7 +13,7 @@ from tests.harness import QUICK, assert_same_losses, assert_same_parameters, com
 STEPS = 10
 
 
-def run(tmp_path, name, *overrides):
+def run(tmp_path, name, *overrides):  # noqa: D103
     cfg = compose_config(*QUICK, f"trainer.max_steps={STEPS}", "trainer.val_check_interval=5",
                          *overrides)
     world = validate(cfg)
@@ -85,3 +85,12 @@ def test_resume_continues_bit_identically(reference, tmp_path):
     resumed = train(cfg, directory, 1)
     assert resumed["losses"][4:] == reference[0]["losses"][4:]
     assert [int(r["step"]) for r in metrics(directory)] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("logger,produced", [("csv", "csv_logs"), ("tensorboard", "tensorboard")])
+def test_file_loggers_receive_the_metrics(tmp_path, logger, produced):
+    summary, directory = run(tmp_path, logger, "strategy=single", "trainer.max_steps=2",
+                             f"logger={logger}")
+    assert summary["status"] == "completed"
+    files = [p for p in (directory / produced).rglob("*") if p.is_file()]
+    assert files and any(p.stat().st_size > 0 for p in files)

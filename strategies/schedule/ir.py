@@ -54,6 +54,23 @@ KINDS: dict[str, KindInfo] = {
     REDUCE_GRADIENT: KindInfo("R", None, False, False, True),
 }
 
+# L2L host<->device kinds (TECHNIQUES §3; added by strategies/schedule/offload.py). One kind per sweep,
+# because each stage's weights travel twice per step and an action occurs once per plan.
+WEIGHTS_FORWARD = "WEIGHTS_FORWARD"  # "3Wf": copy stage 3's weights host -> device for its forwards
+WEIGHTS_BACKWARD = "WEIGHTS_BACKWARD"  # "3Wb": copy them again for its recompute + backwards
+RELEASE_FORWARD = "RELEASE_FORWARD"  # "3Ef": free stage 3's device weights after its forwards
+RELEASE_BACKWARD = "RELEASE_BACKWARD"  # "3Eb": free them (and their gradients) after its backwards
+GRADIENT_TO_HOST = "GRADIENT_TO_HOST"  # "3Gh": copy stage 3's accumulated gradient device -> host
+UPDATE_ON_HOST = "UPDATE_ON_HOST"  # "3Uh": the host optimizer updates stage 3, eagerly, in the background
+KINDS.update({
+    WEIGHTS_FORWARD: KindInfo("Wf", None, False, False, True),
+    WEIGHTS_BACKWARD: KindInfo("Wb", None, False, False, True),
+    RELEASE_FORWARD: KindInfo("Ef", None, False, False, False),
+    RELEASE_BACKWARD: KindInfo("Eb", None, False, False, False),
+    GRADIENT_TO_HOST: KindInfo("Gh", None, False, False, True),
+    UPDATE_ON_HOST: KindInfo("Uh", None, False, False, False),
+})
+
 
 def kind_of(letter: str, arrow: str | None) -> str:
     """The kind written as `letter` (+ `arrow`); ValueError if none is."""
@@ -178,6 +195,11 @@ class Plan:
         """Whether point-to-point transfers are explicit (after `add_communication`)."""
         return any(action.info.arrow is not None for _, _, action in self.positions())
 
+    @cached_property
+    def offloads(self) -> bool:
+        """Whether weights travel host -> device explicitly (after `offload.add_host_transfers`)."""
+        return any(action.kind == WEIGHTS_FORWARD for _, _, action in self.positions())
+
     def grid(self, marks: Iterable[tuple[int, int]] = ()) -> str:
         """Rank × slot text grid; the actions at the (rank, slot) `marks` are shown as >>3B1<<."""
         marks = set(marks)
@@ -221,7 +243,22 @@ def dependencies(action: Action, plan: Plan) -> tuple[Action, ...]:
     REDUCE_GRADIENT(s) needs every B(s,·). Kinds without a rule depend on nothing.
     """
     rule = _DEPENDENCY_RULES.get(action.kind)
-    return rule(action, plan) if rule else ()
+    return (rule(action, plan) if rule else ()) + _weights_dependency(action, plan)
+
+
+def _weights_dependency(action: Action, plan: Plan) -> tuple[Action, ...]:
+    """In an offloaded plan (L2L), a stage's F and B also wait for its weights to reach the device."""
+    loads = {FORWARD: WEIGHTS_FORWARD, BACKWARD: WEIGHTS_BACKWARD}
+    if action.kind not in loads or not plan.offloads:
+        return ()
+    return (Action(loads[action.kind], action.stage),)
+
+
+def _all_micro_batches(kind: str, *extra_kinds: str):
+    """Rule: every `kind` action of the stage (one per micro-batch), then the stage-level `extra_kinds`."""
+    return lambda action, plan: tuple(Action(kind, action.stage, micro_batch)
+                                      for micro_batch in range(plan.micro_batches)) + tuple(
+        Action(extra, action.stage) for extra in extra_kinds)
 
 
 def _forward_dependencies(action: Action, plan: Plan) -> tuple[Action, ...]:
@@ -255,3 +292,24 @@ _DEPENDENCY_RULES: dict[str, Callable[[Action, Plan], tuple[Action, ...]]] = {
     REDUCE_GRADIENT: lambda action, plan: tuple(
         Action(BACKWARD, action.stage, micro_batch) for micro_batch in range(plan.micro_batches)),
 }
+
+# L2L (TECHNIQUES §3): weights are freed and gradients leave once every micro-batch of the stage has run.
+_DEPENDENCY_RULES.update({
+    RELEASE_FORWARD: _all_micro_batches(FORWARD),
+    GRADIENT_TO_HOST: _all_micro_batches(BACKWARD),
+    RELEASE_BACKWARD: _all_micro_batches(BACKWARD, GRADIENT_TO_HOST),
+    UPDATE_ON_HOST: lambda action, plan: (Action(GRADIENT_TO_HOST, action.stage),),
+})
+
+
+def register_kind(kind: str, info: KindInfo, rule: Callable[[Action, Plan], tuple[Action, ...]] | None = None) -> None:
+    """Add an action kind (a pass's own actions: weight gathers, host copies, ...) and its dependency rule.
+
+    Idempotent for an equal row (modules may be re-imported); a clash of kind or written form is an error.
+    """
+    clash = [other for other, row in KINDS.items() if (row.letter, row.arrow) == (info.letter, info.arrow)]
+    if KINDS.get(kind, info) != info or clash not in ([], [kind]):
+        raise ValueError(f"action kind {kind!r} written {info.letter!r} clashes with {KINDS.get(kind) or clash}")
+    KINDS[kind] = info
+    if rule is not None:
+        _DEPENDENCY_RULES[kind] = rule

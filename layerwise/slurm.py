@@ -1,0 +1,455 @@
+"""Sweeps on a cluster: Hydra launchers that validate every point first, and the Slurm job side.
+
+`python train.py -m strategy=ddp,modular_pipeline hardware.nodes=2 hydra/launcher=slurm` does:
+
+1. submission (this machine, `SlurmLauncher.launch`): compose every point's config and validate it
+   (the strategy's checks, and launcher vs Trainer: nodes, tasks per node, GPUs) — one invalid
+   point rejects the whole sweep before anything is submitted, naming the point and the field;
+   then fill each point's resources from its hardware profile (nodes = hardware.nodes, tasks per
+   node = GPUs per node = hardware.devices_per_node; one task for single-process strategies) and
+   submit one Slurm job array per distinct resource shape;
+2. job (every task of every job, `SlurmLauncher.__call__`): each Slurm task is one rank. Rank 0
+   alone writes Hydra's files and the job log; the ranks run `train.py`'s task function, which
+   sees `launched_externally()` and fits in place with Lightning's `SLURMEnvironment(auto_requeue=
+   False)`. The run directory is the sweep directory plus the point's number and overrides, the
+   same for every requeue of that job, so a requeued job resumes from its `last` checkpoint and
+   its W&B run id;
+3. preemption: this module is the one owner of the preemption signal (SIGUSR2, which Slurm sends
+   `signal_delay_s` before the time limit, or on `scancel --signal=USR2`). Its handler only sets a
+   flag; at the next step boundary all ranks agree on it (an all-reduce), all save the checkpoint,
+   the run unwinds (metrics flushed, summary "interrupted", W&B closed), rank 0 runs `scontrol
+   requeue` and the ranks exit without a result. submitit's own USR2 handler is replaced and
+   Lightning's USR1 auto-requeue is off: one save, one requeue;
+4. failure: Slurm runs the tasks with `SLURM_KILL_BAD_EXIT=1`, so when one rank dies (exception,
+   SIGKILL, OOM kill) Slurm ends the others at once; a rank that raises prints `[layerwise] rank R
+   failed: reason` first. The launcher waits for every job, prints one line per point, writes a
+   failed `summary.json` (with `failed_rank`) for a point whose ranks could not, and reports the
+   sweep as failed while the other points complete.
+
+`LocalLauncher` (hydra/launcher=local) is the laptop equivalent: the same validation of every
+point first, then the points one after another in this process (each forks its ranks).
+"""
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as _SubmititSlurm
+from omegaconf import OmegaConf, open_dict, read_write
+
+PREEMPTION_SIGNAL = signal.SIGUSR2  # submitit asks Slurm for --signal=USR2@signal_delay_s
+TIMEOUT_VARIABLE = "LAYERWISE_PROCESS_GROUP_TIMEOUT_S"
+OWN_KEYS = ("process_group_timeout_s",)  # launcher keys of ours, not submitit's
+SUBMITIT_KEYS = tuple(f.name for f in dataclasses.fields(SlurmQueueConf))
+PLUGIN_ROOT = Path(__file__).resolve().parent.parent  # holds hydra_plugins/layerwise_launchers
+FAILURE_LINE = re.compile(r"\[layerwise\] rank (\d+) failed: (.*)")
+SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.*)")
+
+
+# ============================================================== submission side: every point first
+
+class SweepRejected(SystemExit):
+    """Raised (as exit code 2) when a point is invalid: nothing has been submitted."""
+
+
+class SweepFailed(RuntimeError):
+    """At least one point failed; the others ran to their end. The message lists the failures."""
+
+
+def _is_interpolation(value) -> bool:
+    return isinstance(value, str) and value.startswith("${")
+
+
+def job_resources(cfg, world_size: int) -> tuple:
+    """(resources for this point's job, problems): the launcher values checked against the Trainer.
+
+    Lightning stops a Slurm job whose tasks per node differ from `devices` or whose node count
+    differs from `num_nodes`; both follow from the hardware profile, so an explicit launcher value
+    must agree. Single-process strategies get one task on one node.
+    """
+    hardware = cfg.hardware
+    raw = OmegaConf.to_container(cfg.hydra.launcher, resolve=False)
+    resolved = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    single = world_size == 1
+    expected = {"nodes": 1 if single else hardware.nodes,
+                "tasks_per_node": 1 if single else hardware.devices_per_node}
+    source = {"nodes": "hardware.nodes", "tasks_per_node": "hardware.devices_per_node"}
+    problems = []
+    for key, value in expected.items():
+        if raw.get(key) is None or _is_interpolation(raw.get(key)):
+            resolved[key] = value
+        elif resolved[key] != value:
+            why = (f"strategy={cfg.strategy.name} runs one process" if single else
+                   f"the Trainer runs {source[key]}={value}")
+            problems.append(f"hydra.launcher.{key}={resolved[key]} but {why}; Lightning would stop "
+                            f"the job. Fix: drop hydra.launcher.{key} (it follows {source[key]}) or "
+                            f"set {source[key]}={resolved[key]}.")
+    gpus = resolved.get("gpus_per_node")
+    if hardware.accelerator == "gpu":
+        if gpus is None or _is_interpolation(raw.get("gpus_per_node")):
+            resolved["gpus_per_node"] = expected["tasks_per_node"]
+        elif gpus != expected["tasks_per_node"]:
+            problems.append(f"hydra.launcher.gpus_per_node={gpus} but each node runs "
+                            f"{expected['tasks_per_node']} ranks (one GPU each). Fix: drop "
+                            f"hydra.launcher.gpus_per_node or set hardware.devices_per_node={gpus}.")
+    elif gpus:
+        problems.append(f"hydra.launcher.gpus_per_node={gpus} but hardware={hardware.name} runs on "
+                        f"{hardware.accelerator}. Fix: drop hydra.launcher.gpus_per_node or choose "
+                        f"a GPU hardware profile.")
+    return resolved, problems
+
+
+def point_config(launcher, overrides: Sequence[str], number: int):
+    """The point's composed config as its job will see it (job number set, so its directory)."""
+    cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+    with read_write(cfg.hydra.job), open_dict(cfg.hydra.job):
+        cfg.hydra.job.num = number
+    return cfg
+
+
+def point_directory(cfg) -> Path:
+    return Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+
+
+def validate_points(launcher, job_overrides, initial_job_idx: int, with_resources: bool) -> list:
+    """Compose and validate every point; exit 2 listing every problem by point, or return them."""
+    from layerwise.validate import ConfigError, validate
+
+    points, problems = [], []
+    for offset, overrides in enumerate(job_overrides):
+        number = initial_job_idx + offset
+        name = " ".join(filter_overrides(overrides)) or "(no overrides)"
+        cfg = point_config(launcher, overrides, number)
+        errors, resources = [], None
+        try:
+            world = validate(cfg, submitting=with_resources)
+        except ConfigError as error:
+            errors, world = list(error.problems), None
+        if world is not None and with_resources:
+            resources, launcher_errors = job_resources(cfg, world)
+            errors += launcher_errors
+        problems += [f"point #{number} ({name}): {error}" for error in errors]
+        points.append({"number": number, "name": name, "overrides": list(overrides), "cfg": cfg,
+                       "resources": resources})
+    if problems:
+        lines = "\n".join(f"  - {problem}" for problem in problems)
+        bad = len({p.split(":")[0] for p in problems})
+        print(f"layerwise: sweep rejected before submission: {bad} of {len(points)} point"
+              f"{'s' if len(points) > 1 else ''} invalid, nothing was submitted:\n{lines}",
+              file=sys.stderr, flush=True)
+        raise SweepRejected(2)
+    return points
+
+
+def report(points: list, outcomes: list, title: str) -> None:
+    failed = [o for o in outcomes if o["status"] != "completed"]
+    print(f"[layerwise] {title}: {len(points) - len(failed)} of {len(points)} points completed",
+          flush=True)
+    for point, outcome in zip(points, outcomes):
+        detail = outcome.get("reason") or ""
+        job = f"  job {outcome['job']}" if outcome.get("job") else ""
+        print(f"[layerwise]   #{point['number']} {point['name']}: {outcome['status']}{job}  "
+              f"{outcome['directory']}{'  ' + detail if detail else ''}", flush=True)
+
+
+def sweep_result(points: list, outcomes: list, returns: list) -> list:
+    """Hydra's sweeper raises the first failed point's value: make it name every failed point."""
+    failed = [(p, o) for p, o in zip(points, outcomes) if o["status"] != "completed"]
+    if failed:
+        message = "; ".join(f"point #{p['number']} ({p['name']}) {o['status']}: {o.get('reason', '')}"
+                            for p, o in failed)
+        first = next(i for i, o in enumerate(outcomes) if o["status"] != "completed")
+        returns[first].status = JobStatus.FAILED
+        returns[first]._return_value = SweepFailed(
+            f"{len(failed)} of {len(points)} sweep points failed: {message}")
+    return returns
+
+
+# ================================================================================ the launchers
+
+class LocalLauncher(BasicLauncher):
+    """hydra/launcher=local: validate every point, then run them here one after another."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        points = validate_points(self, job_overrides, initial_job_idx, with_resources=False)
+        returns = list(super().launch(job_overrides, initial_job_idx))
+        outcomes = []
+        for point, returned in zip(points, returns):
+            status = "completed" if returned.status == JobStatus.COMPLETED else "failed"
+            reason = "" if status == "completed" else _one_line(returned._return_value)
+            outcomes.append({"status": status, "reason": reason,
+                             "directory": str(point_directory(point["cfg"]))})
+        report(points, outcomes, f"sweep {self.config.hydra.sweep.dir}")
+        return sweep_result(points, outcomes, returns)
+
+
+class SlurmLauncher(_SubmititSlurm):
+    """hydra/launcher=slurm: hydra-submitit-launcher's Slurm launcher, made safe for multi-rank runs.
+
+    Submission: every point validated first; resources per point from its hardware profile; one
+    array per resource shape; wait for all, report each point. Job: see `__call__`.
+    """
+
+    def __init__(self, **params: Any) -> None:
+        unknown = sorted(set(params) - set(SUBMITIT_KEYS) - set(OWN_KEYS) - {"_target_"})
+        if unknown:
+            raise ValueError(f"hydra.launcher has unknown key(s) {unknown}. Known: "
+                             f"{', '.join(sorted(SUBMITIT_KEYS + OWN_KEYS))}.")
+        self.process_group_timeout_s = params.pop("process_group_timeout_s", None)
+        super().__init__(**params)
+
+    # ----- submission
+    def _executor(self, resources: dict):
+        import submitit
+
+        params = {k: v for k, v in resources.items() if k in SUBMITIT_KEYS and k != "_target_"}
+        executor = submitit.AutoExecutor(cluster=self._EXECUTOR, folder=params.pop("submitit_folder"),
+                                         slurm_max_num_timeout=params.pop("max_num_timeout", 0))
+        # Slurm ends every task of a job as soon as one exits badly: no rank waits on a dead peer.
+        # The job unpickles this launcher: hydra_plugins/ (next to train.py) must be importable.
+        setup = ["export SLURM_KILL_BAD_EXIT=1",
+                 f"export PYTHONPATH={PLUGIN_ROOT}${{PYTHONPATH:+:$PYTHONPATH}}"]
+        setup += list(params.pop("setup", None) or [])
+        if self.process_group_timeout_s:
+            setup.append(f"export {TIMEOUT_VARIABLE}={int(self.process_group_timeout_s)}")
+        base = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(slurm_setup=setup, **{
+            k if k in base else f"{self._EXECUTOR}_{k}": v for k, v in params.items()})
+        return executor
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        points = validate_points(self, job_overrides, initial_job_idx, with_resources=True)
+        sweep_directory = Path(str(self.config.hydra.sweep.dir))
+        sweep_directory.mkdir(parents=True, exist_ok=True)
+        shapes: Dict[str, list] = {}
+        for point in points:
+            shapes.setdefault(json.dumps(point["resources"], sort_keys=True, default=str), []).append(point)
+        jobs: Dict[int, Any] = {}
+        for group in shapes.values():
+            executor = self._executor(dict(group[0]["resources"]))
+            arguments = [(p["overrides"], "hydra.sweep.dir", p["number"], f"job_id_for_{p['number']}",
+                          Singleton.get_state()) for p in group]
+            for point, job in zip(group, executor.map_array(self, *zip(*arguments))):
+                jobs[point["number"]] = job
+                resources = point["resources"]
+                print(f"[layerwise] submitted #{point['number']} {point['name']}: job {job.job_id}, "
+                      f"{resources['nodes']} node(s) × {resources['tasks_per_node']} task(s)",
+                      flush=True)
+        returns, outcomes = [], []
+        for point in points:
+            returned, outcome = self._wait(point, jobs[point["number"]])
+            returns.append(returned)
+            outcomes.append(outcome)
+        report(points, outcomes, f"sweep {sweep_directory}")
+        return sweep_result(points, outcomes, returns)
+
+    def _wait(self, point: dict, job) -> tuple:
+        directory = point_directory(point["cfg"])
+        outcome = {"job": job.job_id, "directory": str(directory)}
+        try:
+            returned = job.results()[0]
+        except Exception as error:  # UncompletedJobError / FailedJobError: the job died
+            returned = JobReturn(overrides=point["overrides"], status=JobStatus.FAILED,
+                                 _return_value=error)
+        if returned.status == JobStatus.COMPLETED:
+            outcome["status"] = "completed"
+            return returned, outcome
+        rank, reason = failing_rank(job, returned._return_value)
+        outcome.update(status="failed", reason=f"rank {rank}: {reason}" if rank is not None else reason)
+        record_job_failure(directory, point["cfg"], rank, outcome["reason"])
+        return returned, outcome
+
+    # ----- job side: runs in every Slurm task (rank) of the point's job
+    def __call__(self, sweep_overrides: List[str], job_dir_key: str, job_num: int, job_id: str,
+                 singleton_state: Dict[type, Singleton]) -> JobReturn:
+        import submitit
+        import torch
+
+        rank = int(os.environ.get("SLURM_PROCID", "0"))
+        install_preemption_handler()  # before anything slow: submitit's USR2 handler is replaced
+        if self.process_group_timeout_s:
+            os.environ.setdefault(TIMEOUT_VARIABLE, str(int(self.process_group_timeout_s)))
+        torch.set_num_threads(max(1, int(os.environ.get("SLURM_CPUS_PER_TASK", "1"))))
+        Singleton.set_state(singleton_state)
+        setup_globals()
+        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, sweep_overrides)
+        with read_write(sweep_config.hydra), open_dict(sweep_config.hydra):
+            sweep_config.hydra.job.id = submitit.JobEnvironment().job_id
+            sweep_config.hydra.job.num = job_num
+            if rank != 0:  # only rank 0 writes .hydra/ and the job log
+                sweep_config.hydra.output_subdir = None
+        try:
+            returned = run_job(hydra_context=self.hydra_context, task_function=self.task_function,
+                               config=sweep_config, job_dir_key=job_dir_key,
+                               job_subdir_key="hydra.sweep.subdir", configure_logging=rank == 0)
+        except SystemExit:
+            if PREEMPTION.saved:
+                exit_after_requeue(rank)
+            raise
+        if PREEMPTION.saved:
+            exit_after_requeue(rank)
+        if returned.status == JobStatus.FAILED:
+            error = returned._return_value
+            print(f"[layerwise] rank {rank} failed: {_one_line(error)}", file=sys.stderr, flush=True)
+            traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+            if rank == 0:
+                raise error  # submitit records it as the job's error
+            sys.exit(1)  # a bad exit: Slurm ends the other ranks now
+        return returned
+
+
+def _one_line(error) -> str:
+    text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if len(lines) == 1 or not lines else lines[0] + " … " + lines[-1]
+
+
+def failing_rank(job, error) -> tuple:
+    """(rank, reason) from the job's logs. srun's first task error names the first rank that died
+    (the others were ended because of it); a rank that raised also printed its own reason."""
+    folder = Path(job.paths.folder)
+    texts = []
+    for path in sorted(folder.glob(f"{job.job_id}_*_log.*")):
+        try:
+            texts.append(path.read_text(errors="replace"))
+        except OSError:
+            continue
+    own = {}
+    for text in texts:
+        for match in FAILURE_LINE.finditer(text):
+            own.setdefault(int(match.group(1)), match.group(2).strip())
+    for text in texts:
+        match = SRUN_ERROR.search(text)
+        if match:
+            tasks = match.group(2)
+            rank = int(re.split(r"[,\-]", tasks)[0])
+            srun = f"{match.group(3).strip()} (srun: {match.group(1)} task {tasks})"
+            return rank, f"{own[rank]}; {srun}" if rank in own else srun
+    if own:
+        rank = min(own)
+        return rank, own[rank]
+    return None, _one_line(error)
+
+
+def record_job_failure(directory: Path, cfg, rank: Optional[int], reason: str) -> None:
+    """Leave a failed summary.json when the ranks could not (SIGKILL); add the failing rank."""
+    from layerwise.evidence import write_json_atomically
+    from layerwise.validate import world_size
+
+    path = directory / "summary.json"
+    summary = {}
+    if path.exists():
+        try:
+            summary = json.loads(path.read_text())
+        except ValueError:
+            summary = {}
+    if summary.get("status") != "failed":
+        summary.update(status="failed", error=reason, strategy=cfg.strategy.name,
+                       model=cfg.model.name, hardware=cfg.hardware.name, data=cfg.data.name,
+                       world_size=world_size(cfg))
+    summary.setdefault("failed_rank", rank)
+    summary["job_failure"] = reason
+    directory.mkdir(parents=True, exist_ok=True)
+    write_json_atomically(path, summary)
+
+
+# ======================================================================= job side: preemption
+
+class _Preemption:
+    requested = False  # set by the signal handler, nothing else happens there
+    saved = False  # set after every rank saved the checkpoint at a step boundary
+
+
+PREEMPTION = _Preemption()
+
+
+def _on_preemption_signal(signum, frame) -> None:
+    PREEMPTION.requested = True
+    os.write(2, f"[layerwise] received {signal.Signals(signum).name}: checkpoint and requeue at "
+                f"the next step boundary\n".encode())
+
+
+def install_preemption_handler() -> None:
+    signal.signal(PREEMPTION_SIGNAL, _on_preemption_signal)
+
+
+def under_slurm_step() -> bool:
+    """This process is one task of a Slurm job step with the ranks started by srun."""
+    return "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ and "SLURM_JOB_ID" in os.environ
+
+
+def slurm_job_id() -> str:
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array:
+        return f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ["SLURM_JOB_ID"]
+
+
+class Preempted(KeyboardInterrupt):
+    """Ends fit after the checkpoint: Lightning treats it as an interruption (summary: interrupted)."""
+
+
+def requeue_on_preemption_callback(checkpoint_path: Path):
+    import lightning.pytorch as pl
+
+    class RequeueOnPreemption(pl.Callback):
+        """At each step boundary all ranks agree on the flag; if set: save, requeue, stop."""
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
+            if not trainer.strategy.reduce_boolean_decision(PREEMPTION.requested, all=False):
+                return
+            if trainer.global_step >= trainer.max_steps:
+                return  # the last step: finishing is better than requeueing
+            trainer.save_checkpoint(checkpoint_path, weights_only=False)  # all ranks, atomic
+            PREEMPTION.saved = True
+            if trainer.is_global_zero:
+                print(f"[layerwise] preempted: checkpoint at step {trainer.global_step} saved to "
+                      f"{checkpoint_path}", flush=True)
+            # Unwind first (metrics row, summary "interrupted", W&B closed); requeue at the very end
+            # (exit_after_requeue): requeueing sends SIGTERM to the whole job, W&B's service too.
+            raise Preempted(f"preempted at step {trainer.global_step}")
+
+    return RequeueOnPreemption()
+
+
+def exit_after_requeue(rank: int) -> None:
+    """Rank 0 requeues the job; every rank leaves without a result file (submitit must see the
+    job continue, not finish). A failed requeue fails the job: its checkpoint is still there."""
+    if rank == 0:
+        job = slurm_job_id()
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
+        print(f"[layerwise] job {job} requeued: it resumes from its checkpoint", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(0)
+
+
+# =========================================================== what layerwise.run adds under Slurm
+
+def slurm_plugins(strategy) -> list:
+    """Lightning's Slurm environment without its signal handling, and our process-group timeout."""
+    if not under_slurm_step():
+        return []
+    from datetime import timedelta
+
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    seconds = os.environ.get(TIMEOUT_VARIABLE)
+    if seconds and hasattr(strategy, "_timeout"):
+        strategy._timeout = timedelta(seconds=float(seconds))
+    return [SLURMEnvironment(auto_requeue=False)]
+
+
+def slurm_callbacks(checkpoint_path: Path) -> list:
+    return [requeue_on_preemption_callback(checkpoint_path)] if under_slurm_step() else []

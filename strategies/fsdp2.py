@@ -1,0 +1,94 @@
+"""fsdp2: what PyTorch gives users — Lightning's ModelParallelStrategy with torch's `fully_shard` (FSDP2).
+
+The baseline of ZeroLayeredStrategy (benchmarks/zero_layered.py). Each block is one FSDP unit (the
+embedding and head join the root unit), resharded after forward: ZeRO-3. Micro-batches run depth-
+first, as PyTorch runs them; `sync_every_micro_batch` chooses between reduce-scattering every
+micro-batch (3m(n−1)/n·P) and PyTorch's no-sync accumulation (unsharded gradients kept until the last
+micro-batch: (2m+1)(n−1)/n·P, at the memory cost of a full gradient). FSDP2 calls torch.distributed
+directly, so its bytes are not in metrics.csv: the benchmark counts them with a wrapper.
+"""
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+from typing_extensions import override
+
+from layerwise.layout import Degrees
+
+
+class Fsdp2Strategy(ModelParallelStrategy):
+    """FSDP2 over all ranks (data parallel only), with m depth-first micro-batches per step.
+
+    1. `shard_lightning_module` (called from the task's configure_model): fully_shard each block, then the root;
+    2. training_step: for each micro-batch, forward + backward of loss/m (sync or no-sync, see above);
+    3. backward is a no-op (done in the step), optimizer_step calls the closure then steps.
+    """
+
+    owns_step = True  # LanguageModelTask.optimizer_zero_grad defers to us
+
+    def __init__(self, cfg, world_size: int):
+        super().__init__(data_parallel_size=world_size, tensor_parallel_size=1,
+                         process_group_backend=cfg.hardware.process_group_backend)
+        self.micro_batches = cfg.strategy.micro_batches
+        self.sync_every_micro_batch = cfg.strategy.sync_every_micro_batch
+
+    def shard_lightning_module(self, task) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for block in task.model.blocks.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(task.model, mesh=mesh)
+
+    @override
+    def training_step(self, *args, **kwargs):
+        batch, model = args[0], self.lightning_module.model
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        pieces = zip(batch["tokens"].chunk(self.micro_batches), batch["targets"].chunk(self.micro_batches))
+        for index, (tokens, targets) in enumerate(pieces):
+            last = index == self.micro_batches - 1
+            model.set_requires_gradient_sync(self.sync_every_micro_batch or last)
+            loss = model.loss(model(tokens), targets) / self.micro_batches
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def compute_resident_tensors(self) -> list:
+        """Local shards of parameters, gradients and optimizer state (DTensors hold them as `_local_tensor`)."""
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+        tensors = [local(p) for p in self.lightning_module.parameters()]
+        tensors += [local(p.grad) for p in self.lightning_module.parameters() if p.grad is not None]
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                tensors += [local(v) for v in state.values() if isinstance(v, torch.Tensor)]
+        return tensors
+
+    @override
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        return closure_loss  # every micro-batch's backward ran inside training_step
+
+    @override
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        closure_result = closure()
+        optimizer.step()
+        return closure_result
+
+
+# ----- the registry interface (see strategies/__init__.py)
+
+def degrees(cfg, world_size: int) -> Degrees:
+    return Degrees(data=world_size)
+
+
+def check(cfg, world_size: int) -> list:
+    errors = []
+    if cfg.strategy.pipeline_degree != 1:
+        errors.append(f"strategy.pipeline_degree={cfg.strategy.pipeline_degree}: fsdp2 has no pipeline. "
+                      "Fix: strategy.pipeline_degree=1, or strategy=zero_layered for sharded pipelines.")
+    if cfg.trainer.gradient_clip_val:
+        errors.append("trainer.gradient_clip_val is not wired for fsdp2 here. Fix: trainer.gradient_clip_val=0.")
+    return errors
+
+
+def build(cfg, world_size: int):
+    return Fsdp2Strategy(cfg, world_size)

@@ -1,0 +1,261 @@
+"""K-FAC (Martens & Grosse 2015) as PipeFisher's reference uses it (TECHNIQUES.md §2), single process.
+
+Only the nn.Linear layers inside transformer blocks are preconditioned; everything else keeps the
+outer optimizer's plain gradient. This file holds the math (`KFAC`, no torch.distributed: factor
+sync is the caller's job) and `KFACStrategy`, the one-process oracle PipeFisher is held to.
+"""
+
+import math
+
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch import nn
+from typing_extensions import override
+
+from layerwise.layout import Degrees, ParallelLayout
+
+
+def block_linears(model: nn.Module) -> dict:
+    """Every nn.Linear inside a block, by its name in the model ("blocks.0.attention.qkv", ...)."""
+    return {f"blocks.{block}.{name}": module for block, body in model.blocks.items()
+            for name, module in body.named_modules() if isinstance(module, nn.Linear)}
+
+
+def refresh_phase(step: int, refresh_interval: int) -> tuple:
+    """(capture, promote) for optimizer step `step` (0-based).
+
+    Step 0 is one synchronous K-FAC step (capture, invert, use). Afterwards steps 1.. form cycles
+    of k: curvature is captured in a cycle's first step only, and the inverses built from it are
+    used from the cycle's last step on, so the preconditioner is up to k−1 steps stale (§2).
+    """
+    if step == 0:
+        return True, True
+    phase = (step - 1) % refresh_interval
+    return phase == 0, phase == refresh_interval - 1
+
+
+def damped_inverse(factor: torch.Tensor, damping: float) -> torch.Tensor:
+    """(factor + damping·I)⁻¹ by Cholesky, in float64 so equal factors summed in another order
+    (pipeline vs single process) give inverses equal to far below the tests' tolerance."""
+    eye = torch.eye(factor.shape[0], dtype=torch.float64, device=factor.device)
+    cholesky = torch.linalg.cholesky(factor.double() + damping * eye)
+    return torch.cholesky_inverse(cholesky).to(factor.dtype)
+
+
+def pi_damping(a_factor: torch.Tensor, b_factor: torch.Tensor, damping: float) -> tuple:
+    """Factored Tikhonov damping: π = √((tr A/dim A)/(tr B/dim B)), λ_A = √λ·π, λ_B = √λ/π."""
+    a_mean, b_mean = a_factor.trace() / a_factor.shape[0], b_factor.trace() / b_factor.shape[0]
+    pi = math.sqrt(a_mean / b_mean) if a_mean > 0 and b_mean > 0 else 1.0
+    return math.sqrt(damping) * pi, math.sqrt(damping) / pi
+
+
+class KFAC:
+    """Kronecker-factored curvature of some Linear layers, and the preconditioning it gives.
+
+    1. capture: a forward hook keeps each Linear's input a; a hook on its output keeps the output gradient g;
+    2. curvature: A += aᵀa/N and B += (N_local·g)ᵀ(N_local·g)/N, per micro-batch, summed over the step;
+    3. inversion: A⁻¹, B⁻¹ by Cholesky with π-damping; they become active when `promote` is called;
+    4. preconditioning: ∇W ← B⁻¹ ∇W A⁻¹ and ∇b ← B⁻¹ ∇b (bias is not folded into A).
+    """
+
+    def __init__(self, linears: dict, damping: float):
+        self.linears = linears
+        self.damping = damping
+        self.capturing = False
+        self.micro_batch = 0  # the caller says which micro-batch the next forward is
+        self.captured = {}  # ("a" | "g", name, micro_batch) -> tensor, kept until its curvature unit runs
+        self.factors = {name: {"A": self._square(linear.in_features, linear),
+                               "B": self._square(linear.out_features, linear)}
+                        for name, linear in linears.items()}
+        self.fresh = {}  # name -> {"A": inverse, "B": inverse}, built this cycle
+        self.inverses = {}  # name -> {"A": inverse, "B": inverse}, used by precondition
+        self._handles = [linear.register_forward_hook(self._hook(name)) for name, linear in linears.items()]
+
+    @staticmethod
+    def _square(size: int, like: nn.Linear) -> torch.Tensor:
+        return torch.zeros(size, size, dtype=like.weight.dtype, device=like.weight.device)
+
+    # ----- capture
+    def _hook(self, name: str):
+        def keep(module, inputs, output):
+            if not (self.capturing and torch.is_grad_enabled()):
+                return
+            micro_batch = self.micro_batch
+            self.captured[("a", name, micro_batch)] = inputs[0].detach()
+            output.register_hook(lambda grad: self.captured.__setitem__(("g", name, micro_batch), grad.detach()))
+        return keep
+
+    # ----- curvature, one work unit per (factor, micro-batch)
+    @torch.no_grad()
+    def accumulate(self, factor: str, names, micro_batch: int, scale: float, chunks: int = 1) -> None:
+        """Add this micro-batch's aᵀa (factor "A") or gᵀg ("B"), times `scale`, then drop the capture.
+
+        `chunks` splits one captured batch into micro-batches summed in order (the one-process
+        oracle captures the whole batch at once but must add the same terms as the pipeline).
+        """
+        for name in names:
+            captured = self.captured.pop(("a" if factor == "A" else "g", name, micro_batch))
+            for chunk in captured.chunk(chunks):
+                flat = chunk.reshape(-1, chunk.shape[-1])
+                self.factors[name][factor].add_(flat.T @ flat, alpha=scale)
+
+    def reset(self, names) -> None:
+        """Zero the factors before a new cycle's curvature (no moving average, §2)."""
+        for name in names:
+            for factor in self.factors[name].values():
+                factor.zero_()
+
+    # ----- inversion and use
+    @torch.no_grad()
+    def invert(self, factor: str, names) -> None:
+        """Damped inverse of factor "A" or "B" of each layer (π needs both factors, already synced)."""
+        for name in names:
+            a_factor, b_factor = self.factors[name]["A"], self.factors[name]["B"]
+            a_damping, b_damping = pi_damping(a_factor, b_factor, self.damping)
+            matrix, damping = (a_factor, a_damping) if factor == "A" else (b_factor, b_damping)
+            self.fresh.setdefault(name, {})[factor] = damped_inverse(matrix, damping)
+
+    def promote(self) -> None:
+        """The inverses built in this cycle replace the ones in use."""
+        self.inverses.update(self.fresh)
+        self.fresh = {}
+
+    @torch.no_grad()
+    def precondition(self, names=None) -> None:
+        """∇W ← B⁻¹ ∇W A⁻¹, ∇b ← B⁻¹ ∇b, in place, for every layer with inverses."""
+        for name in self.inverses if names is None else names:
+            linear, inverse = self.linears[name], self.inverses[name]
+            if linear.weight.grad is not None:
+                linear.weight.grad.copy_(inverse["B"] @ linear.weight.grad @ inverse["A"])
+            if linear.bias is not None and linear.bias.grad is not None:
+                linear.bias.grad.copy_(inverse["B"] @ linear.bias.grad)
+
+    # ----- checkpoint: factors, inverses and pending captures, so a resume is bit-identical
+    def state_dict(self) -> dict:
+        return {"factors": self.factors, "fresh": self.fresh, "inverses": self.inverses,
+                "captured": self.captured}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, factors in state["factors"].items():
+            for factor, value in factors.items():
+                self.factors[name][factor].copy_(value)
+        self.fresh, self.inverses = dict(state["fresh"]), dict(state["inverses"])
+        self.captured = dict(state["captured"])
+
+
+def unit_scales(tokens_local: int, tokens_global: int) -> dict:
+    """Scale of aᵀa and gᵀg so the factors are per-token averages over the whole step (§2).
+
+    g is ∂(mean loss over this process's tokens)/∂output, i.e. per-token gradient / N_local.
+    """
+    return {"A": 1.0 / tokens_global, "B": tokens_local ** 2 / tokens_global}
+
+
+class KFACInCheckpoint:
+    """Strategy mixin: K-FAC's factors, inverses and pending captures travel in every checkpoint.
+
+    A checkpoint may be read before `setup` builds `self.kfac` (one-process strategies restore
+    first) or after it (per-rank strategies): `restore_kfac()` applies it whichever comes second.
+    """
+
+    kfac = None
+    _restored = None
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        checkpoint["kfac"] = self.kfac.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)
+        self._restored = checkpoint.get("kfac")
+        self.restore_kfac()
+        return checkpoint
+
+    def restore_kfac(self) -> None:
+        if self.kfac is not None and self._restored is not None:
+            self.kfac.load_state_dict(self._restored)
+
+
+class KFACStrategy(KFACInCheckpoint, SingleDeviceStrategy):
+    """K-FAC on one process: the oracle of PipeFisher (same k, staleness and damping).
+
+    1. steps that capture (refresh_phase) record a, g and build A, B from m micro-batch chunks;
+    2. steps that promote invert the factors (π-damped Cholesky) and start using the inverses;
+    3. every step preconditions the block Linears' gradients, then runs the outer optimizer.
+    """
+
+    strategy_name = "kfac"
+
+    def __init__(self, cfg, device: str = "cpu"):
+        super().__init__(device=torch.device(device))
+        self.cfg = cfg
+        self.layout = ParallelLayout(Degrees(), rank=0)
+
+    @override
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        self.kfac = KFAC(block_linears(self.lightning_module.model), self.cfg.strategy.damping)
+        self.restore_kfac()
+
+    @override
+    def training_step(self, *args, **kwargs):
+        capture, _ = refresh_phase(self.lightning_module.global_step, self.cfg.strategy.refresh_interval)
+        self.kfac.capturing = capture
+        self.tokens = args[0]["tokens"].numel()
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self.kfac.capturing = False
+
+    @override
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        closure_result = closure()  # forward + backward (captures a and g on capture steps)
+        self._curvature_and_inversion()
+        self.kfac.precondition()
+        optimizer.step()
+        return closure_result
+
+    def _curvature_and_inversion(self) -> None:
+        capture, promote = refresh_phase(self.lightning_module.global_step, self.cfg.strategy.refresh_interval)
+        names, scales = list(self.kfac.linears), unit_scales(self.tokens, self.tokens)
+        if capture:
+            self.kfac.reset(names)
+            for factor in ("A", "B"):
+                self.kfac.accumulate(factor, names, 0, scales[factor], chunks=self.cfg.strategy.micro_batches)
+        if promote:
+            self.kfac.invert("A", names)
+            self.kfac.invert("B", names)
+            self.kfac.promote()
+
+
+
+# ----- the registry interface (see strategies/__init__.py)
+
+def degrees(cfg, world_size: int) -> Degrees:
+    return Degrees()
+
+
+def check(cfg, world_size: int) -> list:
+    return kfac_errors(cfg.strategy) + ([] if cfg.trainer.gradient_clip_val == 0 else [
+        "trainer.gradient_clip_val with K-FAC would clip the plain gradient, not the preconditioned "
+        "one. Fix: trainer.gradient_clip_val=0."])
+
+
+def kfac_errors(strategy) -> list:
+    """Checks shared with PipeFisher: damping and refresh interval."""
+    errors = []
+    if not strategy.damping > 0:
+        errors.append(f"strategy.damping={strategy.damping} must be positive (Cholesky needs A + λ_A·I "
+                      f"positive definite). Fix: strategy.damping=1e-3 (paper) or 1e-2 (code default).")
+    if strategy.refresh_interval is not None and strategy.refresh_interval < 1:
+        errors.append(f"strategy.refresh_interval={strategy.refresh_interval} must be at least 1. "
+                      f"Fix: strategy.refresh_interval=1 (refresh every step).")
+    return errors
+
+
+def build(cfg, world_size: int):
+    return KFACStrategy(cfg, "cuda" if cfg.hardware.accelerator == "gpu" else "cpu")
+
+
+def consolidate(rank_state_dicts: list, layout: dict) -> dict:
+    return dict(rank_state_dicts[0])

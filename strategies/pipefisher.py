@@ -1,0 +1,156 @@
+"""PipeFisherStrategy: K-FAC's curvature, factor sync and inversion run in the pipeline's bubbles.
+
+Osawa et al., MLSys 2023 (TECHNIQUES.md §2). The pipeline is ModularPipelineStrategy's (GPipe,
+1F1B or looped breadth-first); strategies/schedule/kfac.py packs the K-FAC work units into the
+bubbles of k consecutive steps; strategies/kfac.py does the math. Numerically it equals the
+one-process `kfac` strategy with the same refresh interval k, damping and outer optimizer.
+"""
+
+import dataclasses
+import statistics
+from pathlib import Path
+
+import torch
+from typing_extensions import override
+
+from strategies import modular_pipeline
+from strategies.kfac import KFAC, KFACInCheckpoint, block_linears, kfac_errors, refresh_phase, unit_scales
+from strategies.modular_pipeline import ModularPipelineStrategy
+from strategies.schedule import FORWARD, execute, plot_timeline, simulate, validate_plan
+from strategies.schedule import kfac as units
+from strategies.stages import stage_blocks
+
+
+def block_shape(cfg, data_degree: int) -> units.BlockShape:
+    """The shapes the FLOP cost model needs, for this run's model and micro-batch."""
+    tokens = cfg.data.global_batch_size // (data_degree * cfg.strategy.micro_batches) * cfg.data.sequence_length
+    return units.BlockShape(cfg.model.hidden, cfg.model.mlp_ratio, cfg.data.sequence_length, tokens,
+                            cfg.strategy.layers_per_stage)
+
+
+class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
+    """A pipeline with K-FAC work in its bubbles.
+
+    1. step 0 runs the plan with curvature after each F/B and sync + inversion at the end (synchronous);
+    2. later steps run the k plans of the packed cycle in turn: step 1 of a cycle captures a, g
+       and every unit runs where the pass put it (a bubble of this or a following step);
+    3. before the optimizer: gradients averaged, the cycle's inverses activated in its last step,
+       block Linears preconditioned (B⁻¹ ∇W A⁻¹), then the outer optimizer steps.
+    """
+
+    def __init__(self, cfg, world_size: int, **kwargs):
+        super().__init__(cfg, world_size, **kwargs)
+        self.cost = units.pipefisher_cost(block_shape(cfg, self.degrees.data), flops_per_second=1.0)
+        self.cycle = units.pack(self.plan, self.cost, cfg.strategy.refresh_interval, cfg.strategy.bubble_margin)
+        self.first_plan = validate_plan(units.synchronous_plan(self.plan))
+        self.refresh_interval = self.cycle.refresh_interval
+        self._stage_linears = {}
+
+    @override
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        model = self.lightning_module.model
+        self.kfac = KFAC(block_linears(model), self.cfg.strategy.damping)
+        self.restore_kfac()
+        for stage in self.plan.stages_on(self.layout.index("pipeline")):
+            self._stage_linears[stage] = [f"blocks.{block}.{path}" for block in stage_blocks(
+                stage, self.cfg.strategy.layers_per_stage) for path in units.LINEAR_PARTS.values()]
+
+    def _names(self, stage: int, part: str = None) -> list:
+        suffix = None if part is None else units.LINEAR_PARTS[part]
+        return [name for name in self._stage_linears[stage] if suffix is None or name.endswith(suffix)]
+
+    # ----- the step
+    @override
+    def run_step(self, batch) -> torch.Tensor:
+        step = self.lightning_module.global_step
+        capture, _ = refresh_phase(step, self.refresh_interval)
+        plan = self.first_plan if step == 0 else self.cycle.plans[(step - 1) % self.refresh_interval]
+        tokens = batch["tokens"].numel()
+        self.scales = unit_scales(tokens, tokens * self.degrees.data)
+        if capture:
+            self.kfac.reset([name for names in self._stage_linears.values() for name in names])
+        self.kfac.capturing = capture
+        try:
+            self.work.start(batch, training=True)
+            records = execute(plan.ranks[self.layout.index("pipeline")], self._handlers())
+        finally:
+            self.kfac.capturing = False
+        self._record(records)
+        return self._broadcast_loss()
+
+    def _handlers(self) -> dict:
+        handlers = {**self.work.handlers(), FORWARD: self._forward}
+        handlers.update({kind: self._curvature for kind in units.CURVATURE.values()})
+        handlers.update({units.SYNC_A: self._sync, units.SYNC_B: self._sync,
+                         units.INVERT_A: self._invert, units.INVERT_B: self._invert})
+        return handlers
+
+    def _forward(self, action) -> None:
+        self.kfac.micro_batch = action.micro_batch  # the capture hooks key a and g by micro-batch
+        self.work.forward(action)
+
+    def _curvature(self, action) -> None:
+        factor, part = units.UNITS[action.kind]
+        self.kfac.accumulate(factor, self._names(action.stage, part), action.micro_batch, self.scales[factor])
+
+    def _sync(self, action) -> None:
+        """Sum the stage's factors over its data-parallel replicas (each holds its own tokens' share)."""
+        factor, _ = units.UNITS[action.kind]
+        if self.degrees.data == 1:
+            return
+        for name in self._names(action.stage):
+            self.layout.communicator.all_reduce(self.kfac.factors[name][factor], self.layout.group("data"))
+
+    def _invert(self, action) -> None:
+        factor, _ = units.UNITS[action.kind]
+        self.kfac.invert(factor, self._names(action.stage))
+
+    @override
+    def before_optimizer_step(self, optimizer) -> None:
+        super().before_optimizer_step(optimizer)  # gradients averaged over data-parallel replicas
+        _, promote = refresh_phase(self.lightning_module.global_step, self.refresh_interval)
+        if promote:
+            self.kfac.promote()
+        self.kfac.precondition()
+
+    # ----- evidence
+    def cycle_timeline(self):
+        return units.cycle_timeline(self.cycle.plans, self.cost)
+
+    @override
+    def simulated_timeline(self):
+        return simulate(self.plan, self.cost)
+
+    @override
+    def bubble_fraction(self) -> dict:
+        with_kfac = statistics.mean(simulate(plan, self.cost).bubble_fraction for plan in self.cycle.plans)
+        return {**super().bubble_fraction(), "simulated_with_kfac": with_kfac, **self.cycle.report()}
+
+    @override
+    def write_evidence(self, run_directory: Path, loggers) -> list:
+        path = plot_timeline(self.cycle_timeline(), Path(run_directory) / "schedule_kfac.png",
+                             title=f"PipeFisher: K-FAC units in the bubbles of a {self.refresh_interval}-step cycle",
+                             time_unit="FLOP")
+        return super().write_evidence(run_directory, loggers) + [path]
+
+
+# ----- the registry interface (see strategies/__init__.py)
+
+degrees = modular_pipeline.degrees
+consolidate = modular_pipeline.consolidate
+
+
+def check(cfg, world_size: int) -> list:
+    errors = kfac_errors(cfg.strategy)
+    if not 0 <= cfg.strategy.bubble_margin < 1:
+        errors.append(f"strategy.bubble_margin={cfg.strategy.bubble_margin} must be in [0, 1). "
+                      f"Fix: strategy.bubble_margin=0.05 (the paper's 5%).")
+    if cfg.strategy.schedule == "interleaved_one_f_one_b":
+        errors.append("strategy.schedule=interleaved_one_f_one_b is not supported by pipefisher. "
+                      "Fix: gpipe, one_f_one_b or looped_breadth_first.")
+    return errors or modular_pipeline.check(cfg, world_size)
+
+
+def build(cfg, world_size: int):
+    return PipeFisherStrategy(cfg, world_size)

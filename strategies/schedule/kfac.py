@@ -1,0 +1,317 @@
+"""K-FAC work units as actions, their FLOP cost, and the pass that packs them into a plan's bubbles.
+
+Units of stage s (TECHNIQUES.md §2, PipeFisher, Osawa et al. 2023), written compactly:
+    "sKaq i" curvature A (A += aᵀa) of the qkv Linears, micro-batch i, after F(s,i); q p i o =
+             attention.qkv, attention.proj, mlp.fc_in, mlp.fc_out   "sKbq i" curvature B, after B(s,i)
+    "sSa"    sync A over the stage's data-parallel replicas          "sSb"    sync B
+    "sIa"    inverse of A (π-damping needs A and B synced)           "sIb"    inverse of B
+One unit per Linear, as the reference schedules them: whole-stage units (~2 forwards) would not
+fit the one-forward gaps of 1F1B. Every producer of a unit runs on the unit's own rank, so a rank's
+list order carries the dependency: a unit sits after its producers in the same step, or in a later
+step of the k-step cycle (spilled). So the kinds register no cross-rank rule; `check_cycle` checks order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple, Sequence
+
+from .ir import BACKWARD, FORWARD, SEND_ARROW, Action, KindInfo, Plan, PlanError, register_kind
+from .simulate import Cost, TimedAction, Timeline, simulate
+
+LINEAR_PARTS = {"q": "attention.qkv", "p": "attention.proj", "i": "mlp.fc_in", "o": "mlp.fc_out"}
+CURVATURE = {(factor, part): f"KFAC_CURVATURE_{factor}_{part}" for factor in "AB" for part in LINEAR_PARTS}
+SYNC_A, SYNC_B = "KFAC_SYNC_A", "KFAC_SYNC_B"
+INVERT_A, INVERT_B = "KFAC_INVERT_A", "KFAC_INVERT_B"
+CURVATURE_A = tuple(CURVATURE["A", part] for part in LINEAR_PARTS)
+CURVATURE_B = tuple(CURVATURE["B", part] for part in LINEAR_PARTS)
+PRIORITY = CURVATURE_A + CURVATURE_B + (SYNC_A, SYNC_B, INVERT_A, INVERT_B)  # §2's greedy order
+UNITS = {kind: (factor, part) for (factor, part), kind in CURVATURE.items()}  # kind -> (factor, Linear part)
+UNITS.update({SYNC_A: ("A", None), SYNC_B: ("B", None), INVERT_A: ("A", None), INVERT_B: ("B", None)})
+
+for (_factor, _part), _kind in CURVATURE.items():
+    register_kind(_kind, KindInfo(f"K{_factor.lower()}{_part}", None, True, True, False))
+for _kind, _info in {SYNC_A: KindInfo("Sa", None, False, False, True), SYNC_B: KindInfo("Sb", None, False, False, True),
+                     INVERT_A: KindInfo("Ia", None, False, True, False),
+                     INVERT_B: KindInfo("Ib", None, False, True, False)}.items():
+    register_kind(_kind, _info)
+
+
+def is_curvature(kind: str) -> bool:
+    return kind in CURVATURE_A or kind in CURVATURE_B
+
+
+def producers(unit: Action, micro_batches: int) -> tuple:
+    """What must run before `unit`, all on the unit's own rank (the step's F/B, or earlier units)."""
+    stage = unit.stage
+    if is_curvature(unit.kind):
+        return (Action(FORWARD if unit.kind in CURVATURE_A else BACKWARD, stage, unit.micro_batch),)
+    if unit.kind in (SYNC_A, SYNC_B):
+        curvature = CURVATURE_A if unit.kind == SYNC_A else CURVATURE_B
+        return tuple(Action(kind, stage, i) for kind in curvature for i in range(micro_batches))
+    return Action(SYNC_A, stage), Action(SYNC_B, stage)
+
+
+def stage_units(stage: int, micro_batches: int) -> list:
+    """Every unit of one stage for one refresh, in priority order."""
+    per_batch = [Action(kind, stage, i) for kind in CURVATURE_A + CURVATURE_B for i in range(micro_batches)]
+    return per_batch + [Action(kind, stage) for kind in (SYNC_A, SYNC_B, INVERT_A, INVERT_B)]
+
+
+# -----------------------------------------------------------------------------
+# Cost model: FLOPs of a transformer block's forward and of each K-FAC unit
+
+
+class BlockShape(NamedTuple):
+    """What the FLOP counts need: width, MLP ratio, sequence length, tokens per micro-batch, blocks per stage."""
+
+    hidden: int
+    mlp_ratio: int
+    sequence_length: int
+    tokens: int  # tokens of one micro-batch on one rank
+    layers_per_stage: int = 1
+
+
+def linear_shapes(shape: BlockShape) -> dict:
+    """(in, out) of the block's Linears by part: qkv, proj, fc_in, fc_out."""
+    h, wide = shape.hidden, shape.mlp_ratio * shape.hidden
+    return {"q": (h, 3 * h), "p": (h, h), "i": (h, wide), "o": (wide, h)}
+
+
+def forward_flops(shape: BlockShape) -> float:
+    """2·T·(weights) for the Linears + 4·T·s·h for QKᵀ and AV, per stage."""
+    linears = sum(2 * shape.tokens * fan_in * fan_out for fan_in, fan_out in linear_shapes(shape).values())
+    return shape.layers_per_stage * (linears + 4 * shape.tokens * shape.sequence_length * shape.hidden)
+
+
+def unit_flops(shape: BlockShape) -> dict:
+    """FLOPs of each compute unit of one stage: aᵀa / gᵀg are 2·T·n²; Cholesky + inverse ≈ n³."""
+    shapes, blocks = linear_shapes(shape), shape.layers_per_stage
+    flops = {kind: blocks * 2 * shape.tokens * shapes[part][factor == "B"] ** 2
+             for (factor, part), kind in CURVATURE.items()}
+    flops[INVERT_A] = blocks * sum(fan_in ** 3 for fan_in, _ in shapes.values())
+    flops[INVERT_B] = blocks * sum(fan_out ** 3 for _, fan_out in shapes.values())
+    return flops
+
+
+def sync_bytes(shape: BlockShape, factor: str, data_degree: int, bytes_per_element: int = 4) -> float:
+    """Logical all-reduce bytes of one stage's A or B factors: 2(n−1)/n · elements · bytes."""
+    dims = [pair[factor == "B"] for pair in linear_shapes(shape).values()]
+    elements = shape.layers_per_stage * sum(n * n for n in dims)
+    return 2 * (data_degree - 1) / data_degree * elements * bytes_per_element
+
+
+def pipefisher_cost(shape: BlockShape, flops_per_second: float, backward_factor: float = 2.0,
+                    data_degree: int = 1, bytes_per_second: float | None = None) -> Cost:
+    """FLOP cost of F, B (backward_factor × F) and the K-FAC units; syncs by bandwidth; the rest 0."""
+    seconds = {kind: flops / flops_per_second for kind, flops in unit_flops(shape).items()}
+    seconds[FORWARD] = forward_flops(shape) / flops_per_second
+    seconds[BACKWARD] = backward_factor * seconds[FORWARD]
+    for kind, factor in ((SYNC_A, "A"), (SYNC_B, "B")):
+        seconds[kind] = sync_bytes(shape, factor, data_degree) / bytes_per_second if bytes_per_second else 0.0
+    return lambda action: seconds.get(action.kind, 0.0)
+
+
+# -----------------------------------------------------------------------------
+# Step 0: one synchronous K-FAC step
+
+
+def synchronous_plan(plan: Plan) -> Plan:
+    """Curvature right after each F / B (after its sends), sync and inversion at the end of the rank's list."""
+    rows = []
+    for rank, row in enumerate(plan.ranks):
+        actions = [a for a in row if a is not None]
+        new_row = []
+        for slot, action in enumerate(actions):
+            new_row.append(action)
+            new_row += _curvature_after(actions, slot)
+        new_row += [Action(kind, stage) for stage in plan.stages_on(rank)
+                    for kind in (SYNC_A, SYNC_B, INVERT_A, INVERT_B)]
+        rows.append(new_row)
+    return dataclasses.replace(plan, ranks=rows, name=f"{plan.name} + synchronous K-FAC")
+
+
+def _curvature_after(actions: list, slot: int) -> list:
+    """The curvature unit of the compute at the end of a compute-and-sends run ending at `slot`."""
+    compute = slot
+    while actions[compute].info.arrow == SEND_ARROW:
+        compute -= 1
+    following = actions[slot + 1] if slot + 1 < len(actions) else None
+    if actions[compute].kind not in (FORWARD, BACKWARD) or (following is not None and following.info.arrow == SEND_ARROW):
+        return []
+    kinds = CURVATURE_A if actions[compute].kind == FORWARD else CURVATURE_B
+    return [Action(kind, actions[compute].stage, actions[compute].micro_batch) for kind in kinds]
+
+
+# -----------------------------------------------------------------------------
+# The packing pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Cycle:
+    """The k plans of one refresh cycle, and how well the K-FAC work filled their bubbles.
+
+    `plans[j]` is step j of the cycle (j = 0 captures curvature); `ratio` is K-FAC work / bubble
+    time of one step (the busiest rank's); `fill` is filled / bubble time over the whole cycle,
+    `fill_before_last` over its first k−1 steps, `packing` filled / (filled + time a unit that was
+    ready did not fit), i.e. the bubble time the dependencies leave usable that the pass used.
+    """
+
+    plans: tuple
+    needed: int  # steps the packing needed: ceil of the work with this schedule's bubbles
+    ratio: float
+    fill: float
+    fill_before_last: float | None
+    packing: float
+    spilled_to_critical_path: int  # units appended after the last action (k forced too small)
+
+    @property
+    def refresh_interval(self) -> int:
+        return len(self.plans)
+
+    def report(self) -> dict:
+        return {"refresh_interval": self.refresh_interval, "needed": self.needed, "ratio": self.ratio,
+                "fill": self.fill, "fill_before_last": self.fill_before_last, "packing": self.packing,
+                "spilled_to_critical_path": self.spilled_to_critical_path}
+
+
+class _Gap(NamedTuple):
+    position: int  # insert before the row's action at this index (len(row): at the end)
+    length: float
+
+
+def pack(plan: Plan, cost: Cost, refresh_interval: int | None = None, margin: float = 0.05,
+         max_steps: int = 64) -> Cycle:
+    """Place every K-FAC unit of one refresh in the bubbles of consecutive steps of `plan`.
+
+    Walk each rank's gaps in time order, step after step; in each gap repeatedly place the
+    highest-priority ready unit whose cost fits in what is left of the gap × (1 − margin) (§2).
+    k = the steps that needs, unless `refresh_interval` forces it: extra steps stay empty, and
+    units that do not fit in k steps go after the last action of step k (on the critical path).
+    """
+    timeline = simulate(plan, cost)
+    limit = refresh_interval or max_steps
+    per_rank = [_pack_rank(plan, rank, timeline, cost, margin, limit) for rank in range(plan.pipeline_degree)]
+    needed = max(len(steps) for steps, _, _ in per_rank)
+    if refresh_interval is None and any(leftover for _, leftover, _ in per_rank):
+        raise ValueError(f"K-FAC work of {plan.name} does not fit in the bubbles of {max_steps} steps")
+    k = refresh_interval or needed
+    plans = tuple(_step_plan(plan, per_rank, step, k) for step in range(k))
+    return Cycle(plans, needed, *_fill_figures(plan, timeline, cost, per_rank, k),
+                 spilled_to_critical_path=sum(len(leftover) for _, leftover, _ in per_rank))
+
+
+def _pack_rank(plan: Plan, rank: int, timeline: Timeline, cost: Cost, margin: float, limit: int):
+    """Per step, {gap position: units}; the units left after `limit` steps; the packing waste."""
+    row = [a for a in plan.ranks[rank] if a is not None]
+    waiting = [unit for stage in plan.stages_on(rank) for unit in stage_units(stage, plan.micro_batches)]
+    done, steps, waste = set(), [], 0.0
+    while waiting and len(steps) < limit:
+        placed = {}
+        for gap in _gaps(timeline.ranks[rank], timeline.makespan):
+            room, units = (1 - margin) * gap.length, []
+            while (unit := _first_fitting(waiting, done, row, gap, room, cost, len(steps), plan)) is not None:
+                waiting.remove(unit)
+                done.add(unit)
+                units.append(unit)
+                room -= cost(unit)
+            if units:
+                placed[gap.position] = units
+            if _first_ready(waiting, done, row, gap, len(steps), plan) is not None:
+                waste += max(0.0, room) + margin * gap.length  # a ready unit did not fit
+        steps.append(placed)
+    return steps, waiting, waste
+
+
+def _gaps(records: Sequence[TimedAction], makespan: float) -> list:
+    """Idle intervals of one rank: before each action, and from its last action to the makespan."""
+    ends = [0.0] + [record.end for record in records]
+    starts = [record.start for record in records] + [makespan]
+    return [_Gap(position, start - end) for position, (end, start) in enumerate(zip(ends, starts))
+            if start - end > 1e-12 * max(1.0, makespan)]
+
+
+def _ready(unit: Action, done: set, row: list, gap: _Gap, step: int, plan: Plan) -> bool:
+    needs = producers(unit, plan.micro_batches)
+    if is_curvature(unit.kind):  # the producer is this step's F/B: in the list before the gap?
+        return step > 0 or needs[0] in row[:gap.position]
+    return all(need in done for need in needs)
+
+
+def _first_ready(waiting, done, row, gap, step, plan):
+    return next((unit for unit in waiting if _ready(unit, done, row, gap, step, plan)), None)
+
+
+def _first_fitting(waiting, done, row, gap, room, cost, step, plan):
+    return next((unit for unit in waiting if cost(unit) <= room + 1e-12 and _ready(unit, done, row, gap, step, plan)),
+                None)
+
+
+def _step_plan(plan: Plan, per_rank: list, step: int, k: int) -> Plan:
+    rows = []
+    for rank, (steps, leftover, _) in enumerate(per_rank):
+        row = [a for a in plan.ranks[rank] if a is not None]
+        placed = steps[step] if step < len(steps) else {}
+        new_row = [unit for position, action in enumerate(row + [None])
+                   for unit in placed.get(position, []) + ([action] if action is not None else [])]
+        rows.append(new_row + (list(leftover) if step == k - 1 else []))
+    return dataclasses.replace(plan, ranks=rows, name=f"{plan.name} + K-FAC, step {step + 1}/{k}")
+
+
+def _fill_figures(plan: Plan, timeline: Timeline, cost: Cost, per_rank: list, k: int) -> tuple:
+    """ratio (busiest rank's work / bubble), fill over k steps, fill over k−1 steps, packing efficiency."""
+    bubble = [timeline.makespan - timeline.busy(rank) for rank in range(plan.pipeline_degree)]
+    work = [sum(cost(unit) for stage in plan.stages_on(rank) for unit in stage_units(stage, plan.micro_batches))
+            for rank in range(plan.pipeline_degree)]
+    filled = [[sum(cost(u) for units in placed.values() for u in units) for placed in steps] for steps, _, _ in per_rank]
+    per_step = [sum(rank_steps[j] for rank_steps in filled if j < len(rank_steps)) for j in range(k)]
+    total_bubble, total_filled = sum(bubble), sum(per_step)
+    ratio = max(w / b if b else math.inf for w, b in zip(work, bubble))
+    before_last = sum(per_step[:-1]) / ((k - 1) * total_bubble) if k > 1 else None
+    waste = sum(w for _, _, w in per_rank)
+    return ratio, total_filled / (k * total_bubble), before_last, total_filled / (total_filled + waste or 1.0)
+
+
+# -----------------------------------------------------------------------------
+# Checks and evidence
+
+
+def check_cycle(base: Plan, cycle_plans: Sequence[Plan]) -> None:
+    """PlanError unless each rank runs every unit of its stages once, after its producers, base order kept."""
+    for rank in range(base.pipeline_degree):
+        expected = [a for a in base.ranks[rank] if a is not None]
+        seen = {}
+        for step, plan in enumerate(cycle_plans):
+            row = [a for a in plan.ranks[rank] if a is not None]
+            if [a for a in row if a.kind not in PRIORITY] != expected:
+                raise PlanError(f"step {step} of the K-FAC cycle changed rank {rank}'s pipeline actions", plan)
+            for slot, action in enumerate(row):
+                _check_unit(action, rank, step, slot, row, seen, plan, base.micro_batches)
+        missing = [u for s in base.stages_on(rank) for u in stage_units(s, base.micro_batches) if u not in seen]
+        if missing:
+            raise PlanError(f"rank {rank} never runs K-FAC units {', '.join(map(str, missing))}", cycle_plans[-1])
+
+
+def _check_unit(action, rank, step, slot, row, seen, plan, micro_batches) -> None:
+    if action.kind not in PRIORITY:
+        return
+    if action in seen:
+        raise PlanError(f"{action} runs twice in the K-FAC cycle (steps {seen[action][0]} and {step})", plan,
+                        [(rank, slot)])
+    for need in producers(action, micro_batches):
+        early = (seen.get(need, (step + 1,))[0] < step) or need in row[:slot]
+        if not (early or (need.kind in (FORWARD, BACKWARD) and step > 0)):
+            raise PlanError(f"{action} runs before {need} (step {step} of the K-FAC cycle)", plan, [(rank, slot)])
+    seen[action] = (step, slot)
+
+
+def cycle_timeline(plans: Sequence[Plan], cost: Cost) -> Timeline:
+    """The k steps of a cycle simulated and laid end to end: the Gantt chart of PipeFisher."""
+    ranks, offset = None, 0.0
+    for plan in plans:
+        timeline = simulate(plan, cost)
+        shifted = [[TimedAction(r.action, r.start + offset, r.end + offset) for r in row] for row in timeline.ranks]
+        ranks = shifted if ranks is None else [a + b for a, b in zip(ranks, shifted)]
+        offset += timeline.makespan
+    return Timeline(tuple(tuple(row) for row in ranks), plans[0].name.split(",")[0])

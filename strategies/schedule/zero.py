@@ -1,0 +1,115 @@
+"""ZeRO-3 passes: weight all-gathers before each run of a stage's compute, gradient reduce-scatters after.
+
+A *run* is a maximal sequence of one stage's compute actions of one kind on a rank (transfers in
+between do not break it). Layered accumulation has two runs per stage and step (all forwards, all
+backwards), so a stage is gathered twice and reduce-scattered once: 3(n−1)/n·P per step whatever m
+(TECHNIQUES §1, the ZeRO table). Depth-first accumulation has 2m runs: 3m(n−1)/n·P.
+
+    "0Af0"  all-gather stage 0's weights for the forward run starting at micro-batch 0
+    "0Ab0"  all-gather them again for the backward run starting at micro-batch 0
+    "0Rs3"  reduce-scatter stage 0's gradient after the backward run ending at micro-batch 3
+
+Double buffering is a placement choice: the gather of run k+1 sits right before the first compute
+of run k, so it is in flight while run k computes; run k−1 is complete by then, so a rank holds at
+most two gathered stages (the executor's handler frees run k−1's weights when it posts run k+1's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .ir import BACKWARD, FORWARD, RECEIVE_ARROW, SEND_GRADIENT, Action, KindInfo, Plan, register_kind
+
+GATHER_FORWARD = "GATHER_FORWARD"
+GATHER_BACKWARD = "GATHER_BACKWARD"
+REDUCE_SCATTER = "REDUCE_SCATTER"
+GATHER_FOR = {FORWARD: GATHER_FORWARD, BACKWARD: GATHER_BACKWARD}
+
+register_kind(GATHER_FORWARD, KindInfo("Af", None, True, False, True))
+register_kind(GATHER_BACKWARD, KindInfo("Ab", None, True, False, True))
+# The reduce-scatter of a backward run needs the run's last backward (list order gives the others).
+register_kind(REDUCE_SCATTER, KindInfo("Rs", None, True, False, True),
+              lambda action, plan: (Action(BACKWARD, action.stage, action.micro_batch),))
+
+
+def compute_runs(row) -> list[list[tuple[int, Action]]]:
+    """(slot, action) of each run of one stage's compute of one kind, in row order."""
+    runs = []
+    for slot, action in enumerate(row):
+        if action is None or action.kind not in GATHER_FOR:
+            continue
+        if runs and (runs[-1][-1][1].stage, runs[-1][-1][1].kind) == (action.stage, action.kind):
+            runs[-1].append((slot, action))
+        else:
+            runs.append([(slot, action)])
+    return runs
+
+
+def add_weight_gathers(plan: Plan) -> Plan:
+    """Insert one all-gather per run, posted one run ahead (double buffering): see the module docstring."""
+    if any(action.kind in (GATHER_FORWARD, GATHER_BACKWARD) for _, _, action in plan.positions()):
+        raise ValueError(f"plan {plan.name!r} already has its weight gathers")
+    return dataclasses.replace(plan, ranks=[_with_gathers(row) for row in plan.ranks])
+
+
+def _gather(run) -> Action:
+    first = run[0][1]
+    return Action(GATHER_FOR[first.kind], first.stage, first.micro_batch)
+
+
+def _with_gathers(row) -> list[Action | None]:
+    runs = compute_runs(row)
+    before = {}  # slot -> gathers to post right before it
+    for index, run in enumerate(runs):
+        ahead = [_gather(runs[index + 1])] if index + 1 < len(runs) else []
+        before[_run_start(row, run)] = ([_gather(run)] if index == 0 else []) + ahead
+    return [step for slot, action in enumerate(row) for step in [*before.get(slot, []), action]]
+
+
+def _run_start(row, run) -> int:
+    """The run's first slot, moved before the receive that feeds its first compute (post early)."""
+    slot = run[0][0]
+    first = run[0][1]
+    previous = row[slot - 1] if slot > 0 else None
+    if previous is not None and previous.info.arrow == RECEIVE_ARROW \
+            and (previous.stage, previous.micro_batch) == (first.stage, first.micro_batch):
+        return slot - 1
+    return slot
+    return slot
+
+
+def add_gradient_reduce_scatters(plan: Plan) -> Plan:
+    """Insert REDUCE_SCATTER after each backward run (after its gradient sends: the upstream rank waits)."""
+    if any(action.kind == REDUCE_SCATTER for _, _, action in plan.positions()):
+        raise ValueError(f"plan {plan.name!r} already has its gradient reduce-scatters")
+    return dataclasses.replace(plan, ranks=[_with_reduce_scatters(row) for row in plan.ranks])
+
+
+def _with_reduce_scatters(row) -> list[Action | None]:
+    after = {}
+    for run in compute_runs(row):
+        slot, last = run[-1]
+        if last.kind == BACKWARD:
+            while slot + 1 < len(row) and row[slot + 1] is not None and row[slot + 1].kind == SEND_GRADIENT \
+                    and (row[slot + 1].stage, row[slot + 1].micro_batch) == (last.stage, last.micro_batch):
+                slot += 1
+            after[slot] = Action(REDUCE_SCATTER, last.stage, last.micro_batch)
+    result = []
+    for slot, action in enumerate(row):
+        result += [action] + ([after[slot]] if slot in after else [])
+    return result
+
+
+def add_zero(plan: Plan) -> Plan:
+    """The ZeRO-3 passes on a plan with its transfers: gathers, then reduce-scatters (training plans)."""
+    return add_gradient_reduce_scatters(add_weight_gathers(plan))
+
+
+def gathers_per_step(plan: Plan, rank: int) -> dict:
+    """How many gathers and reduce-scatters rank `rank` runs per stage: the ZeRO table's counts."""
+    counts = {}
+    for action in plan.ranks[rank]:
+        if action is not None and action.kind in (GATHER_FORWARD, GATHER_BACKWARD, REDUCE_SCATTER):
+            counts.setdefault(action.stage, {}).setdefault(action.kind, 0)
+            counts[action.stage][action.kind] += 1
+    return counts

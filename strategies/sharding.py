@@ -1,0 +1,147 @@
+"""Flat, padded ZeRO-3 shards of a group of tensors (TECHNIQUES §1: 1/n of weights, grads, optimizer).
+
+A `FlatShard` replaces the parameters of some modules by plain leaf tensors whose data it swaps in
+and out: the modules compute as before, the optimizer only ever sees the shard. Layout of a group
+of tensors t_1..t_k, flattened in order and zero-padded to a multiple of n:
+
+    full = [t_1 | t_2 | ... | t_k | pad]     (n·S elements)      rank r keeps full[r·S : (r+1)·S]
+
+Everything here is one rank's view; the communicator is passed in (no global state).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One original parameter inside a flat group: where it lives in the model and in the buffer."""
+
+    name: str  # full name in the model ("blocks.3.attention.qkv.weight")
+    shape: tuple
+    offset: int  # first element in the unpadded flat layout
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+
+def owner(model: nn.Module, name: str):
+    """(module, attribute) holding the parameter `name` of `model`."""
+    path, _, attribute = name.rpartition(".")
+    return model.get_submodule(path), attribute
+
+
+class FlatShard:
+    """A group of parameters held as this rank's 1/n flat shard; gathered only while computed.
+
+    1. setup: flatten, pad to n·S, keep slice r as an nn.Parameter (the optimizer's); the modules'
+       parameters become plain leaf tensors (empty between uses);
+    2. gather → install: all-gather the shards into a fresh full buffer, point the leaves at it;
+    3. gradients accumulate into one flat full buffer (the leaves' .grad are views of it), which is
+       reduce-scattered (sum) into this rank's slice; the caller averages and accumulates.
+    """
+
+    def __init__(self, model: nn.Module, names: list, rank: int, size: int, matrix: bool):
+        offsets, entries = 0, []
+        for name in names:
+            shape = tuple(model.get_parameter(name).shape)
+            entries.append(Entry(name, shape, offsets))
+            offsets += entries[-1].numel
+        self.entries, self.size, self.unpadded = entries, size, offsets
+        self.shard_size = -(-offsets // size)  # ceil: every rank's slice has the same length
+        full = torch.zeros(self.shard_size * size)
+        with torch.no_grad():
+            for entry in entries:
+                full[entry.offset:entry.offset + entry.numel] = model.get_parameter(entry.name).reshape(-1)
+        local = full[rank * self.shard_size:(rank + 1) * self.shard_size].clone()
+        # 2-D for a group of matrices, so optimizer parameter groups decay it as they decay matrices.
+        self.parameter = nn.Parameter(local.view(1, -1) if matrix else local)
+        self.leaves = [self._replace(model, entry) for entry in entries]
+        self.full = None  # the installed full buffer, or None
+        self.gradient = None  # the flat full gradient of the current backward run
+
+    @property
+    def padded(self) -> int:
+        return self.shard_size * self.size
+
+    @staticmethod
+    def _replace(model: nn.Module, entry: Entry) -> torch.Tensor:
+        module, attribute = owner(model, entry.name)
+        del module._parameters[attribute]
+        leaf = torch.empty(0).requires_grad_()
+        setattr(module, attribute, leaf)  # a plain tensor attribute: the module computes with it
+        return leaf
+
+    # ----- weights
+    def post_gather(self, communicator, group):
+        """Start the all-gather of the shards into a fresh buffer; returns (work, buffer)."""
+        full = torch.empty(self.padded)
+        return communicator.all_gather(full, self.parameter.detach().view(-1), group, async_op=True), full
+
+    def install(self, full: torch.Tensor) -> None:
+        self.full = full
+        for leaf, entry in zip(self.leaves, self.entries):
+            leaf.data = full[entry.offset:entry.offset + entry.numel].view(entry.shape)
+
+    def release(self) -> None:
+        """Drop the full weights (saved activations refer to them by position, see ShardedStageWork)."""
+        self.full = None
+        for leaf in self.leaves:
+            leaf.data = torch.empty(0)
+            leaf.grad = None
+
+    # ----- gradients
+    def attach_gradients(self) -> None:
+        """Backward accumulates in place into views of one flat buffer: no copy before the reduce-scatter."""
+        self.gradient = torch.zeros(self.padded)
+        for leaf, entry in zip(self.leaves, self.entries):
+            leaf.grad = self.gradient[entry.offset:entry.offset + entry.numel].view(entry.shape)
+
+    def post_reduce_scatter(self, communicator, group):
+        """Start summing the flat gradient into this rank's slice; returns (work, slice, full gradient)."""
+        for leaf in self.leaves:
+            leaf.grad = None
+        gradient, self.gradient = self.gradient, None
+        piece = torch.empty(self.shard_size)
+        return communicator.reduce_scatter(piece, gradient, group, async_op=True), piece, gradient
+
+    def accumulate(self, piece: torch.Tensor, replicas: int) -> None:
+        """Average over replicas and add into the shard's gradient (depth-first adds m times)."""
+        piece = piece.div_(replicas).view_as(self.parameter)
+        if self.parameter.grad is None:
+            self.parameter.grad = piece
+        else:
+            self.parameter.grad.add_(piece)
+
+    # ----- checkpoints and export
+    def describe(self) -> dict:
+        return {"entries": [(e.name, e.shape, e.offset) for e in self.entries],
+                "shard_size": self.shard_size, "size": self.size}
+
+
+def unshard(description: dict, pieces: list) -> dict:
+    """Full tensors by name from every rank's shard (in data-parallel rank order)."""
+    full = torch.cat([piece.reshape(-1) for piece in pieces])
+    return {name: full[offset:offset + torch.Size(shape).numel()].view(shape).clone()
+            for name, shape, offset in description["entries"]}
+
+
+class ShardContainer(nn.Module):
+    """Holds the shard parameters under the model (so the task's optimizer sees exactly them) and
+    records their layout as extra state, so a per-rank checkpoint can be consolidated offline."""
+
+    def __init__(self, shards: dict):
+        super().__init__()
+        self.shards = shards  # key -> FlatShard
+        self.flat = nn.ParameterDict({key: shard.parameter for key, shard in shards.items()})
+
+    def get_extra_state(self) -> dict:
+        return {key: shard.describe() for key, shard in self.shards.items()}
+
+    def set_extra_state(self, state: dict) -> None:
+        if state != self.get_extra_state():
+            raise ValueError("checkpoint shards were cut for another model or layout; resume with the "
+                             "same model.*, strategy.* and hardware.devices_per_node")

@@ -1,0 +1,209 @@
+"""How each tensor-parallel grid cuts a plain parameter, and which groups hold copies of it.
+
+A grid is pure arithmetic on (edge q, this rank's local tensor index): the same object shards
+weights at start-up, names the groups of each collective, and (fed index tensors instead of
+weights) inverts the sharding for `consolidate`. Weights arrive in nn.Linear's [out, in] layout;
+the 2-D and 3-D grids store W as [in, out] like the paper. A layer's `position` in its pair of
+linears ("first" | "second") is the explicit argument that decides its axis roles.
+
+Layouts of an activation [rows, features] (rows = this data rank's sequences):
+  3d  first-layer input L(j,k): rows chunk i·q+j of q², features chunk k of q; a linear with roles
+      (a, b) maps L(a,b) -> L(b,a), so "first" has (a,b) = (j,k) and "second" (k,j) (§4: no
+      redistribution between consecutive linears).
+  2d  rows chunk `row` of q, features chunk `column` of q, before and after every linear.
+  1d  rows and features whole; column-parallel output features chunk t of P.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from layerwise.layout import grid_coordinates, grid_edge
+
+
+def take(tensor: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
+    """Chunk `index` of `parts` equal chunks along `dim`."""
+    if tensor.shape[dim] % parts:
+        raise ValueError(f"dimension {dim} of size {tensor.shape[dim]} does not split into {parts}")
+    return tensor.chunk(parts, dim)[index]
+
+
+def interleave_fused(tensor: torch.Tensor, fused: int, parts: int) -> torch.Tensor:
+    """Reorder a fused [Q|K|V] output dim (dim 0) so chunk c of `parts` holds [Q_c|K_c|V_c]."""
+    if fused == 1:
+        return tensor
+    rest = tuple(tensor.shape[1:])
+    return tensor.reshape(fused, parts, -1, *rest).transpose(0, 1).reshape(tensor.shape)
+
+
+@dataclass(frozen=True)
+class Style:
+    """How a module is parallelised: kind (linear | norm | embedding), its place in a pair of
+    linears, and how many outputs a linear fuses (3 for qkv)."""
+
+    kind: str
+    position: str = "first"
+    fused: int = 1
+
+
+class Grid3D:
+    """q³ ranks, t = i + q·(j + q·k) (TECHNIQUES §4)."""
+
+    name, dimension = "3d", 3
+    FAMILY_OF = {"j": "input", "k": "output"}
+    UNION_WITH_WEIGHT = {"j": "input_weight", "k": "output_weight"}
+
+    def __init__(self, edge: int, local: int):
+        self.q, self.c = edge, grid_coordinates("3d", local, edge)
+
+    def roles(self, position: str):
+        """(a, b): a splits the input rows with i and is gathered; b splits input features."""
+        return ("j", "k") if position == "first" else ("k", "j")
+
+    @property
+    def output_parts(self) -> int:
+        return self.q
+
+    head_parts = output_parts
+
+    def cut(self, style: Style, name: str, full: torch.Tensor) -> torch.Tensor:
+        q, i = self.q, self.c["i"]
+        a, b = (self.c[axis] for axis in self.roles(style.position))
+        if style.kind == "linear" and name == "weight":
+            return take(take(full.t(), 0, q * q, b * q + i), 1, q, a)
+        if style.kind == "linear":
+            return take(full, 0, q, a)
+        if style.kind == "norm":
+            return take(full, 0, q, b)
+        return take(full, 1, q, b)  # embedding [V, h]: features of the first layer's input
+
+    def full_shape(self, style: Style, name: str, shape) -> tuple:
+        q = self.q
+        if style.kind == "linear" and name == "weight":
+            return (shape[1] * q, shape[0] * q * q)
+        return (shape[0] * q,) if len(shape) == 1 else (shape[0], shape[1] * q)
+
+    def replicated_over(self, style: Style, name: str) -> tuple:
+        """Families whose members hold copies (their gradients are summed over the union)."""
+        a, b = self.roles(style.position)
+        if style.kind == "linear":
+            return () if name == "weight" else (self.UNION_WITH_WEIGHT[b],)
+        return (self.UNION_WITH_WEIGHT[a],)
+
+    def linear_specs(self, position: str):
+        """(X gather, W gather, Y reduce-scatter) as (family, dim) for GatherMatmulScatter."""
+        a, b = self.roles(position)
+        return (self.FAMILY_OF[a], 0), ("weight", 0), (self.FAMILY_OF[b], 0)
+
+    norm_family = "output"  # features of the first layout are split by k
+    vocabulary_family = "input"  # the head is a "first" linear: logits split by j
+    batch_families = ("output_weight",)  # logits rows are split by (i, k)
+
+    def input_rows(self):
+        return self.c["i"] * self.q + self.c["j"], self.q * self.q
+
+    def logit_rows(self):
+        return self.c["i"] * self.q + self.c["k"], self.q * self.q
+
+    def vocabulary_chunk(self):
+        return self.c["j"], self.q
+
+
+class Grid2D:
+    """q² ranks, t = column + q·row; SUMMA's layout (rows by `row`, features by `column`)."""
+
+    name, dimension = "2d", 2
+
+    def __init__(self, edge: int, local: int):
+        self.q, self.c = edge, grid_coordinates("2d", local, edge)
+
+    @property
+    def output_parts(self) -> int:
+        return self.q
+
+    head_parts = output_parts
+
+    def cut(self, style: Style, name: str, full: torch.Tensor) -> torch.Tensor:
+        q, row, column = self.q, self.c["row"], self.c["column"]
+        if style.kind == "linear" and name == "weight":
+            return take(take(full.t(), 0, q, row), 1, q, column)
+        if style.kind in ("linear", "norm"):
+            return take(full, 0, q, column)
+        return take(full, 1, q, column)
+
+    def full_shape(self, style: Style, name: str, shape) -> tuple:
+        q = self.q
+        if style.kind == "linear" and name == "weight":
+            return (shape[1] * q, shape[0] * q)
+        return (shape[0] * q,) if len(shape) == 1 else (shape[0], shape[1] * q)
+
+    def replicated_over(self, style: Style, name: str) -> tuple:
+        return () if (style.kind, name) == ("linear", "weight") else ("column",)
+
+    def linear_specs(self, position: str):
+        """Gather X's features along the row, W's input rows along the column; no scatter."""
+        return ("row", -1), ("column", 0), None
+
+    norm_family = "row"
+    vocabulary_family = "row"
+    batch_families = ("column",)
+
+    def input_rows(self):
+        return self.c["row"], self.q
+
+    logit_rows = input_rows
+
+    def vocabulary_chunk(self):
+        return self.c["column"], self.q
+
+
+class Grid1D:
+    """P ranks in one group (Megatron): "first" linears split outputs, "second" split inputs."""
+
+    name, dimension = "1d", 1
+
+    def __init__(self, edge: int, local: int):
+        self.q, self.t = edge, local
+
+    @property
+    def output_parts(self) -> int:
+        return self.q
+
+    head_parts = output_parts
+
+    def cut(self, style: Style, name: str, full: torch.Tensor) -> torch.Tensor:
+        if style.kind != "linear":
+            return full
+        if style.position == "first":
+            return take(full, 0, self.q, self.t)
+        return take(full, 1, self.q, self.t) if name == "weight" else full
+
+    def full_shape(self, style: Style, name: str, shape) -> tuple:
+        if style.kind != "linear" or (style.position, name) == ("second", "bias"):
+            return tuple(shape)
+        if style.position == "first":
+            return (shape[0] * self.q,) + tuple(shape[1:])
+        return (shape[0], shape[1] * self.q)
+
+    def replicated_over(self, style: Style, name: str) -> tuple:
+        return ()  # copies see identical inputs and gradients: nothing to sum
+
+    norm_family = None
+    vocabulary_family = "tensor"
+    batch_families = ()
+
+    def input_rows(self):
+        return 0, 1
+
+    logit_rows = input_rows
+
+    def vocabulary_chunk(self):
+        return self.t, self.q
+
+
+GRIDS = {"1d": Grid1D, "2d": Grid2D, "3d": Grid3D}
+
+
+def grid_of(tensor_grid: str, tensor_degree: int, local: int):
+    """The grid object of local tensor index `local` in a tensor block of `tensor_degree`."""
+    return GRIDS[tensor_grid](grid_edge(tensor_grid, tensor_degree), local)

@@ -1,0 +1,159 @@
+"""The parallel modules. Each holds only this rank's shard and names its collectives' groups.
+
+Parameter names equal the plain modules' (`weight`, `bias`, `token.weight`, ...), so a parallel
+model's state dict has the plain model's keys, with shard-sized values.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from strategies.tensor_parallel.collectives import (
+    CopyToGroup,
+    GatherMatmulScatter,
+    ReduceFromGroup,
+    SumOverGroup,
+    VocabularyParallelCrossEntropy,
+)
+
+
+def _parameter(tensor):
+    return None if tensor is None else nn.Parameter(tensor.detach().clone().contiguous())
+
+
+def _group_spec(layout, spec):
+    return None if spec is None else (layout.group(spec[0]), spec[1])
+
+
+class GridLinear(nn.Module):
+    """Linear of the 2-D / 3-D grids: y = scatter(gather(x) · gather(W)) + b (GatherMatmulScatter).
+
+    `specs` are (family, dim) triples from the grid for this layer's explicit position, so two
+    consecutive layers differ only in the arguments they were given (TECHNIQUES §4).
+    """
+
+    def __init__(self, weight, bias, layout, specs):
+        super().__init__()
+        self.weight, self.bias = _parameter(weight), _parameter(bias)
+        self.communicator = layout.communicator
+        self.specs = tuple(_group_spec(layout, spec) for spec in specs)
+
+    def forward(self, x):
+        y = GatherMatmulScatter.apply(x, self.weight, self.communicator, *self.specs)
+        return y if self.bias is None else y + self.bias
+
+
+class ColumnParallelLinear(nn.Module):
+    """Megatron: W split by output rows; input gradient summed over the group (f)."""
+
+    def __init__(self, weight, bias, layout):
+        super().__init__()
+        self.weight, self.bias = _parameter(weight), _parameter(bias)
+        self.communicator, self.group = layout.communicator, layout.group("tensor")
+
+    def forward(self, x):
+        return F.linear(CopyToGroup.apply(x, self.communicator, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Megatron: W split by input columns; partial outputs summed over the group (g)."""
+
+    def __init__(self, weight, bias, layout):
+        super().__init__()
+        self.weight, self.bias = _parameter(weight), _parameter(bias)
+        self.communicator, self.group = layout.communicator, layout.group("tensor")
+
+    def forward(self, x):
+        y = ReduceFromGroup.apply(F.linear(x, self.weight), self.communicator, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class ParallelLayerNorm(nn.Module):
+    """LayerNorm over features split across `group`: two-pass mean and variance (§4).
+
+    mean = Σ_group Σ x / h; variance = Σ_group Σ (x − mean)² / h; y = (x − mean)/√(var + ε)·w + b.
+    """
+
+    def __init__(self, weight, bias, eps, layout, family):
+        super().__init__()
+        self.weight, self.bias, self.eps = _parameter(weight), _parameter(bias), eps
+        self.communicator, self.group = layout.communicator, layout.group(family)
+        self.features = weight.numel() * self.group.size
+
+    def _sum(self, x):
+        return SumOverGroup.apply(x.sum(-1, keepdim=True), self.communicator, self.group)
+
+    def forward(self, x):
+        centred = x - self._sum(x) / self.features
+        variance = self._sum(centred * centred) / self.features
+        return centred * torch.rsqrt(variance + self.eps) * self.weight + self.bias
+
+
+class ParallelEmbedding(nn.Module):
+    """Token + position embedding of this rank's rows and feature chunk; no communication.
+
+    The tables hold [V, h/q] (replicated over the ranks that share the feature chunk: their
+    gradients are summed by the strategy). The simplest correct split (§4 allows it).
+    """
+
+    def __init__(self, token, position, dropout, rows):
+        super().__init__()
+        self.token = nn.Embedding.from_pretrained(token.clone(), freeze=False)
+        self.position = nn.Embedding.from_pretrained(position.clone(), freeze=False)
+        self.dropout = nn.Dropout(dropout)
+        self.rows = rows  # (index, parts) of this data rank's sequences
+
+    def forward(self, tokens):
+        tokens = tokens.chunk(self.rows[1], dim=0)[self.rows[0]]
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.dropout(self.token(tokens) + self.position(positions))
+
+
+class VocabularyParallelLoss:
+    """This rank's share of the global-batch loss from vocabulary-split logits.
+
+    objective = Σ(this rank's rows' losses) / (valid targets in the global batch), so summing the
+    gradients over the batch-splitting groups and data ranks gives the global-batch gradient. The
+    returned value is the objective's sum over those groups (§4: losses are all-reduced over the
+    axes that split the batch), so every rank logs the global loss; its gradient is the share's.
+    """
+
+    def __init__(self, layout, grid):
+        self.communicator, self.layout = layout.communicator, layout
+        self.vocabulary_group = layout.group(grid.vocabulary_family)
+        self.batch_groups = [layout.group(f) for f in grid.batch_families] + [layout.group("data")]
+        self.rows, self.chunk = grid.logit_rows(), grid.vocabulary_chunk()
+
+    def __call__(self, logits, targets):
+        valid_count = (targets != -100).sum().to(logits.dtype).reshape(1)
+        self.communicator.all_reduce(valid_count, self.layout.group("data"))
+        targets = targets.chunk(self.rows[1], dim=0)[self.rows[0]].reshape(-1)
+        logits = logits.reshape(-1, logits.shape[-1])
+        offset = self.chunk[0] * logits.shape[-1]
+        losses = VocabularyParallelCrossEntropy.apply(logits, targets, offset, self.communicator,
+                                                      self.vocabulary_group)
+        share = (losses * (targets != -100)).sum() / valid_count[0]
+        total = share.detach().clone()
+        for group in self.batch_groups:
+            self.communicator.all_reduce(total, group)
+        return share + (total - share).detach()
+
+
+class HeadParallelAttention(nn.Module):
+    """Self-attention over this rank's heads: qkv's local output is [Q_c | K_c | V_c].
+
+    Same computation as models.transformer.Attention, with widths taken from the local qkv
+    output (the plain module takes them from its input, whole in 1-D). Parameter names unchanged.
+    """
+
+    def __init__(self, plain: nn.Module, heads: int):
+        super().__init__()
+        self.qkv, self.proj, self.dropout = plain.qkv, plain.proj, plain.dropout
+        self.heads, self.causal = heads, plain.causal
+
+    def forward(self, x):
+        batch, length = x.shape[:2]
+        query, key, value = (t.view(batch, length, self.heads, -1).transpose(1, 2)
+                             for t in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(query, key, value, is_causal=self.causal)
+        return self.dropout(self.proj(y.transpose(1, 2).reshape(batch, length, -1)))

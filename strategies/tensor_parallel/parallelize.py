@@ -1,0 +1,164 @@
+"""The plan (module name -> Style) of a plain GPT and the functions that apply it on a grid.
+
+    form = parallelize_3d(model, layout)   # or parallelize_1d / parallelize_2d
+
+replaces the planned modules in place by their parallel forms, cut from the plain model's own
+(seeded) weights, so the parallel run starts exactly from the reference weights.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
+
+import torch
+import torch.nn as nn
+
+from strategies.tensor_parallel.grids import Style, grid_of, interleave_fused
+from strategies.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    GridLinear,
+    HeadParallelAttention,
+    ParallelEmbedding,
+    ParallelLayerNorm,
+    RowParallelLinear,
+    VocabularyParallelLoss,
+)
+
+# A block is two pairs of linears; "first"/"second" is the explicit argument that alternates
+# the 3-D axis roles (and picks Megatron's column/row form in 1-D).
+BLOCK_PLAN = {
+    "norm_attention": Style("norm"),
+    "attention.qkv": Style("linear", "first", fused=3),
+    "attention.proj": Style("linear", "second"),
+    "norm_mlp": Style("norm"),
+    "mlp.fc_in": Style("linear", "first"),
+    "mlp.fc_out": Style("linear", "second"),
+}
+
+
+def plan_gpt(layers: int) -> Dict[str, Style]:
+    """Module name -> Style for a GPT of `layers` blocks (the head is a "first" linear)."""
+    plan = {"embed": Style("embedding")}
+    for index in range(layers):
+        plan.update({f"blocks.{index}.{name}": style for name, style in BLOCK_PLAN.items()})
+    plan.update({"head.norm": Style("norm"), "head.output": Style("linear", "first")})
+    return plan
+
+
+@dataclass
+class TensorParallelForm:
+    """A parallelised model, its loss, and the groups each replicated parameter's gradient spans."""
+
+    model: nn.Module
+    loss: Callable
+    gradient_groups: Dict[str, Tuple]  # parameter name -> Groups to sum its gradient over
+
+
+def cut(grid, style: Style, name: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a plain parameter (fused outputs interleaved first)."""
+    if full is None:
+        return None
+    if style.kind == "linear":
+        full = interleave_fused(full, style.fused, grid.output_parts)
+    return grid.cut(style, name, full)
+
+
+def parallel_module(module: nn.Module, style: Style, grid, layout) -> nn.Module:
+    """The parallel form of one plain module, holding this rank's shards."""
+    if style.kind == "embedding":
+        return ParallelEmbedding(cut(grid, style, "weight", module.token.weight),
+                                 cut(grid, style, "weight", module.position.weight),
+                                 module.dropout.p, grid.input_rows())
+    weight = cut(grid, style, "weight", module.weight)
+    bias = cut(grid, style, "bias", module.bias)
+    if style.kind == "norm":
+        if grid.norm_family is None:
+            return module  # 1-D: features whole, the plain LayerNorm is already right
+        return ParallelLayerNorm(weight, bias, module.eps, layout, grid.norm_family)
+    if grid.name != "1d":
+        return GridLinear(weight, bias, layout, grid.linear_specs(style.position))
+    linear = ColumnParallelLinear if style.position == "first" else RowParallelLinear
+    return linear(weight, bias, layout)
+
+
+def gradient_groups(model: nn.Module, plan, grid, layout) -> Dict[str, Tuple]:
+    """Parameter name -> groups over which its copies' gradients are summed (data excluded)."""
+    groups = {}
+    for module_name, style in plan.items():
+        for name, _ in model.get_submodule(module_name).named_parameters():
+            families = grid.replicated_over(style, name.rsplit(".", 1)[-1])
+            groups[f"{module_name}.{name}"] = tuple(layout.group(f) for f in families)
+    return groups
+
+
+@torch.no_grad()
+def parallelize(model: nn.Module, layout) -> TensorParallelForm:
+    """Turn a plain GPT into its form on `layout.tensor_grid`, in place (torchtitan-style)."""
+    if model.head.output.weight is model.embed.token.weight:
+        raise ValueError("model.tie_embeddings=true is not supported by tensor parallelism")
+    grid = grid_of(layout.tensor_grid, layout.degrees.tensor, layout.index("tensor"))
+    plan = plan_gpt(len(model.blocks))
+    for name, style in plan.items():
+        parent, _, child = name.rpartition(".")
+        replacement = parallel_module(model.get_submodule(name), style, grid, layout)
+        setattr(model.get_submodule(parent) if parent else model, child, replacement)
+    for block in model.blocks.values():  # heads are split with qkv's output chunks
+        block.attention = HeadParallelAttention(block.attention,
+                                                block.attention.heads // grid.head_parts)
+    return TensorParallelForm(model, VocabularyParallelLoss(layout, grid),
+                              gradient_groups(model, plan, grid, layout))
+
+
+def _check_grid(layout, expected: str):
+    if layout.tensor_grid != expected:
+        raise ValueError(f"parallelize_{expected} needs a layout with tensor_grid={expected!r}, "
+                         f"got {layout.tensor_grid!r}")
+
+
+def parallelize_1d(model, layout) -> TensorParallelForm:
+    """Megatron 1-D: column-parallel qkv/fc_in/head, row-parallel proj/fc_out."""
+    _check_grid(layout, "1d")
+    return parallelize(model, layout)
+
+
+def parallelize_2d(model, layout) -> TensorParallelForm:
+    """SUMMA 2-D on a q×q grid (all-gather form of its row and column broadcasts)."""
+    _check_grid(layout, "2d")
+    return parallelize(model, layout)
+
+
+def parallelize_3d(model, layout) -> TensorParallelForm:
+    """3-D on a q³ grid (Bian et al. 2021; TECHNIQUES §4)."""
+    _check_grid(layout, "3d")
+    return parallelize(model, layout)
+
+
+def _style_of(parameter_name: str, plan) -> Tuple[Style, str]:
+    for module_name, style in plan.items():
+        if parameter_name.startswith(module_name + "."):
+            return style, parameter_name.rsplit(".", 1)[-1]
+    return None, None
+
+
+def consolidate(rank_states, described: dict, prefix: str = "model.") -> dict:
+    """Full plain state dict from the tensor block of data/pipeline replica 0.
+
+    Each shard is placed by cutting an index tensor of the full shape exactly as the weight was
+    cut, so consolidation cannot disagree with sharding.
+    """
+    tensor, tensor_grid = described["tensor"], described["tensor_grid"]
+    names = [n for n in rank_states[0] if n.startswith(prefix)]
+    layers = len({n.split(".")[2] for n in names if n.startswith(prefix + "blocks.")})
+    plan, full = plan_gpt(layers), {}
+    for name in names:
+        style, leaf = _style_of(name[len(prefix):], plan)
+        if style is None:
+            full[name] = rank_states[0][name].clone()
+            continue
+        shape = grid_of(tensor_grid, tensor, 0).full_shape(style, leaf, rank_states[0][name].shape)
+        values = torch.empty(shape, dtype=rank_states[0][name].dtype)
+        index = torch.arange(values.numel()).reshape(shape)
+        for local in range(tensor):
+            where = cut(grid_of(tensor_grid, tensor, local), style, leaf, index)
+            values.view(-1)[where.reshape(-1)] = rank_states[local][name].reshape(-1)
+        full[name] = values
+    return full

@@ -1,0 +1,175 @@
+"""3-D tensor parallelism (Bian et al. 2021) and its 1-D / 2-D baselines, as Lightning strategies.
+
+    strategy=three_d strategy.tensor_grid=2   # 8 ranks per tensor block, × data replicas
+    strategy=tp_2d   strategy.tensor_grid=2   # 4 ranks (SUMMA)
+    strategy=tp_1d   strategy.tensor_grid=8   # 8 ranks (Megatron)
+
+Lightning's automatic optimisation runs forward and backward; the parallel layers' collectives
+run inside them. `optimizer_step` then sums the gradients of replicated parameters over the
+groups holding copies and every gradient over the data group, and steps (TECHNIQUES §4).
+"""
+
+from collections import defaultdict
+
+import torch
+from typing_extensions import override
+
+from layerwise.layout import Degrees
+from strategies.base import LayerwiseStrategy
+from strategies.tensor_parallel import consolidate as consolidate_form
+from strategies.tensor_parallel import parallelize_1d, parallelize_2d, parallelize_3d
+
+PARALLELIZE = {"1d": parallelize_1d, "2d": parallelize_2d, "3d": parallelize_3d}
+MODES = {"three_d": "3d", "tp_1d": "1d", "tp_2d": "2d"}
+DIMENSION = {"1d": 1, "2d": 2, "3d": 3}
+
+
+class TensorParallelStrategy(LayerwiseStrategy):
+    """Tensor-parallel training on a 1-D, 2-D or 3-D grid, times data replicas.
+
+    1. `setup_environment`: the layout with the grid's group families;
+    2. `setup`: cut the plain model (built from the seed) into this rank's shards, then optimizers;
+    3. `training_step`: parallel forward, vocabulary-parallel loss (a live tensor; Lightning
+       runs the backward, whose collectives are in the layers);
+    4. `optimizer_step`: closure, sum replicated and data-parallel gradients, step.
+    """
+
+    def __init__(self, degrees: Degrees, tensor_grid: str, **kwargs):
+        super().__init__(degrees, **kwargs)
+        self.tensor_grid = tensor_grid
+        self.form = None
+
+    @override
+    def layout_arguments(self) -> dict:
+        return {"tensor_grid": self.tensor_grid}
+
+    @override
+    def setup(self, trainer) -> None:
+        if self.form is None:  # before the optimizers are built over the model's parameters
+            self.form = PARALLELIZE[self.tensor_grid](self.lightning_module.model, self.layout)
+        super().setup(trainer)
+
+    def _loss(self, batch):
+        return self.form.loss(self.lightning_module.model(batch["tokens"]), batch["targets"])
+
+    @override
+    def training_step(self, *args, **kwargs):
+        return self._loss(args[0])  # every rank returns the global-batch loss's value
+
+    @override
+    def validation_step(self, *args, **kwargs):
+        return self._loss(args[0]).detach()
+
+    @override
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        closure_result = closure()  # training_step, zero_grad, backward
+        self.synchronise_gradients()
+        optimizer.step()
+        return closure_result
+
+    def synchronise_gradients(self) -> None:
+        """Sum each gradient over the groups holding copies of its parameter, then over data."""
+        buckets = defaultdict(list)
+        data = self.layout.group("data")
+        for name, parameter in self.lightning_module.model.named_parameters():
+            groups = self.form.gradient_groups.get(name, ()) + (data,)
+            buckets[groups].append(parameter.grad)
+        for groups, gradients in buckets.items():
+            flat = torch.cat([g.reshape(-1) for g in gradients])  # one collective per group
+            for group in groups:
+                self.layout.communicator.all_reduce(flat, group)
+            offset = 0
+            for gradient in gradients:
+                gradient.copy_(flat[offset:offset + gradient.numel()].view_as(gradient))
+                offset += gradient.numel()
+
+
+# ----- the registry interface (see strategies/__init__.py)
+
+def _mode(cfg) -> str:
+    return MODES.get(cfg.strategy.name, cfg.strategy.tensor_mode)
+
+
+def _tensor_degree(cfg) -> int:
+    return cfg.strategy.tensor_grid ** DIMENSION[_mode(cfg)]
+
+
+def degrees(cfg, world_size: int) -> Degrees:
+    tensor = _tensor_degree(cfg)
+    return Degrees(data=cfg.strategy.data_degree or max(1, world_size // tensor), tensor=tensor)
+
+
+def _nearest_multiples(value: int, step: int) -> str:
+    lower = value // step * step
+    return " or ".join(str(v) for v in ([lower] if lower else []) + [lower + step])
+
+
+def check(cfg, world_size: int) -> list:
+    """Config errors before launch: world, batch, hidden and heads against the grid (§4)."""
+    mode, q = _mode(cfg), cfg.strategy.tensor_grid
+    if mode not in DIMENSION or q < 1:
+        return [f"strategy.tensor_mode={mode!r}, strategy.tensor_grid={q}: need a mode in "
+                f"1d, 2d, 3d and q >= 1. Fix: strategy.tensor_mode=3d strategy.tensor_grid=2."]
+    tensor, dimension = _tensor_degree(cfg), DIMENSION[mode]
+    batch_parts = {1: 1, 2: q, 3: q * q}[dimension]  # ranks that split a data rank's batch
+    feature_parts = {1: q, 2: q, 3: q * q}[dimension]  # 3-D splits a weight's input by q²
+    head_parts = q
+    errors = _check_world(cfg, world_size, tensor, mode) + _check_unsupported(cfg)
+    data = degrees(cfg, world_size).data
+    per_rank = cfg.data.global_batch_size // max(1, data)
+    if not errors and (cfg.data.global_batch_size % data or per_rank % batch_parts):
+        errors.append(
+            f"data.global_batch_size={cfg.data.global_batch_size}: each of the {data} data-parallel "
+            f"ranks must get a multiple of {batch_parts} sequences (q^{dimension - 1} for {mode} with "
+            f"strategy.tensor_grid={q}). Fix: data.global_batch_size="
+            f"{_nearest_multiples(cfg.data.global_batch_size, data * batch_parts)}.")
+    if cfg.model.hidden % feature_parts:
+        errors.append(
+            f"model.hidden={cfg.model.hidden} is not divisible by {feature_parts} (the {mode} grid "
+            f"with strategy.tensor_grid={q} splits weights by that). Fix: model.hidden="
+            f"{_nearest_multiples(cfg.model.hidden, feature_parts)}.")
+    if cfg.model.heads % head_parts:
+        errors.append(
+            f"model.heads={cfg.model.heads} is not divisible by strategy.tensor_grid={q} (heads are "
+            f"split over {head_parts} ranks). Fix: model.heads="
+            f"{_nearest_multiples(cfg.model.heads, head_parts)}.")
+    return errors
+
+
+def _check_world(cfg, world_size: int, tensor: int, mode: str) -> list:
+    data = cfg.strategy.data_degree
+    if world_size % tensor == 0 and (data is None or data * tensor == world_size):
+        return []
+    fits = [tensor * n for n in (1, 2, 4)]
+    return [f"strategy.tensor_grid={cfg.strategy.tensor_grid}: {cfg.strategy.name} ({mode}) needs "
+            f"data × {tensor} ranks, but the world has {world_size} (hardware.nodes × "
+            f"hardware.devices_per_node"
+            f"{'' if data is None else f', strategy.data_degree={data}'}). Fix: "
+            f"hardware.devices_per_node={' or '.join(map(str, fits))}, or another "
+            f"strategy.tensor_grid."]
+
+
+def _check_unsupported(cfg) -> list:
+    errors = []
+    for field, value, wanted in (("strategy.micro_batches", cfg.strategy.micro_batches, 1),
+                                 ("strategy.pipeline_degree", cfg.strategy.pipeline_degree, 1),
+                                 ("model.architecture", cfg.model.architecture, "gpt"),
+                                 ("model.tie_embeddings", cfg.model.tie_embeddings, False),
+                                 ("trainer.gradient_clip_val", cfg.trainer.gradient_clip_val, 0.0)):
+        if value != wanted:
+            errors.append(f"{field}={value}: {cfg.strategy.name} supports only {wanted} so far. "
+                          f"Fix: {field}={wanted}.")
+    if cfg.optimizer.name == "lamb":
+        errors.append(f"optimizer.name=lamb: LAMB's per-tensor trust ratio needs whole tensors, "
+                      f"{cfg.strategy.name} holds shards. Fix: optimizer=adamw or optimizer=sgd.")
+    return errors
+
+
+def build(cfg, world_size: int):
+    return TensorParallelStrategy(degrees(cfg, world_size), _mode(cfg),
+                                  process_group_backend=cfg.hardware.process_group_backend)
+
+
+def consolidate(rank_state_dicts, layout: dict) -> dict:
+    """The plain model's state dict (`model.` keys) from per-rank shards (tensor block 0)."""
+    return consolidate_form(rank_state_dicts, layout)

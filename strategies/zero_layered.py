@@ -1,0 +1,237 @@
+"""ZeroLayeredStrategy: ZeRO-3 sharding + layered gradient accumulation (Lamy-Poirier 2021, TECHNIQUES §1).
+
+The modular pipeline's engine with one more pass (strategies/schedule/zero.py): per stage and run of
+its compute, an all-gather of its weights; after each backward run, a reduce-scatter of its gradient
+instead of an all-reduce. Layered order has two runs per stage, so a step moves 3(n−1)/n·P bytes per
+rank whatever m; `breadth_first_micro_batches=1` is depth-first ZeRO-3, 3m(n−1)/n·P (the comparator).
+With `pipeline_degree > 1` it is Breadth-First Pipeline Parallelism: looping + layered + sharded.
+"""
+
+from collections import deque
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from typing_extensions import override
+
+from strategies import modular_pipeline
+from strategies.modular_pipeline import ModularPipelineStrategy, forward_only
+from strategies.schedule import BACKWARD, FINISH, FORWARD, add_communication, build_plan, validate_plan
+from strategies.schedule.zero import (GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, add_weight_gathers,
+                                      add_zero)
+from strategies.sharding import FlatShard, ShardContainer, unshard
+from strategies.stages import Peers, StageWork, keep_local_stages, stage_blocks
+
+
+def base_plan(strategy_config, layers: int):
+    return add_communication(build_plan(
+        strategy_config.schedule, pipeline_degree=strategy_config.pipeline_degree,
+        stages=layers // strategy_config.layers_per_stage, micro_batches=strategy_config.micro_batches,
+        breadth_first_micro_batches=strategy_config.breadth_first_micro_batches))
+
+
+def training_plan(strategy_config, layers: int):
+    """Compute and transfers, then the ZeRO-3 gathers and reduce-scatters; validated."""
+    return validate_plan(add_zero(base_plan(strategy_config, layers)))
+
+
+def stage_parameter_names(model, stage: int, stages: int, layers_per_stage: int) -> list:
+    """Names (in the model) of one stage's parameters: its blocks, + embedding / head at the ends."""
+    prefixes = [f"blocks.{block}" for block in stage_blocks(stage, layers_per_stage)]
+    prefixes += ["embed"] if stage == 0 else []
+    prefixes += ["head"] if stage == stages - 1 else []
+    return [f"{prefix}.{name}" for prefix in prefixes
+            for name, _ in model.get_submodule(prefix).named_parameters()]
+
+
+def shard_stages(model, local_stages, stages: int, layers_per_stage: int, rank: int, size: int) -> dict:
+    """Per local stage, two FlatShards: matrices (weight-decayed) and vectors (not), like optim.py's groups."""
+    shards = {}
+    for stage in local_stages:
+        names = stage_parameter_names(model, stage, stages, layers_per_stage)
+        is_matrix = {name: model.get_parameter(name).dim() >= 2 for name in names}
+        for kind, matrix in (("matrices", True), ("vectors", False)):
+            chosen = [name for name in names if is_matrix[name] == matrix]
+            if chosen:
+                shards[f"stage{stage}_{kind}"] = FlatShard(model, chosen, rank, size, matrix)
+    return shards
+
+
+class ShardedStageWork(StageWork):
+    """StageWork whose stages are gathered before each run of their compute and reduce-scattered after.
+
+    1. GATHER_*(c): free the weights of the finished run, post the async all-gather of stage c (the
+       plan puts it one run ahead: double buffering);
+    2. F/B(c, i): on a new run, wait for its gather and install it (B: also a flat gradient buffer);
+       saved activations refer to weights by (stage, position), so freed weights are not kept alive
+       by the autograd graph and the backward uses the re-gathered ones;
+    3. REDUCE_SCATTER(c): post the async reduce-scatter; it overlaps the earlier stages' backward.
+    """
+
+    def __init__(self, *arguments, shards: dict):
+        super().__init__(*arguments)
+        self.shards_of = {}  # stage -> its FlatShards
+        for key, shard in shards.items():
+            self.shards_of.setdefault(int(key[5:].split("_")[0]), []).append(shard)
+        self.gathers = deque()  # (stage, kind, [(work, buffer) per shard]) in plan order
+        self.installed = None  # (stage, kind) whose weights the leaves point at
+        self.scatters = []  # (shard, work, piece, gradient) in flight
+        self.buffers = {}  # storage pointer of an installed buffer -> (stage, shard index)
+
+    def handlers(self) -> dict:
+        return {**super().handlers(), GATHER_FORWARD: self.gather, GATHER_BACKWARD: self.gather,
+                REDUCE_SCATTER: self.reduce_scatter, FINISH: self.finish}
+
+    # ----- weights
+    def gather(self, action) -> None:
+        self._release()  # by the plan's construction, the installed run is over
+        group, communicator = self.peers.data_group, self.peers.communicator
+        posted = [shard.post_gather(communicator, group) for shard in self.shards_of[action.stage]]
+        kind = BACKWARD if action.kind == GATHER_BACKWARD else FORWARD
+        self.gathers.append((action.stage, kind, posted))
+
+    def _install(self, stage: int, kind: str) -> None:
+        if self.installed == (stage, kind):
+            return
+        self._release()
+        gathered_stage, gathered_kind, posted = self.gathers.popleft()
+        assert (gathered_stage, gathered_kind) == (stage, kind), "plan and gathers out of step"
+        for index, (shard, (work, buffer)) in enumerate(zip(self.shards_of[stage], posted)):
+            if work is not None:
+                work.wait()
+            shard.install(buffer)
+            self.buffers[buffer.untyped_storage().data_ptr()] = (stage, index)
+            if kind == BACKWARD:
+                shard.attach_gradients()
+        self.installed = (stage, kind)
+
+    def _release(self) -> None:
+        if self.installed is not None:
+            for shard in self.shards_of[self.installed[0]]:
+                shard.release()
+            self.buffers.clear()
+            self.installed = None
+
+    def _pack(self, tensor):
+        key = self.buffers.get(tensor.untyped_storage().data_ptr())
+        if key is None:
+            return tensor
+        return key, tensor.storage_offset(), tensor.size(), tensor.stride()
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        (stage, index), offset, size, stride = packed
+        return self.shards_of[stage][index].full.as_strided(size, stride, offset)
+
+    # ----- compute
+    def forward(self, action) -> None:
+        self._install(action.stage, FORWARD)
+        with saved_tensors_hooks(self._pack, self._unpack):
+            super().forward(action)
+
+    def backward(self, action) -> None:
+        self._install(action.stage, BACKWARD)
+        super().backward(action)
+
+    # ----- gradients
+    def reduce_scatter(self, action) -> None:
+        self._settle_scatters()  # at most one stage's full gradient in flight
+        for shard in self.shards_of[action.stage]:
+            work, piece, gradient = shard.post_reduce_scatter(self.peers.communicator, self.peers.data_group)
+            self.scatters.append((shard, work, piece, gradient))
+
+    def _settle_scatters(self) -> None:
+        for shard, work, piece, _ in self.scatters:
+            if work is not None:
+                work.wait()
+            shard.accumulate(piece, self.peers.data_group.size)
+        self.scatters.clear()
+
+    def finish(self) -> None:
+        super().finish()
+        self._release()
+
+    def wait_for_reductions(self) -> None:
+        self._settle_scatters()
+
+
+class ZeroLayeredStrategy(ModularPipelineStrategy):
+    """ZeRO-3 over the data-parallel group on the modular pipeline's engine (layered or depth-first).
+
+    1. setup: keep this rank's stages, then cut each into flat 1/n shards (the optimizer's parameters);
+    2. each step runs the plan: gather a stage before each run of its compute (one run ahead), reduce-
+       scatter its gradient after each backward run — twice + once per step under layered order;
+    3. before the optimizer: wait for the reduce-scatters; the optimizer updates only the shards.
+    """
+
+    def __init__(self, cfg, world_size: int, **kwargs):
+        super().__init__(cfg, world_size, **kwargs)
+        self.plan = training_plan(cfg.strategy, cfg.model.layers)
+        # Forward only (no B, so not a training plan the validator accepts): gathers, no scatters.
+        self.validation_plan = add_weight_gathers(forward_only(base_plan(cfg.strategy, cfg.model.layers)))
+        self.shards = {}
+
+    @override
+    def setup(self, trainer) -> None:
+        local = list(self.plan.stages_on(self.layout.index("pipeline")))
+        model, strategy = self.lightning_module.model, self.cfg.strategy
+        keep_local_stages(model, local, self.plan.stages, strategy.layers_per_stage)
+        self.synchronise_replicas(model)
+        data = self.layout.group("data")
+        self.shards = shard_stages(model, local, self.plan.stages, strategy.layers_per_stage,
+                                   self.layout.index("data"), data.size)
+        model.zero_shards = ShardContainer(self.shards)  # the optimizer's only parameters
+        peers = Peers([self.layout.group("pipeline").ranks[r] for r in self.plan.placement],
+                      self.layout.group("pipeline"), data, self.layout.communicator)
+        self.work = ShardedStageWork(model, self.plan.stages, strategy.layers_per_stage,
+                                     strategy.micro_batches, peers, shards=self.shards)
+        super(ModularPipelineStrategy, self).setup(trainer)  # Lightning's setup, optimizer included
+
+    def compute_resident_tensors(self) -> list:
+        """Between steps the compute side holds only shards, their gradients and optimizer state."""
+        tensors = [shard.parameter for shard in self.shards.values()]
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
+        return tensors
+
+
+# ----- the registry interface (see strategies/__init__.py)
+
+degrees = modular_pipeline.degrees
+
+
+def check(cfg, world_size: int) -> list:
+    """The pipeline's checks, plus what sharding needs; each error names the field and the fix."""
+    strategy, errors = cfg.strategy, []
+    if strategy.data_degree is not None and world_size % strategy.data_degree:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        return [f"strategy.data_degree={strategy.data_degree} does not divide the world size {world_size} "
+                f"(hardware.nodes × hardware.devices_per_node). Fix: strategy.data_degree=null (world / "
+                f"pipeline_degree) or one of {divisors} with pipeline_degree = world / data_degree."]
+    if cfg.optimizer.name == "lamb":
+        errors.append("optimizer.name=lamb scales each tensor by its own trust ratio, which a flat shard "
+                      "does not hold whole. Fix: optimizer=adamw or optimizer=sgd.")
+    if cfg.model.tie_embeddings:
+        errors.append("model.tie_embeddings=true shares one weight between the first and the last stage, "
+                      "which are sharded separately. Fix: model.tie_embeddings=false.")
+    return errors + modular_pipeline.check(cfg, world_size)
+
+
+def build(cfg, world_size: int):
+    return ZeroLayeredStrategy(cfg, world_size)
+
+
+def consolidate(rank_state_dicts: list, layout: dict) -> dict:
+    """The full model from per-rank shards: concatenate each flat group over the data ranks."""
+    data, pipeline, tensor = layout["data"], layout["pipeline"], layout.get("tensor", 1)
+    merged = {}
+    for pipeline_rank in range(pipeline):
+        ranks = [tensor * (pipeline_rank + pipeline * d) for d in range(data)]
+        states = [rank_state_dicts[r] for r in ranks]
+        description = states[0]["model.zero_shards._extra_state"]
+        for key, group in description.items():
+            pieces = [state[f"model.zero_shards.flat.{key}"] for state in states]
+            merged.update({f"model.{name}": value for name, value in unshard(group, pieces).items()})
+        merged.update({k: v for k, v in states[0].items() if not k.startswith("model.zero_shards.")})
+    return merged

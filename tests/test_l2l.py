@@ -1,0 +1,253 @@
+"""L2L offload (TECHNIQUES §3): the relay plan, numerics equal to `single`, memory flat in depth, bytes, resume.
+
+Test ids: m = micro-batches, const = constant-memory variant (stash on the host), std = stash on the device.
+"""
+
+import csv
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from layerwise.comm import Communicator, Group
+from layerwise.memory import ComputeMemoryMeter
+from layerwise.optim import build_optimizer
+from layerwise.run import train
+from layerwise.validate import ConfigError, validate
+from models import build_model
+from strategies.l2l import Relay
+from strategies.schedule import (BACKWARD, FORWARD, layered, looped_breadth_first, simulate, unit_cost,
+                                 validate_plan)
+from strategies.schedule.ir import (GRADIENT_TO_HOST, RELEASE_BACKWARD, RELEASE_FORWARD, UPDATE_ON_HOST,
+                                    WEIGHTS_BACKWARD, WEIGHTS_FORWARD, parse_action)
+from strategies.schedule.offload import add_host_transfers, relay_plan
+from tests.harness import (QUICK, assert_same_losses, assert_same_parameters, compose_config,
+                           consolidated_parameters)
+
+STEPS = 5
+OPTIMIZER = OmegaConf.create(dict(name="adamw", lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
+                                  momentum=0.9))
+VARIANTS = [(1, False), (4, False), (1, True), (4, True)]
+
+
+def variant_id(case):
+    return f"m{case[0]}_{'const' if case[1] else 'std'}"
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def weights_in_flight(row) -> int:
+    """Most stages whose weights are on the device at once, read from the plan."""
+    live, most = 0, 0
+    for action in row:
+        live += action.kind in (WEIGHTS_FORWARD, WEIGHTS_BACKWARD)
+        live -= action.kind in (RELEASE_FORWARD, RELEASE_BACKWARD)
+        most = max(most, live)
+    return most
+
+
+@pytest.mark.parametrize("stages, micro_batches, prefetch, reduce",
+                         [(3, 1, True, False), (6, 4, True, True), (6, 4, False, False), (26, 16, True, False)])
+def test_relay_plan_validates_and_simulates(stages, micro_batches, prefetch, reduce):
+    plan = validate_plan(relay_plan(stages, micro_batches, prefetch, reduce))
+    kinds = [action.kind for action in plan.ranks[0]]
+    for kind in (WEIGHTS_FORWARD, WEIGHTS_BACKWARD, GRADIENT_TO_HOST, UPDATE_ON_HOST):
+        assert kinds.count(kind) == stages  # 2 weight copies + 1 gradient copy per layer, whatever m
+    assert kinds.count(FORWARD) == kinds.count(BACKWARD) == stages * micro_batches
+    assert weights_in_flight(plan.ranks[0]) == (2 if prefetch else 1)
+    assert simulate(plan, unit_cost).makespan == 2 * stages * micro_batches  # copies cost 0 in unit time
+    updates = [action.stage for action in plan.ranks[0] if action.kind == UPDATE_ON_HOST]
+    assert updates == list(reversed(range(stages)))  # eager: last layer first, during the backward
+
+
+def test_offload_kinds_round_trip_and_depend_on_weights():
+    plan = relay_plan(3, 2)
+    for text in ("1Wf", "1Wb", "1Ef", "1Eb", "1Gh", "1Uh"):
+        assert str(parse_action(text)) == text
+    from strategies.schedule import dependencies
+    assert parse_action("1Wf") in dependencies(parse_action("1F0"), plan)
+    assert parse_action("1Wb") in dependencies(parse_action("1B1"), plan)
+    assert parse_action("1Wf") not in dependencies(parse_action("1F0"), layered(3, 2))  # compute-only plan
+
+
+def test_offload_pass_rejects_plans_it_cannot_relay():
+    with pytest.raises(ValueError, match="breadth_first_micro_batches"):
+        add_host_transfers(layered(3, 4, breadth_first_micro_batches=2))
+    with pytest.raises(ValueError, match="one-rank"):
+        add_host_transfers(looped_breadth_first(2, 2, 2))
+
+
+# ----------------------------------------------------------------------------- the relay alone
+
+
+def tiny_model(tied=False, layers=3, dropout=0.1):
+    return build_model("gpt", vocab_size=64, sequence_length=16, layers=layers, hidden=32, heads=2, mlp_ratio=4,
+                       dropout=dropout, tie_embeddings=tied, seed=1)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("constant_memory", [False, True], ids=["std", "const"])
+def test_relay_step_is_bit_identical_to_a_plain_step(tied, constant_memory):
+    """m = 1, dropout on: the relay with eager per-layer updates is one plain AdamW step, bit for bit."""
+    reference, offloaded = tiny_model(tied), tiny_model(tied)
+    plain = build_optimizer(OPTIMIZER, reference.named_parameters())
+    relay = Relay(offloaded, build_optimizer(OPTIMIZER, offloaded.named_parameters()), Communicator(),
+                  Group("data", (0,)), 1, constant_memory=constant_memory)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        tokens, targets = (torch.randint(0, 64, (4, 16), generator=generator) for _ in range(2))
+        torch.manual_seed(step)
+        plain.zero_grad(set_to_none=True)
+        expected = reference.loss(reference(tokens), targets)
+        expected.backward()
+        plain.step()
+        torch.manual_seed(step)
+        relay.store.optimizer.zero_grad(set_to_none=True)
+        assert torch.equal(relay.step(tokens, targets), expected.detach())
+    relay.close()
+    for (name, actual), expected in zip(offloaded.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(actual, expected), name
+
+
+def test_cross_mixed_precision_keeps_fp32_masters_and_halves_the_bytes():
+    reference, offloaded = tiny_model(dropout=0.0), tiny_model(dropout=0.0)
+    communicator = Communicator()
+    relay = Relay(offloaded, build_optimizer(OPTIMIZER, offloaded.named_parameters()), communicator,
+                  Group("data", (0,)), 2, dtype=torch.bfloat16)
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    loss = relay.step(tokens, tokens)
+    relay.close()
+    torch.testing.assert_close(loss, reference.loss(reference(tokens), tokens), rtol=2e-2, atol=0)
+    assert all(p.dtype == torch.float32 for p in offloaded.parameters())
+    parameters = sum(p.numel() for p in offloaded.parameters())
+    assert communicator.snapshot()["host_device"] == 3 * 2 * parameters  # bf16 weights and gradients
+
+
+# ----------------------------------------------------------------------------- compute-side memory
+
+
+def relay_peak(layers, micro_batches, constant_memory, micro_batch_size=1, sequence=32, hidden=128):
+    """Compute-side peak of the second step (optimizer state exists) of a gpt_tiny-width relay."""
+    model = build_model("gpt", vocab_size=256, sequence_length=sequence, layers=layers, hidden=hidden, heads=4,
+                        mlp_ratio=4, dropout=0.1, seed=0)
+    relay = Relay(model, build_optimizer(OPTIMIZER, model.named_parameters()), Communicator(),
+                  Group("data", (0,)), micro_batches, constant_memory=constant_memory)
+    tokens = torch.randint(0, 256, (micro_batches * micro_batch_size, sequence))
+    relay.step(tokens, tokens)
+    meter = ComputeMemoryMeter()
+    with meter:
+        relay.step(tokens, tokens)
+    relay.close()
+    return meter.peak_bytes
+
+
+def test_constant_variant_is_flat_in_depth_and_micro_batches():
+    depth = {layers: relay_peak(layers, 1, True) for layers in (4, 24)}
+    micro = {m: relay_peak(4, m, True) for m in (1, 4, 16)}
+    assert max(depth.values()) <= 1.05 * min(depth.values()), depth
+    assert max(micro.values()) <= 1.05 * min(micro.values()), micro
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_standard_variant_grows_only_by_the_stash(micro_batches):
+    """Depth 4 -> 24 adds exactly 20 stashed activations per micro-batch (b·s·h fp32 each), no weights."""
+    shallow, deep = relay_peak(4, micro_batches, False), relay_peak(24, micro_batches, False)
+    stash = 20 * micro_batches * 1 * 32 * 128 * 4
+    assert abs((deep - shallow) - stash) <= 0.05 * stash, (shallow, deep, stash)
+
+
+# ----------------------------------------------------------------------------- through Lightning
+
+
+def run(tmp_path, name, *overrides, steps=STEPS):
+    cfg = compose_config(*QUICK, f"trainer.max_steps={steps}", "trainer.val_check_interval=5", *overrides)
+    summary = train(cfg, tmp_path / name, validate(cfg))
+    assert summary["status"] == "completed"
+    return summary, tmp_path / name
+
+
+def metrics(directory):
+    with (directory / "metrics.csv").open() as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.fixture(scope="module")
+def single_with_dropout(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("single"), "single", "strategy=single", "model.dropout=0.1")
+
+
+@pytest.mark.parametrize("case", VARIANTS, ids=variant_id)
+def test_l2l_reproduces_single_with_dropout(single_with_dropout, tmp_path, case):
+    micro_batches, constant_memory = case
+    summary, directory = run(tmp_path, "l2l", "strategy=l2l", "hardware.devices_per_node=1", "model.dropout=0.1",
+                             f"strategy.micro_batches={micro_batches}", f"strategy.constant_memory={constant_memory}")
+    assert_same_losses(summary["losses"], single_with_dropout[0]["losses"])
+    parameters = consolidated_parameters(directory, "l2l")
+    assert_same_parameters(parameters, consolidated_parameters(single_with_dropout[1], "single"))
+    # Transfers: 2 weight copies + 1 gradient copy per layer = 3·4·P bytes (fp32), whatever m; the
+    # constant variant also moves the stash: forward x out + in, backward x in, dy in, dx out, for
+    # each of the L + 1 stage boundaries: 5·(L+1)·B·s·h·4 more.
+    expected = 3 * 4 * sum(p.numel() for p in parameters.values())
+    if constant_memory:
+        expected += 5 * (2 + 1) * 8 * 32 * 32 * 4  # L = 2 blocks, B = 8, s = 32, h = 32
+    assert [float(row["comm_bytes_host_device"]) for row in metrics(directory)] == [expected] * STEPS
+    assert all(float(row["peak_compute_bytes"]) > 0 for row in metrics(directory))
+
+
+def test_l2l_data_parallel_with_tied_weights_reproduces_single(tmp_path):
+    """2 ranks relay the same layers; the host reduces gradients; the tied embedding/head is updated once."""
+    tied = ["model.tie_embeddings=true"]
+    single, single_directory = run(tmp_path, "single", "strategy=single", *tied)
+    summary, directory = run(tmp_path, "l2l", "strategy=l2l", "strategy.micro_batches=2", *tied)
+    assert summary["world_size"] == 2
+    assert_same_losses(summary["losses"], single["losses"])
+    parameters = consolidated_parameters(directory, "l2l")
+    assert_same_parameters(parameters, consolidated_parameters(single_directory, "single"))
+    unique = sum(p.numel() for name, p in parameters.items() if name != "model.head.output.weight")
+    tied_weight = parameters["model.embed.token.weight"].numel()  # travels with the embed and with the head
+    rows = metrics(directory)
+    assert {float(row["comm_bytes_host_device"]) for row in rows} == {3 * 4 * (unique + tied_weight)}
+    assert {float(row["comm_bytes_all_reduce"]) for row in rows} == {2 * (2 - 1) / 2 * unique * 4}
+
+
+def test_l2l_resume_is_bit_identical(tmp_path):
+    overrides = ["strategy=l2l", "hardware.devices_per_node=1", "model.dropout=0.1", "strategy.micro_batches=4",
+                 "strategy.constant_memory=true", "trainer.checkpoint_every_n_steps=1"]
+    whole, whole_directory = run(tmp_path, "whole", *overrides)
+    first, directory = run(tmp_path, "resumed", *overrides, steps=3)
+    assert first["steps"] == 3
+    resumed, _ = run(tmp_path, "resumed", *overrides)
+    assert resumed["losses"] == whole["losses"]
+    expected = consolidated_parameters(whole_directory, "l2l")
+    for name, value in consolidated_parameters(directory, "l2l").items():
+        assert torch.equal(value, expected[name]), name
+
+
+# ----------------------------------------------------------------------------- config checks
+
+
+def test_check_names_the_field_and_the_fix():
+    cfg = compose_config(*QUICK, "strategy=l2l", "hardware.devices_per_node=1", "strategy.micro_batches=3",
+                         "trainer.gradient_clip_val=1.0")
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+    message = str(error.value)
+    assert "strategy.micro_batches=3 must divide the per-rank batch 8" in message
+    assert "trainer.gradient_clip_val=0" in message
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_relay_matches_cpu():  # pragma: no cover - no GPU on the development machine
+    cpu_model, gpu_model = tiny_model(dropout=0.0), tiny_model(dropout=0.0)
+    for parameter in gpu_model.parameters():
+        parameter.data = parameter.data.pin_memory()
+    losses = []
+    for model, device in ((cpu_model, "cpu"), (gpu_model, "cuda")):
+        relay = Relay(model, build_optimizer(OPTIMIZER, model.named_parameters()), Communicator(),
+                      Group("data", (0,)), 2, device=torch.device(device))
+        tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+        losses.append(relay.step(tokens, tokens).cpu())
+        relay.close()
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=0)

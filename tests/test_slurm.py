@@ -1,0 +1,300 @@
+"""Sweeps on a cluster (layerwise/slurm.py), tested against a real Slurm on this machine.
+
+Tests marked `slurm` use the 2-node cluster of scripts/local_slurm.sh (fixture `local_slurm` in
+conftest.py: reused if running, else installed/started and stopped at the end; skipped with the
+reason where it cannot start). Select them with `pytest -m slurm`. The others check what happens
+before submission and need no cluster.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from layerwise.config import register_schemas
+from layerwise.slurm import job_resources
+from layerwise.validate import validate
+from tests.harness import CONFIG_DIRECTORY, assert_same_losses
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 16
+# One small model on 2 nodes × 2 tasks = 4 ranks; the last checkpoint is written only at the end,
+# so a resumed run can only have resumed from the preemption's checkpoint.
+COMMON = ["hardware.nodes=2", "debug=fast", "data.global_batch_size=8", "data.max_bytes=2000000",
+          "logger.name=wandb", f"trainer.max_steps={STEPS}", "trainer.val_check_interval=8",
+          "trainer.checkpoint_every_n_steps=100"]
+
+
+def train_py(*arguments, environment=None, timeout=300):
+    environment = {**os.environ, "WANDB_MODE": "offline", **(environment or {})}
+    return subprocess.run([sys.executable, "train.py", *arguments], cwd=ROOT, env=environment,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_train_py(*arguments, log: Path):
+    handle = log.open("w")
+    return subprocess.Popen([sys.executable, "train.py", *arguments], cwd=ROOT, stdout=handle,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "WANDB_MODE": "offline"})
+
+
+def points(sweep: Path) -> list:
+    return sorted((p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")),
+                  key=lambda p: int(p.name.split("_")[0]))
+
+
+def summary(point: Path) -> dict:
+    return json.loads((point / "summary.json").read_text())
+
+
+def metric_rows(point: Path) -> int:
+    path = point / "metrics.csv"
+    return max(0, len(path.read_text().splitlines()) - 1) if path.exists() else 0
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def sacct_states(job: str) -> list:
+    result = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-o", "State", "-j", job],
+                            capture_output=True, text=True)
+    return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
+
+
+def offline_runs(point: Path) -> list:
+    return sorted(point.glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def launcher_config(*overrides):
+    register_schemas()
+    with initialize_config_dir(config_dir=CONFIG_DIRECTORY, version_base="1.3"):
+        return compose(config_name="config", overrides=["hydra/launcher=slurm", *overrides],
+                       return_hydra_config=True)
+
+
+# ================================================================ before submission: no cluster
+
+def test_resources_follow_the_hardware_profile():
+    cfg = launcher_config("strategy=modular_pipeline", "hardware=dgx_a100_80g", "hardware.nodes=4",
+                          "model=gpt_small", "data.global_batch_size=64", "mode=check")
+    world = validate(cfg, submitting=True)  # no GPU here: the GPUs are on the cluster
+    resources, problems = job_resources(cfg, world)
+    assert problems == []
+    assert (resources["nodes"], resources["tasks_per_node"], resources["gpus_per_node"]) == (4, 8, 8)
+    cpu = launcher_config("strategy=ddp", "hardware.nodes=2")
+    resources, problems = job_resources(cpu, validate(cpu))
+    assert problems == [] and resources["gpus_per_node"] is None
+    assert (resources["nodes"], resources["tasks_per_node"]) == (2, 2)
+    single = launcher_config("strategy=single", "hardware.nodes=2")
+    resources, _ = job_resources(single, validate(single))
+    assert (resources["nodes"], resources["tasks_per_node"]) == (1, 1)
+
+
+def test_launcher_trainer_mismatch_is_named():
+    cfg = launcher_config("strategy=ddp", "hydra.launcher.tasks_per_node=3", "hydra.launcher.nodes=2")
+    _, problems = job_resources(cfg, validate(cfg))
+    assert len(problems) == 2
+    assert "hydra.launcher.nodes=2" in problems[0] and "hardware.nodes=1" in problems[0]
+    assert "hydra.launcher.tasks_per_node=3" in problems[1]
+    assert "hardware.devices_per_node=2" in problems[1]
+
+
+def test_sweep_with_one_invalid_point_submits_nothing(tmp_path):
+    """A stand-in `sbatch` first in PATH records any submission: there must be none."""
+    bin_directory, record = tmp_path / "bin", tmp_path / "sbatch_called"
+    bin_directory.mkdir()
+    (bin_directory / "sbatch").write_text(f"#!/bin/sh\ntouch {record}\nexit 1\n")
+    (bin_directory / "sbatch").chmod(0o755)
+    sweep = tmp_path / "sweep"
+    result = train_py("-m", "strategy=ddp,modular_pipeline", "model.heads=2,3", "hydra/launcher=slurm",
+                      "debug=fast", "data.global_batch_size=8", f"hydra.sweep.dir={sweep}",
+                      environment={"PATH": f"{bin_directory}:{os.environ['PATH']}"})
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "nothing was submitted" in result.stderr
+    assert "2 of 4 points invalid" in result.stderr
+    for number, strategy in ((1, "ddp"), (3, "modular_pipeline")):
+        assert re.search(rf"point #{number} \(strategy={strategy} model.heads=3 .*\): "
+                         rf"model.hidden=\d+ is not divisible by model.heads=3", result.stderr)
+    assert "point #0" not in result.stderr and "point #2" not in result.stderr
+    assert not record.exists(), "sbatch was called"
+    assert not (sweep / ".submitit").exists()
+
+
+def test_local_launcher_validates_every_point_first(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = train_py("-m", "strategy=single,ddp", "strategy.micro_batches=1,3", "hydra/launcher=local",
+                      "debug=fast", f"hydra.sweep.dir={sweep}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "point #1 (strategy=single strategy.micro_batches=3" in result.stderr
+    assert "strategy.micro_batches=3" in result.stderr
+    assert not any(sweep.glob("*/summary.json")), "no point may run when one is invalid"
+
+
+def test_local_launcher_runs_a_valid_sweep(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = train_py("-m", "strategy=single,ddp", "hydra/launcher=local", "debug=fast",
+                      "trainer.max_steps=2", "data.max_bytes=2000000", f"hydra.sweep.dir={sweep}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 of 2 points completed" in result.stdout
+    assert [summary(p)["status"] for p in points(sweep)] == ["completed", "completed"]
+
+
+# ============================================================== on the local Slurm (-m slurm)
+
+@pytest.fixture(scope="module")
+def two_node_sweep(local_slurm, tmp_path_factory):
+    """ddp and modular_pipeline, each one job on 2 nodes × 2 tasks; also the uninterrupted
+    reference of the preemption test."""
+    sweep = tmp_path_factory.mktemp("slurm") / "sweep"
+    started = time.monotonic()
+    result = train_py("-m", "strategy=ddp,modular_pipeline", "hydra/launcher=slurm", *COMMON,
+                      f"hydra.sweep.dir={sweep}", timeout=280)
+    print(f"2-point sweep on 2 nodes × 2 tasks: {time.monotonic() - started:.0f} s")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return sweep, result
+
+
+@pytest.mark.slurm
+def test_two_point_sweep_runs_each_point_as_one_four_rank_job(two_node_sweep):
+    sweep, result = two_node_sweep
+    assert "2 of 2 points completed" in result.stdout
+    ddp, pipeline = points(sweep)
+    assert ddp.name.startswith("0_") and "strategy=ddp" in ddp.name
+    assert pipeline.name.startswith("1_") and "strategy=modular_pipeline" in pipeline.name
+    for point, layout in ((ddp, {"data": 4}), (pipeline, {"data": 2, "pipeline": 2})):
+        evidence = summary(point)
+        assert evidence["status"] == "completed" and evidence["world_size"] == 4
+        assert {k: v for k, v in evidence["layout"].items() if v != 1} == layout
+        assert evidence["steps"] == STEPS and metric_rows(point) == STEPS
+        assert (point / ".hydra" / "config.yaml").exists() and (point / "config.yaml").exists()
+    # the same model and data: both strategies start from the same loss
+    assert_same_losses(summary(pipeline)["losses"][:1], summary(ddp)["losses"][:1])
+    # only rank 0 wrote Hydra's job log: one file, from one rank
+    logs = list(ddp.glob("*.log"))
+    assert len(logs) == 1 and logs[0].read_text().count("Initializing distributed") <= 1
+
+
+@pytest.mark.slurm
+def test_sweep_points_share_one_wandb_group(two_node_sweep):
+    sweep, _ = two_node_sweep
+    for point in points(sweep):
+        (run,) = offline_runs(point)
+        content = run.read_bytes()
+        assert sweep.name.encode() in content, "group = the sweep's name"
+        assert point.name.split("_", 1)[1].encode() in content, "name = the point's overrides"
+        assert summary(point)["strategy"].encode() in content, "job_type = the strategy"
+        assert (point / "wandb_run_id").read_text().strip() in run.name
+
+
+@pytest.mark.slurm
+def test_preempted_job_checkpoints_requeues_and_resumes_identically(two_node_sweep, tmp_path):
+    reference = summary(points(two_node_sweep[0])[0])  # the sweep's ddp point, uninterrupted
+    sweep = tmp_path / "sweep"
+    process = start_train_py("-m", "strategy=ddp", "hydra/launcher=slurm", *COMMON,
+                             f"hydra.sweep.dir={sweep}", log=tmp_path / "sweep.log")
+    try:
+        point = wait_for(lambda: next(iter(points(sweep)), None) if sweep.exists() else None,
+                         120, "the run directory")
+        wait_for(lambda: metric_rows(point) >= 2, 150, "two training steps")
+        (job,) = [p.name for p in (sweep / ".submitit").iterdir() if p.is_dir()]
+        signalled = time.monotonic()
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        wait_for(lambda: "REQUEUED" in sacct_states(job), 60, "the requeue")
+        requeued = time.monotonic() - signalled
+        assert process.wait(timeout=240) == 0, (tmp_path / "sweep.log").read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    log = "".join(p.read_text() for p in (sweep / ".submitit" / job).glob("*_0_log.out"))
+    preempted_at = int(re.search(r"preempted: checkpoint at step (\d+)", log).group(1))
+    print(f"preempted at step {preempted_at}, requeued {requeued:.1f} s after the signal")
+    assert 1 <= preempted_at < STEPS
+    assert "resuming from" in log and log.count("Starting with JobEnvironment") == 2
+    resumed = summary(point)
+    assert resumed["status"] == "completed" and resumed["steps"] == STEPS
+    assert metric_rows(point) == STEPS
+    assert_same_losses(resumed["losses"], reference["losses"])
+    runs = offline_runs(point)
+    run_id = (point / "wandb_run_id").read_text().strip()
+    assert len(runs) == 2 and all(run.name == f"run-{run_id}.wandb" for run in runs), runs
+
+
+def rank_process(job: str, rank: int) -> int:
+    """The pid of one Slurm task of an array job on this host (its environment names it)."""
+    array, task = job.split("_")
+    wanted = {f"SLURM_ARRAY_JOB_ID={array}", f"SLURM_ARRAY_TASK_ID={task}", f"SLURM_PROCID={rank}"}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes()
+            environment = set((entry / "environ").read_bytes().decode(errors="replace").split("\0"))
+        except OSError:
+            continue
+        if b"submitit.core._submit" in command and wanted <= environment:
+            return int(entry.name)
+    return 0
+
+
+@pytest.mark.slurm
+def test_killed_rank_ends_its_job_quickly_and_the_other_point_completes(local_slurm, tmp_path):
+    sweep = tmp_path / "sweep"
+    process = start_train_py("-m", "strategy=ddp,modular_pipeline", "hydra/launcher=slurm", *COMMON,
+                             f"hydra.sweep.dir={sweep}", log=tmp_path / "sweep.log")
+    try:
+        victim = wait_for(lambda: next(iter(points(sweep)), None) if sweep.exists() else None,
+                          120, "the run directories")
+        wait_for(lambda: metric_rows(victim) >= 2, 150, "two training steps")
+        job = wait_for(lambda: next((p.name for p in (sweep / ".submitit").iterdir()
+                                     if p.name.endswith("_0")), None), 10, "the job folder")
+        pid = wait_for(lambda: rank_process(job, 3), 10, "rank 3's process")
+        os.kill(pid, 9)
+        killed = time.monotonic()
+        wait_for(lambda: (states := sacct_states(job)) and states[-1] not in ("RUNNING", "PENDING"),
+                 90, "the job to end", poll=0.25)
+        ended = time.monotonic() - killed
+        process.wait(timeout=240)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = (tmp_path / "sweep.log").read_text()
+    print(f"rank 3 SIGKILLed: job {job} ended {ended:.1f} s later ({sacct_states(job)[-1]})")
+    assert ended < 60
+    assert process.returncode != 0, "the sweep reports the failed point"
+    assert "1 of 2 points completed" in output
+    assert re.search(r"#0 strategy=ddp .*: failed .*rank 3: Killed", output), output[-3000:]
+    failed, completed = (summary(p) for p in points(sweep))
+    assert failed["status"] == "failed" and failed["failed_rank"] == 3
+    assert completed["status"] == "completed" and completed["steps"] == STEPS
+
+
+def test_failing_rank_is_read_from_the_job_logs(tmp_path):
+    """srun's first task error names the rank that died first; its own line gives the reason."""
+    from types import SimpleNamespace
+
+    from layerwise.slurm import failing_rank
+
+    job = SimpleNamespace(job_id="7_1", paths=SimpleNamespace(folder=tmp_path))
+    (tmp_path / "7_1_0_log.err").write_text(
+        "[layerwise] rank 0 failed: RuntimeError: Connection closed by peer\n"
+        "srun: error: node2: task 2: Exited with exit code 1\n"
+        "srun: error: node1: tasks 0-1: Terminated\n")
+    (tmp_path / "7_1_2_log.err").write_text("[layerwise] rank 2 failed: ValueError: bad batch\n")
+    rank, reason = failing_rank(job, RuntimeError("job failed"))
+    assert rank == 2 and reason.startswith("ValueError: bad batch") and "node2 task 2" in reason
+    (tmp_path / "7_1_2_log.err").unlink()
+    (tmp_path / "7_1_0_log.err").write_text("srun: error: node2: task 3: Killed\n")
+    assert failing_rank(job, RuntimeError("job failed")) == (3, "Killed (srun: node2 task 3)")

@@ -1,7 +1,7 @@
 """Typed schemas behind every Hydra config group.
 
 Each group file in `conf/<group>/` extends one of these dataclasses (its defaults list names
-`/schema/<group>/<schema>@_here_`), so a misspelt key or a string where a number belongs fails at
+`/schema_<group>_<schema>@_here_`), so a misspelt key or a string where a number belongs fails at
 composition, before any process starts. Cross-group rules live in `layerwise/validate.py`.
 """
 
@@ -197,4 +197,5 @@ def register_schemas() -> None:
     store.store(name="config_schema", node=Config)
     for group, schemas in SCHEMAS.items():
         for name, node in schemas.items():
-            store.store(group=f"schema/{group}", name=name, node=node)
+            # Root-level names, not a `schema/` group: --help then lists only the real groups.
+            store.store(name=f"schema_{group}_{name}", node=node)

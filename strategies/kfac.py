@@ -87,16 +87,22 @@ class KFAC:
 
     # ----- curvature, one work unit per (factor, micro-batch)
     @torch.no_grad()
-    def accumulate(self, factor: str, names, micro_batch: int, scale: float, chunks: int = 1) -> None:
+    def accumulate(self, factor: str, names, micro_batch: int, scale: float, chunks: int = 1,
+                   half: int | None = None) -> None:
         """Add this micro-batch's aᵀa (factor "A") or gᵀg ("B"), times `scale`, then drop the capture.
 
         `chunks` splits one captured batch into micro-batches summed in order (the one-process
         oracle captures the whole batch at once but must add the same terms as the pipeline).
+        `half` 0 / 1 adds only the head / tail half of the tokens (a unit split to fit a small
+        bubble): aᵀa is a sum over tokens, so head + tail is the whole; the tail drops the capture.
         """
         for name in names:
-            captured = self.captured.pop(("a" if factor == "A" else "g", name, micro_batch))
+            key = ("a" if factor == "A" else "g", name, micro_batch)
+            captured = self.captured[key] if half == 0 else self.captured.pop(key)
             for chunk in captured.chunk(chunks):
                 flat = chunk.reshape(-1, chunk.shape[-1])
+                if half is not None:
+                    flat = torch.tensor_split(flat, 2)[half]  # two pieces even for one token
                 self.factors[name][factor].add_(flat.T @ flat, alpha=scale)
 
     def reset(self, names) -> None:

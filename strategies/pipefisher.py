@@ -81,7 +81,7 @@ class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
 
     def _handlers(self) -> dict:
         handlers = {**self.work.handlers(), FORWARD: self._forward}
-        handlers.update({kind: self._curvature for kind in units.CURVATURE.values()})
+        handlers.update({kind: self._curvature for kind in units.UNITS if units.is_curvature(kind)})
         handlers.update({units.SYNC_A: self._sync, units.SYNC_B: self._sync,
                          units.INVERT_A: self._invert, units.INVERT_B: self._invert})
         return handlers
@@ -92,7 +92,8 @@ class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
 
     def _curvature(self, action) -> None:
         factor, part = units.UNITS[action.kind]
-        self.kfac.accumulate(factor, self._names(action.stage, part), action.micro_batch, self.scales[factor])
+        self.kfac.accumulate(factor, self._names(action.stage, part), action.micro_batch, self.scales[factor],
+                             half=units.TOKEN_HALF.get(action.kind))  # None: the whole unit
 
     def _sync(self, action) -> None:
         """Sum the stage's factors over its data-parallel replicas (each holds its own tokens' share)."""

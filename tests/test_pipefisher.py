@@ -3,15 +3,18 @@
 Test ids: {schedule}_pp{p}_m{m}_k{k} = pipeline degree p, m micro-batches, refresh interval k.
 """
 
+import dataclasses
 import json
 import math
 
 import pytest
+import torch
 
 from layerwise.run import train
 from layerwise.validate import ConfigError, validate
-from strategies.schedule import (add_communication, add_gradient_reductions, build_plan, simulate,
-                                 validate_plan)
+from strategies.schedule import (Action, PlanError, add_communication, add_gradient_reductions, build_plan,
+                                 simulate, validate_plan)
+from strategies.kfac import KFAC as KFACMath  # KFAC below is the override list
 from strategies.schedule import kfac as units
 from tests.harness import (QUICK, assert_same_losses, assert_same_parameters, compose_config,
                            consolidated_parameters)
@@ -54,6 +57,7 @@ def test_pipefisher_equals_one_process_kfac(case, oracle, tmp_path):
                   *CASES[case])
     assert summary["status"] == "completed"
     assert summary["bubble_fraction"]["refresh_interval"] == 2
+    assert summary["bubble_fraction"]["split_in_token_halves"] == ["Kao", "Kbi"]  # the equality covers split units
     assert summary["bubble_fraction"]["simulated_with_kfac"] < summary["bubble_fraction"]["simulated"]
     assert_same_losses(summary["losses"], expected["losses"])
     assert_same_parameters(consolidated_parameters(tmp_path, "pipefisher"), parameters)
@@ -106,10 +110,40 @@ def test_packing_keeps_the_pipeline_and_respects_dependencies(schedule):
     assert 1.3 < cycle.ratio < 1.7  # K-FAC work / bubble; the authors measured ≈1.6 on V100
 
 
-def test_gpipe_packing_fills_the_bubbles():
-    _, _, cycle = bert_base_cycle("gpipe")
+@pytest.mark.parametrize("schedule", ["gpipe", "one_f_one_b"])
+def test_packing_needs_ceil_of_the_work_over_the_bubble(schedule):
+    """k = ceil(ratio) = 2 for both: 1F1B's one-forward gaps need fc_out-A and fc_in-B in token halves."""
+    _, _, cycle = bert_base_cycle(schedule)
     assert cycle.refresh_interval == math.ceil(cycle.ratio) == 2
+    assert cycle.split == {units.CURVATURE["A", "o"], units.CURVATURE["B", "i"]}  # 1.3 forwards each
+    assert cycle.fill == pytest.approx(cycle.ratio / 2)  # all work in bubbles: a 2-step cycle is ratio/2 full
     assert cycle.packing >= 0.9  # of the bubble time the dependencies leave usable
+
+
+def test_check_cycle_rejects_a_split_unit_also_run_whole():
+    plan, _, cycle = bert_base_cycle("one_f_one_b")
+    head = next(a for step in cycle.plans for a in step.ranks[0] if units.TOKEN_HALF.get(a.kind) == 0)
+    whole = Action(units.WHOLE[head.kind], head.stage, head.micro_batch)  # its term would count twice
+    doubled = [dataclasses.replace(step, ranks=[[b for a in row for b in ([a, whole] if a == head else [a])]
+                                                for row in step.ranks]) for step in cycle.plans]
+    with pytest.raises(PlanError, match="whole where split elsewhere"):
+        units.check_cycle(plan, doubled)
+
+
+def test_token_halves_add_up_to_the_whole_factor():
+    """A split unit's head and tail (what the pipeline runs) give the whole unit's aᵀa (the oracle's)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 4).double()  # float64: equal up to rounding means the math is exact
+    whole, split = KFACMath({"fc": linear}, damping=1e-3), KFACMath({"fc": linear}, damping=1e-3)
+    for kfac in (whole, split):
+        kfac.capturing = True
+        with torch.enable_grad():
+            linear(torch.randn(3, 5, 8, dtype=torch.float64))  # 15 tokens: unequal halves
+    whole.accumulate("A", ["fc"], 0, scale=0.5)
+    split.accumulate("A", ["fc"], 0, scale=0.5, half=0)
+    split.accumulate("A", ["fc"], 0, scale=0.5, half=1)
+    torch.testing.assert_close(split.factors["fc"]["A"], whole.factors["fc"]["A"], rtol=1e-12, atol=1e-15)
+    assert not split.captured and not whole.captured
 
 
 def test_forced_refresh_interval_puts_leftovers_on_the_critical_path():

@@ -3,12 +3,15 @@
 Units of stage s (TECHNIQUES.md §2, PipeFisher, Osawa et al. 2023), written compactly:
     "sKaq i" curvature A (A += aᵀa) of the qkv Linears, micro-batch i, after F(s,i); q p i o =
              attention.qkv, attention.proj, mlp.fc_in, mlp.fc_out   "sKbq i" curvature B, after B(s,i)
+    "sKaqh i", "sKaqt i"  the same over the head / tail half of micro-batch i's tokens (a split unit)
     "sSa"    sync A over the stage's data-parallel replicas          "sSb"    sync B
     "sIa"    inverse of A (π-damping needs A and B synced)           "sIb"    inverse of B
 One unit per Linear, as the reference schedules them: whole-stage units (~2 forwards) would not
-fit the one-forward gaps of 1F1B. Every producer of a unit runs on the unit's own rank, so a rank's
-list order carries the dependency: a unit sits after its producers in the same step, or in a later
-step of the k-step cycle (spilled). So the kinds register no cross-rank rule; `check_cycle` checks order.
+fit the one-forward gaps of 1F1B. A Linear's unit that is still too large for the smallest gap is
+split over its tokens (A = Σ_tokens aᵀa, so head + tail = whole); the tail runs after the head.
+Every producer of a unit runs on the unit's own rank, so a rank's list order carries the dependency:
+a unit sits after its producers in the same step, or in a later step of the k-step cycle (spilled).
+So the kinds register no cross-rank rule; `check_cycle` checks order.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import dataclasses
 import math
 from typing import NamedTuple, Sequence
 
-from .ir import BACKWARD, FORWARD, SEND_ARROW, Action, KindInfo, Plan, PlanError, register_kind
+from .ir import BACKWARD, FORWARD, KINDS, SEND_ARROW, Action, KindInfo, Plan, PlanError, register_kind
 from .simulate import Cost, TimedAction, Timeline, simulate
 
 LINEAR_PARTS = {"q": "attention.qkv", "p": "attention.proj", "i": "mlp.fc_in", "o": "mlp.fc_out"}
@@ -26,12 +29,19 @@ SYNC_A, SYNC_B = "KFAC_SYNC_A", "KFAC_SYNC_B"
 INVERT_A, INVERT_B = "KFAC_INVERT_A", "KFAC_INVERT_B"
 CURVATURE_A = tuple(CURVATURE["A", part] for part in LINEAR_PARTS)
 CURVATURE_B = tuple(CURVATURE["B", part] for part in LINEAR_PARTS)
-PRIORITY = CURVATURE_A + CURVATURE_B + (SYNC_A, SYNC_B, INVERT_A, INVERT_B)  # §2's greedy order
+HALVES = {kind: (f"{kind}_HEAD", f"{kind}_TAIL") for kind in CURVATURE.values()}  # whole -> (head, tail)
+TOKEN_HALF = {half: index for pair in HALVES.values() for index, half in enumerate(pair)}  # half -> 0 | 1
+WHOLE = {half: kind for kind, pair in HALVES.items() for half in pair}  # half -> the unit it is half of
 UNITS = {kind: (factor, part) for (factor, part), kind in CURVATURE.items()}  # kind -> (factor, Linear part)
+UNITS.update({half: UNITS[kind] for kind, pair in HALVES.items() for half in pair})
 UNITS.update({SYNC_A: ("A", None), SYNC_B: ("B", None), INVERT_A: ("A", None), INVERT_B: ("B", None)})
+PRIORITY = tuple(piece for kind in CURVATURE_A + CURVATURE_B for piece in (kind, *HALVES[kind])) + (
+    SYNC_A, SYNC_B, INVERT_A, INVERT_B)  # §2's greedy order; a half takes its whole unit's place
 
 for (_factor, _part), _kind in CURVATURE.items():
     register_kind(_kind, KindInfo(f"K{_factor.lower()}{_part}", None, True, True, False))
+    for _half, _letter in zip(HALVES[_kind], "ht"):
+        register_kind(_half, KindInfo(f"K{_factor.lower()}{_part}{_letter}", None, True, True, False))
 for _kind, _info in {SYNC_A: KindInfo("Sa", None, False, False, True), SYNC_B: KindInfo("Sb", None, False, False, True),
                      INVERT_A: KindInfo("Ia", None, False, True, False),
                      INVERT_B: KindInfo("Ib", None, False, True, False)}.items():
@@ -39,23 +49,33 @@ for _kind, _info in {SYNC_A: KindInfo("Sa", None, False, False, True), SYNC_B: K
 
 
 def is_curvature(kind: str) -> bool:
-    return kind in CURVATURE_A or kind in CURVATURE_B
+    return kind in UNITS and UNITS[kind][1] is not None
 
 
-def producers(unit: Action, micro_batches: int) -> tuple:
-    """What must run before `unit`, all on the unit's own rank (the step's F/B, or earlier units)."""
-    stage = unit.stage
+def producers(unit: Action, micro_batches: int, split: frozenset = frozenset()) -> tuple:
+    """What must run before `unit`, all on the unit's own rank (the step's F/B, or earlier units).
+
+    `split`: the curvature kinds run as token halves (their tail waits for their head).
+    """
+    stage, factor = unit.stage, UNITS[unit.kind][0]
+    if TOKEN_HALF.get(unit.kind) == 1:
+        return (Action(HALVES[WHOLE[unit.kind]][0], stage, unit.micro_batch),)
     if is_curvature(unit.kind):
-        return (Action(FORWARD if unit.kind in CURVATURE_A else BACKWARD, stage, unit.micro_batch),)
+        return (Action(FORWARD if factor == "A" else BACKWARD, stage, unit.micro_batch),)
     if unit.kind in (SYNC_A, SYNC_B):
-        curvature = CURVATURE_A if unit.kind == SYNC_A else CURVATURE_B
-        return tuple(Action(kind, stage, i) for kind in curvature for i in range(micro_batches))
+        return tuple(curvature_units(stage, CURVATURE_A if factor == "A" else CURVATURE_B, micro_batches, split))
     return Action(SYNC_A, stage), Action(SYNC_B, stage)
 
 
-def stage_units(stage: int, micro_batches: int) -> list:
+def curvature_units(stage: int, kinds: Sequence[str], micro_batches: int, split: frozenset = frozenset()) -> list:
+    """The stage's curvature units of `kinds` by kind, then micro-batch; a kind in `split` as head, tail."""
+    return [Action(piece, stage, i) for kind in kinds for i in range(micro_batches)
+            for piece in (HALVES[kind] if kind in split else (kind,))]
+
+
+def stage_units(stage: int, micro_batches: int, split: frozenset = frozenset()) -> list:
     """Every unit of one stage for one refresh, in priority order."""
-    per_batch = [Action(kind, stage, i) for kind in CURVATURE_A + CURVATURE_B for i in range(micro_batches)]
+    per_batch = curvature_units(stage, CURVATURE_A + CURVATURE_B, micro_batches, split)
     return per_batch + [Action(kind, stage) for kind in (SYNC_A, SYNC_B, INVERT_A, INVERT_B)]
 
 
@@ -86,10 +106,11 @@ def forward_flops(shape: BlockShape) -> float:
 
 
 def unit_flops(shape: BlockShape) -> dict:
-    """FLOPs of each compute unit of one stage: aᵀa / gᵀg are 2·T·n²; Cholesky + inverse ≈ n³."""
+    """FLOPs of each compute unit of one stage: aᵀa / gᵀg are 2·T·n² (a half: T/2); Cholesky + inverse ≈ n³."""
     shapes, blocks = linear_shapes(shape), shape.layers_per_stage
     flops = {kind: blocks * 2 * shape.tokens * shapes[part][factor == "B"] ** 2
              for (factor, part), kind in CURVATURE.items()}
+    flops.update({half: flops[kind] / 2 for kind, pair in HALVES.items() for half in pair})  # ±1 token
     flops[INVERT_A] = blocks * sum(fan_in ** 3 for fan_in, _ in shapes.values())
     flops[INVERT_B] = blocks * sum(fan_out ** 3 for _, fan_out in shapes.values())
     return flops
@@ -155,7 +176,8 @@ class Cycle:
     `plans[j]` is step j of the cycle (j = 0 captures curvature); `ratio` is K-FAC work / bubble
     time of one step (the busiest rank's); `fill` is filled / bubble time over the whole cycle,
     `fill_before_last` over its first k−1 steps, `packing` filled / (filled + time a unit that was
-    ready did not fit), i.e. the bubble time the dependencies leave usable that the pass used.
+    ready did not fit), i.e. the bubble time the dependencies leave usable that the pass used;
+    `split` the curvature kinds run as token halves.
     """
 
     plans: tuple
@@ -165,6 +187,7 @@ class Cycle:
     fill_before_last: float | None
     packing: float
     spilled_to_critical_path: int  # units appended after the last action (k forced too small)
+    split: frozenset = frozenset()
 
     @property
     def refresh_interval(self) -> int:
@@ -173,7 +196,8 @@ class Cycle:
     def report(self) -> dict:
         return {"refresh_interval": self.refresh_interval, "needed": self.needed, "ratio": self.ratio,
                 "fill": self.fill, "fill_before_last": self.fill_before_last, "packing": self.packing,
-                "spilled_to_critical_path": self.spilled_to_critical_path}
+                "spilled_to_critical_path": self.spilled_to_critical_path,
+                "split_in_token_halves": sorted(KINDS[kind].letter for kind in self.split)}
 
 
 class _Gap(NamedTuple):
@@ -185,40 +209,58 @@ def pack(plan: Plan, cost: Cost, refresh_interval: int | None = None, margin: fl
          max_steps: int = 64) -> Cycle:
     """Place every K-FAC unit of one refresh in the bubbles of consecutive steps of `plan`.
 
-    Walk each rank's gaps in time order, step after step; in each gap repeatedly place the
-    highest-priority ready unit whose cost fits in what is left of the gap × (1 − margin) (§2).
+    1. split into token halves the curvature units too large for the plan's smallest gap (`split_kinds`);
+    2. walk each rank's gaps in time order, step after step; in each gap repeatedly place the
+       highest-priority ready unit whose cost fits in what is left of the gap × (1 − margin) (§2).
     k = the steps that needs, unless `refresh_interval` forces it: extra steps stay empty, and
     units that do not fit in k steps go after the last action of step k (on the critical path).
     """
     timeline = simulate(plan, cost)
+    split = split_kinds(plan, timeline, cost, margin)
     limit = refresh_interval or max_steps
-    per_rank = [_pack_rank(plan, rank, timeline, cost, margin, limit) for rank in range(plan.pipeline_degree)]
+    per_rank = [_pack_rank(plan, rank, timeline, cost, margin, limit, split) for rank in range(plan.pipeline_degree)]
     needed = max(len(steps) for steps, _, _ in per_rank)
     if refresh_interval is None and any(leftover for _, leftover, _ in per_rank):
         raise ValueError(f"K-FAC work of {plan.name} does not fit in the bubbles of {max_steps} steps")
     k = refresh_interval or needed
     plans = tuple(_step_plan(plan, per_rank, step, k) for step in range(k))
-    return Cycle(plans, needed, *_fill_figures(plan, timeline, cost, per_rank, k),
-                 spilled_to_critical_path=sum(len(leftover) for _, leftover, _ in per_rank))
+    return Cycle(plans, needed, *_fill_figures(plan, timeline, cost, per_rank, k, split),
+                 spilled_to_critical_path=sum(len(leftover) for _, leftover, _ in per_rank), split=split)
 
 
-def _pack_rank(plan: Plan, rank: int, timeline: Timeline, cost: Cost, margin: float, limit: int):
+def split_kinds(plan: Plan, timeline: Timeline, cost: Cost, margin: float) -> frozenset:
+    """Curvature kinds whose unit does not fit the plan's smallest gap (× (1 − margin)) but whose halves do.
+
+    Large gaps take whole units anyway; the small ones (1F1B's one-forward steady-state and
+    cool-down gaps) would stay empty of a unit that never fits them, and that costs a whole step of k.
+    A = Σ_tokens aᵀa (and B = Σ gᵀg), so the head and tail halves add up to the whole unit's factor.
+    """
+    room = (1 - margin) * min((gap.length for row in timeline.ranks for gap in _gaps(row, timeline.makespan)),
+                              default=0.0)
+    return frozenset(kind for kind in CURVATURE.values() for stage in range(plan.stages)
+                     if cost(Action(HALVES[kind][0], stage, 0)) <= room < cost(Action(kind, stage, 0)))
+
+
+def _pack_rank(plan: Plan, rank: int, timeline: Timeline, cost: Cost, margin: float, limit: int, split: frozenset):
     """Per step, {gap position: units}; the units left after `limit` steps; the packing waste."""
     row = [a for a in plan.ranks[rank] if a is not None]
-    waiting = [unit for stage in plan.stages_on(rank) for unit in stage_units(stage, plan.micro_batches)]
+    waiting = [unit for stage in plan.stages_on(rank) for unit in stage_units(stage, plan.micro_batches, split)]
     done, steps, waste = set(), [], 0.0
     while waiting and len(steps) < limit:
         placed = {}
         for gap in _gaps(timeline.ranks[rank], timeline.makespan):
+            before = set(row[:gap.position])  # this step's F/B that precede the gap
+            ready = [unit for unit in waiting if _ready(unit, done, before, len(steps), plan.micro_batches, split)]
             room, units = (1 - margin) * gap.length, []
-            while (unit := _first_fitting(waiting, done, row, gap, room, cost, len(steps), plan)) is not None:
-                waiting.remove(unit)
-                done.add(unit)
+            while (unit := _first_fitting(ready, room, cost)) is not None:
                 units.append(unit)
+                done.add(unit)
+                waiting.remove(unit)
                 room -= cost(unit)
+                ready = [u for u in waiting if _ready(u, done, before, len(steps), plan.micro_batches, split)]
             if units:
                 placed[gap.position] = units
-            if _first_ready(waiting, done, row, gap, len(steps), plan) is not None:
+            if ready:
                 waste += max(0.0, room) + margin * gap.length  # a ready unit did not fit
         steps.append(placed)
     return steps, waiting, waste
@@ -232,20 +274,14 @@ def _gaps(records: Sequence[TimedAction], makespan: float) -> list:
             if start - end > 1e-12 * max(1.0, makespan)]
 
 
-def _ready(unit: Action, done: set, row: list, gap: _Gap, step: int, plan: Plan) -> bool:
-    needs = producers(unit, plan.micro_batches)
-    if is_curvature(unit.kind):  # the producer is this step's F/B: in the list before the gap?
-        return step > 0 or needs[0] in row[:gap.position]
-    return all(need in done for need in needs)
+def _ready(unit: Action, done: set, before: set, step: int, micro_batches: int, split: frozenset) -> bool:
+    """Every producer is placed already, or is an F/B: earlier in this step's list, or in the cycle's step 0."""
+    return all(need in done or need in before or (step > 0 and need.kind in (FORWARD, BACKWARD))
+               for need in producers(unit, micro_batches, split))
 
 
-def _first_ready(waiting, done, row, gap, step, plan):
-    return next((unit for unit in waiting if _ready(unit, done, row, gap, step, plan)), None)
-
-
-def _first_fitting(waiting, done, row, gap, room, cost, step, plan):
-    return next((unit for unit in waiting if cost(unit) <= room + 1e-12 and _ready(unit, done, row, gap, step, plan)),
-                None)
+def _first_fitting(ready: list, room: float, cost: Cost):
+    return next((unit for unit in ready if cost(unit) <= room + 1e-12), None)
 
 
 def _step_plan(plan: Plan, per_rank: list, step: int, k: int) -> Plan:
@@ -259,10 +295,10 @@ def _step_plan(plan: Plan, per_rank: list, step: int, k: int) -> Plan:
     return dataclasses.replace(plan, ranks=rows, name=f"{plan.name} + K-FAC, step {step + 1}/{k}")
 
 
-def _fill_figures(plan: Plan, timeline: Timeline, cost: Cost, per_rank: list, k: int) -> tuple:
+def _fill_figures(plan: Plan, timeline: Timeline, cost: Cost, per_rank: list, k: int, split: frozenset) -> tuple:
     """ratio (busiest rank's work / bubble), fill over k steps, fill over k−1 steps, packing efficiency."""
     bubble = [timeline.makespan - timeline.busy(rank) for rank in range(plan.pipeline_degree)]
-    work = [sum(cost(unit) for stage in plan.stages_on(rank) for unit in stage_units(stage, plan.micro_batches))
+    work = [sum(cost(unit) for stage in plan.stages_on(rank) for unit in stage_units(stage, plan.micro_batches, split))
             for rank in range(plan.pipeline_degree)]
     filled = [[sum(cost(u) for units in placed.values() for u in units) for placed in steps] for steps, _, _ in per_rank]
     per_step = [sum(rank_steps[j] for rank_steps in filled if j < len(rank_steps)) for j in range(k)]
@@ -278,7 +314,12 @@ def _fill_figures(plan: Plan, timeline: Timeline, cost: Cost, per_rank: list, k:
 
 
 def check_cycle(base: Plan, cycle_plans: Sequence[Plan]) -> None:
-    """PlanError unless each rank runs every unit of its stages once, after its producers, base order kept."""
+    """PlanError unless each rank runs every unit of its stages once, after its producers, base order kept.
+
+    A kind run as token halves anywhere in the cycle must run as head and tail everywhere.
+    """
+    split = frozenset(WHOLE[a.kind] for plan in cycle_plans for row in plan.ranks for a in row
+                      if a is not None and a.kind in WHOLE)
     for rank in range(base.pipeline_degree):
         expected = [a for a in base.ranks[rank] if a is not None]
         seen = {}
@@ -287,23 +328,31 @@ def check_cycle(base: Plan, cycle_plans: Sequence[Plan]) -> None:
             if [a for a in row if a.kind not in PRIORITY] != expected:
                 raise PlanError(f"step {step} of the K-FAC cycle changed rank {rank}'s pipeline actions", plan)
             for slot, action in enumerate(row):
-                _check_unit(action, rank, step, slot, row, seen, plan, base.micro_batches)
-        missing = [u for s in base.stages_on(rank) for u in stage_units(s, base.micro_batches) if u not in seen]
-        if missing:
-            raise PlanError(f"rank {rank} never runs K-FAC units {', '.join(map(str, missing))}", cycle_plans[-1])
+                _check_unit(action, rank, step, slot, row, seen, plan, base.micro_batches, split)
+        _check_complete(base, rank, seen, split, cycle_plans[-1])
 
 
-def _check_unit(action, rank, step, slot, row, seen, plan, micro_batches) -> None:
+def _check_unit(action, rank, step, slot, row, seen, plan, micro_batches, split) -> None:
     if action.kind not in PRIORITY:
         return
     if action in seen:
         raise PlanError(f"{action} runs twice in the K-FAC cycle (steps {seen[action][0]} and {step})", plan,
                         [(rank, slot)])
-    for need in producers(action, micro_batches):
+    for need in producers(action, micro_batches, split):
         early = (seen.get(need, (step + 1,))[0] < step) or need in row[:slot]
         if not (early or (need.kind in (FORWARD, BACKWARD) and step > 0)):
             raise PlanError(f"{action} runs before {need} (step {step} of the K-FAC cycle)", plan, [(rank, slot)])
     seen[action] = (step, slot)
+
+
+def _check_complete(base: Plan, rank: int, seen: dict, split: frozenset, plan: Plan) -> None:
+    expected = [u for s in base.stages_on(rank) for u in stage_units(s, base.micro_batches, split)]
+    missing, extra = [u for u in expected if u not in seen], set(seen) - set(expected)
+    if extra:  # first: a whole unit in place of its halves also leaves the halves missing
+        raise PlanError(f"rank {rank} runs K-FAC units not of its stages, or whole where split elsewhere: "
+                        f"{', '.join(map(str, sorted(extra, key=str)))}", plan)
+    if missing:
+        raise PlanError(f"rank {rank} never runs K-FAC units {', '.join(map(str, missing))}", plan)
 
 
 def cycle_timeline(plans: Sequence[Plan], cost: Cost) -> Timeline:

@@ -1,8 +1,9 @@
 """The one plotter: a Timeline (simulated or measured) as a Gantt chart PNG.
 
 One row per rank; forwards in blues and backwards in oranges, darker for later stages so looping
-placement shows as a repeating shade pattern; communication in grey; gradient reductions as green
-diamonds. Uses matplotlib's object API (no pyplot), so it never changes the global backend.
+placement shows as a repeating shade pattern; any other compute kind (K-FAC's curvature and
+inversion units) in magentas, shaded the same way; communication in grey; gradient reductions as
+green diamonds. Uses matplotlib's object API (no pyplot), so it never changes the global backend.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .ir import BACKWARD, FORWARD, REDUCE_GRADIENT
 from .simulate import TimedAction, Timeline
 
 _COLOUR_MAPS = {FORWARD: colormaps["Blues"], BACKWARD: colormaps["Oranges"]}
+_OTHER_COMPUTE_MAP = colormaps["RdPu"]  # a pass's own compute kinds (K-FAC units), apart from F/B
 _COMMUNICATION_COLOUR, _REDUCE_COLOUR = "0.6", "tab:green"
 _FONT_SIZE = 7
 _CHARACTER_INCHES = 0.62 * _FONT_SIZE / 72  # rough width of one label character
@@ -51,13 +53,24 @@ def _draw(axes, rank: int, record: TimedAction, stages: int, inches_per_time: fl
     if width <= 0:
         return  # an instantaneous transfer (unit cost): nothing to see
     shade = 0.35 + 0.5 * action.stage / max(stages - 1, 1)
-    colour = _COLOUR_MAPS[action.kind](shade) if action.kind in _COLOUR_MAPS else _COMMUNICATION_COLOUR
+    colour = _colour(action, shade)
     height = 0.8 if action.info.is_compute else 0.35
     axes.barh(rank, width, left=record.start, height=height, color=colour, edgecolor="white", linewidth=0.6)
     label = str(action)
     if width * inches_per_time >= len(label) * _CHARACTER_INCHES + 0.04:
         axes.text(record.start + width / 2, rank, label, ha="center", va="center", fontsize=_FONT_SIZE,
                   color="white" if shade > 0.6 and action.info.is_compute else "black")
+
+
+def _colour(action, shade: float):
+    """Blues / oranges for F / B, magentas for other compute (by the kind's `is_compute`), grey otherwise."""
+    if action.kind in _COLOUR_MAPS:
+        return _COLOUR_MAPS[action.kind](shade)
+    return _OTHER_COMPUTE_MAP(shade) if action.info.is_compute else _COMMUNICATION_COLOUR
+
+
+def _is_other_compute(action) -> bool:
+    return action.info.is_compute and action.kind not in _COLOUR_MAPS
 
 
 def _decorate(axes, timeline: Timeline, title: str | None, time_unit: str) -> None:
@@ -70,12 +83,16 @@ def _decorate(axes, timeline: Timeline, title: str | None, time_unit: str) -> No
     summary = (f"makespan {timeline.makespan:.4g} {time_unit}, ideal {timeline.ideal:.4g}, "
                f"bubble {timeline.bubble_fraction:.1%}")
     axes.set_title(f"{title or timeline.name or 'schedule'}\n{summary}", fontsize=10)
-    axes.legend(handles=_legend_handles(), loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.12 / ranks),
-                ncol=4, fontsize=8, frameon=False)
+    other = any(_is_other_compute(record.action) for row in timeline.ranks for record in row)
+    handles = _legend_handles(other)
+    axes.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.12 / ranks),
+                ncol=len(handles), fontsize=8, frameon=False)
 
 
-def _legend_handles() -> list:
+def _legend_handles(other_compute: bool) -> list:
+    """The legend; the magenta entry only when the timeline has such units (legends of F/B plans unchanged)."""
+    other = [Patch(color=_OTHER_COMPUTE_MAP(0.6), label="K-FAC / other compute")] if other_compute else []
     return [Patch(color=_COLOUR_MAPS[FORWARD](0.6), label="forward (darker = later stage)"),
-            Patch(color=_COLOUR_MAPS[BACKWARD](0.6), label="backward (darker = later stage)"),
+            Patch(color=_COLOUR_MAPS[BACKWARD](0.6), label="backward (darker = later stage)"), *other,
             Patch(color=_COMMUNICATION_COLOUR, label="communication"),
             Line2D([], [], marker="D", linestyle="", color=_REDUCE_COLOUR, label="gradient reduction")]

@@ -20,12 +20,11 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from layerwise.comm import Communicator, Group  # noqa: E402
 from layerwise.memory import ComputeMemoryMeter  # noqa: E402
 from layerwise.optim import build_optimizer  # noqa: E402
 from models import build_model  # noqa: E402
 from models.transformer import IGNORE_INDEX  # noqa: E402
-from strategies.l2l import Relay  # noqa: E402
+from strategies.l2l import relay_peak_bytes  # noqa: E402
 
 OPTIMIZER = OmegaConf.create(dict(name="adamw", lr=1e-4, weight_decay=0.01, beta1=0.9, beta2=0.999, eps=1e-8,
                                   momentum=0.9))
@@ -48,15 +47,8 @@ def batch(size, sequence, masked):
 
 def relay_peak(model, tokens, targets, micro_batches, constant_memory, warm_up=True):
     """Peak compute-side bytes of one relay step (the host store is never counted)."""
-    relay = Relay(model, build_optimizer(OPTIMIZER, model.named_parameters()), Communicator(),
-                  Group("data", (0,)), micro_batches, constant_memory=constant_memory)
-    if warm_up:
-        relay.step(tokens, targets)
-    meter = ComputeMemoryMeter()
-    with meter:
-        relay.step(tokens, targets)
-    relay.close()
-    return meter.peak_bytes
+    optimizer = build_optimizer(OPTIMIZER, model.named_parameters())
+    return relay_peak_bytes(model, optimizer, tokens, targets, micro_batches, constant_memory, warm_up)
 
 
 def single_peak(model, tokens, targets):

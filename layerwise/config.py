@@ -5,11 +5,12 @@ Each group file in `conf/<group>/` extends one of these dataclasses (its default
 composition, before any process starts. Cross-group rules live in `layerwise/validate.py`.
 """
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
@@ -191,8 +192,22 @@ SCHEMAS = {
 }
 
 
+MAX_DIRECTORY_NAME = 150  # file systems stop at 255 bytes; a sweep over many fields reaches that
+
+
+def point_directory(number, overrides: str) -> str:
+    """A sweep point's directory name: its number and overrides, shortened with a hash if long."""
+    name = f"{number}_{overrides}"
+    if len(name) <= MAX_DIRECTORY_NAME:
+        return name
+    digest = hashlib.sha1(overrides.encode()).hexdigest()[:10]
+    return f"{name[:MAX_DIRECTORY_NAME - 11]}-{digest}"
+
+
 def register_schemas() -> None:
-    """Put every schema in Hydra's ConfigStore (idempotent; train.py calls it before compose)."""
+    """Put every schema in Hydra's ConfigStore and our resolvers in OmegaConf (idempotent;
+    train.py calls it before composing)."""
+    OmegaConf.register_new_resolver("point_directory", point_directory, replace=True)
     store = ConfigStore.instance()
     store.store(name="config_schema", node=Config)
     for group, schemas in SCHEMAS.items():

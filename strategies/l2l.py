@@ -449,6 +449,24 @@ class L2LOffloadStrategy(OwnedStepStrategy):
 # ----------------------------------------------------------------------------- registry interface
 
 
+def relay_peak_bytes(model, optimizer, tokens, targets, micro_batches: int, constant_memory: bool,
+                     warm_up: bool = True) -> int:
+    """Compute-side peak of one relay step, by default measured after a first step has created the
+    optimizer state (the host store is never counted): what the memory tests and benchmark report."""
+    from layerwise.comm import Communicator, Group
+    from layerwise.memory import ComputeMemoryMeter
+
+    relay = Relay(model, optimizer, Communicator(), Group("data", (0,)), micro_batches,
+                  constant_memory=constant_memory)
+    if warm_up:
+        relay.step(tokens, targets)
+    meter = ComputeMemoryMeter()
+    with meter:
+        relay.step(tokens, targets)
+    relay.close()
+    return meter.peak_bytes
+
+
 def degrees(cfg, world_size: int) -> Degrees:
     return Degrees(data=world_size)
 

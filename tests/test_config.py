@@ -102,3 +102,11 @@ def test_help_lists_the_groups():
     for group in GROUPS:
         assert f"{group}:" in result.stdout or f"{group}\n" in result.stdout
     assert "mode=check" in result.stdout
+
+
+def test_sweep_point_directory_names_stay_short_and_distinct():
+    from layerwise.config import MAX_DIRECTORY_NAME, point_directory
+    long_a, long_b = "x=1," * 60 + "a=1", "x=1," * 60 + "a=2"
+    assert point_directory(3, "strategy=ddp") == "3_strategy=ddp"
+    names = {point_directory(0, long_a), point_directory(0, long_b)}
+    assert len(names) == 2 and all(len(n) <= MAX_DIRECTORY_NAME for n in names)

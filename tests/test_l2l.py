@@ -15,7 +15,7 @@ from layerwise.optim import build_optimizer
 from layerwise.run import train
 from layerwise.validate import ConfigError, validate
 from models import build_model
-from strategies.l2l import Relay
+from strategies.l2l import Relay, relay_peak_bytes
 from strategies.schedule import (BACKWARD, FORWARD, layered, looped_breadth_first, simulate, unit_cost,
                                  validate_plan)
 from strategies.schedule.ir import (GRADIENT_TO_HOST, RELEASE_BACKWARD, RELEASE_FORWARD, UPDATE_ON_HOST,
@@ -131,15 +131,9 @@ def relay_peak(layers, micro_batches, constant_memory, micro_batch_size=1, seque
     """Compute-side peak of the second step (optimizer state exists) of a gpt_tiny-width relay."""
     model = build_model("gpt", vocab_size=256, sequence_length=sequence, layers=layers, hidden=hidden, heads=4,
                         mlp_ratio=4, dropout=0.1, seed=0)
-    relay = Relay(model, build_optimizer(OPTIMIZER, model.named_parameters()), Communicator(),
-                  Group("data", (0,)), micro_batches, constant_memory=constant_memory)
     tokens = torch.randint(0, 256, (micro_batches * micro_batch_size, sequence))
-    relay.step(tokens, tokens)
-    meter = ComputeMemoryMeter()
-    with meter:
-        relay.step(tokens, tokens)
-    relay.close()
-    return meter.peak_bytes
+    return relay_peak_bytes(model, build_optimizer(OPTIMIZER, model.named_parameters()), tokens, tokens,
+                            micro_batches, constant_memory)
 
 
 def test_constant_variant_is_flat_in_depth_and_micro_batches():

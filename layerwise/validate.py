@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from strategies import STRATEGIES, strategy_module
+from strategies import ONE_PROCESS, STRATEGIES, strategy_module
 
 CHOICES = {
     "mode": ("fit", "check"),
@@ -48,8 +48,8 @@ def lookup(cfg, dotted: str):
 
 
 def world_size(cfg) -> int:
-    """Processes in the job: nodes × devices per node; `single` always uses one."""
-    if cfg.strategy.name in ("single", "kfac"):  # kfac: PipeFisher's one-process oracle
+    """Processes in the job: nodes × devices per node; one-process strategies always use one."""
+    if cfg.strategy.name in ONE_PROCESS:
         return 1
     return cfg.hardware.nodes * cfg.hardware.devices_per_node
 

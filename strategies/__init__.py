@@ -25,6 +25,10 @@ STRATEGIES = {
     "tp_2d": "strategies.three_d",
 }
 
+# Strategies that run as one process whatever hardware.devices_per_node says: the reference and
+# PipeFisher's one-process oracle, so a sweep `strategy=single,ddp` compares them directly.
+ONE_PROCESS = ("single", "kfac")
+
 
 def strategy_module(name: str):
     """The builder module of a strategy; KeyError with the known names otherwise."""

@@ -34,6 +34,19 @@ class LayerwiseStrategy(PerRankCheckpoints, DDPStrategy):
         self.layout = None
 
     @override
+    def _configure_launcher(self) -> None:
+        # One rank: no launcher, so nothing writes LOCAL_RANK into the caller's environment.
+        if self.degrees.world_size > 1:
+            return super()._configure_launcher()
+        self._launcher = None
+
+    @override
+    def setup_distributed(self) -> None:
+        if self.degrees.world_size > 1:
+            return super().setup_distributed()
+        self.set_world_ranks()  # one rank needs no process group (and leaks none into the caller)
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.layout is None:  # runs again for validate/test in one process: build once

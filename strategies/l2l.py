@@ -390,19 +390,6 @@ class L2LOffloadStrategy(OwnedStepStrategy):
         self.relay = None
 
     @override
-    def _configure_launcher(self) -> None:
-        # One rank: no launcher, so nothing writes LOCAL_RANK into the caller's environment.
-        if self.degrees.world_size > 1:
-            return super()._configure_launcher()
-        self._launcher = None
-
-    @override
-    def setup_distributed(self) -> None:
-        if self.degrees.world_size > 1:
-            return super().setup_distributed()
-        self.set_world_ranks()  # one rank needs no process group (and leaks none into the caller)
-
-    @override
     def model_to_device(self) -> None:
         pass  # the model is the host store; layers travel to the device one at a time
 

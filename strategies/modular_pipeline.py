@@ -26,13 +26,18 @@ SCHEDULE_PLACEMENT = {"gpipe": "contiguous", "one_f_one_b": "contiguous",
                       "layered": None}
 
 
+def compute_plan(strategy_config, layers: int) -> Plan:
+    """The schedule's compute and point-to-point transfers, before any data-parallel pass."""
+    return add_communication(build_plan(
+        strategy_config.schedule, pipeline_degree=strategy_config.pipeline_degree,
+        stages=layers // strategy_config.layers_per_stage,
+        micro_batches=strategy_config.micro_batches,
+        breadth_first_micro_batches=strategy_config.breadth_first_micro_batches))
+
+
 def training_plan(strategy_config, layers: int) -> Plan:
     """The validated plan of one optimizer step: compute, transfers, data-parallel reductions."""
-    plan = build_plan(strategy_config.schedule, pipeline_degree=strategy_config.pipeline_degree,
-                      stages=layers // strategy_config.layers_per_stage,
-                      micro_batches=strategy_config.micro_batches,
-                      breadth_first_micro_batches=strategy_config.breadth_first_micro_batches)
-    return validate_plan(add_gradient_reductions(add_communication(plan)))
+    return validate_plan(add_gradient_reductions(compute_plan(strategy_config, layers)))
 
 
 def forward_only(plan: Plan) -> Plan:

@@ -32,11 +32,18 @@ def keep_local_stages(model: nn.Module, local_stages: list, stages: int, layers_
         model.head = None
 
 
+def stage_parameter_names(model: nn.Module, stage: int, stages: int, layers_per_stage: int) -> list:
+    """Names (in the model) of one stage's parameters: its blocks, + embedding / head at the ends."""
+    prefixes = [f"blocks.{block}" for block in stage_blocks(stage, layers_per_stage)]
+    prefixes += ["embed"] if stage == 0 else []
+    prefixes += ["head"] if stage == stages - 1 else []
+    return [f"{prefix}.{name}" for prefix in prefixes
+            for name, _ in model.get_submodule(prefix).named_parameters()]
+
+
 def stage_parameters(model: nn.Module, stage: int, stages: int, layers_per_stage: int) -> list:
-    modules = [model.blocks[name] for name in stage_blocks(stage, layers_per_stage)]
-    modules += [model.embed] if stage == 0 else []
-    modules += [model.head] if stage == stages - 1 else []
-    return [p for module in modules for p in module.parameters()]
+    names = stage_parameter_names(model, stage, stages, layers_per_stage)
+    return [model.get_parameter(name) for name in names]
 
 
 @dataclass

@@ -14,33 +14,17 @@ from torch.autograd.graph import saved_tensors_hooks
 from typing_extensions import override
 
 from strategies import modular_pipeline
-from strategies.modular_pipeline import ModularPipelineStrategy, forward_only
-from strategies.schedule import BACKWARD, FINISH, FORWARD, add_communication, build_plan, validate_plan
+from strategies.modular_pipeline import ModularPipelineStrategy, compute_plan, forward_only
+from strategies.schedule import BACKWARD, FINISH, FORWARD, validate_plan
 from strategies.schedule.zero import (GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, add_weight_gathers,
                                       add_zero)
 from strategies.sharding import FlatShard, ShardContainer, unshard
-from strategies.stages import Peers, StageWork, keep_local_stages, stage_blocks
-
-
-def base_plan(strategy_config, layers: int):
-    return add_communication(build_plan(
-        strategy_config.schedule, pipeline_degree=strategy_config.pipeline_degree,
-        stages=layers // strategy_config.layers_per_stage, micro_batches=strategy_config.micro_batches,
-        breadth_first_micro_batches=strategy_config.breadth_first_micro_batches))
+from strategies.stages import Peers, StageWork, keep_local_stages, stage_blocks, stage_parameter_names
 
 
 def training_plan(strategy_config, layers: int):
     """Compute and transfers, then the ZeRO-3 gathers and reduce-scatters; validated."""
-    return validate_plan(add_zero(base_plan(strategy_config, layers)))
-
-
-def stage_parameter_names(model, stage: int, stages: int, layers_per_stage: int) -> list:
-    """Names (in the model) of one stage's parameters: its blocks, + embedding / head at the ends."""
-    prefixes = [f"blocks.{block}" for block in stage_blocks(stage, layers_per_stage)]
-    prefixes += ["embed"] if stage == 0 else []
-    prefixes += ["head"] if stage == stages - 1 else []
-    return [f"{prefix}.{name}" for prefix in prefixes
-            for name, _ in model.get_submodule(prefix).named_parameters()]
+    return validate_plan(add_zero(compute_plan(strategy_config, layers)))
 
 
 def shard_stages(model, local_stages, stages: int, layers_per_stage: int, rank: int, size: int) -> dict:
@@ -168,7 +152,7 @@ class ZeroLayeredStrategy(ModularPipelineStrategy):
         super().__init__(cfg, world_size, **kwargs)
         self.plan = training_plan(cfg.strategy, cfg.model.layers)
         # Forward only (no B, so not a training plan the validator accepts): gathers, no scatters.
-        self.validation_plan = add_weight_gathers(forward_only(base_plan(cfg.strategy, cfg.model.layers)))
+        self.validation_plan = add_weight_gathers(forward_only(compute_plan(cfg.strategy, cfg.model.layers)))
         self.shards = {}
 
     @override

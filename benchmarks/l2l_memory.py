@@ -1,4 +1,4 @@
-"""L2L compute-side memory (TECHNIQUES §3), measured from the tensors by layerwise.memory's meter.
+"""L2L compute-side memory (TECHNIQUES §3), measured from the tensors by parallel.memory's meter.
 
     .venv/bin/python benchmarks/l2l_memory.py                 # depth table + m table + BERT-Large
     .venv/bin/python benchmarks/l2l_memory.py --skip-bert     # tables only (~6 min; BERT adds ~8)
@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from layerwise.memory import ComputeMemoryMeter  # noqa: E402
+from parallel.memory import ComputeMemoryMeter  # noqa: E402
 from layerwise.optim import build_optimizer  # noqa: E402
 from models import build_model  # noqa: E402
 from models.transformer import IGNORE_INDEX  # noqa: E402

@@ -24,7 +24,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleLoopedBFS)
 
 from layerwise.launch import run_ranks  # noqa: E402
-from layerwise.layout import Degrees, ParallelLayout  # noqa: E402
+from parallel.layout import Degrees, ParallelLayout  # noqa: E402
 from models import build_model  # noqa: E402
 from strategies.modular_pipeline import training_plan  # noqa: E402
 from strategies.schedule import execute  # noqa: E402

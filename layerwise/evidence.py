@@ -21,8 +21,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from layerwise.comm import KINDS
-from layerwise.memory import ComputeMemoryMeter
+from parallel.comm import KINDS
+from parallel.memory import ComputeMemoryMeter
 
 COLUMNS = (["step", "loss", "lr", "step_time_s", "tokens_per_s"]
            + [f"comm_bytes_{kind}" for kind in KINDS] + ["peak_compute_bytes", "val_loss"])

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
-from layerwise.layout import Degrees, ParallelLayout
+from parallel.layout import Degrees, ParallelLayout
 from strategies.checkpoint import PerRankCheckpoints
 
 

@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 from typing_extensions import override
 
-from layerwise.layout import Degrees
+from parallel.layout import Degrees
 
 
 class Fsdp2Strategy(ModelParallelStrategy):

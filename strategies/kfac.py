@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from typing_extensions import override
 
-from layerwise.layout import Degrees, ParallelLayout
+from parallel.layout import Degrees, ParallelLayout
 
 
 def block_linears(model: nn.Module) -> dict:

@@ -19,8 +19,8 @@ import torch.nn as nn
 from torch.func import functional_call
 from typing_extensions import override
 
-from layerwise.layout import Degrees
-from layerwise.memory import host_side
+from parallel.layout import Degrees
+from parallel.memory import host_side
 from models.transformer import IGNORE_INDEX
 from strategies.base import OwnedStepStrategy
 from strategies.schedule import BACKWARD, FINISH, FORWARD, REDUCE_GRADIENT, execute, validate_plan
@@ -440,8 +440,8 @@ def relay_peak_bytes(model, optimizer, tokens, targets, micro_batches: int, cons
                      warm_up: bool = True) -> int:
     """Compute-side peak of one relay step, by default measured after a first step has created the
     optimizer state (the host store is never counted): what the memory tests and benchmark report."""
-    from layerwise.comm import Communicator, Group
-    from layerwise.memory import ComputeMemoryMeter
+    from parallel.comm import Communicator, Group
+    from parallel.memory import ComputeMemoryMeter
 
     relay = Relay(model, optimizer, Communicator(), Group("data", (0,)), micro_batches,
                   constant_memory=constant_memory)

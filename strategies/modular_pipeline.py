@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from layerwise.layout import Degrees
+from parallel.layout import Degrees
 from strategies.base import OwnedStepStrategy
 from strategies.schedule import (BACKWARD, FORWARD, RECV_ACTIVATION, SEND_ACTIVATION, Plan,
                                  Timeline, add_communication, add_gradient_reductions, build_plan,

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
-from layerwise.layout import Degrees, ParallelLayout
+from parallel.layout import Degrees, ParallelLayout
 
 
 class SingleStrategy(SingleDeviceStrategy):

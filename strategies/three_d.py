@@ -14,7 +14,7 @@ from collections import defaultdict
 import torch
 from typing_extensions import override
 
-from layerwise.layout import Degrees
+from parallel.layout import Degrees
 from strategies.base import LayerwiseStrategy
 from strategies.tensor_parallel import consolidate as consolidate_form
 from strategies.tensor_parallel import parallelize_1d, parallelize_2d, parallelize_3d

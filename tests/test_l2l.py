@@ -9,8 +9,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from layerwise.comm import Communicator, Group
-from layerwise.memory import ComputeMemoryMeter
+from parallel.comm import Communicator, Group
+from parallel.memory import ComputeMemoryMeter
 from layerwise.optim import build_optimizer
 from layerwise.run import train
 from layerwise.validate import ConfigError, validate

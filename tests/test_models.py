@@ -206,3 +206,27 @@ def test_models_never_mention_the_distributed_package():
     assert files
     offenders = [str(f) for f in files if forbidden in f.read_text()]
     assert offenders == []
+
+
+def imported_packages(path: Path) -> set:
+    """Top-level package of every import in a file, read from its syntax tree (not grep)."""
+    import ast
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package, forbidden", [("strategies", {"layerwise"}),
+                                                ("parallel", {"layerwise", "strategies"}),
+                                                ("models", {"layerwise", "strategies", "parallel"})])
+def test_floors_import_only_downwards(package, forbidden):
+    """models/ < parallel/ < strategies/ < layerwise/: a floor never imports one above it."""
+    files = sorted((Path(__file__).resolve().parents[1] / package).rglob("*.py"))
+    assert files
+    offenders = {str(f): sorted(imported_packages(f) & forbidden) for f in files
+                 if imported_packages(f) & forbidden}
+    assert offenders == {}

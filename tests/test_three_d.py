@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from layerwise.layout import Degrees, ParallelLayout
+from parallel.layout import Degrees, ParallelLayout
 from layerwise.run import train
 from layerwise.validate import ConfigError, validate
 from strategies.tensor_parallel.grids import Style, grid_of

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from layerwise.layout import grid_coordinates, grid_edge
+from parallel.layout import grid_coordinates, grid_edge
 
 
 def take(tensor: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
 
-from layerwise.comm import Communicator, Group
+from parallel.comm import Communicator, Group
 
 AXES = ("data", "pipeline", "tensor")
 

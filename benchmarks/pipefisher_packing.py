@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strategies.schedule import (add_communication, add_gradient_reductions, build_plan,  # noqa: E402
                                  plot_timeline, simulate)
-from strategies.schedule import kfac as units  # noqa: E402
+from strategies.schedule import curvature as units  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BERT_BASE = units.BlockShape(hidden=768, mlp_ratio=4, sequence_length=128, tokens=32 * 128)

@@ -66,7 +66,7 @@ def ours(model, layout, schedule, arguments):
 
     def step(batch):
         actions = plan.ranks[layout.index("pipeline")]
-        work.start(batch, training=True, actions=actions)
+        work.start(batch, training=True)
         execute(actions, work.handlers())
         return work.state.loss
     return step

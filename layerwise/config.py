@@ -63,35 +63,44 @@ class HardwareConfig:
 
 @dataclass
 class StrategyConfig:
-    """The parallelism technique; every strategy schema extends this one."""
+    """The parallelism technique. Every strategy schema extends this one with only the knobs its
+    strategy reads, so a knob it would ignore fails at composition (`single` and `ddp` read none)."""
 
     name: str = MISSING  # single | ddp | modular_pipeline | gpipe | one_f_one_b | ...
-    micro_batches: int = 1  # micro-batches per optimizer step
-    data_degree: Optional[int] = None  # data-parallel replicas; null = world / other degrees
-    pipeline_degree: int = 1  # pipeline ranks
 
 
 @dataclass
-class PipelineStrategyConfig(StrategyConfig):
-    """A schedule from strategies/schedule run over pipeline (and data-parallel) ranks."""
+class MicroBatchedStrategyConfig(StrategyConfig):
+    """A strategy that splits each rank's batch into micro-batches within one optimizer step."""
+
+    micro_batches: int = 1  # micro-batches per optimizer step
+
+
+@dataclass
+class PipelineStrategyConfig(MicroBatchedStrategyConfig):
+    """A schedule from strategies/schedule run over pipeline (and data-parallel) ranks.
+
+    Stage placement is not a knob: the schedule decides it (gpipe and one_f_one_b contiguous,
+    looped_breadth_first and interleaved_one_f_one_b looping)."""
 
     schedule: str = "looped_breadth_first"  # gpipe | one_f_one_b | looped_breadth_first | ...
+    pipeline_degree: int = 1  # pipeline ranks
+    data_degree: Optional[int] = None  # data-parallel replicas; null = world / pipeline_degree
     layers_per_stage: int = 1  # k consecutive blocks per stage; stages = layers / k
-    placement: str = "looping"  # contiguous | looping (stage c on rank c mod p)
     breadth_first_micro_batches: Optional[int] = None  # null = all micro-batches breadth-first
-    depth_first_micro_batches: Optional[int] = None  # null = micro_batches / breadth_first
 
 
 @dataclass
 class TensorParallelStrategyConfig(StrategyConfig):
     """Tensor parallelism on a grid of edge q (1-D: q ranks, 2-D: q², 3-D: q³) × data replicas."""
 
+    data_degree: Optional[int] = None  # data-parallel replicas; null = world / tensor ranks
     tensor_grid: int = 2  # q, the grid's edge; the tensor-parallel group has q^dimension ranks
     tensor_mode: str = "3d"  # 1d (Megatron) | 2d (SUMMA) | 3d (Bian et al. 2021)
 
 
 @dataclass
-class L2LStrategyConfig(StrategyConfig):
+class L2LStrategyConfig(MicroBatchedStrategyConfig):
     """L2L relay with an eager host parameter server (TECHNIQUES §3); one device per data rank."""
 
     constant_memory: bool = False  # stash activations on the host: compute memory flat in depth and m
@@ -99,7 +108,7 @@ class L2LStrategyConfig(StrategyConfig):
 
 
 @dataclass
-class KFACStrategyConfig(StrategyConfig):
+class KFACStrategyConfig(MicroBatchedStrategyConfig):
     """K-FAC on one process (the PipeFisher oracle): block Linears preconditioned, the rest first-order."""
 
     damping: float = 1e-3  # Tikhonov λ, split as λ_A = √λ·π, λ_B = √λ/π (TECHNIQUES §2)
@@ -116,7 +125,7 @@ class PipeFisherStrategyConfig(PipelineStrategyConfig):
 
 
 @dataclass
-class Fsdp2StrategyConfig(StrategyConfig):
+class Fsdp2StrategyConfig(MicroBatchedStrategyConfig):
     """PyTorch's FSDP2 (fully_shard) through Lightning's ModelParallelStrategy: the ZeRO-3 baseline."""
 
     sync_every_micro_batch: bool = True  # false = no-sync accumulation: one reduce-scatter per step
@@ -160,6 +169,7 @@ class TrainerConfig:
     checkpoint_every_n_steps: int = 50  # the `last` checkpoint is rewritten this often
     gradient_clip_val: float = 0.0  # global gradient-norm clip; 0 = off
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | none
+    check_point_to_point_order: bool = False  # each step, compare rank pairs' p2p issue order (NCCL); tests: true
 
 
 @dataclass

@@ -158,7 +158,7 @@ def _split_by_file(contents: List[bytes], validation_fraction: float):
 def _bytes_tensor(contents: List[bytes]) -> torch.Tensor:
     joined = b"".join(contents)
     if not joined:
-        return torch.empty(0, dtype=torch.uint8)  # frombuffer rejects an empty buffer
+        return torch.empty(0, dtype=torch.uint8)  # host: a corpus; frombuffer rejects an empty buffer
     # uint8 keeps 16 MiB of text at 16 MiB; bytearray because frombuffer wants a writable buffer.
     return torch.frombuffer(bytearray(joined), dtype=torch.uint8)
 
@@ -235,6 +235,7 @@ def _batch_seed(seed: int, split: str, index: int) -> int:
 def _sample_windows(tokens: torch.Tensor, batch: int, sequence_length: int,
                     generator: torch.Generator) -> torch.Tensor:
     """B random windows of sequence_length + 1 tokens, as int64 [B, s + 1]."""
+    # host: batches are cut on the host, as a DataLoader does; the strategy moves them to its device
     offsets = torch.randint(0, tokens.numel() - sequence_length, (batch,), generator=generator)
     return torch.stack([tokens[o : o + sequence_length + 1] for o in offsets.tolist()]).long()
 
@@ -249,9 +250,9 @@ def _mask_tokens(tokens: torch.Tensor, mask_id: int, generator: torch.Generator)
     # micro-batch, has the same number of scored targets: the mean of micro-batch mean losses is
     # then exactly the global mean loss, whatever the micro-batching or data-parallel split.
     count = max(1, round(MASK_FRACTION * length))
-    positions = torch.rand(batch, length, generator=generator).argsort(dim=1)[:, :count]
-    choice = torch.rand(batch, count, generator=generator)
-    random_tokens = torch.randint(0, mask_id, (batch, count), generator=generator)
+    positions = torch.rand(batch, length, generator=generator).argsort(dim=1)[:, :count]  # host: data
+    choice = torch.rand(batch, count, generator=generator)  # host: data
+    random_tokens = torch.randint(0, mask_id, (batch, count), generator=generator)  # host: data
 
     originals = tokens.gather(1, positions)
     replacement = torch.where(choice < 0.8, torch.full_like(originals, mask_id),

@@ -12,7 +12,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,13 +27,26 @@ COLUMNS = (["step", "loss", "lr", "step_time_s", "tokens_per_s"]
            + [f"comm_bytes_{kind}" for kind in KINDS] + ["peak_compute_bytes", "val_loss"])
 
 
-def reduce_over_ranks(values: list, op) -> list:
-    """All-reduce a short list of floats (not counted: evidence, not training traffic)."""
+def reduce_over_ranks(values: list, op, device: torch.device) -> list:
+    """All-reduce a short list of floats on the rank's compute device (NCCL reduces only device
+    tensors). Not counted: evidence, not training traffic."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return values
-    tensor = torch.tensor(values, dtype=torch.float64)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=op)
     return tensor.tolist()
+
+
+def precision_name(matrix_product_dtypes: dict, master_dtype: torch.dtype) -> str:
+    """Lightning's name of what a run computed in: the dtype most matrix products ran in, and
+    whether the optimizer's weights (the masters) are kept wider than that ("-mixed")."""
+    if not matrix_product_dtypes:
+        return "unmeasured"
+    computed = max(matrix_product_dtypes, key=matrix_product_dtypes.get)
+    short = {"float32": "32", "bfloat16": "bf16", "float16": "16"}.get(computed, computed)
+    if computed == "float32":
+        return "32-true"
+    return f"{short}-{'mixed' if master_dtype == torch.float32 else 'true'}"
 
 
 def git_sha() -> str:
@@ -75,7 +87,8 @@ class RunEvidence(pl.Callback):
         self.layout = layout
         self.progress_lines = progress_lines
         self.measure_memory = measure_memory
-        self.history = {"losses": [], "val_losses": {}, "initial_val_loss": None, "rows": []}
+        self.history = {"losses": [], "val_losses": {}, "initial_val_loss": None, "rows": [],
+                        "matrix_product_dtypes": {}}
         self.tokens_per_step = cfg.data.global_batch_size * cfg.data.sequence_length
         self._pending_row = None
         self._meter = None
@@ -90,10 +103,6 @@ class RunEvidence(pl.Callback):
         self.history = {**self.history, **state}
 
     # ----- steps
-    def _communicator(self, trainer):
-        layout = getattr(trainer.strategy, "layout", None)
-        return layout.communicator if layout is not None else None
-
     def on_train_start(self, trainer, module):
         self._started = time.perf_counter()
         if trainer.is_global_zero:
@@ -104,12 +113,12 @@ class RunEvidence(pl.Callback):
 
     def on_train_batch_start(self, trainer, module, batch, batch_index):
         self._flush_row(trainer)
-        communicator = self._communicator(trainer)
+        communicator = trainer.strategy.communicator()
         if communicator is not None:
             communicator.reset()
         if self.measure_memory:
             self._meter = ComputeMemoryMeter()
-            self._meter.resident(resident_tensors(trainer, module))
+            self._meter.resident(trainer.strategy.compute_resident_tensors())
             self._meter.__enter__()
         self._step_start = time.perf_counter()
 
@@ -119,12 +128,16 @@ class RunEvidence(pl.Callback):
         if self._meter is not None:
             self._meter.__exit__(None, None, None)
             peak = float(self._meter.peak_bytes)
+            counts = self.history["matrix_product_dtypes"]
+            for dtype, count in self._meter.matrix_product_dtypes.items():
+                counts[dtype] = counts.get(dtype, 0) + count
             self._meter = None
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        communicator = self._communicator(trainer)
+        communicator = trainer.strategy.communicator()
         comm = communicator.snapshot() if communicator else {kind: 0.0 for kind in KINDS}
-        (loss_value,) = reduce_over_ranks([float(loss)], dist.ReduceOp.SUM)
-        maxima = reduce_over_ranks([step_time, peak] + [comm[k] for k in KINDS], dist.ReduceOp.MAX)
+        (loss_value,) = reduce_over_ranks([float(loss)], dist.ReduceOp.SUM, trainer.strategy.root_device)
+        maxima = reduce_over_ranks([step_time, peak] + [comm[k] for k in KINDS], dist.ReduceOp.MAX,
+                                   trainer.strategy.root_device)
         row = {"step": trainer.global_step, "loss": loss_value / self.world_size,
                "lr": trainer.optimizers[0].param_groups[0]["lr"], "step_time_s": maxima[0],
                "tokens_per_s": self.tokens_per_step / maxima[0], "peak_compute_bytes": maxima[1],
@@ -146,7 +159,7 @@ class RunEvidence(pl.Callback):
         if trainer.sanity_checking or not self._validation_losses:
             return
         local = sum(self._validation_losses) / len(self._validation_losses)
-        (total,) = reduce_over_ranks([local], dist.ReduceOp.SUM)
+        (total,) = reduce_over_ranks([local], dist.ReduceOp.SUM, trainer.strategy.root_device)
         self._record_validation(trainer, total / self.world_size)
 
     def _record_validation(self, trainer, value: float):
@@ -161,9 +174,8 @@ class RunEvidence(pl.Callback):
         if self.cfg.trainer.limit_val_batches > 0 and last not in self.history["val_losses"]:
             self._record_validation(trainer, evaluate(trainer, module))
         self._flush_row(trainer)
-        charts = getattr(trainer.strategy, "write_evidence", None)
-        if callable(charts) and trainer.is_global_zero:
-            charts(self.run_directory, trainer.loggers)
+        if trainer.is_global_zero:
+            trainer.strategy.write_evidence(self.run_directory, trainer.loggers)
         self.write_summary(trainer, "completed")
 
     def on_exception(self, trainer, module, exception):
@@ -223,10 +235,11 @@ class RunEvidence(pl.Callback):
             "peak_compute_bytes": max((r["peak_compute_bytes"] for r in rows), default=None),
             "wall_time_s": time.perf_counter() - self._started if self._started else None,
             "versions": versions(), "git_sha": git_sha(),
+            "precision": precision_name(self.history["matrix_product_dtypes"], master_dtype(trainer)),
         }
-        bubble = getattr(trainer.strategy, "bubble_fraction", None)
-        if callable(bubble):
-            summary["bubble_fraction"] = bubble()
+        bubble = trainer.strategy.bubble_fraction()
+        if bubble is not None:
+            summary["bubble_fraction"] = bubble
         write_json_atomically(self.run_directory / "summary.json", summary)
 
     # ----- progress
@@ -246,16 +259,42 @@ class RunEvidence(pl.Callback):
                            f"{row['tokens_per_s']:.0f} tokens/s eta {remaining:.0f} s")
 
 
-def resident_tensors(trainer, module):
-    """What the compute side holds before a step: parameters, gradients, optimizer state."""
-    holder = getattr(trainer.strategy, "compute_resident_tensors", None)
-    if callable(holder):
-        return holder()
-    tensors = [p for p in module.parameters()] + [p.grad for p in module.parameters() if p.grad is not None]
+class PointToPointOrderCheck(pl.Callback):
+    """trainer.check_point_to_point_order: fail the run when two ranks issue their point-to-point
+    operations in orders NCCL would mismatch (parallel/comm.py, strict mode); gloo would hide it.
+
+    Recording starts before the first step (the initial validation included); every rank compares
+    after each training step, each validation and at the end (the final validation included).
+    """
+
+    def on_fit_start(self, trainer, module):
+        communicator = trainer.strategy.communicator()
+        if communicator is not None:
+            communicator.record_point_to_point()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
+        self._check(trainer)
+
+    def on_validation_epoch_end(self, trainer, module):
+        self._check(trainer)
+
+    def on_train_end(self, trainer, module):
+        self._check(trainer)
+
+    @staticmethod
+    def _check(trainer) -> None:
+        communicator = trainer.strategy.communicator()
+        if communicator is not None:
+            communicator.check_point_to_point_order()
+
+
+def master_dtype(trainer) -> torch.dtype:
+    """The dtype of the weights the optimizer updates."""
     for optimizer in trainer.optimizers:
-        for state in optimizer.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return tensors
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                return parameter.dtype
+    return torch.float32
 
 
 @torch.no_grad()
@@ -268,5 +307,5 @@ def evaluate(trainer, module) -> float:
         batch = trainer.strategy.batch_to_device(batch)
         losses.append(float(trainer.strategy.validation_step(batch, index)))
     module.train(was_training)
-    (total,) = reduce_over_ranks([sum(losses) / len(losses)], dist.ReduceOp.SUM)
+    (total,) = reduce_over_ranks([sum(losses) / len(losses)], dist.ReduceOp.SUM, trainer.strategy.root_device)
     return total / (dist.get_world_size() if dist.is_initialized() else 1)

@@ -11,7 +11,6 @@ import queue
 import socket
 import sys
 import traceback
-from pathlib import Path
 
 import torch
 import torch.multiprocessing as multiprocessing

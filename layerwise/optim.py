@@ -29,7 +29,7 @@ class Lamb(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         state = self.state[parameter]
         if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=parameter.device)
             state["exp_avg"] = torch.zeros_like(parameter)
             state["exp_avg_sq"] = torch.zeros_like(parameter)
         state["step"] += 1

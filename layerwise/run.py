@@ -15,11 +15,11 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from omegaconf import OmegaConf
 
 from layerwise import data as data_lib
-from layerwise.evidence import RunEvidence, write_json_atomically
+from layerwise.evidence import PointToPointOrderCheck, RunEvidence, write_json_atomically
 from layerwise.launch import RankError, launched_externally, run_ranks
 from layerwise.slurm import slurm_callbacks, slurm_plugins
 from layerwise.task import LanguageModelData, LanguageModelTask, objective_of
-from strategies import strategy_module
+from strategies import strategy_entry
 from strategies.checkpoint import checkpoint_exists
 
 
@@ -97,6 +97,8 @@ def build_trainer(cfg, run_directory: Path, world_size: int, strategy, evidence)
     callbacks = [evidence, LastCheckpoint(checkpoint_path(run_directory),
                                           cfg.trainer.checkpoint_every_n_steps)]
     callbacks += slurm_callbacks(checkpoint_path(run_directory))  # preemption: save, requeue
+    if cfg.trainer.check_point_to_point_order:  # after RunEvidence: its final validation is checked too
+        callbacks.append(PointToPointOrderCheck())
     if show_bar(cfg):
         from lightning.pytorch.callbacks import RichProgressBar
         callbacks.append(RichProgressBar())
@@ -129,11 +131,11 @@ def fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:
     corpus = load_corpus(cfg)
     objective = objective_of(cfg.model)
     task = LanguageModelTask(cfg, data_lib.model_vocab_size(corpus, objective))
-    module = strategy_module(cfg.strategy.name)
-    layout = module.degrees(cfg, world_size).as_dict()
+    entry = strategy_entry(cfg.strategy.name)
+    layout = entry.degrees(cfg, world_size).as_dict()
     evidence = RunEvidence(run_directory, cfg, world_size, layout,
                            progress_lines=not show_bar(cfg) and cfg.trainer.progress != "none")
-    trainer = build_trainer(cfg, run_directory, world_size, module.build(cfg, world_size), evidence)
+    trainer = build_trainer(cfg, run_directory, world_size, entry.build(cfg, world_size), evidence)
     for logger in trainer.loggers:  # the resolved config is logged at creation; add the layout
         logger.log_hyperparams({"layout": layout, "world_size": world_size})
     resume_from = checkpoint_path(run_directory)

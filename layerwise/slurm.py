@@ -441,13 +441,11 @@ def slurm_plugins(strategy) -> list:
     """Lightning's Slurm environment without its signal handling, and our process-group timeout."""
     if not under_slurm_step():
         return []
-    from datetime import timedelta
-
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
     seconds = os.environ.get(TIMEOUT_VARIABLE)
-    if seconds and hasattr(strategy, "_timeout"):
-        strategy._timeout = timedelta(seconds=float(seconds))
+    if seconds:
+        strategy.set_collective_timeout(float(seconds))
     return [SLURMEnvironment(auto_requeue=False)]
 
 

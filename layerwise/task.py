@@ -27,12 +27,6 @@ def model_arguments(model_config, vocab_size: int, seed: int) -> dict:
                 seed=seed)
 
 
-def data_rank(strategy):
-    """(data-parallel rank, data-parallel degree) as the strategy reports them."""
-    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
-    return kwargs.get("rank", 0), kwargs.get("num_replicas", 1)
-
-
 class LanguageModelTask(pl.LightningModule):
     """A GPT (causal) or BERT (masked) language model with its optimizer and LR schedule.
 
@@ -55,21 +49,19 @@ class LanguageModelTask(pl.LightningModule):
         return self.model.loss(self.model(batch["tokens"]), batch["targets"])
 
     def on_train_batch_start(self, batch, batch_index):
-        rank, _ = data_rank(self.trainer.strategy)
+        rank, _ = self.trainer.strategy.data_parallel()
         # Integers only: tuple hashes of ints are stable across processes (strings are salted).
         torch.manual_seed(hash((int(self.cfg.seed), int(self.global_step), rank)) % 2**63)
 
     def optimizer_zero_grad(self, epoch, batch_index, optimizer):
         # Lightning's closure zeroes gradients *after* training_step; a strategy whose
         # training_step runs the whole schedule (backward included) zeroes them itself, before.
-        if not getattr(self.trainer.strategy, "owns_step", False):
+        if not self.trainer.strategy.owns_step:
             optimizer.zero_grad()
 
     def configure_model(self):
         # Lightning's ModelParallelStrategy (strategy=fsdp2) requires this hook; the strategy shards.
-        shard = getattr(self.trainer.strategy, "shard_lightning_module", None)
-        if callable(shard):
-            shard(self)
+        self.trainer.strategy.shard_lightning_module(self)
 
     def configure_optimizers(self):
         # Strategies that keep only some layers prune `self.model` before this runs.
@@ -88,7 +80,7 @@ class LanguageModelData(pl.LightningDataModule):
         self.objective = objective_of(cfg.model)
 
     def _arguments(self):
-        rank, degree = data_rank(self.trainer.strategy)
+        rank, degree = self.trainer.strategy.data_parallel()
         return dict(global_batch_size=self.cfg.data.global_batch_size,
                     sequence_length=self.cfg.data.sequence_length, seed=self.cfg.seed,
                     objective=self.objective, data_rank=rank, data_degree=degree)

@@ -4,11 +4,13 @@ Every message names the field, what is wrong, and the fix. All problems are coll
 together, so a user fixes a config in one round instead of one error per launch.
 """
 
+import dataclasses
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from strategies import ONE_PROCESS, STRATEGIES, strategy_module
+from strategies import REGISTRY, strategy_entry
+from strategies.checks import divisors, gradient_clipping_errors, nearest_multiples
 
 CHOICES = {
     "mode": ("fit", "check"),
@@ -25,8 +27,9 @@ CHOICES = {
 CPU_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true")
 POSITIVE = ("model.layers", "model.hidden", "model.heads", "data.global_batch_size",
             "data.sequence_length", "trainer.max_steps", "trainer.val_check_interval",
-            "trainer.checkpoint_every_n_steps", "hardware.devices_per_node", "hardware.nodes",
-            "strategy.micro_batches", "strategy.pipeline_degree")
+            "trainer.checkpoint_every_n_steps", "hardware.devices_per_node", "hardware.nodes")
+POSITIVE_STRATEGY = ("micro_batches", "pipeline_degree")  # where the strategy's schema has them
+SCHEMA_GROUPS = ("strategy", "model", "hardware", "data", "optimizer", "logger", "trainer")
 BYTES_PER_PARAMETER = 16  # fp32 weight + gradient + two Adam moments
 
 
@@ -49,7 +52,7 @@ def lookup(cfg, dotted: str):
 
 def world_size(cfg) -> int:
     """Processes in the job: nodes × devices per node; one-process strategies always use one."""
-    if cfg.strategy.name in ONE_PROCESS:
+    if strategy_entry(cfg.strategy.name).one_process:
         return 1
     return cfg.hardware.nodes * cfg.hardware.devices_per_node
 
@@ -60,20 +63,37 @@ def check_choices(cfg) -> list:
         value = lookup(cfg, field)
         if value not in allowed:
             errors.append(f"{field}={value!r} is unknown. Fix: one of {', '.join(allowed)}.")
-    if cfg.strategy.name not in STRATEGIES:
+    if cfg.strategy.name not in REGISTRY:
         errors.append(f"strategy={cfg.strategy.name!r} is unknown. Fix: one of "
-                      f"{', '.join(sorted(STRATEGIES))}.")
-    for field in POSITIVE:
+                      f"{', '.join(sorted(REGISTRY))}.")
+    fields = POSITIVE + tuple(f"strategy.{name}" for name in POSITIVE_STRATEGY if name in cfg.strategy)
+    for field in fields:
         if lookup(cfg, field) < 1:
             errors.append(f"{field}={lookup(cfg, field)} must be at least 1.")
+    return errors
+
+
+def check_schema_keys(cfg) -> list:
+    """Keys a schema does not declare. Hydra rejects `strategy.micro_batches=4` for a strategy
+    without micro-batches, and its message suggests `+strategy.micro_batches=4`, which would be
+    accepted and then ignored: reject that here."""
+    errors = []
+    for group in SCHEMA_GROUPS:
+        schema = OmegaConf.get_type(cfg[group])
+        if not dataclasses.is_dataclass(schema):
+            continue
+        owner = f"{group}={cfg[group].name}" if "name" in cfg[group] else group
+        declared = {field.name for field in dataclasses.fields(schema)}
+        for key in sorted(set(cfg[group]) - declared):
+            errors.append(f"{group}.{key}={cfg[group][key]} is not a setting of {owner} (schema "
+                          f"{schema.__name__}), so it would be ignored. Fix: remove {group}.{key}.")
     return errors
 
 
 def check_model(cfg) -> list:
     model, data, errors = cfg.model, cfg.data, []
     if model.heads >= 1 and model.hidden % model.heads:
-        near = [h for h in range(1, model.hidden + 1) if model.hidden % h == 0]
-        closest = sorted(near, key=lambda h: abs(h - model.heads))[:2]
+        closest = sorted(divisors(model.hidden), key=lambda h: abs(h - model.heads))[:2]
         errors.append(f"model.hidden={model.hidden} is not divisible by model.heads={model.heads}. "
                       f"Fix: model.heads={' or '.join(map(str, sorted(closest)))}.")
     if data.sequence_length > model.max_sequence_length:
@@ -133,34 +153,42 @@ def check_data(cfg) -> list:
     return errors
 
 
+def micro_batches(strategy) -> int:
+    """Micro-batches per optimizer step. The one generic reader of a field not every schema has:
+    a strategy without `micro_batches` (single, ddp, tensor parallel) runs its batch in one pass."""
+    return strategy.micro_batches if "micro_batches" in strategy else 1
+
+
 def check_strategy(cfg, world: int) -> list:
-    if cfg.strategy.name not in STRATEGIES:
+    if cfg.strategy.name not in REGISTRY:
         return []
-    module = strategy_module(cfg.strategy.name)
-    errors = module.check(cfg, world)
+    entry = strategy_entry(cfg.strategy.name)
+    errors = entry.check(cfg, world) + gradient_clipping_errors(cfg.strategy.name,
+                                                                cfg.trainer.gradient_clip_val)
     if errors:
         return errors
-    data_degree = module.degrees(cfg, world).data
-    per_step = data_degree * cfg.strategy.micro_batches
-    if cfg.data.global_batch_size % per_step:
-        lower = cfg.data.global_batch_size // per_step * per_step or per_step
-        errors.append(f"data.global_batch_size={cfg.data.global_batch_size} does not split into "
-                      f"{data_degree} data-parallel ranks × {cfg.strategy.micro_batches} micro-batches. "
-                      f"Fix: data.global_batch_size={lower} or {lower + per_step}.")
+    data_degree, micro = entry.degrees(cfg, world).data, micro_batches(cfg.strategy)
+    batch = cfg.data.global_batch_size
+    if batch % (data_degree * micro):
+        errors.append(f"data.global_batch_size={batch} does not split into {data_degree} data-parallel "
+                      f"ranks × {micro} micro-batches. Fix: data.global_batch_size="
+                      f"{nearest_multiples(batch, data_degree * micro)}.")
     return errors
 
 
 def validate(cfg, submitting: bool = False) -> int:
-    """Raise ConfigError listing every problem; return the world size when the config is sound.
+    """Raise ConfigError listing every problem; return the world size when the config is sound,
+    and leave it read-only: what every rank runs is exactly what was validated.
 
     `submitting`: the run goes to a cluster (layerwise.slurm checks every point before submission),
     so this machine's own devices do not matter."""
-    errors = check_choices(cfg)
-    if errors:  # later checks assume known names
+    errors = check_choices(cfg) + check_schema_keys(cfg)
+    if errors:  # later checks assume known names and declared keys
         raise ConfigError(errors)
     world = world_size(cfg)
     errors = (check_model(cfg) + check_hardware(cfg, world, submitting) + check_data(cfg)
               + check_strategy(cfg, world))
     if errors:
         raise ConfigError(errors)
+    OmegaConf.set_readonly(cfg, True)
     return world

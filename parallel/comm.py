@@ -4,11 +4,18 @@ Logical volume (TECHNIQUES.md, notation): per process, for a full tensor of N el
 g ranks, all-reduce moves 2(g-1)/g·N, all-gather and reduce-scatter (g-1)/g·N, broadcast and
 send/recv N. We count these, not the wire bytes: gloo on CPU may implement a reduce-scatter as an
 all-reduce, which changes what crosses the wire but not the algorithm's volume.
+
+Strict point-to-point mode (`record_point_to_point`, switched on by trainer.check_point_to_point_order
+and in every multi-process test): each rank records the sends and receives it issues, per peer, and
+`check_point_to_point_order` compares both sides of every pair. NCCL matches a pair's operations in
+issue order and ignores tags, so the k-th operation of rank a toward b must be the other end of the
+k-th of b toward a, with the same size and dtype; gloo matches by tag and would hide the mismatch.
+The tag is compared too: two same-sized messages swapped would run on NCCL, into the wrong buffers.
 """
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,13 +47,36 @@ class Group:
         return len(self.ranks)
 
 
+class IssuedOperation(NamedTuple):
+    """One send or receive as a rank issued it: what NCCL matches against the peer's operation."""
+
+    kind: str  # "send" | "receive"
+    peer: int  # global rank of the other end
+    elements: int
+    dtype: str
+    tag: int
+
+    def __str__(self) -> str:
+        direction = "to" if self.kind == "send" else "from"
+        return f"{self.kind} {direction} rank {self.peer}: {self.elements} × {self.dtype}, tag {self.tag}"
+
+
+class PointToPointOrderError(RuntimeError):
+    """Two ranks issued their point-to-point operations in orders NCCL would mismatch or deadlock on."""
+
+
 class Communicator:
-    """Counted wrappers over torch.distributed; bytes are kept by kind and by group name."""
+    """Counted wrappers over torch.distributed; bytes are kept by kind and by group name.
+
+    With `record_point_to_point()`, sends and receives are also recorded in issue order per peer
+    (`issued`), for `check_point_to_point_order` (the module docstring says why).
+    """
 
     def __init__(self):
         self.bytes_by_kind = defaultdict(float)
         self.bytes_by_group = defaultdict(float)
         self.calls_by_kind = defaultdict(int)
+        self.issued = None  # peer -> [IssuedOperation] in issue order, while recording
 
     def count(self, kind: str, group_name: str, elements: int, element_size: int, group_size: int):
         volume = elements * element_size * ring_factor(kind, group_size)
@@ -105,13 +135,79 @@ class Communicator:
         between two ranks may carry activations one way and gradients the other, interleaved.
         """
         self.count("send_recv", group.name, tensor.numel(), tensor.element_size(), 2)
+        self._record("send", destination, tensor, tag)
         return dist.isend(tensor, dst=destination, group=group.process_group, tag=tag)
 
     def receive(self, tensor: torch.Tensor, source: int, group: Group, tag: int = 0):
         """Post a receive from global rank `source`; wait on the returned handle before use.
         Only the sender's side is counted."""
+        self._record("receive", source, tensor, tag)
         return dist.irecv(tensor, src=source, group=group.process_group, tag=tag)
+
+    # ----- strict point-to-point mode
+    def record_point_to_point(self) -> None:
+        """Start recording every send and receive this rank issues, per peer, in issue order."""
+        if self.issued is None:
+            self.issued = defaultdict(list)
+
+    def _record(self, kind: str, peer: int, tensor: torch.Tensor, tag: int) -> None:
+        if self.issued is not None:
+            self.issued[peer].append(IssuedOperation(kind, peer, tensor.numel(), str(tensor.dtype), tag))
+
+    def check_point_to_point_order(self) -> int:
+        """Compare what every rank issued toward every peer since the last check; clear the record.
+
+        Collective over the whole world (call it on every rank at the same point, e.g. each step's
+        end). The exchange is evidence, not training traffic: it is not counted. Raises
+        PointToPointOrderError on every rank, naming the pair, k and both operations, at the first
+        mismatch. Returns the number of operations compared on this rank.
+        """
+        if self.issued is None:
+            return 0
+        mine = {peer: list(operations) for peer, operations in self.issued.items()}
+        self.issued.clear()
+        everyone = [mine]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        problem = first_order_mismatch(everyone)
+        if problem is not None:
+            raise PointToPointOrderError(problem)
+        return sum(len(operations) for operations in mine.values())
 
     def host_device(self, tensor: torch.Tensor, group_name: str = "host"):
         """Count one host<->device copy of `tensor` (L2L's transfers)."""
         self.count("host_device", group_name, tensor.numel(), tensor.element_size(), 1)
+
+
+def first_order_mismatch(issued_by_rank: list) -> Optional[str]:
+    """The first pair of ranks whose k-th operations toward each other are not one message's two ends.
+
+    `issued_by_rank[r]` maps each peer to the IssuedOperations rank r issued toward it, in order.
+    None when every pair matches: opposite kinds, same elements, dtype and tag, equal lengths.
+    """
+    for rank, issued in enumerate(issued_by_rank):
+        for peer in sorted(issued):
+            if not 0 <= peer < len(issued_by_rank):
+                return f"rank {rank} issued {issued[peer][0]}, a rank outside the {len(issued_by_rank)} compared"
+            if peer > rank or rank not in issued_by_rank[peer]:
+                problem = _pair_mismatch(rank, peer, issued[peer], issued_by_rank[peer].get(rank, []))
+                if problem is not None:
+                    return problem
+    return None
+
+
+def _pair_mismatch(rank: int, peer: int, mine: list, theirs: list) -> Optional[str]:
+    for index in range(max(len(mine), len(theirs))):
+        first = mine[index] if index < len(mine) else None
+        second = theirs[index] if index < len(theirs) else None
+        if first is None or second is None or not _match(first, second):
+            return (f"point-to-point order mismatch between ranks {rank} and {peer} at operation #{index}: "
+                    f"rank {rank} issued {first or 'nothing'}, rank {peer} issued {second or 'nothing'}. "
+                    f"NCCL matches a pair's sends and receives in issue order (tags ignored), so this run "
+                    f"would pair the wrong messages or deadlock on GPUs; gloo hid it by matching tags.")
+    return None
+
+
+def _match(first: IssuedOperation, second: IssuedOperation) -> bool:
+    return {first.kind, second.kind} == {"send", "receive"} and first[2:] == second[2:]

@@ -5,11 +5,15 @@ A rank's coordinates are (data, pipeline, tensor) with the tensor index fastest:
 so a tensor-parallel group is a block of neighbouring ranks (one node), pipeline neighbours are
 next, and data-parallel replicas are furthest apart. Every rank creates every group in the same
 order (torch.distributed.new_group is collective over the world) and keeps the ones it belongs to.
+
+Groups finer than the tensor axis (a tensor-parallel grid's rows, columns, ...) arrive as data:
+`families` maps a family's name to its member lists of local tensor indices within one tensor
+block. This floor knows nothing of grids; strategies/tensor_parallel/grids.py computes them.
 """
 
 import itertools
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -60,21 +64,27 @@ class ParallelLayout:
 
     1. coordinates from the rank (tensor fastest, then pipeline, then data);
     2. for each axis, every group along it is created on every rank, in the same order;
-    3. groups of size one never touch the process group (single-process runs need none);
-    4. every collective goes through `self.communicator`, which counts logical bytes.
+    3. then each of `families`, in its given order, repeated in every tensor block;
+    4. groups of size one never touch the process group (single-process runs need none);
+    5. every collective goes through `self.communicator`, which counts logical bytes.
+
+    `tensor_grid` names the families (e.g. "3d"); `describe()` records it, so a checkpoint cut on
+    one grid is not resumed on another.
     """
 
-    def __init__(self, degrees: Degrees, rank: int = 0, tensor_grid: Optional[str] = None):
+    def __init__(self, degrees: Degrees, rank: int = 0,
+                 families: Optional[Mapping[str, Sequence[Sequence[int]]]] = None,
+                 tensor_grid: Optional[str] = None):
         self.degrees = degrees
         self.rank = rank
-        self.tensor_grid = tensor_grid  # None | "1d" | "2d" | "3d": see TENSOR_GRID_FAMILIES
+        self.tensor_grid = tensor_grid
         self.coordinates = coordinates(rank, degrees)
         self.communicator = Communicator()
         self.groups: Dict[str, Group] = {}
         for axis in AXES:
             self.groups[axis] = self._build_axis(axis)
-        for family in TENSOR_GRID_FAMILIES.get(tensor_grid, ()):  # after the axes, same order
-            self.groups[family] = self._build_family(family)
+        for family, local_member_lists in (families or {}).items():  # after the axes, same order
+            self.groups[family] = self._build_family(family, local_member_lists)
 
     def _build_axis(self, axis: str) -> Group:
         return self._create_groups(axis, group_members(axis, self.degrees))
@@ -104,57 +114,11 @@ class ParallelLayout:
             described["tensor_grid"] = self.tensor_grid
         return described
 
-    def _build_family(self, family: str) -> Group:
-        """One tensor-grid family: every member list in every tensor block, in a fixed order."""
+    def _build_family(self, family: str, local_member_lists) -> Group:
+        """One family: its member lists repeated in every tensor block, in a fixed order."""
         block = self.degrees.tensor
-        member_lists = [tuple(base + t for t in local)
+        member_lists = [tuple(base + local for local in members)
                         for base in range(0, self.degrees.world_size, block)  # one per (data, pipe)
-                        for local in tensor_family_members(family, self.tensor_grid, block)]
+                        for members in local_member_lists]
         return self._create_groups(family, member_lists)
 
-
-# ----- tensor-parallel grids inside one tensor block (TECHNIQUES.md §4)
-#
-# 3d: q³ ranks, local index t = i + q·(j + q·k). Families of size q: input (vary j), weight
-#     (vary i), output (vary k); unions of size q²: input_weight (vary i, j), output_weight
-#     (vary i, k). 2d: q² ranks, t = column + q·row; `row` holds one row (vary column),
-#     `column` one column (vary row). 1d: the tensor group itself, nothing more.
-TENSOR_GRID_FAMILIES = {
-    "1d": (),
-    "2d": ("row", "column"),
-    "3d": ("input", "weight", "output", "input_weight", "output_weight"),
-}
-_VARYING = {  # family -> the grid coordinates that vary inside one of its groups
-    "row": ("column",), "column": ("row",),
-    "input": ("j",), "weight": ("i",), "output": ("k",),
-    "input_weight": ("i", "j"), "output_weight": ("i", "k"),
-}
-
-
-def grid_edge(tensor_grid: str, tensor_degree: int) -> int:
-    """q such that q^dimension == tensor_degree (ValueError otherwise)."""
-    dimension = {"1d": 1, "2d": 2, "3d": 3}[tensor_grid]
-    edge = round(tensor_degree ** (1 / dimension))
-    if edge ** dimension != tensor_degree:
-        raise ValueError(f"a {tensor_grid} tensor grid needs a perfect power, got {tensor_degree}")
-    return edge
-
-
-def grid_coordinates(tensor_grid: str, local: int, edge: int) -> Dict[str, int]:
-    """Coordinates of local tensor index `local` on the grid (see the table above)."""
-    if tensor_grid == "3d":
-        return {"i": local % edge, "j": local // edge % edge, "k": local // edge ** 2}
-    if tensor_grid == "2d":
-        return {"column": local % edge, "row": local // edge}
-    return {"t": local}
-
-
-def tensor_family_members(family: str, tensor_grid: str, block: int):
-    """Local index lists of every group of `family`, sorted so coordinate order = rank order."""
-    edge = grid_edge(tensor_grid, block)
-    key = lambda t: tuple(v for c, v in sorted(grid_coordinates(tensor_grid, t, edge).items())
-                          if c not in _VARYING[family])
-    groups: Dict[tuple, list] = {}
-    for t in range(block):
-        groups.setdefault(key(t), []).append(t)
-    return tuple(tuple(members) for _, members in sorted(groups.items()))

@@ -10,6 +10,7 @@ cannot tell what a strategy holds on the compute side. This meter counts storage
    never registered (they are created outside the meter's block or marked with `host()`).
 """
 
+import collections
 import contextlib
 import threading
 import weakref
@@ -20,8 +21,16 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 
+# The operators that do a transformer's FLOPs: the dtype they run in is the step's real precision.
+_MATRIX_PRODUCTS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
+
+
 class ComputeMemoryMeter(TorchDispatchMode):
-    """Peak bytes of live compute-side storages during a block (see the module docstring)."""
+    """Peak bytes of live compute-side storages during a block (see the module docstring).
+
+    It also counts the dtypes matrix products ran in (`matrix_product_dtypes`): what precision the
+    step really computed in, read from the compute rather than from the configuration.
+    """
 
     def __init__(self):
         super().__init__()
@@ -29,6 +38,7 @@ class ComputeMemoryMeter(TorchDispatchMode):
         self._host = WeakIdKeyDictionary()
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.matrix_product_dtypes = collections.Counter()
 
     def resident(self, tensors) -> None:
         for tensor in tensors:
@@ -67,6 +77,8 @@ class ComputeMemoryMeter(TorchDispatchMode):
         output = func(*args, **(kwargs or {}))
         if getattr(_suspended, "depth", 0):
             return output  # inside host_side(): host-store work
+        if func.overloadpacket in _MATRIX_PRODUCTS:
+            self.matrix_product_dtypes[str(output.dtype).removeprefix("torch.")] += 1
         for tensor in tree_flatten(output)[0]:
             self._track(tensor)
         return output

@@ -15,9 +15,10 @@ from typing_extensions import override
 
 from parallel.layout import Degrees, ParallelLayout
 from strategies.checkpoint import PerRankCheckpoints
+from strategies.hooks import RunHooks
 
 
-class LayerwiseStrategy(PerRankCheckpoints, DDPStrategy):
+class LayerwiseStrategy(RunHooks, PerRankCheckpoints, DDPStrategy):
     """Process group from Lightning, everything else ours.
 
     1. `setup_environment`: process group, then the layout (groups built once, in one order);
@@ -82,10 +83,11 @@ class LayerwiseStrategy(PerRankCheckpoints, DDPStrategy):
 class OwnedStepStrategy(LayerwiseStrategy):
     """For techniques whose schedule runs the whole step, backward included.
 
-    1. `training_step` zeroes gradients, runs `run_step(batch)` and returns its detached loss;
-    2. `backward` is a no-op (the schedule already ran every backward);
-    3. `optimizer_step` calls the closure (that is what runs `training_step`), then
-       `before_optimizer_step` (reductions, preconditioning), then the optimizer.
+    1. `training_step` zeroes gradients, runs `run_step(batch)` under the precision plugin's
+       autocast context (hardware.precision) and returns its detached loss;
+    2. `backward` is a no-op (the schedule already ran every backward, through `scale_loss`);
+    3. `optimizer_step` hands the precision plugin a closure that runs `training_step`, then
+       `before_optimizer_step` (reductions, preconditioning); the plugin unscales (fp16) and steps.
     """
 
     owns_step = True  # LanguageModelTask.optimizer_zero_grad defers to us (see there)
@@ -96,12 +98,17 @@ class OwnedStepStrategy(LayerwiseStrategy):
     def before_optimizer_step(self, optimizer) -> None:
         """Hook between the schedule and the optimizer; default: nothing."""
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """What the schedule calls backward on: the loss, times the fp16 loss scale under 16-mixed."""
+        return self.precision_plugin.pre_backward(loss, self.lightning_module)
+
     @override
     def training_step(self, *args, **kwargs):
         batch = args[0]
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        return self.run_step(batch).detach()
+        with self.precision_plugin.train_step_context():  # autocast under bf16-mixed / 16-mixed
+            return self.run_step(batch).detach()
 
     @override
     def backward(self, closure_loss, optimizer, *args, **kwargs):
@@ -109,7 +116,11 @@ class OwnedStepStrategy(LayerwiseStrategy):
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
-        closure_result = closure()
-        self.before_optimizer_step(optimizer)
-        optimizer.step()
-        return closure_result
+        def closure_then_reductions():
+            result = closure()
+            self.before_optimizer_step(optimizer)
+            return result
+        # Lightning's precision plugin runs the closure, unscales fp16 gradients (after our
+        # reductions: they are linear, so the order does not matter) and steps, or skips on inf.
+        return self.precision_plugin.optimizer_step(optimizer, model=model or self.lightning_module,
+                                                    closure=closure_then_reductions, **kwargs)

@@ -14,9 +14,11 @@ from torch.distributed.fsdp import fully_shard
 from typing_extensions import override
 
 from parallel.layout import Degrees
+from strategies.hooks import RunHooks
+from strategies.registry import StrategyEntry
 
 
-class Fsdp2Strategy(ModelParallelStrategy):
+class Fsdp2Strategy(RunHooks, ModelParallelStrategy):
     """FSDP2 over all ranks (data parallel only), with m depth-first micro-batches per step.
 
     1. `shard_lightning_module` (called from the task's configure_model): fully_shard each block, then the root;
@@ -26,12 +28,18 @@ class Fsdp2Strategy(ModelParallelStrategy):
 
     owns_step = True  # LanguageModelTask.optimizer_zero_grad defers to us
 
-    def __init__(self, cfg, world_size: int):
+    def __init__(self, world_size: int, micro_batches: int, sync_every_micro_batch: bool,
+                 process_group_backend: str = "gloo"):
         super().__init__(data_parallel_size=world_size, tensor_parallel_size=1,
-                         process_group_backend=cfg.hardware.process_group_backend)
-        self.micro_batches = cfg.strategy.micro_batches
-        self.sync_every_micro_batch = cfg.strategy.sync_every_micro_batch
+                         process_group_backend=process_group_backend)
+        self.micro_batches = micro_batches
+        self.sync_every_micro_batch = sync_every_micro_batch
 
+    @override
+    def data_parallel(self) -> tuple:
+        return self.global_rank, self.world_size  # FSDP2 here shards over every rank
+
+    @override
     def shard_lightning_module(self, task) -> None:
         mesh = self.device_mesh["data_parallel"]
         for block in task.model.blocks.values():
@@ -43,16 +51,18 @@ class Fsdp2Strategy(ModelParallelStrategy):
         batch, model = args[0], self.lightning_module.model
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.root_device)
         pieces = zip(batch["tokens"].chunk(self.micro_batches), batch["targets"].chunk(self.micro_batches))
         for index, (tokens, targets) in enumerate(pieces):
             last = index == self.micro_batches - 1
             model.set_requires_gradient_sync(self.sync_every_micro_batch or last)
-            loss = model.loss(model(tokens), targets) / self.micro_batches
-            loss.backward()
+            with self.precision_plugin.train_step_context():  # autocast under bf16-mixed
+                loss = model.loss(model(tokens), targets) / self.micro_batches
+            self.precision_plugin.pre_backward(loss, self.lightning_module).backward()
             total += loss.detach()
         return total
 
+    @override
     def compute_resident_tensors(self) -> list:
         """Local shards of parameters, gradients and optimizer state (DTensors hold them as `_local_tensor`)."""
         local = lambda t: t.to_local() if hasattr(t, "to_local") else t
@@ -67,12 +77,6 @@ class Fsdp2Strategy(ModelParallelStrategy):
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         return closure_loss  # every micro-batch's backward ran inside training_step
 
-    @override
-    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
-        closure_result = closure()
-        optimizer.step()
-        return closure_result
-
 
 # ----- the registry interface (see strategies/__init__.py)
 
@@ -81,14 +85,13 @@ def degrees(cfg, world_size: int) -> Degrees:
 
 
 def check(cfg, world_size: int) -> list:
-    errors = []
-    if cfg.strategy.pipeline_degree != 1:
-        errors.append(f"strategy.pipeline_degree={cfg.strategy.pipeline_degree}: fsdp2 has no pipeline. "
-                      "Fix: strategy.pipeline_degree=1, or strategy=zero_layered for sharded pipelines.")
-    if cfg.trainer.gradient_clip_val:
-        errors.append("trainer.gradient_clip_val is not wired for fsdp2 here. Fix: trainer.gradient_clip_val=0.")
-    return errors
+    """Nothing beyond the generic checks: fsdp2 reads only micro_batches and sync_every_micro_batch."""
+    return []
 
 
 def build(cfg, world_size: int):
-    return Fsdp2Strategy(cfg, world_size)
+    return Fsdp2Strategy(world_size, cfg.strategy.micro_batches, cfg.strategy.sync_every_micro_batch,
+                         process_group_backend=cfg.hardware.process_group_backend)
+
+
+FSDP2 = StrategyEntry(check=check, degrees=degrees, build=build)

@@ -13,6 +13,8 @@ from torch import nn
 from typing_extensions import override
 
 from parallel.layout import Degrees, ParallelLayout
+from strategies.hooks import RunHooks
+from strategies.registry import StrategyEntry
 
 
 def block_linears(model: nn.Module) -> dict:
@@ -182,7 +184,7 @@ class KFACInCheckpoint:
             self.kfac.load_state_dict(self._restored)
 
 
-class KFACStrategy(KFACInCheckpoint, SingleDeviceStrategy):
+class KFACStrategy(RunHooks, KFACInCheckpoint, SingleDeviceStrategy):
     """K-FAC on one process: the oracle of PipeFisher (same k, staleness and damping).
 
     1. steps that capture (refresh_phase) record a, g and build A, B from m micro-batch chunks;
@@ -192,20 +194,20 @@ class KFACStrategy(KFACInCheckpoint, SingleDeviceStrategy):
 
     strategy_name = "kfac"
 
-    def __init__(self, cfg, device: str = "cpu"):
+    def __init__(self, damping: float, refresh_interval: int, micro_batches: int, device: str = "cpu"):
         super().__init__(device=torch.device(device))
-        self.cfg = cfg
+        self.damping, self.refresh_interval, self.micro_batches = damping, refresh_interval, micro_batches
         self.layout = ParallelLayout(Degrees(), rank=0)
 
     @override
     def setup(self, trainer) -> None:
         super().setup(trainer)
-        self.kfac = KFAC(block_linears(self.lightning_module.model), self.cfg.strategy.damping)
+        self.kfac = KFAC(block_linears(self.lightning_module.model), self.damping)
         self.restore_kfac()
 
     @override
     def training_step(self, *args, **kwargs):
-        capture, _ = refresh_phase(self.lightning_module.global_step, self.cfg.strategy.refresh_interval)
+        capture, _ = refresh_phase(self.lightning_module.global_step, self.refresh_interval)
         self.kfac.capturing = capture
         self.tokens = args[0]["tokens"].numel()
         try:
@@ -222,12 +224,12 @@ class KFACStrategy(KFACInCheckpoint, SingleDeviceStrategy):
         return closure_result
 
     def _curvature_and_inversion(self) -> None:
-        capture, promote = refresh_phase(self.lightning_module.global_step, self.cfg.strategy.refresh_interval)
+        capture, promote = refresh_phase(self.lightning_module.global_step, self.refresh_interval)
         names, scales = list(self.kfac.linears), unit_scales(self.tokens, self.tokens)
         if capture:
             self.kfac.reset(names)
             for factor in ("A", "B"):
-                self.kfac.accumulate(factor, names, 0, scales[factor], chunks=self.cfg.strategy.micro_batches)
+                self.kfac.accumulate(factor, names, 0, scales[factor], chunks=self.micro_batches)
         if promote:
             self.kfac.invert("A", names)
             self.kfac.invert("B", names)
@@ -242,9 +244,7 @@ def degrees(cfg, world_size: int) -> Degrees:
 
 
 def check(cfg, world_size: int) -> list:
-    return kfac_errors(cfg.strategy) + ([] if cfg.trainer.gradient_clip_val == 0 else [
-        "trainer.gradient_clip_val with K-FAC would clip the plain gradient, not the preconditioned "
-        "one. Fix: trainer.gradient_clip_val=0."])
+    return kfac_errors(cfg.strategy)
 
 
 def kfac_errors(strategy) -> list:
@@ -260,8 +260,8 @@ def kfac_errors(strategy) -> list:
 
 
 def build(cfg, world_size: int):
-    return KFACStrategy(cfg, "cuda" if cfg.hardware.accelerator == "gpu" else "cpu")
+    return KFACStrategy(cfg.strategy.damping, cfg.strategy.refresh_interval, cfg.strategy.micro_batches,
+                        "cuda" if cfg.hardware.accelerator == "gpu" else "cpu")
 
 
-def consolidate(rank_state_dicts: list, layout: dict) -> dict:
-    return dict(rank_state_dicts[0])
+KFAC_ORACLE = StrategyEntry(check=check, degrees=degrees, build=build, one_process=True)

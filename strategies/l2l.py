@@ -23,13 +23,13 @@ from parallel.layout import Degrees
 from parallel.memory import host_side
 from models.transformer import IGNORE_INDEX
 from strategies.base import OwnedStepStrategy
+from strategies.precision import compute_dtype
+from strategies.checks import divisors
+from strategies.registry import StrategyEntry
 from strategies.schedule import BACKWARD, FINISH, FORWARD, REDUCE_GRADIENT, execute, validate_plan
-from strategies.schedule.ir import (GRADIENT_TO_HOST, RELEASE_BACKWARD, RELEASE_FORWARD, UPDATE_ON_HOST,
-                                    WEIGHTS_BACKWARD, WEIGHTS_FORWARD)
-from strategies.schedule.offload import relay_plan
+from strategies.schedule.offload import (GRADIENT_TO_HOST, RELEASE_BACKWARD, RELEASE_FORWARD, UPDATE_ON_HOST,
+                                         WEIGHTS_BACKWARD, WEIGHTS_FORWARD, relay_plan)
 
-COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
-                  "16-mixed": torch.float16, "16-true": torch.float16}
 
 
 # ----------------------------------------------------------------------------- device side
@@ -124,6 +124,7 @@ class DropoutReplay:
                 self.masks[stage] = self._masks(stage)
 
     def _masks(self, stage):
+        # host: drawn from the CPU generator, in single's order, so the masks equal single's
         return [torch.empty(self.batch_shape).bernoulli_(1 - m.p).div_(1 - m.p) for m in self.modules[stage]]
 
     def applied(self, stage: int, rows: slice, copier: DeviceCopier):
@@ -253,7 +254,7 @@ class Relay:
         with host_side():  # micro-batch u weighs n_u / N: the loss stays the mean over all scored tokens
             scored = (targets != IGNORE_INDEX).reshape(self.micro_batches, -1).sum(1).tolist()
         self.weights_of_loss = [count / max(1, sum(scored)) for count in scored]
-        self.loss = torch.zeros(())
+        self.loss = torch.zeros((), device=self.copier.device)
 
     def handlers(self) -> dict:
         return {WEIGHTS_FORWARD: self.load, WEIGHTS_BACKWARD: self.load, FORWARD: self.forward,
@@ -422,6 +423,7 @@ class L2LOffloadStrategy(OwnedStepStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)  # optimizer state stays in host memory
 
+    @override
     def compute_resident_tensors(self) -> list:
         return []  # between steps nothing lives on the compute side
 
@@ -460,35 +462,22 @@ def degrees(cfg, world_size: int) -> Degrees:
 
 def check(cfg, world_size: int) -> list:
     errors, strategy = [], cfg.strategy
-    if strategy.pipeline_degree != 1:
-        errors.append(f"strategy.pipeline_degree={strategy.pipeline_degree}: l2l relays every layer "
-                      f"through one device. Fix: strategy.pipeline_degree=1.")
-    if strategy.data_degree not in (None, world_size):
-        errors.append(f"strategy.data_degree={strategy.data_degree} but the world has {world_size} ranks. "
-                      f"Fix: strategy.data_degree={world_size} (or null).")
     if cfg.data.global_batch_size % world_size:
         errors.append(f"data.global_batch_size={cfg.data.global_batch_size} does not split over "
                       f"{world_size} data-parallel ranks. Fix: a multiple of {world_size}.")
     elif (cfg.data.global_batch_size // world_size) % strategy.micro_batches:
         per_rank = cfg.data.global_batch_size // world_size
-        divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
         errors.append(f"strategy.micro_batches={strategy.micro_batches} must divide the per-rank batch "
                       f"{per_rank} (data.global_batch_size / {world_size} ranks). Fix: strategy.micro_batches="
-                      f"one of {divisors}.")
-    if cfg.trainer.gradient_clip_val:
-        errors.append(f"trainer.gradient_clip_val={cfg.trainer.gradient_clip_val}: l2l updates each layer "
-                      f"as soon as its gradient is ready, before a global norm exists. Fix: "
-                      f"trainer.gradient_clip_val=0.")
+                      f"one of {divisors(per_rank)}.")
     return errors
 
 
 def build(cfg, world_size: int) -> L2LOffloadStrategy:
     return L2LOffloadStrategy(degrees(cfg, world_size), cfg.strategy.micro_batches,
                               constant_memory=cfg.strategy.constant_memory, prefetch=cfg.strategy.prefetch,
-                              compute_dtype=COMPUTE_DTYPES.get(cfg.hardware.precision, torch.float32),
+                              compute_dtype=compute_dtype(cfg.hardware.precision),
                               process_group_backend=cfg.hardware.process_group_backend)
 
 
-def consolidate(rank_state_dicts: list, layout: dict) -> dict:
-    """Every data-parallel rank holds the whole host store: rank 0's state dict is the model's."""
-    return dict(rank_state_dicts[0])
+L2L = StrategyEntry(check=check, degrees=degrees, build=build)

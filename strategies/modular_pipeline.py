@@ -5,6 +5,7 @@ strategies/schedule builds, validates and simulates; this file places the layers
 rank's list of actions to the one executor.
 """
 
+import contextlib
 import json
 import statistics
 from pathlib import Path
@@ -15,15 +16,16 @@ from typing_extensions import override
 
 from parallel.layout import Degrees
 from strategies.base import OwnedStepStrategy
-from strategies.schedule import (BACKWARD, FORWARD, RECV_ACTIVATION, SEND_ACTIVATION, Plan,
+from strategies.checks import divisors, nearest_multiples
+from strategies.precision import activation_dtype
+from strategies.registry import StrategyEntry
+from strategies.schedule import (FORWARD, POST_RECV_ACTIVATION, RECV_ACTIVATION, SEND_ACTIVATION, Plan,
                                  Timeline, add_communication, add_gradient_reductions, build_plan,
                                  execute, flop_cost, parse_action, plot_timeline, simulate, validate_plan)
 from strategies.stages import Peers, StageWork, keep_local_stages
 
-FORWARD_ONLY = (FORWARD, SEND_ACTIVATION, RECV_ACTIVATION)
-SCHEDULE_PLACEMENT = {"gpipe": "contiguous", "one_f_one_b": "contiguous",
-                      "looped_breadth_first": "looping", "interleaved_one_f_one_b": "looping",
-                      "layered": None}
+# Dropping every gradient message on both ends keeps each pair's issue order matched (NCCL's rule).
+FORWARD_ONLY = (FORWARD, SEND_ACTIVATION, POST_RECV_ACTIVATION, RECV_ACTIVATION)
 
 
 def compute_plan(strategy_config, layers: int) -> Plan:
@@ -37,7 +39,7 @@ def compute_plan(strategy_config, layers: int) -> Plan:
 
 def training_plan(strategy_config, layers: int) -> Plan:
     """The validated plan of one optimizer step: compute, transfers, data-parallel reductions."""
-    return validate_plan(add_gradient_reductions(compute_plan(strategy_config, layers)))
+    return ModularPipelineStrategy.complete_plan(compute_plan(strategy_config, layers))
 
 
 def forward_only(plan: Plan) -> Plan:
@@ -53,40 +55,76 @@ class ModularPipelineStrategy(OwnedStepStrategy):
     1. setup: keep this rank's stages (looping: stage c on rank c mod p), embedding with stage 0,
        head and loss with the last stage; replicas of a stage start bit-identical;
     2. each step: split the rank's batch slice into m micro-batches and execute this rank's list of
-       actions (receive → compute → send; reductions start when a stage's last backward ends);
+       actions (receives are posted where the plan says; reductions start when a stage's last
+       backward ends);
     3. the loss (on the last stage) is broadcast over the pipeline so every rank returns it;
     4. before the optimizer: wait for the data-parallel all-reduces and average.
+    Children (ZeRO-layered, PipeFisher) override only the seams: how the plans are completed, how
+    stage work is made, which plan a step runs, which handlers run which kinds, and the step's context.
     """
 
-    def __init__(self, cfg, world_size: int, **kwargs):
-        super().__init__(degrees(cfg, world_size),
-                         process_group_backend=cfg.hardware.process_group_backend, **kwargs)
-        self.cfg = cfg
-        self.plan = training_plan(cfg.strategy, cfg.model.layers)
-        self.validation_plan = forward_only(self.plan)
+    def __init__(self, degrees: Degrees, compute: Plan, layers_per_stage: int,
+                 activation_dtype: torch.dtype = torch.float32, **kwargs):
+        super().__init__(degrees, **kwargs)
+        self.layers_per_stage = layers_per_stage
+        self.activation_dtype = activation_dtype
+        self.plan = self.complete_plan(compute)
+        self.validation_plan = self.forward_plan(compute)
         self.work = None
         self.executed = []  # per step: this pipeline's measured records, on every rank
         self.measured_bubble_fractions = []
 
+    # ----- seams
+    @staticmethod
+    def complete_plan(compute: Plan) -> Plan:
+        """One optimizer step: compute and transfers, then the data-parallel reductions; validated."""
+        return validate_plan(add_gradient_reductions(compute))
+
+    @staticmethod
+    def forward_plan(compute: Plan) -> Plan:
+        """What validation runs: the forwards and their transfers."""
+        return forward_only(compute)
+
+    def make_stage_work(self, model, local_stages: list, peers: Peers) -> StageWork:
+        """The handlers' owner for this rank's stages (called once, before the optimizer exists)."""
+        return StageWork(model, self.plan.stages, self.layers_per_stage, self.plan.micro_batches, peers,
+                         **self.stage_precision())
+
+    def stage_precision(self) -> dict:
+        """StageWork's precision arguments: the boundary dtype and the fp16 loss scaling."""
+        return {"activation_dtype": self.activation_dtype, "scale_loss": self.scale_loss}
+
+    def plan_of_step(self, step: int) -> Plan:
+        return self.plan
+
+    def handlers(self) -> dict:
+        """Action kind -> handler for the executor."""
+        return self.work.handlers()
+
+    def step_context(self, batch, step: int):
+        """Entered around one training step's execution; nothing by default."""
+        return contextlib.nullcontext()
+
     # ----- placement
     @override
     def setup(self, trainer) -> None:
-        pipeline_rank = self.layout.index("pipeline")
         model = self.lightning_module.model
-        keep_local_stages(model, list(self.plan.stages_on(pipeline_rank)), self.plan.stages,
-                          self.cfg.strategy.layers_per_stage)
+        local = list(self.plan.stages_on(self.layout.index("pipeline")))
+        keep_local_stages(model, local, self.plan.stages, self.layers_per_stage)
+        self.model_to_device()  # before the broadcasts: NCCL moves only device tensors
         self.synchronise_replicas(model)
-        peers = Peers([self.layout.group("pipeline").ranks[r] for r in self.plan.placement],
-                      self.layout.group("pipeline"), self.layout.group("data"),
-                      self.layout.communicator)
-        self.work = StageWork(model, self.plan.stages, self.cfg.strategy.layers_per_stage,
-                              self.cfg.strategy.micro_batches, peers)
-        super().setup(trainer)
+        pipeline = self.layout.group("pipeline")
+        peers = Peers([pipeline.ranks[r] for r in self.plan.placement], pipeline,
+                      self.layout.group("data"), self.layout.communicator)
+        self.work = self.make_stage_work(model, local, peers)
+        super().setup(trainer)  # Lightning's setup: the optimizer sees what make_stage_work left
 
     # ----- the step
     @override
     def run_step(self, batch) -> torch.Tensor:
-        records = self._execute(self.plan, batch, training=True)
+        step = self.lightning_module.global_step
+        with self.step_context(batch, step):
+            records = self._execute(self.plan_of_step(step), batch, training=True)
         self._record(records)
         return self._broadcast_loss()
 
@@ -96,20 +134,20 @@ class ModularPipelineStrategy(OwnedStepStrategy):
 
     @override
     def validation_step(self, *args, **kwargs):
-        with torch.no_grad():
+        with torch.no_grad(), self.precision_plugin.val_step_context():
             self._execute(self.validation_plan, args[0], training=False)
         return self._broadcast_loss()
 
     def _execute(self, plan: Plan, batch, training: bool):
         actions = plan.ranks[self.layout.index("pipeline")]
-        self.work.start(batch, training, actions)
-        return execute(actions, self.work.handlers())
+        self.work.start(batch, training)
+        return execute(actions, self.handlers())
 
     def _broadcast_loss(self) -> torch.Tensor:
         """The loss lives on the last stage's rank; every rank must log the same value."""
         last = self.plan.placement[-1]
         loss = self.work.state.loss if self.layout.index("pipeline") == last else None
-        loss = torch.zeros(()) if loss is None else loss.clone()
+        loss = torch.zeros((), device=self.root_device) if loss is None else loss.clone()
         group = self.layout.group("pipeline")
         self.layout.communicator.broadcast(loss, group.ranks[last], group)
         return loss
@@ -131,11 +169,13 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         """Uniform layers, backward twice the forward: the cost model the measurement is held to."""
         return simulate(self.plan, flop_cost(1.0, 1.0, backward_factor=2.0))
 
+    @override
     def bubble_fraction(self) -> dict:
         measured = self.measured_bubble_fractions[1:] or self.measured_bubble_fractions
         return {"simulated": self.simulated_timeline().bubble_fraction,
                 "measured": statistics.median(measured) if measured else None}
 
+    @override
     def write_evidence(self, run_directory: Path, loggers) -> list:
         """Gantt charts of the planned and the last executed step, and the executed order."""
         order = {"plan": [[str(a) for a in row if a is not None] for row in self.plan.ranks],
@@ -165,10 +205,9 @@ def degrees(cfg, world_size: int) -> Degrees:
 def check(cfg, world_size: int) -> list:
     strategy, errors = cfg.strategy, []
     if world_size % strategy.pipeline_degree:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         return [f"strategy.pipeline_degree={strategy.pipeline_degree} does not divide the world "
                 f"size {world_size} (hardware.nodes × hardware.devices_per_node). Fix: "
-                f"strategy.pipeline_degree in {divisors}, or change hardware.devices_per_node."]
+                f"strategy.pipeline_degree in {divisors(world_size)}, or change hardware.devices_per_node."]
     data = world_size // strategy.pipeline_degree
     if strategy.data_degree not in (None, data):
         errors.append(f"strategy.data_degree={strategy.data_degree} but world {world_size} / "
@@ -178,21 +217,13 @@ def check(cfg, world_size: int) -> list:
                       f"{strategy.layers_per_stage}. Fix: a divisor of {cfg.model.layers}.")
     elif (cfg.model.layers // strategy.layers_per_stage) % strategy.pipeline_degree:
         unit = strategy.layers_per_stage * strategy.pipeline_degree
-        lower = max(unit, cfg.model.layers // unit * unit)
         errors.append(f"model.layers={cfg.model.layers} makes {cfg.model.layers // strategy.layers_per_stage} "
                       f"stages of strategy.layers_per_stage={strategy.layers_per_stage}, not a multiple of "
-                      f"strategy.pipeline_degree={strategy.pipeline_degree}. Fix: model.layers={lower} "
-                      f"or {lower + unit}.")
-    expected = SCHEDULE_PLACEMENT.get(strategy.schedule)
-    if expected and strategy.placement != expected:
-        errors.append(f"strategy.placement={strategy.placement} does not match strategy.schedule="
-                      f"{strategy.schedule}, which places stages {expected}. Fix: strategy.placement={expected}.")
+                      f"strategy.pipeline_degree={strategy.pipeline_degree}. Fix: model.layers="
+                      f"{nearest_multiples(cfg.model.layers, unit)}.")
     if cfg.model.tie_embeddings and strategy.pipeline_degree > 1:
         errors.append("model.tie_embeddings=true puts one weight on the first and the last stage. "
                       "Fix: model.tie_embeddings=false for pipeline strategies.")
-    if cfg.trainer.gradient_clip_val:
-        errors.append("trainer.gradient_clip_val is not supported by pipeline strategies yet (the "
-                      "norm spans ranks). Fix: trainer.gradient_clip_val=0.")
     return errors or plan_errors(cfg)
 
 
@@ -208,13 +239,14 @@ def plan_errors(cfg) -> list:
 
 
 def build(cfg, world_size: int):
-    return ModularPipelineStrategy(cfg, world_size)
+    return ModularPipelineStrategy(degrees(cfg, world_size), compute_plan(cfg.strategy, cfg.model.layers),
+                                   cfg.strategy.layers_per_stage, **pipeline_arguments(cfg))
 
 
-def consolidate(rank_state_dicts: list, layout: dict) -> dict:
-    """Stages hold disjoint parameters; data-parallel replicas hold equal copies."""
-    merged = {}
-    for state in rank_state_dicts:
-        for name, value in state.items():
-            merged.setdefault(name, value)
-    return merged
+def pipeline_arguments(cfg) -> dict:
+    """The keyword arguments every pipeline strategy's constructor takes from the hardware group."""
+    return {"activation_dtype": activation_dtype(cfg.hardware.precision),
+            "process_group_backend": cfg.hardware.process_group_backend}
+
+
+PIPELINE = StrategyEntry(check=check, degrees=degrees, build=build)

@@ -1,23 +1,23 @@
 """PipeFisherStrategy: K-FAC's curvature, factor sync and inversion run in the pipeline's bubbles.
 
 Osawa et al., MLSys 2023 (TECHNIQUES.md §2). The pipeline is ModularPipelineStrategy's (GPipe,
-1F1B or looped breadth-first); strategies/schedule/kfac.py packs the K-FAC work units into the
+1F1B or looped breadth-first); strategies/schedule/curvature.py packs the K-FAC work units into the
 bubbles of k consecutive steps; strategies/kfac.py does the math. Numerically it equals the
 one-process `kfac` strategy with the same refresh interval k, damping and outer optimizer.
 """
 
-import dataclasses
+import contextlib
 import statistics
 from pathlib import Path
 
-import torch
 from typing_extensions import override
 
 from strategies import modular_pipeline
 from strategies.kfac import KFAC, KFACInCheckpoint, block_linears, kfac_errors, refresh_phase, unit_scales
 from strategies.modular_pipeline import ModularPipelineStrategy
-from strategies.schedule import FORWARD, execute, plot_timeline, simulate, validate_plan
-from strategies.schedule import kfac as units
+from strategies.schedule import FORWARD, plot_timeline, simulate, validate_plan
+from strategies.schedule import curvature as units
+from strategies.registry import StrategyEntry
 from strategies.stages import stage_blocks
 
 
@@ -38,48 +38,53 @@ class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
        block Linears preconditioned (B⁻¹ ∇W A⁻¹), then the outer optimizer steps.
     """
 
-    def __init__(self, cfg, world_size: int, **kwargs):
-        super().__init__(cfg, world_size, **kwargs)
-        self.cost = units.pipefisher_cost(block_shape(cfg, self.degrees.data), flops_per_second=1.0)
-        self.cycle = units.pack(self.plan, self.cost, cfg.strategy.refresh_interval, cfg.strategy.bubble_margin)
+    def __init__(self, degrees, compute, layers_per_stage: int, cost, refresh_interval, bubble_margin: float,
+                 damping: float, **kwargs):
+        super().__init__(degrees, compute, layers_per_stage, **kwargs)
+        self.cost = cost  # FLOPs of every action and K-FAC unit: what the packing pass fills bubbles with
+        self.cycle = units.pack(self.plan, cost, refresh_interval, bubble_margin)
         self.first_plan = validate_plan(units.synchronous_plan(self.plan))
         self.refresh_interval = self.cycle.refresh_interval
+        self.damping = damping
         self._stage_linears = {}
 
     @override
     def setup(self, trainer) -> None:
         super().setup(trainer)
         model = self.lightning_module.model
-        self.kfac = KFAC(block_linears(model), self.cfg.strategy.damping)
+        self.kfac = KFAC(block_linears(model), self.damping)
         self.restore_kfac()
         for stage in self.plan.stages_on(self.layout.index("pipeline")):
             self._stage_linears[stage] = [f"blocks.{block}.{path}" for block in stage_blocks(
-                stage, self.cfg.strategy.layers_per_stage) for path in units.LINEAR_PARTS.values()]
+                stage, self.layers_per_stage) for path in units.LINEAR_PARTS.values()]
 
     def _names(self, stage: int, part: str = None) -> list:
         suffix = None if part is None else units.LINEAR_PARTS[part]
         return [name for name in self._stage_linears[stage] if suffix is None or name.endswith(suffix)]
 
-    # ----- the step
+    # ----- the step: the pipeline's, with these seams
     @override
-    def run_step(self, batch) -> torch.Tensor:
-        step = self.lightning_module.global_step
+    def plan_of_step(self, step: int):
+        """Step 0 is synchronous; later steps run the packed cycle's k plans in turn."""
+        return self.first_plan if step == 0 else self.cycle.plans[(step - 1) % self.refresh_interval]
+
+    @override
+    @contextlib.contextmanager
+    def step_context(self, batch, step: int):
+        """Capture a and g only in a cycle's first step (refresh_phase), with this step's token scales."""
         capture, _ = refresh_phase(step, self.refresh_interval)
-        plan = self.first_plan if step == 0 else self.cycle.plans[(step - 1) % self.refresh_interval]
         tokens = batch["tokens"].numel()
         self.scales = unit_scales(tokens, tokens * self.degrees.data)
         if capture:
             self.kfac.reset([name for names in self._stage_linears.values() for name in names])
         self.kfac.capturing = capture
         try:
-            self.work.start(batch, training=True)
-            records = execute(plan.ranks[self.layout.index("pipeline")], self._handlers())
+            yield
         finally:
             self.kfac.capturing = False
-        self._record(records)
-        return self._broadcast_loss()
 
-    def _handlers(self) -> dict:
+    @override
+    def handlers(self) -> dict:
         handlers = {**self.work.handlers(), FORWARD: self._forward}
         handlers.update({kind: self._curvature for kind in units.UNITS if units.is_curvature(kind)})
         handlers.update({units.SYNC_A: self._sync, units.SYNC_B: self._sync,
@@ -138,10 +143,6 @@ class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
 
 # ----- the registry interface (see strategies/__init__.py)
 
-degrees = modular_pipeline.degrees
-consolidate = modular_pipeline.consolidate
-
-
 def check(cfg, world_size: int) -> list:
     errors = kfac_errors(cfg.strategy)
     if not 0 <= cfg.strategy.bubble_margin < 1:
@@ -154,4 +155,12 @@ def check(cfg, world_size: int) -> list:
 
 
 def build(cfg, world_size: int):
-    return PipeFisherStrategy(cfg, world_size)
+    degrees = modular_pipeline.degrees(cfg, world_size)
+    cost = units.pipefisher_cost(block_shape(cfg, degrees.data), flops_per_second=1.0)
+    return PipeFisherStrategy(degrees, modular_pipeline.compute_plan(cfg.strategy, cfg.model.layers),
+                              cfg.strategy.layers_per_stage, cost, cfg.strategy.refresh_interval,
+                              cfg.strategy.bubble_margin, cfg.strategy.damping,
+                              **modular_pipeline.pipeline_arguments(cfg))
+
+
+PIPEFISHER = StrategyEntry(check=check, degrees=modular_pipeline.degrees, build=build)

@@ -13,9 +13,11 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
 from parallel.layout import Degrees, ParallelLayout
+from strategies.hooks import RunHooks
+from strategies.registry import StrategyEntry
 
 
-class SingleStrategy(SingleDeviceStrategy):
+class SingleStrategy(RunHooks, SingleDeviceStrategy):
     """One process, one device: forward and backward over the whole global batch, then step."""
 
     strategy_name = "single"
@@ -33,7 +35,7 @@ def _counted_all_reduce_hook(layout: ParallelLayout, bucket):
     return work.get_future().then(lambda future: future.value()[0])
 
 
-class CountedDDPStrategy(DDPStrategy):
+class CountedDDPStrategy(RunHooks, DDPStrategy):
     """Data parallel: replicas on every rank, slices of the global batch, averaged gradients.
 
     1. every rank builds the same weights from the seed (DDP also broadcasts rank 0's);
@@ -46,7 +48,6 @@ class CountedDDPStrategy(DDPStrategy):
 
     def __init__(self, timeout_seconds: float = 300.0, **kwargs):
         super().__init__(timeout=timedelta(seconds=timeout_seconds), **kwargs)
-        self.layout = None
 
     @override
     def setup_environment(self) -> None:
@@ -68,21 +69,18 @@ def degrees(cfg, world_size: int) -> Degrees:
 
 
 def check(cfg, world_size: int) -> list:
-    errors = []
-    if cfg.strategy.micro_batches != 1:
-        errors.append(f"strategy.micro_batches={cfg.strategy.micro_batches}: `{cfg.strategy.name}` "
-                      "runs the global batch in one pass. Fix: strategy.micro_batches=1, or "
-                      "strategy=modular_pipeline strategy.pipeline_degree=1 for layered accumulation.")
-    if cfg.strategy.pipeline_degree != 1:
-        errors.append(f"strategy.pipeline_degree={cfg.strategy.pipeline_degree}: `{cfg.strategy.name}` "
-                      "has no pipeline. Fix: strategy.pipeline_degree=1 or a pipeline strategy.")
-    if cfg.strategy.data_degree not in (None, world_size):
-        errors.append(f"strategy.data_degree={cfg.strategy.data_degree} but the world has {world_size} "
-                      f"ranks. Fix: strategy.data_degree={world_size} (or null).")
-    return errors
+    """Nothing to check: the schema of single and ddp has no knob besides the name."""
+    return []
 
 
-def build(cfg, world_size: int):
-    if cfg.strategy.name == "single":
-        return SingleStrategy("cuda" if cfg.hardware.accelerator == "gpu" else "cpu")
+def build_single(cfg, world_size: int) -> SingleStrategy:
+    return SingleStrategy("cuda" if cfg.hardware.accelerator == "gpu" else "cpu")
+
+
+def build_ddp(cfg, world_size: int) -> "CountedDDPStrategy":
     return CountedDDPStrategy(process_group_backend=cfg.hardware.process_group_backend)
+
+
+SINGLE = StrategyEntry(check=check, degrees=degrees, build=build_single, one_process=True,
+                       clips_gradients=True)
+DDP = StrategyEntry(check=check, degrees=degrees, build=build_ddp, clips_gradients=True)

@@ -52,14 +52,15 @@ class FlatShard:
             offsets += entries[-1].numel
         self.entries, self.size, self.unpadded = entries, size, offsets
         self.shard_size = -(-offsets // size)  # ceil: every rank's slice has the same length
-        full = torch.zeros(self.shard_size * size)
+        device = model.get_parameter(names[0]).device
+        full = torch.zeros(self.shard_size * size, device=device)
         with torch.no_grad():
             for entry in entries:
                 full[entry.offset:entry.offset + entry.numel] = model.get_parameter(entry.name).reshape(-1)
         local = full[rank * self.shard_size:(rank + 1) * self.shard_size].clone()
         # 2-D for a group of matrices, so optimizer parameter groups decay it as they decay matrices.
         self.parameter = nn.Parameter(local.view(1, -1) if matrix else local)
-        self.leaves = [self._replace(model, entry) for entry in entries]
+        self.leaves = [self._replace(model, entry, device) for entry in entries]
         self.full = None  # the installed full buffer, or None
         self.gradient = None  # the flat full gradient of the current backward run
 
@@ -68,17 +69,17 @@ class FlatShard:
         return self.shard_size * self.size
 
     @staticmethod
-    def _replace(model: nn.Module, entry: Entry) -> torch.Tensor:
+    def _replace(model: nn.Module, entry: Entry, device: torch.device) -> torch.Tensor:
         module, attribute = owner(model, entry.name)
         del module._parameters[attribute]
-        leaf = torch.empty(0).requires_grad_()
+        leaf = torch.empty(0, device=device).requires_grad_()
         setattr(module, attribute, leaf)  # a plain tensor attribute: the module computes with it
         return leaf
 
     # ----- weights
     def post_gather(self, communicator, group):
         """Start the all-gather of the shards into a fresh buffer; returns (work, buffer)."""
-        full = torch.empty(self.padded)
+        full = torch.empty(self.padded, device=self.parameter.device)
         return communicator.all_gather(full, self.parameter.detach().view(-1), group, async_op=True), full
 
     def install(self, full: torch.Tensor) -> None:
@@ -90,13 +91,13 @@ class FlatShard:
         """Drop the full weights (saved activations refer to them by position, see ShardedStageWork)."""
         self.full = None
         for leaf in self.leaves:
-            leaf.data = torch.empty(0)
+            leaf.data = torch.empty(0, device=self.parameter.device)
             leaf.grad = None
 
     # ----- gradients
     def attach_gradients(self) -> None:
         """Backward accumulates in place into views of one flat buffer: no copy before the reduce-scatter."""
-        self.gradient = torch.zeros(self.padded)
+        self.gradient = torch.zeros(self.padded, device=self.parameter.device)
         for leaf, entry in zip(self.leaves, self.entries):
             leaf.grad = self.gradient[entry.offset:entry.offset + entry.numel].view(entry.shape)
 
@@ -105,7 +106,7 @@ class FlatShard:
         for leaf in self.leaves:
             leaf.grad = None
         gradient, self.gradient = self.gradient, None
-        piece = torch.empty(self.shard_size)
+        piece = torch.empty(self.shard_size, device=self.parameter.device)
         return communicator.reduce_scatter(piece, gradient, group, async_op=True), piece, gradient
 
     def accumulate(self, piece: torch.Tensor, replicas: int) -> None:
@@ -135,11 +136,13 @@ class ShardContainer(nn.Module):
 
     def __init__(self, shards: dict):
         super().__init__()
-        self.shards = shards  # key -> FlatShard
-        self.flat = nn.ParameterDict({key: shard.parameter for key, shard in shards.items()})
+        # (stage, kind) -> FlatShard, named "stage{stage}_{kind}" in the state dict (a module name
+        # must be a string); the name is only ever written, never parsed back.
+        self.shards = {f"stage{stage}_{kind}": shard for (stage, kind), shard in shards.items()}
+        self.flat = nn.ParameterDict({name: shard.parameter for name, shard in self.shards.items()})
 
     def get_extra_state(self) -> dict:
-        return {key: shard.describe() for key, shard in self.shards.items()}
+        return {name: shard.describe() for name, shard in self.shards.items()}
 
     def set_extra_state(self, state: dict) -> None:
         if state != self.get_extra_state():

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from strategies.schedule import (BACKWARD, FINISH, FORWARD, RECV_ACTIVATION, RECV_GRADIENT,
-                                 REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, Action)
+from strategies.schedule import (BACKWARD, FINISH, FORWARD, POST_RECV_ACTIVATION, POST_RECV_GRADIENT,
+                                 RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT,
+                                 Action, posted_receive)
 
 
 def stage_blocks(stage: int, layers_per_stage: int) -> list:
@@ -65,7 +66,7 @@ class StepState:
     output_gradients: dict = field(default_factory=dict)  # gradient arriving for an output
     pending_sends: list = field(default_factory=list)  # (work, tensor): keep tensors alive
     pending_reductions: list = field(default_factory=list)  # (work, gradient) per parameter
-    posted_receives: dict = field(default_factory=dict)  # action -> (work, buffer)
+    posted_receives: dict = field(default_factory=dict)  # RECV action -> (work, buffer), from its post
     loss: torch.Tensor = None
 
 
@@ -76,36 +77,42 @@ class StageWork:
        as a leaf) → blocks of c (+ head and loss/m on the last stage);
     2. BACKWARD(c, i): backpropagate the loss or the received output gradient into ∂W_c and the
        input's gradient, which is what the previous stage receives;
-    3. SEND_* post asynchronous sends; RECV_* block; REDUCE_GRADIENT(c) starts the data-parallel
-       all-reduce of stage c's gradients as soon as its last backward is done (layered accumulation).
+    3. SEND_* post asynchronous sends; POST_RECV_* post asynchronous receives where the plan says
+       (NCCL matches a pair's operations in issue order, so the plan fixes that order); RECV_*
+       wait for their posted receive, or post and wait at once when the plan has no post for it;
+       REDUCE_GRADIENT(c) starts the data-parallel all-reduce of stage c's gradients as soon as its
+       last backward is done (layered accumulation).
     """
 
     def __init__(self, model: nn.Module, stages: int, layers_per_stage: int, micro_batches: int,
-                 peers: Peers):
+                 peers: Peers, activation_dtype: torch.dtype = torch.float32, scale_loss=None):
         self.model = model
         self.stages = stages
         self.layers_per_stage = layers_per_stage
         self.micro_batches = micro_batches
         self.peers = peers
+        # What crosses a stage boundary (the residual stream: fp32 under autocast, whose norms and
+        # additions run in fp32). Receive buffers are allocated in it; NCCL needs equal sizes.
+        self.activation_dtype = activation_dtype
+        self.scale_loss = scale_loss or (lambda loss: loss)  # fp16: the loss scaler's scale
         self.state = StepState()
         self.batch = None
         self.training = True
 
     def handlers(self) -> dict:
+        """Action kind -> the method that runs it (the executor's dispatch table)."""
         return {FORWARD: self.forward, BACKWARD: self.backward,
                 SEND_ACTIVATION: self.send_activation, RECV_ACTIVATION: self.receive_activation,
                 SEND_GRADIENT: self.send_gradient, RECV_GRADIENT: self.receive_gradient,
+                POST_RECV_ACTIVATION: self.post_receive, POST_RECV_GRADIENT: self.post_receive,
                 REDUCE_GRADIENT: self.reduce_gradient, FINISH: self.finish}
 
-    def start(self, batch: dict, training: bool, actions=()) -> None:
-        """Reset per-step state, split the batch, and post every receive of `actions` at once:
-        a message then lands as soon as its sender posts it, and the RECV action only waits."""
+    def start(self, batch: dict, training: bool) -> None:
+        """Reset per-step state and split the batch. Receives are posted by the plan's own
+        POST_RECV_* actions, in the order NCCL needs, never all at once here."""
         self.state = StepState()
         self.training = training
         self.batch = {key: value.chunk(self.micro_batches) for key, value in batch.items()}
-        for action in actions:
-            if action is not None and action.kind in (RECV_ACTIVATION, RECV_GRADIENT):
-                self.state.posted_receives[action] = self._post_receive(action)
 
     # ----- compute
     def forward(self, action: Action) -> None:
@@ -131,7 +138,7 @@ class StageWork:
         key = (action.stage, action.micro_batch)
         output = self.state.outputs.pop(key)
         if action.stage == self.stages - 1:
-            output.backward()
+            self.scale_loss(output).backward()
         else:
             output.backward(self.state.output_gradients.pop(key))
         if action.stage > 0:
@@ -155,6 +162,8 @@ class StageWork:
         self._send(tensor, action.peer_stage, self._tag(action, True))
 
     def _send(self, tensor, peer_stage, tag):
+        if tensor.dtype != self.activation_dtype:  # the receiver allocated activation_dtype bytes
+            raise TypeError(f"stage boundary carries {tensor.dtype}, receivers expect {self.activation_dtype}")
         tensor = tensor.contiguous()
         work = self.peers.communicator.send(tensor, self.peers.rank_of_stage[peer_stage],
                                             self.peers.pipeline_group, tag=tag)
@@ -167,8 +176,13 @@ class StageWork:
     def receive_gradient(self, action: Action) -> None:
         self.state.output_gradients[(action.stage, action.micro_batch)] = self._arrived(action)
 
+    def post_receive(self, action: Action) -> None:
+        """Issue the receive of the RECV this post names; the message lands while the rank works on."""
+        receive = posted_receive(action)
+        self.state.posted_receives[receive] = self._post_receive(receive)
+
     def _arrived(self, action: Action) -> torch.Tensor:
-        if action not in self.state.posted_receives:
+        if action not in self.state.posted_receives:  # no post in the plan: this RECV issues it
             self.state.posted_receives[action] = self._post_receive(action)
         work, tensor = self.state.posted_receives.pop(action)
         work.wait()
@@ -181,7 +195,7 @@ class StageWork:
                         action.micro_batch, action.stage)
         tokens = self.batch["tokens"][0]
         shape = (tokens.shape[0], tokens.shape[1], self.model_hidden())
-        tensor = torch.empty(shape, dtype=torch.float32, device=tokens.device)
+        tensor = torch.empty(shape, dtype=self.activation_dtype, device=tokens.device)
         work = self.peers.communicator.receive(tensor, self.peers.rank_of_stage[action.peer_stage],
                                                self.peers.pipeline_group, tag=self._tag(sender, gradient))
         return work, tensor

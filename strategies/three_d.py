@@ -16,12 +16,14 @@ from typing_extensions import override
 
 from parallel.layout import Degrees
 from strategies.base import LayerwiseStrategy
+from strategies.checks import nearest_multiples
+from strategies.registry import StrategyEntry
 from strategies.tensor_parallel import consolidate as consolidate_form
 from strategies.tensor_parallel import parallelize_1d, parallelize_2d, parallelize_3d
+from strategies.tensor_parallel.grids import DIMENSION, grid_of, layout_arguments
 
 PARALLELIZE = {"1d": parallelize_1d, "2d": parallelize_2d, "3d": parallelize_3d}
 MODES = {"three_d": "3d", "tp_1d": "1d", "tp_2d": "2d"}
-DIMENSION = {"1d": 1, "2d": 2, "3d": 3}
 
 
 class TensorParallelStrategy(LayerwiseStrategy):
@@ -41,7 +43,7 @@ class TensorParallelStrategy(LayerwiseStrategy):
 
     @override
     def layout_arguments(self) -> dict:
-        return {"tensor_grid": self.tensor_grid}
+        return layout_arguments(self.tensor_grid, self.degrees.tensor)
 
     @override
     def setup(self, trainer) -> None:
@@ -54,18 +56,22 @@ class TensorParallelStrategy(LayerwiseStrategy):
 
     @override
     def training_step(self, *args, **kwargs):
-        return self._loss(args[0])  # every rank returns the global-batch loss's value
+        with self.precision_plugin.train_step_context():  # autocast under bf16-mixed
+            return self._loss(args[0])  # every rank returns the global-batch loss's value
 
     @override
     def validation_step(self, *args, **kwargs):
-        return self._loss(args[0]).detach()
+        with self.precision_plugin.val_step_context():
+            return self._loss(args[0]).detach()
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
-        closure_result = closure()  # training_step, zero_grad, backward
-        self.synchronise_gradients()
-        optimizer.step()
-        return closure_result
+        def closure_then_synchronise():
+            result = closure()  # training_step, zero_grad, backward
+            self.synchronise_gradients()
+            return result
+        return self.precision_plugin.optimizer_step(optimizer, model=model or self.lightning_module,
+                                                    closure=closure_then_synchronise, **kwargs)
 
     def synchronise_gradients(self) -> None:
         """Sum each gradient over the groups holding copies of its parameter, then over data."""
@@ -99,11 +105,6 @@ def degrees(cfg, world_size: int) -> Degrees:
     return Degrees(data=cfg.strategy.data_degree or max(1, world_size // tensor), tensor=tensor)
 
 
-def _nearest_multiples(value: int, step: int) -> str:
-    lower = value // step * step
-    return " or ".join(str(v) for v in ([lower] if lower else []) + [lower + step])
-
-
 def check(cfg, world_size: int) -> list:
     """Config errors before launch: world, batch, hidden and heads against the grid (§4)."""
     mode, q = _mode(cfg), cfg.strategy.tensor_grid
@@ -111,9 +112,9 @@ def check(cfg, world_size: int) -> list:
         return [f"strategy.tensor_mode={mode!r}, strategy.tensor_grid={q}: need a mode in "
                 f"1d, 2d, 3d and q >= 1. Fix: strategy.tensor_mode=3d strategy.tensor_grid=2."]
     tensor, dimension = _tensor_degree(cfg), DIMENSION[mode]
-    batch_parts = {1: 1, 2: q, 3: q * q}[dimension]  # ranks that split a data rank's batch
-    feature_parts = {1: q, 2: q, 3: q * q}[dimension]  # 3-D splits a weight's input by q²
-    head_parts = q
+    grid = grid_of(mode, tensor, 0)  # every rank of the grid splits by the same counts
+    batch_parts = grid.input_rows()[1]  # ranks that split a data rank's sequences
+    feature_parts, head_parts = grid.feature_parts, grid.head_parts
     errors = _check_world(cfg, world_size, tensor, mode) + _check_unsupported(cfg)
     data = degrees(cfg, world_size).data
     per_rank = cfg.data.global_batch_size // max(1, data)
@@ -122,17 +123,17 @@ def check(cfg, world_size: int) -> list:
             f"data.global_batch_size={cfg.data.global_batch_size}: each of the {data} data-parallel "
             f"ranks must get a multiple of {batch_parts} sequences (q^{dimension - 1} for {mode} with "
             f"strategy.tensor_grid={q}). Fix: data.global_batch_size="
-            f"{_nearest_multiples(cfg.data.global_batch_size, data * batch_parts)}.")
+            f"{nearest_multiples(cfg.data.global_batch_size, data * batch_parts)}.")
     if cfg.model.hidden % feature_parts:
         errors.append(
             f"model.hidden={cfg.model.hidden} is not divisible by {feature_parts} (the {mode} grid "
             f"with strategy.tensor_grid={q} splits weights by that). Fix: model.hidden="
-            f"{_nearest_multiples(cfg.model.hidden, feature_parts)}.")
+            f"{nearest_multiples(cfg.model.hidden, feature_parts)}.")
     if cfg.model.heads % head_parts:
         errors.append(
             f"model.heads={cfg.model.heads} is not divisible by strategy.tensor_grid={q} (heads are "
             f"split over {head_parts} ranks). Fix: model.heads="
-            f"{_nearest_multiples(cfg.model.heads, head_parts)}.")
+            f"{nearest_multiples(cfg.model.heads, head_parts)}.")
     return errors
 
 
@@ -151,11 +152,8 @@ def _check_world(cfg, world_size: int, tensor: int, mode: str) -> list:
 
 def _check_unsupported(cfg) -> list:
     errors = []
-    for field, value, wanted in (("strategy.micro_batches", cfg.strategy.micro_batches, 1),
-                                 ("strategy.pipeline_degree", cfg.strategy.pipeline_degree, 1),
-                                 ("model.architecture", cfg.model.architecture, "gpt"),
-                                 ("model.tie_embeddings", cfg.model.tie_embeddings, False),
-                                 ("trainer.gradient_clip_val", cfg.trainer.gradient_clip_val, 0.0)):
+    for field, value, wanted in (("model.architecture", cfg.model.architecture, "gpt"),
+                                 ("model.tie_embeddings", cfg.model.tie_embeddings, False)):
         if value != wanted:
             errors.append(f"{field}={value}: {cfg.strategy.name} supports only {wanted} so far. "
                           f"Fix: {field}={wanted}.")
@@ -170,6 +168,4 @@ def build(cfg, world_size: int):
                                   process_group_backend=cfg.hardware.process_group_backend)
 
 
-def consolidate(rank_state_dicts, layout: dict) -> dict:
-    """The plain model's state dict (`model.` keys) from per-rank shards (tensor block 0)."""
-    return consolidate_form(rank_state_dicts, layout)
+TENSOR_PARALLEL = StrategyEntry(check=check, degrees=degrees, build=build, consolidate=consolidate_form)

@@ -18,17 +18,15 @@ from strategies.modular_pipeline import ModularPipelineStrategy, compute_plan, f
 from strategies.schedule import BACKWARD, FINISH, FORWARD, validate_plan
 from strategies.schedule.zero import (GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, add_weight_gathers,
                                       add_zero)
+from strategies.checks import divisors
+from strategies.registry import StrategyEntry
 from strategies.sharding import FlatShard, ShardContainer, unshard
-from strategies.stages import Peers, StageWork, keep_local_stages, stage_blocks, stage_parameter_names
-
-
-def training_plan(strategy_config, layers: int):
-    """Compute and transfers, then the ZeRO-3 gathers and reduce-scatters; validated."""
-    return validate_plan(add_zero(compute_plan(strategy_config, layers)))
+from strategies.stages import Peers, StageWork, stage_parameter_names
 
 
 def shard_stages(model, local_stages, stages: int, layers_per_stage: int, rank: int, size: int) -> dict:
-    """Per local stage, two FlatShards: matrices (weight-decayed) and vectors (not), like optim.py's groups."""
+    """(stage, kind) -> FlatShard for each local stage, kind "matrices" (weight-decayed) or "vectors"
+    (not), like optim.py's parameter groups."""
     shards = {}
     for stage in local_stages:
         names = stage_parameter_names(model, stage, stages, layers_per_stage)
@@ -36,7 +34,7 @@ def shard_stages(model, local_stages, stages: int, layers_per_stage: int, rank: 
         for kind, matrix in (("matrices", True), ("vectors", False)):
             chosen = [name for name in names if is_matrix[name] == matrix]
             if chosen:
-                shards[f"stage{stage}_{kind}"] = FlatShard(model, chosen, rank, size, matrix)
+                shards[(stage, kind)] = FlatShard(model, chosen, rank, size, matrix)
     return shards
 
 
@@ -51,11 +49,11 @@ class ShardedStageWork(StageWork):
     3. REDUCE_SCATTER(c): post the async reduce-scatter; it overlaps the earlier stages' backward.
     """
 
-    def __init__(self, *arguments, shards: dict):
-        super().__init__(*arguments)
+    def __init__(self, *arguments, shards: dict, **precision):
+        super().__init__(*arguments, **precision)
         self.shards_of = {}  # stage -> its FlatShards
-        for key, shard in shards.items():
-            self.shards_of.setdefault(int(key[5:].split("_")[0]), []).append(shard)
+        for (stage, _), shard in shards.items():
+            self.shards_of.setdefault(stage, []).append(shard)
         self.gathers = deque()  # (stage, kind, [(work, buffer) per shard]) in plan order
         self.installed = None  # (stage, kind) whose weights the leaves point at
         self.scatters = []  # (shard, work, piece, gradient) in flight
@@ -148,29 +146,32 @@ class ZeroLayeredStrategy(ModularPipelineStrategy):
     3. before the optimizer: wait for the reduce-scatters; the optimizer updates only the shards.
     """
 
-    def __init__(self, cfg, world_size: int, **kwargs):
-        super().__init__(cfg, world_size, **kwargs)
-        self.plan = training_plan(cfg.strategy, cfg.model.layers)
-        # Forward only (no B, so not a training plan the validator accepts): gathers, no scatters.
-        self.validation_plan = add_weight_gathers(forward_only(compute_plan(cfg.strategy, cfg.model.layers)))
+    def __init__(self, *arguments, **kwargs):
+        super().__init__(*arguments, **kwargs)
         self.shards = {}
 
+    @staticmethod
     @override
-    def setup(self, trainer) -> None:
-        local = list(self.plan.stages_on(self.layout.index("pipeline")))
-        model, strategy = self.lightning_module.model, self.cfg.strategy
-        keep_local_stages(model, local, self.plan.stages, strategy.layers_per_stage)
-        self.synchronise_replicas(model)
+    def complete_plan(compute):
+        """Compute and transfers, then the ZeRO-3 gathers and reduce-scatters; validated."""
+        return validate_plan(add_zero(compute))
+
+    @staticmethod
+    @override
+    def forward_plan(compute):
+        # Forward only (no B, so not a training plan the validator accepts): gathers, no scatters.
+        return add_weight_gathers(forward_only(compute))
+
+    @override
+    def make_stage_work(self, model, local_stages: list, peers: Peers) -> ShardedStageWork:
         data = self.layout.group("data")
-        self.shards = shard_stages(model, local, self.plan.stages, strategy.layers_per_stage,
+        self.shards = shard_stages(model, local_stages, self.plan.stages, self.layers_per_stage,
                                    self.layout.index("data"), data.size)
         model.zero_shards = ShardContainer(self.shards)  # the optimizer's only parameters
-        peers = Peers([self.layout.group("pipeline").ranks[r] for r in self.plan.placement],
-                      self.layout.group("pipeline"), data, self.layout.communicator)
-        self.work = ShardedStageWork(model, self.plan.stages, strategy.layers_per_stage,
-                                     strategy.micro_batches, peers, shards=self.shards)
-        super(ModularPipelineStrategy, self).setup(trainer)  # Lightning's setup, optimizer included
+        return ShardedStageWork(model, self.plan.stages, self.layers_per_stage, self.plan.micro_batches,
+                                peers, shards=self.shards, **self.stage_precision())
 
+    @override
     def compute_resident_tensors(self) -> list:
         """Between steps the compute side holds only shards, their gradients and optimizer state."""
         tensors = [shard.parameter for shard in self.shards.values()]
@@ -182,17 +183,13 @@ class ZeroLayeredStrategy(ModularPipelineStrategy):
 
 # ----- the registry interface (see strategies/__init__.py)
 
-degrees = modular_pipeline.degrees
-
-
 def check(cfg, world_size: int) -> list:
     """The pipeline's checks, plus what sharding needs; each error names the field and the fix."""
     strategy, errors = cfg.strategy, []
     if strategy.data_degree is not None and world_size % strategy.data_degree:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         return [f"strategy.data_degree={strategy.data_degree} does not divide the world size {world_size} "
                 f"(hardware.nodes × hardware.devices_per_node). Fix: strategy.data_degree=null (world / "
-                f"pipeline_degree) or one of {divisors} with pipeline_degree = world / data_degree."]
+                f"pipeline_degree) or one of {divisors(world_size)} with pipeline_degree = world / data_degree."]
     if cfg.optimizer.name == "lamb":
         errors.append("optimizer.name=lamb scales each tensor by its own trust ratio, which a flat shard "
                       "does not hold whole. Fix: optimizer=adamw or optimizer=sgd.")
@@ -203,7 +200,9 @@ def check(cfg, world_size: int) -> list:
 
 
 def build(cfg, world_size: int):
-    return ZeroLayeredStrategy(cfg, world_size)
+    return ZeroLayeredStrategy(modular_pipeline.degrees(cfg, world_size),
+                               compute_plan(cfg.strategy, cfg.model.layers), cfg.strategy.layers_per_stage,
+                               **modular_pipeline.pipeline_arguments(cfg))
 
 
 def consolidate(rank_state_dicts: list, layout: dict) -> dict:
@@ -219,3 +218,6 @@ def consolidate(rank_state_dicts: list, layout: dict) -> dict:
             merged.update({f"model.{name}": value for name, value in unshard(group, pieces).items()})
         merged.update({k: v for k, v in states[0].items() if not k.startswith("model.zero_shards.")})
     return merged
+
+
+ZERO_LAYERED = StrategyEntry(check=check, degrees=modular_pipeline.degrees, build=build, consolidate=consolidate)

@@ -15,9 +15,11 @@ from layerwise.config import register_schemas
 from layerwise.launch import RankError, run_ranks  # noqa: F401  (re-exported for tests)
 
 CONFIG_DIRECTORY = str(Path(__file__).resolve().parent.parent / "conf")
+# Every multi-process test runs the strict point-to-point check (NCCL's issue order; parallel/comm.py).
+STRICT_POINT_TO_POINT = "trainer.check_point_to_point_order=true"
 QUICK = ["logger=none", "trainer.progress=none", "trainer.limit_val_batches=1",
          "data.global_batch_size=8", "data.sequence_length=32", "model.layers=2", "model.hidden=32",
-         "model.heads=2", "data.max_bytes=2000000"]
+         "model.heads=2", "data.max_bytes=2000000", STRICT_POINT_TO_POINT]
 
 
 def compose_config(*overrides: str):
@@ -38,6 +40,9 @@ PARAMETER_RTOL = 1e-5
 # added to every key), so its computed gradient is round-off, which Adam normalises into steps of
 # up to lr: those entries drift by ~1e-6 between equal computations summed in another order.
 PARAMETER_ATOL = 1e-5
+# bf16 keeps 8 bits of mantissa (relative step 2^-8 ≈ 4e-3): two equal computations whose fp32
+# reductions run in another order round differently in a few matrix products per step.
+BF16_LOSS_RTOL = 1e-2
 
 
 def assert_same_losses(actual, expected):
@@ -65,7 +70,7 @@ def consolidated_parameters(run_directory, strategy_name: str) -> dict:
 
     import torch
 
-    from strategies import strategy_module
+    from strategies import strategy_entry
 
     path = Path(run_directory) / "checkpoints" / "last.ckpt"
     if path.is_file():
@@ -74,7 +79,7 @@ def consolidated_parameters(run_directory, strategy_name: str) -> dict:
     layout = json.loads((path / "layout.json").read_text())
     ranks = sorted(path.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
     states = [torch.load(p, weights_only=False, map_location="cpu")["state_dict"] for p in ranks]
-    return strategy_module(strategy_name).consolidate(states, layout)
+    return strategy_entry(strategy_name).consolidate(states, layout)
 
 
 def cached_references(tmp_path_factory, run):

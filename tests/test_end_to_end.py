@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["debug=fast", "model.layers=2", "trainer.max_steps=6", "trainer.val_check_interval=3",
-        "data.max_bytes=2000000"]
+        "data.max_bytes=2000000", "trainer.check_point_to_point_order=true"]
 
 
 def train_py(*arguments, wandb_mode="disabled", timeout=300):

@@ -18,9 +18,9 @@ from models import build_model
 from strategies.l2l import Relay, relay_peak_bytes
 from strategies.schedule import (BACKWARD, FORWARD, layered, looped_breadth_first, simulate, unit_cost,
                                  validate_plan)
-from strategies.schedule.ir import (GRADIENT_TO_HOST, RELEASE_BACKWARD, RELEASE_FORWARD, UPDATE_ON_HOST,
-                                    WEIGHTS_BACKWARD, WEIGHTS_FORWARD, parse_action)
-from strategies.schedule.offload import add_host_transfers, relay_plan
+from strategies.schedule.ir import parse_action
+from strategies.schedule.offload import (GRADIENT_TO_HOST, RELEASE_BACKWARD, RELEASE_FORWARD, UPDATE_ON_HOST,
+                                         WEIGHTS_BACKWARD, WEIGHTS_FORWARD, add_host_transfers, relay_plan)
 from tests.harness import (QUICK, assert_same_losses, assert_same_parameters, compose_config,
                            consolidated_parameters)
 

@@ -83,7 +83,6 @@ BAD = [
     (["model.layers=3"], "model.layers=3 makes 3 stages"),
     (["strategy.pipeline_degree=3"], "strategy.pipeline_degree=3 does not divide the world size 2"),
     (["strategy.schedule=zigzag"], "unknown strategy.schedule 'zigzag'"),
-    (["strategy.placement=contiguous"], "strategy.placement=contiguous does not match"),
 ]
 
 

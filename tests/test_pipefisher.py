@@ -15,7 +15,7 @@ from layerwise.validate import ConfigError, validate
 from strategies.schedule import (Action, PlanError, add_communication, add_gradient_reductions, build_plan,
                                  simulate, validate_plan)
 from strategies.kfac import KFAC as KFACMath  # KFAC below is the override list
-from strategies.schedule import kfac as units
+from strategies.schedule import curvature as units
 from tests.harness import (QUICK, assert_same_losses, assert_same_parameters, compose_config,
                            consolidated_parameters)
 
@@ -38,14 +38,14 @@ def oracle(tmp_path_factory):
 
 
 CASES = {
-    "gpipe_pp2_m4_k2": ["strategy.schedule=gpipe", "strategy.placement=contiguous",
+    "gpipe_pp2_m4_k2": ["strategy.schedule=gpipe",
                         "strategy.layers_per_stage=2", "hardware.devices_per_node=2"],
-    "one_f_one_b_pp4_m4_k2": ["strategy.schedule=one_f_one_b", "strategy.placement=contiguous",
+    "one_f_one_b_pp4_m4_k2": ["strategy.schedule=one_f_one_b",
                               "strategy.pipeline_degree=4", "strategy.layers_per_stage=1",
                               "hardware.devices_per_node=4"],
-    "gpipe_pp2_dp2_m4_k2": ["strategy.schedule=gpipe", "strategy.placement=contiguous",  # factor sync
+    "gpipe_pp2_dp2_m4_k2": ["strategy.schedule=gpipe",  # factor sync
                             "strategy.layers_per_stage=2", "hardware.devices_per_node=4"],
-    "looped_pp2_m4_k2": ["strategy.schedule=looped_breadth_first", "strategy.placement=looping",
+    "looped_pp2_m4_k2": ["strategy.schedule=looped_breadth_first",
                          "strategy.layers_per_stage=1", "hardware.devices_per_node=2"],
 }
 

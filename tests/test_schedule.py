@@ -3,7 +3,11 @@
 Test ids: p = pipeline degree, m = micro-batches, v = loops (stages per rank), bf = breadth-first micro-batches.
 """
 
+import dataclasses
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +16,12 @@ from strategies.schedule import (BACKWARD, FINISH, FORWARD, KINDS, RECV_ACTIVATI
                                  add_gradient_reductions, build_plan, dependencies, execute, flop_cost, gpipe,
                                  interleaved_one_f_one_b, layered, looped_breadth_first, one_f_one_b, parse_action,
                                  parse_row, plot_timeline, simulate, stage_placement, unit_cost, validate_plan)
+from strategies.modular_pipeline import forward_only
+from strategies.schedule import (POST_RECV_ACTIVATION, KindInfo, add_receive_posts, check_point_to_point_order,
+                                 curvature, is_post, issue_sequences, offload, post_of)
+from strategies.schedule.curvature import synchronous_plan
+from strategies.schedule.ir import register_kinds
+from strategies.schedule.zero import add_zero
 
 GRID = [(p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p) for v in (1, 2, 4)]
 
@@ -60,6 +70,44 @@ def test_action_checks_its_fields():
         Action(SEND_ACTIVATION, 0, 0)
     with pytest.raises(ValueError, match="unknown action kind"):
         Action("FORWARDS", 0, 0)
+
+
+def _kinds_after_importing(first_module: str) -> str:
+    """The kind table, printed by a fresh interpreter that imports `first_module` before anything else."""
+    script = f"import {first_module}; import strategies.schedule.ir as ir; print(sorted(ir.KINDS.items()))"
+    return subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, check=True).stdout
+
+
+def test_registered_kinds_do_not_depend_on_which_module_is_imported_first():
+    # Each interpreter costs seconds (torch); two orders that used to give different tables suffice.
+    tables = {first: _kinds_after_importing(first) for first in ("strategies.schedule.ir", "strategies.schedule.zero")}
+    assert set(tables.values()) == {f"{sorted(KINDS.items())}\n"}, tables
+    assert {"WEIGHTS_FORWARD", "GATHER_FORWARD", "KFAC_SYNC_A"} <= set(KINDS)  # offload, zero, curvature
+
+
+def test_registering_kinds_rejects_clashes_and_changes_nothing_then():
+    before = dict(KINDS)
+    clashing_tables = [
+        {"NEW_KIND": KindInfo("F", None, True, True, False)},  # written like FORWARD
+        {"NEW_KIND": KindInfo("Wf", None, False, False, True)},  # written like a pass module's kind
+        {FORWARD: KindInfo("Fw", None, True, True, False)},  # a known kind with another row
+        {"NEW_KIND": KindInfo("Zz", None, False, False, False),
+         "OTHER_NEW_KIND": KindInfo("Zz", None, False, False, False)},  # two new kinds written alike
+    ]
+    for table in clashing_tables:
+        with pytest.raises(ValueError, match="clashes"):
+            register_kinds(table, {})
+    with pytest.raises(ValueError, match="unknown action kinds"):
+        register_kinds({}, {"NO_SUCH_KIND": lambda action, plan: ()})
+    assert KINDS == before
+
+
+def test_registering_a_table_again_changes_nothing():
+    plan, forward = offload.relay_plan(2, 2), Action(FORWARD, 1, 0)
+    needs = dependencies(forward, plan)
+    register_kinds(offload.ACTION_KINDS, offload.DEPENDENCY_RULES)
+    assert dependencies(forward, plan) == needs == (Action(FORWARD, 0, 0), Action(offload.WEIGHTS_FORWARD, 1))
 
 
 def test_placement_and_plan_helpers():
@@ -293,3 +341,113 @@ def test_plot_writes_a_png(tmp_path):
     plan = full(looped_breadth_first(4, 4, 2))
     path = plot_timeline(simulate(plan), tmp_path / "gantt.png", time_unit="units")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+# -----------------------------------------------------------------------------
+# NCCL's point-to-point rule: each pair of ranks issues its sends and receives in one order
+
+
+def posts_at_step_start(plan: Plan) -> Plan:
+    """The old executor's order as a plan: every receive of the step posted before anything else."""
+    rows = []
+    for row in plan.ranks:
+        kept = [action for action in row if not is_post(action)]
+        receives = [action for action in kept if action is not None and action.kind in (RECV_ACTIVATION,
+                                                                                         "RECV_GRADIENT")]
+        rows.append([post_of(receive) for receive in receives] + kept)
+    return dataclasses.replace(plan, ranks=rows, name=f"{plan.name} (receives posted at step start)")
+
+
+def without_posts(plan: Plan) -> Plan:
+    """Every receive issued at its RECV, where the value is consumed."""
+    return dataclasses.replace(plan, ranks=[[a for a in row if not is_post(a)] for row in plan.ranks])
+
+
+PIPELINE_GRID = [case for case in SCHEDULE_GRID if case[0] != "layered"]
+
+
+def pipeline_plan(schedule: str, p: int, m: int, v: int) -> Plan:
+    return build_plan(schedule, pipeline_degree=p, stages=p * v, micro_batches=m)
+
+
+@pytest.mark.parametrize("schedule, p, m, v", PIPELINE_GRID,
+                         ids=[f"{schedule}-{grid_id(case)}" for schedule, *case in PIPELINE_GRID])
+def test_every_plan_issues_point_to_point_in_one_order_per_pair(schedule, p, m, v):
+    """Training (reductions or ZeRO), forward-only and K-FAC step-0 plans: both sides of every pair agree."""
+    transfers = add_communication(pipeline_plan(schedule, p, m, v))
+    plans = [add_gradient_reductions(transfers), add_zero(transfers), forward_only(transfers),
+             synchronous_plan(add_gradient_reductions(transfers))]
+    for plan in plans:
+        check_point_to_point_order(plan)
+    sequences = issue_sequences(plans[0])
+    assert sequences and all(len(sequences[rank, peer]) == len(sequences[peer, rank]) for rank, peer in sequences)
+    assert simulate(plans[0]).makespan == simulate(without_posts(plans[0])).makespan  # posts cost nothing
+
+
+@pytest.mark.parametrize("schedule, p, m, v", PIPELINE_GRID,
+                         ids=[f"{schedule}-{grid_id(case)}" for schedule, *case in PIPELINE_GRID])
+def test_each_receive_is_posted_right_after_its_pairs_previous_operation(schedule, p, m, v):
+    """As early as the rule allows: before a post stand only other posts, then the pair's previous operation."""
+    plan = add_communication(pipeline_plan(schedule, p, m, v))
+    issued = {(rank, item.slot): peer for (rank, peer), items in issue_sequences(plan).items() for item in items}
+    for rank, slot, action in plan.positions():
+        if is_post(action):
+            before = [s for s in range(slot) if plan.ranks[rank][s] is not None and not is_post(plan.ranks[rank][s])]
+            peer = plan.rank_of(action.peer_stage)
+            assert not before or issued.get((rank, before[-1])) == peer, (str(action), plan.grid([(rank, slot)]))
+
+
+def test_receive_posts_in_a_looped_plan():
+    """Rank 1 posts micro-batch 1 while waiting for 0; rank 0 posts stage 2's input after its next send."""
+    plan = add_communication(looped_breadth_first(2, 4, 2))
+    assert plan.ranks[1][:7] == parse_row("· 1F0←0 1f1←0 1F0 1F0→2 1f2←0 1F1←0")
+    assert plan.ranks[0][:8] == parse_row("0F0 0F0→1 0F1 0F1→1 2f0←1 0F2 0F2→1 2f1←1")
+    assert parse_action("2f0←1").kind == POST_RECV_ACTIVATION and str(parse_action("2b0<-3")) == "2b0←3"
+    with pytest.raises(ValueError, match="already has its receive posts"):
+        add_receive_posts(plan)
+
+
+@pytest.mark.parametrize("schedule, p, m, v", PIPELINE_GRID,
+                         ids=[f"{schedule}-{grid_id(case)}" for schedule, *case in PIPELINE_GRID])
+def test_receives_posted_at_step_start_are_rejected(schedule, p, m, v):
+    """The old order: rank r's first operation toward r+1 is a receive, and so is r+1's toward r."""
+    plan = posts_at_step_start(full(pipeline_plan(schedule, p, m, v)))
+    with pytest.raises(PlanError, match="NCCL matches the point-to-point operations") as error:
+        validate_plan(plan)
+    assert len(error.value.marks) == 2 and str(error.value).count(">>") == 2  # both sides marked in the grid
+
+
+def test_receives_issued_where_consumed_deadlock_a_looped_plan():
+    """Without posts, rank 1 receives stage 1's input before sending stage 2's: rank 0 sends two first."""
+    with pytest.raises(PlanError, match=r"operation #1 of rank 0 toward rank 1 is the send 0F1→1") as error:
+        validate_plan(without_posts(full(looped_breadth_first(2, 4, 2))))
+    assert ">>0F1→1<<" in str(error.value) and ">>1F0→2<<" in str(error.value)
+
+
+@pytest.mark.parametrize("rows, sentence, marked", [
+    # a receive posted before an earlier send to the same peer: both ranks' first operation is a receive
+    (["0b0←1 0F0 0F0→1 0B0←1 0B0", "1F0←0 1F0 1B0 1B0→0"],
+     "operation #0 of rank 0 toward rank 1 is the receive 0b0←1", ">>0b0←1<<"),
+    # two same-sized messages taken in the wrong order: gloo's tags would hide it, NCCL swaps the data
+    (["0F0 0F0→1 0F1 0F1→1 0B0←1 0B0 0B1←1 0B1", "1f1←0 1F0←0 1F0 1F1←0 1F1 1B0 1B0→0 1B1 1B1→0"],
+     "is the receive 1f1←0 (message 0F1→1", ">>1f1←0<<"),
+    (["0F0 0F0→1 0B0←1 0B0", "1F0←0 1F0 1f0←0 1B0 1B0→0"], "which is not later in rank 1's list", ">>1f0←0<<"),
+])
+def test_validator_rejects_orders_nccl_cannot_match(rows, sentence, marked):
+    plan = broken(rows, micro_batches=2 if "0F1" in rows[0] else 1)
+    with pytest.raises(PlanError) as error:
+        validate_plan(plan)
+    assert sentence in str(error.value) and marked in str(error.value), str(error.value)
+
+
+def test_validator_accepts_hand_made_posts():
+    validate_plan(broken(["0F0 0F0→1 0b0←1 0B0←1 0B0", "1f0←0 1F0←0 1F0 1B0 1B0→0"]))
+
+
+def test_k_fac_cycle_plans_keep_the_order():
+    plan = validate_plan(full(one_f_one_b(4, 8)))
+    cost = curvature.pipefisher_cost(curvature.BlockShape(64, 4, 32, 256), flops_per_second=1.0)
+    def orders(plan):
+        return {pair: [item.action for item in items] for pair, items in issue_sequences(plan).items()}
+    for step_plan in curvature.pack(plan, cost).plans:  # validated by pack, the order included
+        assert orders(step_plan) == orders(plan)

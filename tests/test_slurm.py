@@ -28,7 +28,7 @@ STEPS = 16
 # so a resumed run can only have resumed from the preemption's checkpoint.
 COMMON = ["hardware.nodes=2", "debug=fast", "data.global_batch_size=8", "data.max_bytes=2000000",
           "logger.name=wandb", f"trainer.max_steps={STEPS}", "trainer.val_check_interval=8",
-          "trainer.checkpoint_every_n_steps=100"]
+          "trainer.checkpoint_every_n_steps=100", "trainer.check_point_to_point_order=true"]
 
 
 def train_py(*arguments, environment=None, timeout=300):
@@ -135,10 +135,10 @@ def test_sweep_with_one_invalid_point_submits_nothing(tmp_path):
 
 def test_local_launcher_validates_every_point_first(tmp_path):
     sweep = tmp_path / "sweep"
-    result = train_py("-m", "strategy=single,ddp", "strategy.micro_batches=1,3", "hydra/launcher=local",
+    result = train_py("-m", "strategy=l2l,fsdp2", "strategy.micro_batches=1,3", "hydra/launcher=local",
                       "debug=fast", f"hydra.sweep.dir={sweep}")
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "point #1 (strategy=single strategy.micro_batches=3" in result.stderr
+    assert "point #1 (strategy=l2l strategy.micro_batches=3" in result.stderr
     assert "strategy.micro_batches=3" in result.stderr
     assert not any(sweep.glob("*/summary.json")), "no point may run when one is invalid"
 
@@ -146,7 +146,8 @@ def test_local_launcher_validates_every_point_first(tmp_path):
 def test_local_launcher_runs_a_valid_sweep(tmp_path):
     sweep = tmp_path / "sweep"
     result = train_py("-m", "strategy=single,ddp", "hydra/launcher=local", "debug=fast",
-                      "trainer.max_steps=2", "data.max_bytes=2000000", f"hydra.sweep.dir={sweep}")
+                      "trainer.max_steps=2", "data.max_bytes=2000000", "trainer.check_point_to_point_order=true",
+                      f"hydra.sweep.dir={sweep}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 of 2 points completed" in result.stdout
     assert [summary(p)["status"] for p in points(sweep)] == ["completed", "completed"]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from parallel.layout import Degrees, ParallelLayout
 from layerwise.run import train
 from layerwise.validate import ConfigError, validate
-from strategies.tensor_parallel.grids import Style, grid_of
+from strategies.tensor_parallel.grids import Style, grid_of, layout_arguments
 from strategies.tensor_parallel.parallelize import cut
 from strategies.tensor_parallel.layers import (GridLinear, ParallelEmbedding, ParallelLayerNorm,
                                                VocabularyParallelLoss)
@@ -146,7 +146,7 @@ def check_loss(layout, grid):
 
 def operators_on_rank(rank):
     dist.init_process_group("gloo")
-    layout = ParallelLayout(Degrees(tensor=Q ** 3), rank=rank, tensor_grid="3d")
+    layout = ParallelLayout(Degrees(tensor=Q ** 3), rank=rank, **layout_arguments("3d", Q ** 3))
     grid = grid_of("3d", Q ** 3, layout.index("tensor"))
     counter = IndependentCounter(lambda name, value: setattr(dist, name, value))
     traffic = [check_linear(layout, grid, position, counter) for position in ("first", "second")]

@@ -8,7 +8,11 @@ Compact string form of an action (stage, letter, micro-batch, optional arrow and
     "3F1"    forward of stage 3, micro-batch 1        "3B1"    backward of stage 3, micro-batch 1
     "3F1→4"  stage 3 sends mb 1's activation to 4     "4F1←3"  stage 4 receives it from stage 3
     "3B1→2"  stage 3 sends mb 1's gradient to 2       "2B1←3"  stage 2 receives it from stage 3
+    "4f1←3"  post (issue) the receive "4F1←3" here    "2b1←3"  post the receive "2B1←3" here
     "3R"     reduce stage 3's gradient over the data-parallel group
+A receive is issued where its post (lowercase letter) stands and waited on at the RECV (uppercase);
+a RECV without a post issues and waits at once. NCCL matches a pair of ranks' operations in the
+order each side issues them, so where a receive is issued is part of the plan (point_to_point.py).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 
 # -----------------------------------------------------------------------------
 # Kinds of action. Plain strings, so that later passes (weight all-gathers, gradient
-# reduce-scatters, host<->device copies, K-FAC work units) extend the set by adding a row to KINDS.
+# reduce-scatters, host<->device copies, K-FAC work units) extend the set by adding rows to KINDS:
+# each pass module declares its own table and strategies/schedule/__init__.py registers them all.
 
 FORWARD = "FORWARD"
 BACKWARD = "BACKWARD"
@@ -29,6 +34,8 @@ RECV_ACTIVATION = "RECV_ACTIVATION"
 SEND_GRADIENT = "SEND_GRADIENT"
 RECV_GRADIENT = "RECV_GRADIENT"
 REDUCE_GRADIENT = "REDUCE_GRADIENT"
+POST_RECV_ACTIVATION = "POST_RECV_ACTIVATION"  # issue (irecv) a RECV_ACTIVATION ahead of its wait
+POST_RECV_GRADIENT = "POST_RECV_GRADIENT"  # issue (irecv) a RECV_GRADIENT ahead of its wait
 
 SEND_ARROW, RECEIVE_ARROW = "→", "←"
 _ASCII_ARROWS = {"->": SEND_ARROW, "<-": RECEIVE_ARROW}
@@ -52,24 +59,12 @@ KINDS: dict[str, KindInfo] = {
     SEND_GRADIENT: KindInfo("B", SEND_ARROW, True, False, True),
     RECV_GRADIENT: KindInfo("B", RECEIVE_ARROW, True, False, True),
     REDUCE_GRADIENT: KindInfo("R", None, False, False, True),
+    POST_RECV_ACTIVATION: KindInfo("f", RECEIVE_ARROW, True, False, True),
+    POST_RECV_GRADIENT: KindInfo("b", RECEIVE_ARROW, True, False, True),
 }
-
-# L2L host<->device kinds (TECHNIQUES §3; added by strategies/schedule/offload.py). One kind per sweep,
-# because each stage's weights travel twice per step and an action occurs once per plan.
-WEIGHTS_FORWARD = "WEIGHTS_FORWARD"  # "3Wf": copy stage 3's weights host -> device for its forwards
-WEIGHTS_BACKWARD = "WEIGHTS_BACKWARD"  # "3Wb": copy them again for its recompute + backwards
-RELEASE_FORWARD = "RELEASE_FORWARD"  # "3Ef": free stage 3's device weights after its forwards
-RELEASE_BACKWARD = "RELEASE_BACKWARD"  # "3Eb": free them (and their gradients) after its backwards
-GRADIENT_TO_HOST = "GRADIENT_TO_HOST"  # "3Gh": copy stage 3's accumulated gradient device -> host
-UPDATE_ON_HOST = "UPDATE_ON_HOST"  # "3Uh": the host optimizer updates stage 3, eagerly, in the background
-KINDS.update({
-    WEIGHTS_FORWARD: KindInfo("Wf", None, False, False, True),
-    WEIGHTS_BACKWARD: KindInfo("Wb", None, False, False, True),
-    RELEASE_FORWARD: KindInfo("Ef", None, False, False, False),
-    RELEASE_BACKWARD: KindInfo("Eb", None, False, False, False),
-    GRADIENT_TO_HOST: KindInfo("Gh", None, False, False, True),
-    UPDATE_ON_HOST: KindInfo("Uh", None, False, False, False),
-})
+# The receive each post kind issues, and back.
+RECEIVE_OF_POST = {POST_RECV_ACTIVATION: RECV_ACTIVATION, POST_RECV_GRADIENT: RECV_GRADIENT}
+POST_OF_RECEIVE = {receive: post for post, receive in RECEIVE_OF_POST.items()}
 
 
 def kind_of(letter: str, arrow: str | None) -> str:
@@ -140,11 +135,28 @@ def parse_row(text: str) -> tuple[Action | None, ...]:
 
 
 def counterpart(action: Action) -> Action:
-    """The other end of a point-to-point transfer: "3F1→4" <-> "4F1←3"."""
+    """The other end of a point-to-point transfer: "3F1→4" <-> "4F1←3"; a post's is the send "4f1←3" -> "3F1→4"."""
     if action.info.arrow is None:
         raise ValueError(f"{action} is not a point-to-point transfer")
+    if action.kind in RECEIVE_OF_POST:
+        return counterpart(posted_receive(action))
     opposite = RECEIVE_ARROW if action.info.arrow == SEND_ARROW else SEND_ARROW
     return Action(kind_of(action.info.letter, opposite), action.peer_stage, action.micro_batch, action.stage)
+
+
+def is_post(action: Action | None) -> bool:
+    """Whether `action` issues a receive ahead of the RECV that waits for it."""
+    return action is not None and action.kind in RECEIVE_OF_POST
+
+
+def posted_receive(post: Action) -> Action:
+    """The RECV whose receive `post` issues: "4f1←3" -> "4F1←3"."""
+    return dataclasses.replace(post, kind=RECEIVE_OF_POST[post.kind])
+
+
+def post_of(receive: Action) -> Action:
+    """The action that issues `receive` ahead of it: "4F1←3" -> "4f1←3"."""
+    return dataclasses.replace(receive, kind=POST_OF_RECEIVE[receive.kind])
 
 
 # -----------------------------------------------------------------------------
@@ -196,9 +208,9 @@ class Plan:
         return any(action.info.arrow is not None for _, _, action in self.positions())
 
     @cached_property
-    def offloads(self) -> bool:
-        """Whether weights travel host -> device explicitly (after `offload.add_host_transfers`)."""
-        return any(action.kind == WEIGHTS_FORWARD for _, _, action in self.positions())
+    def kinds(self) -> frozenset[str]:
+        """The kinds of action the plan holds: a pass's rule can apply only to plans holding its own kinds."""
+        return frozenset(action.kind for _, _, action in self.positions())
 
     def grid(self, marks: Iterable[tuple[int, int]] = ()) -> str:
         """Rank × slot text grid; the actions at the (rank, slot) `marks` are shown as >>3B1<<."""
@@ -240,25 +252,11 @@ def dependencies(action: Action, plan: Plan) -> tuple[Action, ...]:
     F(s,i) needs F(s−1,i); B(s,i) needs F(s,i) and B(s+1,i) — the loss lives in the last stage's
     forward, so B(S−1,i) needs only F(S−1,i). In a plan with explicit transfers, a value made on
     another rank arrives through the receive on this rank, and a receive needs its send.
-    REDUCE_GRADIENT(s) needs every B(s,·). Kinds without a rule depend on nothing.
+    REDUCE_GRADIENT(s) needs every B(s,·). A kind may have several rules (a pass adds predecessors
+    to a core kind, e.g. L2L's weight copies before F and B): their predecessors add up.
+    Kinds without a rule depend on nothing.
     """
-    rule = _DEPENDENCY_RULES.get(action.kind)
-    return (rule(action, plan) if rule else ()) + _weights_dependency(action, plan)
-
-
-def _weights_dependency(action: Action, plan: Plan) -> tuple[Action, ...]:
-    """In an offloaded plan (L2L), a stage's F and B also wait for its weights to reach the device."""
-    loads = {FORWARD: WEIGHTS_FORWARD, BACKWARD: WEIGHTS_BACKWARD}
-    if action.kind not in loads or not plan.offloads:
-        return ()
-    return (Action(loads[action.kind], action.stage),)
-
-
-def _all_micro_batches(kind: str, *extra_kinds: str):
-    """Rule: every `kind` action of the stage (one per micro-batch), then the stage-level `extra_kinds`."""
-    return lambda action, plan: tuple(Action(kind, action.stage, micro_batch)
-                                      for micro_batch in range(plan.micro_batches)) + tuple(
-        Action(extra, action.stage) for extra in extra_kinds)
+    return tuple(need for rule in _DEPENDENCY_RULES.get(action.kind, ()) for need in rule(action, plan))
 
 
 def _forward_dependencies(action: Action, plan: Plan) -> tuple[Action, ...]:
@@ -282,34 +280,44 @@ def _arrival(plan: Plan, receive_kind: str, producer: Action, consumer: Action) 
     return producer
 
 
-_DEPENDENCY_RULES: dict[str, Callable[[Action, Plan], tuple[Action, ...]]] = {
-    FORWARD: _forward_dependencies,
-    BACKWARD: _backward_dependencies,
-    SEND_ACTIVATION: lambda action, plan: (Action(FORWARD, action.stage, action.micro_batch),),
-    SEND_GRADIENT: lambda action, plan: (Action(BACKWARD, action.stage, action.micro_batch),),
-    RECV_ACTIVATION: lambda action, plan: (counterpart(action),),
-    RECV_GRADIENT: lambda action, plan: (counterpart(action),),
-    REDUCE_GRADIENT: lambda action, plan: tuple(
-        Action(BACKWARD, action.stage, micro_batch) for micro_batch in range(plan.micro_batches)),
+Rule = Callable[[Action, Plan], tuple[Action, ...]]
+
+# Per kind, the rules whose predecessors add up (core rules first, then those passes register).
+_DEPENDENCY_RULES: dict[str, tuple[Rule, ...]] = {
+    FORWARD: (_forward_dependencies,),
+    BACKWARD: (_backward_dependencies,),
+    SEND_ACTIVATION: (lambda action, plan: (Action(FORWARD, action.stage, action.micro_batch),),),
+    SEND_GRADIENT: (lambda action, plan: (Action(BACKWARD, action.stage, action.micro_batch),),),
+    RECV_ACTIVATION: (lambda action, plan: (counterpart(action),),),
+    RECV_GRADIENT: (lambda action, plan: (counterpart(action),),),
+    REDUCE_GRADIENT: (lambda action, plan: tuple(
+        Action(BACKWARD, action.stage, micro_batch) for micro_batch in range(plan.micro_batches)),),
 }
 
-# L2L (TECHNIQUES §3): weights are freed and gradients leave once every micro-batch of the stage has run.
-_DEPENDENCY_RULES.update({
-    RELEASE_FORWARD: _all_micro_batches(FORWARD),
-    GRADIENT_TO_HOST: _all_micro_batches(BACKWARD),
-    RELEASE_BACKWARD: _all_micro_batches(BACKWARD, GRADIENT_TO_HOST),
-    UPDATE_ON_HOST: lambda action, plan: (Action(GRADIENT_TO_HOST, action.stage),),
-})
 
+def register_kinds(kinds: dict[str, KindInfo], rules: dict[str, Rule]) -> None:
+    """Add a pass module's action kinds and dependency rules (called by strategies/schedule/__init__.py only).
 
-def register_kind(kind: str, info: KindInfo, rule: Callable[[Action, Plan], tuple[Action, ...]] | None = None) -> None:
-    """Add an action kind (a pass's own actions: weight gathers, host copies, ...) and its dependency rule.
-
-    Idempotent for an equal row (modules may be re-imported); a clash of kind or written form is an error.
+    `rules` may name the module's own kinds or kinds already known: a rule for a known kind adds
+    predecessors to it (L2L: F and B wait for their stage's weights). Nothing changes unless the
+    whole table is accepted: a kind or written form (letter + arrow) already taken is an error;
+    registering an equal table again changes nothing.
     """
-    clash = [other for other, row in KINDS.items() if (row.letter, row.arrow) == (info.letter, info.arrow)]
-    if KINDS.get(kind, info) != info or clash not in ([], [kind]):
-        raise ValueError(f"action kind {kind!r} written {info.letter!r} clashes with {KINDS.get(kind) or clash}")
-    KINDS[kind] = info
-    if rule is not None:
-        _DEPENDENCY_RULES[kind] = rule
+    accepted = dict(KINDS)
+    for kind, info in kinds.items():
+        _check_no_clash(accepted, kind, info)
+        accepted[kind] = info
+    unknown = sorted(set(rules) - set(accepted))
+    if unknown:
+        raise ValueError(f"dependency rules for unknown action kinds {unknown}")
+    KINDS.update(accepted)
+    for kind, rule in rules.items():
+        if rule not in _DEPENDENCY_RULES.get(kind, ()):
+            _DEPENDENCY_RULES[kind] = _DEPENDENCY_RULES.get(kind, ()) + (rule,)
+
+
+def _check_no_clash(kinds: dict[str, KindInfo], kind: str, info: KindInfo) -> None:
+    """ValueError if `kind` is known with another row, or another kind is written like `info`."""
+    clash = [other for other, row in kinds.items() if (row.letter, row.arrow) == (info.letter, info.arrow)]
+    if kinds.get(kind, info) != info or clash not in ([], [kind]):
+        raise ValueError(f"action kind {kind!r} written {info.letter!r} clashes with {kinds.get(kind) or clash}")

@@ -15,11 +15,55 @@ import dataclasses
 import itertools
 
 from .generators import layered
-from .ir import (BACKWARD, FORWARD, GRADIENT_TO_HOST, REDUCE_GRADIENT, RELEASE_BACKWARD, RELEASE_FORWARD,
-                 UPDATE_ON_HOST, WEIGHTS_BACKWARD, WEIGHTS_FORWARD, Action, Plan)
+from .ir import BACKWARD, FORWARD, REDUCE_GRADIENT, Action, KindInfo, Plan, Rule
+
+# The host<->device kinds. One kind per sweep, because each stage's weights travel twice per step
+# and an action occurs once per plan.
+WEIGHTS_FORWARD = "WEIGHTS_FORWARD"  # "3Wf": copy stage 3's weights host -> device for its forwards
+WEIGHTS_BACKWARD = "WEIGHTS_BACKWARD"  # "3Wb": copy them again for its recompute + backwards
+RELEASE_FORWARD = "RELEASE_FORWARD"  # "3Ef": free stage 3's device weights after its forwards
+RELEASE_BACKWARD = "RELEASE_BACKWARD"  # "3Eb": free them (and their gradients) after its backwards
+GRADIENT_TO_HOST = "GRADIENT_TO_HOST"  # "3Gh": copy stage 3's accumulated gradient device -> host
+UPDATE_ON_HOST = "UPDATE_ON_HOST"  # "3Uh": the host optimizer updates stage 3, eagerly, in the background
 
 _LOAD = {FORWARD: WEIGHTS_FORWARD, BACKWARD: WEIGHTS_BACKWARD}
-_RELEASE = {FORWARD: RELEASE_FORWARD, BACKWARD: RELEASE_BACKWARD}
+
+
+def offloads(plan: Plan) -> bool:
+    """Whether weights travel host -> device explicitly (after `add_host_transfers`)."""
+    return WEIGHTS_FORWARD in plan.kinds
+
+
+def _weights_on_device(action: Action, plan: Plan) -> tuple[Action, ...]:
+    """In an offloaded plan, a stage's F and B also wait for its weights to reach the device."""
+    return (Action(_LOAD[action.kind], action.stage),) if offloads(plan) else ()
+
+
+def _every_micro_batch(kind: str, *stage_kinds: str) -> Rule:
+    """Rule: every `kind` action of the stage (one per micro-batch), then the stage-level `stage_kinds`."""
+    return lambda action, plan: tuple(Action(kind, action.stage, micro_batch)
+                                      for micro_batch in range(plan.micro_batches)) + tuple(
+        Action(stage_kind, action.stage) for stage_kind in stage_kinds)
+
+
+# Registered by strategies/schedule/__init__.py, like every pass module's table.
+ACTION_KINDS = {
+    WEIGHTS_FORWARD: KindInfo("Wf", None, False, False, True),
+    WEIGHTS_BACKWARD: KindInfo("Wb", None, False, False, True),
+    RELEASE_FORWARD: KindInfo("Ef", None, False, False, False),
+    RELEASE_BACKWARD: KindInfo("Eb", None, False, False, False),
+    GRADIENT_TO_HOST: KindInfo("Gh", None, False, False, True),
+    UPDATE_ON_HOST: KindInfo("Uh", None, False, False, False),
+}
+# Weights are freed and gradients leave once every micro-batch of the stage has run.
+DEPENDENCY_RULES = {
+    FORWARD: _weights_on_device,
+    BACKWARD: _weights_on_device,
+    RELEASE_FORWARD: _every_micro_batch(FORWARD),
+    GRADIENT_TO_HOST: _every_micro_batch(BACKWARD),
+    RELEASE_BACKWARD: _every_micro_batch(BACKWARD, GRADIENT_TO_HOST),
+    UPDATE_ON_HOST: lambda action, plan: (Action(GRADIENT_TO_HOST, action.stage),),
+}
 
 
 def relay_plan(stages: int, micro_batches: int, prefetch: bool = True, reduce: bool = False) -> Plan:
@@ -35,7 +79,7 @@ def add_host_transfers(plan: Plan, prefetch: bool = True, reduce: bool = False) 
     Needs a one-rank plan whose stages each run all their micro-batches in one go (breadth-first =
     m): the relay copies each stage's weights once per sweep, so transfers do not grow with m.
     """
-    if plan.pipeline_degree != 1 or plan.offloads:
+    if plan.pipeline_degree != 1 or offloads(plan):
         raise ValueError(f"plan {plan.name!r}: add_host_transfers expects a compute-only one-rank plan")
     runs = _runs(plan.ranks[0])
     if len({(kind, stage) for kind, stage, _ in runs}) != len(runs):

@@ -1,8 +1,11 @@
 """Passes: functions Plan -> Plan that insert the non-compute actions a strategy needs.
 
-Executor semantics the passes rely on: sends are posted asynchronously (isend: they never block),
-receives block at their position in the list. So the only possible deadlock is a rank waiting on a
-receive whose send comes later, which the validator's dry run detects.
+Executor semantics the passes rely on: sends and receive posts are issued asynchronously (isend,
+irecv: they never block); a RECV blocks at its position in the list until its message is there. So
+on gloo the only possible deadlock is a rank waiting on a receive whose send comes later, which the
+validator's dry run detects; NCCL also needs both ranks of a pair to issue their operations in one
+order, which add_communication arranges (point_to_point.add_receive_posts) and the validator checks.
+Later passes insert no transfers, so they keep that order.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 from .ir import (BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT, SEND_ACTIVATION,
-                 SEND_GRADIENT, Action, Plan)
+                 SEND_GRADIENT, Action, Plan, is_post)
+from .point_to_point import add_receive_posts
 
 # Per compute kind: (step to the stage it receives from, receive kind, step to the stage it sends to, send kind).
 _FLOW = {
@@ -20,16 +24,17 @@ _FLOW = {
 
 
 def add_communication(plan: Plan) -> Plan:
-    """Insert SEND_*/RECV_* wherever consecutive stages live on different ranks.
+    """Insert SEND_*/RECV_* wherever consecutive stages live on different ranks, then the receive posts.
 
-    Each compute action becomes the body receive → compute → send: the receive right before the
-    action that consumes the value, the send right after the action that produces it. Consecutive
-    stages on the same rank exchange nothing.
+    Each compute action becomes the body receive → compute → send: the receive (its wait) right
+    before the action that consumes the value, the send right after the action that produces it.
+    Consecutive stages on the same rank exchange nothing. Each receive is then issued as early as
+    NCCL's in-order matching allows (point_to_point.add_receive_posts).
     """
     if plan.communicates:
         raise ValueError(f"plan {plan.name!r} already has its transfers; add_communication expects a compute-only plan")
     rows = [[step for action in row for step in _with_transfers(action, plan)] for row in plan.ranks]
-    return dataclasses.replace(plan, ranks=rows)
+    return add_receive_posts(dataclasses.replace(plan, ranks=rows))
 
 
 def _with_transfers(action: Action | None, plan: Plan) -> list[Action | None]:
@@ -50,8 +55,9 @@ def add_gradient_reductions(plan: Plan) -> Plan:
     """Insert REDUCE_GRADIENT(s) right after the last BACKWARD of stage s on its rank.
 
     Under layered accumulation that is long before the step ends, so the data-parallel reduction of
-    stage s overlaps the backward of the earlier stages. If the backward's gradient send follows
-    it, the reduction goes after the send: the upstream rank is waiting for that gradient.
+    stage s overlaps the backward of the earlier stages. If the backward's gradient send (and
+    receive posts) follow it, the reduction goes after them: the upstream rank is waiting for that
+    gradient, and a posted receive lets the next message land.
     """
     if any(action.kind == REDUCE_GRADIENT for _, _, action in plan.positions()):
         raise ValueError(f"plan {plan.name!r} already has its gradient reductions")
@@ -71,9 +77,9 @@ def _reduce_after_last_backward(row: tuple[Action | None, ...]) -> list[Action |
 
 
 def _after_its_sends(row: tuple[Action | None, ...], slot: int) -> int:
-    """The last slot of the sends that immediately follow the compute action at `slot`."""
+    """The last slot of the sends and receive posts that immediately follow the compute action at `slot`."""
     stage = row[slot].stage
-    while slot + 1 < len(row) and row[slot + 1] is not None and row[slot + 1].kind == SEND_GRADIENT \
-            and row[slot + 1].stage == stage:
+    while slot + 1 < len(row) and (is_post(row[slot + 1]) or row[slot + 1] is not None
+                                   and row[slot + 1].kind == SEND_GRADIENT and row[slot + 1].stage == stage):
         slot += 1
     return slot

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, NamedTuple, Sequence
 
-from .ir import BACKWARD, FORWARD, RECEIVE_ARROW, Action, Plan, PlanError, dependencies
+from .ir import BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, Action, Plan, PlanError, dependencies
 
 Cost = Callable[[Action], float]
 
@@ -75,8 +75,8 @@ def flop_cost(forward_flops_per_stage: Sequence[float] | float, flops_per_second
               bytes_per_second: float | None = None, activation_bytes: float = 0) -> Cost:
     """Cost model from FLOPs: F(s) = flops[s] / (FLOP/s), B(s) = backward_factor × F(s).
 
-    A receive takes activation_bytes / bytes_per_second (gradients are the same size); sends cost
-    nothing on the sender (posted asynchronously); other kinds cost 0.
+    A receive's wait takes activation_bytes / bytes_per_second (gradients are the same size); sends
+    and receive posts cost nothing on their rank (issued asynchronously); other kinds cost 0.
     """
     def forward_seconds(stage: int) -> float:
         flops = forward_flops_per_stage if isinstance(forward_flops_per_stage, (int, float)) \
@@ -88,7 +88,7 @@ def flop_cost(forward_flops_per_stage: Sequence[float] | float, flops_per_second
             return forward_seconds(action.stage)
         if action.kind == BACKWARD:
             return backward_factor * forward_seconds(action.stage)
-        is_receive = action.info.arrow == RECEIVE_ARROW
+        is_receive = action.kind in (RECV_ACTIVATION, RECV_GRADIENT)
         return activation_bytes / bytes_per_second if is_receive and bytes_per_second else 0.0
 
     return cost

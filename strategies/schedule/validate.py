@@ -2,13 +2,17 @@
 
 Checks, in order: shape (stage, micro-batch and rank numbers in range), each action on the rank
 its stage is placed on, each action at most once and every F and B exactly once, F before its B
-on a rank, every transfer paired with its other end, every dependency present, and a unit-time dry
-run (the simulator itself) that always makes progress.
+on a rank, every transfer paired with its other end, every receive post before its RECV, every
+dependency present, a unit-time dry run (the simulator itself) that always makes progress, and
+NCCL's rule: each pair of ranks issues its point-to-point operations in one order
+(point_to_point.py).
 """
 
 from __future__ import annotations
 
-from .ir import BACKWARD, FORWARD, SEND_ARROW, Action, Plan, PlanError, counterpart, dependencies
+from .ir import (BACKWARD, FORWARD, SEND_ARROW, Action, Plan, PlanError, counterpart, dependencies, is_post,
+                 posted_receive)
+from .point_to_point import check_point_to_point_order
 from .simulate import simulate, unit_cost
 
 __all__ = ["PlanError", "validate_plan"]
@@ -17,9 +21,10 @@ __all__ = ["PlanError", "validate_plan"]
 def validate_plan(plan: Plan) -> Plan:
     """Raise PlanError at the first fault (one sentence + the grid with the fault marked); return `plan` if sound."""
     for check in (_check_shape, _check_placement, _check_once, _check_forward_before_backward,
-                  _check_transfers_paired, _check_dependencies_present):
+                  _check_transfers_paired, _check_posts_precede_receives, _check_dependencies_present):
         check(plan)
     simulate(plan, unit_cost)  # the dry run: raises PlanError on a cyclic wait
+    check_point_to_point_order(plan)
     return plan
 
 
@@ -76,6 +81,15 @@ def _check_transfers_paired(plan: Plan) -> None:
             role = "send" if action.info.arrow == SEND_ARROW else "receive"
             raise PlanError(f"{action} is a {role} with no matching {counterpart(action)} on rank "
                             f"{plan.rank_of(action.peer_stage)}.", plan, [(rank, slot)])
+
+
+def _check_posts_precede_receives(plan: Plan) -> None:
+    for rank, row in enumerate(plan.ranks):
+        slots = {action: slot for slot, action in enumerate(row) if action is not None}
+        for slot, action in enumerate(row):
+            if is_post(action) and slots.get(posted_receive(action), -1) < slot:
+                raise PlanError(f"{action} posts the receive {posted_receive(action)}, which is not later "
+                                f"in rank {rank}'s list.", plan, [(rank, slot)])
 
 
 def _check_dependencies_present(plan: Plan) -> None:

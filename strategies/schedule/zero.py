@@ -18,18 +18,23 @@ from __future__ import annotations
 
 import dataclasses
 
-from .ir import BACKWARD, FORWARD, RECEIVE_ARROW, SEND_GRADIENT, Action, KindInfo, Plan, register_kind
+from .ir import BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_GRADIENT, Action, KindInfo, Plan, is_post
 
 GATHER_FORWARD = "GATHER_FORWARD"
 GATHER_BACKWARD = "GATHER_BACKWARD"
 REDUCE_SCATTER = "REDUCE_SCATTER"
 GATHER_FOR = {FORWARD: GATHER_FORWARD, BACKWARD: GATHER_BACKWARD}
 
-register_kind(GATHER_FORWARD, KindInfo("Af", None, True, False, True))
-register_kind(GATHER_BACKWARD, KindInfo("Ab", None, True, False, True))
+# Registered by strategies/schedule/__init__.py, like every pass module's table.
+ACTION_KINDS = {
+    GATHER_FORWARD: KindInfo("Af", None, True, False, True),
+    GATHER_BACKWARD: KindInfo("Ab", None, True, False, True),
+    REDUCE_SCATTER: KindInfo("Rs", None, True, False, True),
+}
 # The reduce-scatter of a backward run needs the run's last backward (list order gives the others).
-register_kind(REDUCE_SCATTER, KindInfo("Rs", None, True, False, True),
-              lambda action, plan: (Action(BACKWARD, action.stage, action.micro_batch),))
+DEPENDENCY_RULES = {
+    REDUCE_SCATTER: lambda action, plan: (Action(BACKWARD, action.stage, action.micro_batch),),
+}
 
 
 def compute_runs(row) -> list[list[tuple[int, Action]]]:
@@ -71,15 +76,15 @@ def _run_start(row, run) -> int:
     slot = run[0][0]
     first = run[0][1]
     previous = row[slot - 1] if slot > 0 else None
-    if previous is not None and previous.info.arrow == RECEIVE_ARROW \
+    if previous is not None and previous.kind in (RECV_ACTIVATION, RECV_GRADIENT) \
             and (previous.stage, previous.micro_batch) == (first.stage, first.micro_batch):
         return slot - 1
-    return slot
     return slot
 
 
 def add_gradient_reduce_scatters(plan: Plan) -> Plan:
-    """Insert REDUCE_SCATTER after each backward run (after its gradient sends: the upstream rank waits)."""
+    """Insert REDUCE_SCATTER after each backward run, after its gradient sends (the upstream rank waits)
+    and the receive posts that follow them (the handler may wait for the previous reduce-scatter)."""
     if any(action.kind == REDUCE_SCATTER for _, _, action in plan.positions()):
         raise ValueError(f"plan {plan.name!r} already has its gradient reduce-scatters")
     return dataclasses.replace(plan, ranks=[_with_reduce_scatters(row) for row in plan.ranks])
@@ -90,14 +95,18 @@ def _with_reduce_scatters(row) -> list[Action | None]:
     for run in compute_runs(row):
         slot, last = run[-1]
         if last.kind == BACKWARD:
-            while slot + 1 < len(row) and row[slot + 1] is not None and row[slot + 1].kind == SEND_GRADIENT \
-                    and (row[slot + 1].stage, row[slot + 1].micro_batch) == (last.stage, last.micro_batch):
+            while slot + 1 < len(row) and (is_post(row[slot + 1]) or _sends_gradient_of(row[slot + 1], last)):
                 slot += 1
             after[slot] = Action(REDUCE_SCATTER, last.stage, last.micro_batch)
     result = []
     for slot, action in enumerate(row):
         result += [action] + ([after[slot]] if slot in after else [])
     return result
+
+
+def _sends_gradient_of(action: Action | None, backward: Action) -> bool:
+    return action is not None and action.kind == SEND_GRADIENT \
+        and (action.stage, action.micro_batch) == (backward.stage, backward.micro_batch)
 
 
 def add_zero(plan: Plan) -> Plan:

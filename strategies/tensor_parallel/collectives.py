@@ -33,6 +33,13 @@ def sum_in_place(communicator, tensor: torch.Tensor, group) -> torch.Tensor:
     return tensor
 
 
+def sum_copy(communicator, tensor: torch.Tensor, group) -> torch.Tensor:
+    """Σ_group of a copy of `tensor`, added in fp32 (bf16 partial sums would round once per
+    member, the unsharded product rounds once), returned in `tensor`'s dtype."""
+    wide = tensor.to(torch.float64 if tensor.dtype == torch.float64 else torch.float32, copy=True)
+    return sum_in_place(communicator, wide, group).to(tensor.dtype)
+
+
 class GatherMatmulScatter(torch.autograd.Function):
     """Y = scatter_sum_y( gather_x(X) · gather_w(W) ), the linear of the 2-D and 3-D grids.
 
@@ -44,61 +51,71 @@ class GatherMatmulScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(context, x, weight, communicator, x_spec, w_spec, y_spec):
-        x_full = gather(communicator, x, *x_spec) if x_spec else x
-        w_full = gather(communicator, weight, *w_spec) if w_spec else weight
+        # Under autocast, cast before gathering, as autocast casts a linear's inputs: the gathers
+        # then move compute-dtype bytes. Partial sums are added in fp32 (one rounding, as inside
+        # the unsharded matrix product), then rounded to the compute dtype autocast would return.
+        dtype = compute_dtype(x)
+        x_full = gather(communicator, x.to(dtype), *x_spec) if x_spec else x.to(dtype)
+        w_full = gather(communicator, weight.to(dtype), *w_spec) if w_spec else weight.to(dtype)
         context.save_for_backward(x_full, w_full)
         context.specs = (communicator, x_spec, w_spec, y_spec)
         y_partial = x_full @ w_full
-        return scatter_sum(communicator, y_partial, *y_spec) if y_spec else y_partial
+        return summed(communicator, y_partial, y_spec).to(dtype)
 
     @staticmethod
     def backward(context, grad_y):
         x_full, w_full = context.saved_tensors
         communicator, x_spec, w_spec, y_spec = context.specs
-        grad_full = gather(communicator, grad_y.contiguous(), *y_spec) if y_spec else grad_y
+        grad_y = grad_y.to(x_full.dtype).contiguous()
+        grad_full = gather(communicator, grad_y, *y_spec) if y_spec else grad_y
         grad_x = grad_full @ w_full.t()
         grad_w = x_full.reshape(-1, x_full.shape[-1]).t() @ grad_full.reshape(-1, grad_full.shape[-1])
-        grad_x = scatter_sum(communicator, grad_x, *x_spec) if x_spec else grad_x
-        grad_w = scatter_sum(communicator, grad_w, *w_spec) if w_spec else grad_w
-        return grad_x, grad_w, None, None, None, None
+        # autograd casts each gradient back to its input's dtype (fp32 masters stay fp32)
+        return summed(communicator, grad_x, x_spec), summed(communicator, grad_w, w_spec), None, None, None, None
 
 
-class SumOverGroup(torch.autograd.Function):
-    """y = Σ_group x on every member; each member uses y on its own data, so dx = Σ_group dy."""
-
-    @staticmethod
-    def forward(context, x, communicator, group):
-        context.communicator, context.group = communicator, group
-        return sum_in_place(communicator, x.clone(), group)
-
-    @staticmethod
-    def backward(context, grad_y):
-        return sum_in_place(context.communicator, grad_y.clone(), context.group), None, None
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype autocast runs a matrix product in here, or the tensor's own outside autocast."""
+    device = tensor.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
 
 
-class CopyToGroup(torch.autograd.Function):
-    """Megatron's f: identity forward; the replicated input's gradient is summed backward."""
-
-    @staticmethod
-    def forward(context, x, communicator, group):
-        context.communicator, context.group = communicator, group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(context, grad_y):
-        return sum_in_place(context.communicator, grad_y.clone(), context.group), None, None
+def summed(communicator, partial: torch.Tensor, spec) -> torch.Tensor:
+    """Reduce-scatter partial products in fp32 where a spec says so (else: the partial itself)."""
+    if not spec:
+        return partial
+    return scatter_sum(communicator, partial.float() if partial.dtype != torch.float64 else partial, *spec)
 
 
-class ReduceFromGroup(torch.autograd.Function):
-    """Megatron's g: partial sums are added forward; the replicated output's gradient passes."""
+class GroupSum(torch.autograd.Function):
+    """Σ over a group in the forward, the backward, or both (Megatron's f and g, and their union).
+
+    f = copy_to_group: identity forward; the replicated input's gradient is summed backward.
+    g = reduce_from_group: partial sums are added forward; the replicated output's gradient passes.
+    sum_over_group: every member uses y = Σ x on its own data, so dx = Σ dy.
+    """
 
     @staticmethod
-    def forward(context, x, communicator, group):
-        return sum_in_place(communicator, x.clone(), group)
+    def forward(context, x, communicator, group, sum_forward: bool, sum_backward: bool):
+        context.communicator, context.group, context.sum_backward = communicator, group, sum_backward
+        return sum_copy(communicator, x, group) if sum_forward else x.view_as(x)
 
     @staticmethod
     def backward(context, grad_y):
-        return grad_y, None, None
+        grad_x = sum_copy(context.communicator, grad_y, context.group) if context.sum_backward else grad_y
+        return grad_x, None, None, None, None
+
+
+def copy_to_group(x, communicator, group):
+    return GroupSum.apply(x, communicator, group, False, True)
+
+
+def reduce_from_group(x, communicator, group):
+    return GroupSum.apply(x, communicator, group, True, False)
+
+
+def sum_over_group(x, communicator, group):
+    return GroupSum.apply(x, communicator, group, True, True)
 
 
 class VocabularyParallelCrossEntropy(torch.autograd.Function):

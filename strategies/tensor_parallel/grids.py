@@ -12,13 +12,15 @@ Layouts of an activation [rows, features] (rows = this data rank's sequences):
       redistribution between consecutive linears).
   2d  rows chunk `row` of q, features chunk `column` of q, before and after every linear.
   1d  rows and features whole; column-parallel output features chunk t of P.
+
+This file is the one home of grid geometry: coordinates, the edge q, and the group families inside
+one tensor block that `layout_arguments` hands to ParallelLayout (which knows nothing of grids).
 """
 
 from dataclasses import dataclass
+from typing import Dict
 
 import torch
-
-from parallel.layout import grid_coordinates, grid_edge
 
 
 def take(tensor: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
@@ -50,11 +52,19 @@ class Grid3D:
     """q³ ranks, t = i + q·(j + q·k) (TECHNIQUES §4)."""
 
     name, dimension = "3d", 3
+    # family -> the coordinates that vary inside one of its groups: groups of q along one axis,
+    # and the unions of q² that hold copies of a replicated parameter
+    VARYING = {"input": ("j",), "weight": ("i",), "output": ("k",),
+               "input_weight": ("i", "j"), "output_weight": ("i", "k")}
     FAMILY_OF = {"j": "input", "k": "output"}
     UNION_WITH_WEIGHT = {"j": "input_weight", "k": "output_weight"}
 
     def __init__(self, edge: int, local: int):
-        self.q, self.c = edge, grid_coordinates("3d", local, edge)
+        self.q, self.c = edge, self.coordinates(local, edge)
+
+    @staticmethod
+    def coordinates(local: int, edge: int) -> Dict[str, int]:
+        return {"i": local % edge, "j": local // edge % edge, "k": local // edge ** 2}
 
     def roles(self, position: str):
         """(a, b): a splits the input rows with i and is gathered; b splits input features."""
@@ -65,6 +75,10 @@ class Grid3D:
         return self.q
 
     head_parts = output_parts
+
+    @property
+    def feature_parts(self) -> int:
+        return self.q * self.q  # a weight's input features are split by (b, i)
 
     def cut(self, style: Style, name: str, full: torch.Tensor) -> torch.Tensor:
         q, i = self.q, self.c["i"]
@@ -113,15 +127,20 @@ class Grid2D:
     """q² ranks, t = column + q·row; SUMMA's layout (rows by `row`, features by `column`)."""
 
     name, dimension = "2d", 2
+    VARYING = {"row": ("column",), "column": ("row",)}  # `row` holds one row of the grid
 
     def __init__(self, edge: int, local: int):
-        self.q, self.c = edge, grid_coordinates("2d", local, edge)
+        self.q, self.c = edge, self.coordinates(local, edge)
+
+    @staticmethod
+    def coordinates(local: int, edge: int) -> Dict[str, int]:
+        return {"column": local % edge, "row": local // edge}
 
     @property
     def output_parts(self) -> int:
         return self.q
 
-    head_parts = output_parts
+    head_parts = feature_parts = output_parts
 
     def cut(self, style: Style, name: str, full: torch.Tensor) -> torch.Tensor:
         q, row, column = self.q, self.c["row"], self.c["column"]
@@ -161,15 +180,20 @@ class Grid1D:
     """P ranks in one group (Megatron): "first" linears split outputs, "second" split inputs."""
 
     name, dimension = "1d", 1
+    VARYING = {}  # the tensor group itself is the only group
 
     def __init__(self, edge: int, local: int):
         self.q, self.t = edge, local
+
+    @staticmethod
+    def coordinates(local: int, edge: int) -> Dict[str, int]:
+        return {"t": local}
 
     @property
     def output_parts(self) -> int:
         return self.q
 
-    head_parts = output_parts
+    head_parts = feature_parts = output_parts
 
     def cut(self, style: Style, name: str, full: torch.Tensor) -> torch.Tensor:
         if style.kind != "linear":
@@ -202,8 +226,37 @@ class Grid1D:
 
 
 GRIDS = {"1d": Grid1D, "2d": Grid2D, "3d": Grid3D}
+DIMENSION = {name: grid.dimension for name, grid in GRIDS.items()}  # a block has q^dimension ranks
+
+
+def grid_edge(tensor_grid: str, tensor_degree: int) -> int:
+    """q such that q^dimension == tensor_degree (ValueError otherwise)."""
+    dimension = DIMENSION[tensor_grid]
+    edge = round(tensor_degree ** (1 / dimension))
+    if edge ** dimension != tensor_degree:
+        raise ValueError(f"a {tensor_grid} tensor grid needs a perfect power, got {tensor_degree}")
+    return edge
 
 
 def grid_of(tensor_grid: str, tensor_degree: int, local: int):
     """The grid object of local tensor index `local` in a tensor block of `tensor_degree`."""
     return GRIDS[tensor_grid](grid_edge(tensor_grid, tensor_degree), local)
+
+
+def family_members(family: str, tensor_grid: str, tensor_degree: int) -> tuple:
+    """Local index lists of every group of `family`, sorted so coordinate order = rank order."""
+    grid, edge = GRIDS[tensor_grid], grid_edge(tensor_grid, tensor_degree)
+    fixed = lambda local: tuple(value for name, value in sorted(grid.coordinates(local, edge).items())
+                                if name not in grid.VARYING[family])
+    groups: Dict[tuple, list] = {}
+    for local in range(tensor_degree):
+        groups.setdefault(fixed(local), []).append(local)
+    return tuple(tuple(members) for _, members in sorted(groups.items()))
+
+
+def layout_arguments(tensor_grid: str, tensor_degree: int) -> dict:
+    """ParallelLayout's arguments for this grid: its families (created after the axes, in this
+    order on every rank) and its name, which checkpoints record to refuse a different grid."""
+    families = {family: family_members(family, tensor_grid, tensor_degree)
+                for family in GRIDS[tensor_grid].VARYING}
+    return {"families": families, "tensor_grid": tensor_grid}

@@ -9,10 +9,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from strategies.tensor_parallel.collectives import (
-    CopyToGroup,
+    copy_to_group,
     GatherMatmulScatter,
-    ReduceFromGroup,
-    SumOverGroup,
+    reduce_from_group,
+    sum_over_group,
     VocabularyParallelCrossEntropy,
 )
 
@@ -43,28 +43,27 @@ class GridLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class ColumnParallelLinear(nn.Module):
+class MegatronLinear(nn.Module):
+    """A 1-D tensor-parallel linear: this rank's slice of W (and b) and the tensor group."""
+
+    def __init__(self, weight, bias, layout):
+        super().__init__()
+        self.weight, self.bias = _parameter(weight), _parameter(bias)
+        self.communicator, self.group = layout.communicator, layout.group("tensor")
+
+
+class ColumnParallelLinear(MegatronLinear):
     """Megatron: W split by output rows; input gradient summed over the group (f)."""
 
-    def __init__(self, weight, bias, layout):
-        super().__init__()
-        self.weight, self.bias = _parameter(weight), _parameter(bias)
-        self.communicator, self.group = layout.communicator, layout.group("tensor")
-
     def forward(self, x):
-        return F.linear(CopyToGroup.apply(x, self.communicator, self.group), self.weight, self.bias)
+        return F.linear(copy_to_group(x, self.communicator, self.group), self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(MegatronLinear):
     """Megatron: W split by input columns; partial outputs summed over the group (g)."""
 
-    def __init__(self, weight, bias, layout):
-        super().__init__()
-        self.weight, self.bias = _parameter(weight), _parameter(bias)
-        self.communicator, self.group = layout.communicator, layout.group("tensor")
-
     def forward(self, x):
-        y = ReduceFromGroup.apply(F.linear(x, self.weight), self.communicator, self.group)
+        y = reduce_from_group(F.linear(x, self.weight), self.communicator, self.group)
         return y if self.bias is None else y + self.bias
 
 
@@ -81,7 +80,7 @@ class ParallelLayerNorm(nn.Module):
         self.features = weight.numel() * self.group.size
 
     def _sum(self, x):
-        return SumOverGroup.apply(x.sum(-1, keepdim=True), self.communicator, self.group)
+        return sum_over_group(x.sum(-1, keepdim=True), self.communicator, self.group)
 
     def forward(self, x):
         centred = x - self._sum(x) / self.features

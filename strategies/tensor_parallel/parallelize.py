@@ -155,8 +155,8 @@ def consolidate(rank_states, described: dict, prefix: str = "model.") -> dict:
             full[name] = rank_states[0][name].clone()
             continue
         shape = grid_of(tensor_grid, tensor, 0).full_shape(style, leaf, rank_states[0][name].shape)
-        values = torch.empty(shape, dtype=rank_states[0][name].dtype)
-        index = torch.arange(values.numel()).reshape(shape)
+        values = torch.empty(shape, dtype=rank_states[0][name].dtype)  # host: offline consolidation
+        index = torch.arange(values.numel()).reshape(shape)  # host: offline consolidation
         for local in range(tensor):
             where = cut(grid_of(tensor_grid, tensor, local), style, leaf, index)
             values.view(-1)[where.reshape(-1)] = rank_states[local][name].reshape(-1)

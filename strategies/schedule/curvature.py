@@ -1,4 +1,5 @@
 """K-FAC work units as actions, their FLOP cost, and the pass that packs them into a plan's bubbles.
+(The K-FAC math itself, factors and inverses of a model, is strategies/kfac.py.)
 
 Units of stage s (TECHNIQUES.md §2, PipeFisher, Osawa et al. 2023), written compactly:
     "sKaq i" curvature A (A += aᵀa) of the qkv Linears, micro-batch i, after F(s,i); q p i o =
@@ -11,7 +12,7 @@ fit the one-forward gaps of 1F1B. A Linear's unit that is still too large for th
 split over its tokens (A = Σ_tokens aᵀa, so head + tail = whole); the tail runs after the head.
 Every producer of a unit runs on the unit's own rank, so a rank's list order carries the dependency:
 a unit sits after its producers in the same step, or in a later step of the k-step cycle (spilled).
-So the kinds register no cross-rank rule; `check_cycle` checks order.
+So the kinds have no dependency rule; `check_cycle` checks order.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import dataclasses
 import math
 from typing import NamedTuple, Sequence
 
-from .ir import BACKWARD, FORWARD, KINDS, SEND_ARROW, Action, KindInfo, Plan, PlanError, register_kind
+from .ir import BACKWARD, FORWARD, SEND_ARROW, Action, KindInfo, Plan, PlanError, is_post
 from .simulate import Cost, TimedAction, Timeline, simulate
+from .validate import validate_plan
 
 LINEAR_PARTS = {"q": "attention.qkv", "p": "attention.proj", "i": "mlp.fc_in", "o": "mlp.fc_out"}
 CURVATURE = {(factor, part): f"KFAC_CURVATURE_{factor}_{part}" for factor in "AB" for part in LINEAR_PARTS}
@@ -38,14 +40,15 @@ UNITS.update({SYNC_A: ("A", None), SYNC_B: ("B", None), INVERT_A: ("A", None), I
 PRIORITY = tuple(piece for kind in CURVATURE_A + CURVATURE_B for piece in (kind, *HALVES[kind])) + (
     SYNC_A, SYNC_B, INVERT_A, INVERT_B)  # §2's greedy order; a half takes its whole unit's place
 
-for (_factor, _part), _kind in CURVATURE.items():
-    register_kind(_kind, KindInfo(f"K{_factor.lower()}{_part}", None, True, True, False))
-    for _half, _letter in zip(HALVES[_kind], "ht"):
-        register_kind(_half, KindInfo(f"K{_factor.lower()}{_part}{_letter}", None, True, True, False))
-for _kind, _info in {SYNC_A: KindInfo("Sa", None, False, False, True), SYNC_B: KindInfo("Sb", None, False, False, True),
-                     INVERT_A: KindInfo("Ia", None, False, True, False),
-                     INVERT_B: KindInfo("Ib", None, False, True, False)}.items():
-    register_kind(_kind, _info)
+# Registered by strategies/schedule/__init__.py, like every pass module's table. A curvature unit
+# is written "Kaq", its token halves "Kaqh" and "Kaqt".
+ACTION_KINDS = {piece: KindInfo(f"K{factor.lower()}{part}{suffix}", None, True, True, False)
+                for (factor, part), kind in CURVATURE.items()
+                for piece, suffix in zip((kind, *HALVES[kind]), ("", "h", "t"))}
+ACTION_KINDS.update({SYNC_A: KindInfo("Sa", None, False, False, True), SYNC_B: KindInfo("Sb", None, False, False, True),
+                     INVERT_A: KindInfo("Ia", None, False, True, False), INVERT_B: KindInfo("Ib", None, False, True, False)})
+# No rules: every producer of a unit runs on the unit's own rank, so list order carries them (module docstring).
+DEPENDENCY_RULES = {}
 
 
 def is_curvature(kind: str) -> bool:
@@ -153,13 +156,19 @@ def synchronous_plan(plan: Plan) -> Plan:
     return dataclasses.replace(plan, ranks=rows, name=f"{plan.name} + synchronous K-FAC")
 
 
+def _issues_transfer(action: Action) -> bool:
+    """A send or a receive post: issued right after the compute it follows, before any curvature unit."""
+    return action.info.arrow == SEND_ARROW or is_post(action)
+
+
 def _curvature_after(actions: list, slot: int) -> list:
-    """The curvature unit of the compute at the end of a compute-and-sends run ending at `slot`."""
+    """The curvature unit of the compute at the end of a compute-sends-and-posts run ending at `slot`."""
     compute = slot
-    while actions[compute].info.arrow == SEND_ARROW:
-        compute -= 1
+    while compute >= 0 and _issues_transfer(actions[compute]):
+        compute -= 1  # a row may start with receive posts
     following = actions[slot + 1] if slot + 1 < len(actions) else None
-    if actions[compute].kind not in (FORWARD, BACKWARD) or (following is not None and following.info.arrow == SEND_ARROW):
+    if compute < 0 or actions[compute].kind not in (FORWARD, BACKWARD) \
+            or (following is not None and _issues_transfer(following)):
         return []
     kinds = CURVATURE_A if actions[compute].kind == FORWARD else CURVATURE_B
     return [Action(kind, actions[compute].stage, actions[compute].micro_batch) for kind in kinds]
@@ -197,7 +206,7 @@ class Cycle:
         return {"refresh_interval": self.refresh_interval, "needed": self.needed, "ratio": self.ratio,
                 "fill": self.fill, "fill_before_last": self.fill_before_last, "packing": self.packing,
                 "spilled_to_critical_path": self.spilled_to_critical_path,
-                "split_in_token_halves": sorted(KINDS[kind].letter for kind in self.split)}
+                "split_in_token_halves": sorted(ACTION_KINDS[kind].letter for kind in self.split)}
 
 
 class _Gap(NamedTuple):
@@ -214,6 +223,7 @@ def pack(plan: Plan, cost: Cost, refresh_interval: int | None = None, margin: fl
        highest-priority ready unit whose cost fits in what is left of the gap × (1 − margin) (§2).
     k = the steps that needs, unless `refresh_interval` forces it: extra steps stay empty, and
     units that do not fit in k steps go after the last action of step k (on the critical path).
+    Each step's plan is validated (units add no transfer, so `plan`'s point-to-point order stays).
     """
     timeline = simulate(plan, cost)
     split = split_kinds(plan, timeline, cost, margin)
@@ -223,7 +233,7 @@ def pack(plan: Plan, cost: Cost, refresh_interval: int | None = None, margin: fl
     if refresh_interval is None and any(leftover for _, leftover, _ in per_rank):
         raise ValueError(f"K-FAC work of {plan.name} does not fit in the bubbles of {max_steps} steps")
     k = refresh_interval or needed
-    plans = tuple(_step_plan(plan, per_rank, step, k) for step in range(k))
+    plans = tuple(validate_plan(_step_plan(plan, per_rank, step, k)) for step in range(k))  # each step runs as is
     return Cycle(plans, needed, *_fill_figures(plan, timeline, cost, per_rank, k, split),
                  spilled_to_critical_path=sum(len(leftover) for _, leftover, _ in per_rank), split=split)
 

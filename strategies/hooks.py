@@ -1,0 +1,63 @@
+"""What the run asks of every strategy besides Lightning's interface, with the defaults most need.
+
+Every strategy class mixes in `RunHooks` (first in its bases), so layerwise/ calls these methods
+directly instead of probing attributes. A technique overrides only what it has: a pipeline its
+bubble fraction and Gantt charts, ZeRO the shards it keeps resident, FSDP2 its sharding hook.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+
+class RunHooks:
+    """Defaults for the run's questions to a strategy.
+
+    1. `layout`: the ParallelLayout (groups and the counted communicator), or None without one;
+    2. `owns_step`: training_step runs the backward too, so the task must not zero gradients after it;
+    3. `data_parallel()`: (rank, degree) of this process along the data axis, for the data module;
+    4. `compute_resident_tensors()`: what the compute side holds between steps (the memory meter's floor);
+    5. `shard_lightning_module`, `bubble_fraction`, `write_evidence`: nothing unless overridden.
+    """
+
+    layout = None
+    owns_step = False
+
+    def communicator(self):
+        """The counted communicator every collective of this strategy passes through, if any."""
+        return None if self.layout is None else self.layout.communicator
+
+    def data_parallel(self) -> tuple:
+        """(data-parallel rank, data-parallel degree)."""
+        if self.layout is None:
+            return 0, 1
+        return self.layout.index("data"), self.layout.degrees.data
+
+    def compute_resident_tensors(self) -> list:
+        """Parameters, their gradients and the optimizer state: what a replicated model keeps."""
+        parameters = list(self.lightning_module.parameters())
+        tensors = parameters + [p.grad for p in parameters if p.grad is not None]
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
+        return tensors
+
+    def set_collective_timeout(self, seconds: float) -> None:
+        """Bound every collective of the process group (Slurm: a rank that hangs alive). Lightning's
+        DDP and ModelParallel strategies read `_timeout` when they create the group; one-process
+        strategies create none and ignore it."""
+        self._timeout = timedelta(seconds=seconds)
+
+    def shard_lightning_module(self, task) -> None:
+        """Called from the task's configure_model (Lightning's ModelParallelStrategy needs it)."""
+
+    def bubble_fraction(self) -> dict | None:
+        """{"simulated": x, "measured": y} where the strategy runs a schedule; None otherwise."""
+        return None
+
+    def write_evidence(self, run_directory: Path, loggers) -> list:
+        """Write technique-specific files (Gantt charts, schedules) on rank 0; returns their paths."""
+        return []

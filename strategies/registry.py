@@ -1,0 +1,73 @@
+"""The declared contract between the run (layerwise/) and the techniques (strategies/).
+
+Before any process starts the run needs, per `strategy.name`, a `StrategyEntry`: its checks, its
+degrees and whether it runs as one process. In each rank it needs `build`; offline (tests, export)
+it needs `consolidate`. After `build`, the run talks to the strategy only through Lightning's
+interface and the `RunHooks` methods (strategies/hooks.py), never by probing attributes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from parallel.layout import Degrees
+
+
+def consolidate_replicated(rank_state_dicts: list, layout: dict) -> dict:
+    """Ranks hold disjoint parts (pipeline stages) or equal copies (data replicas): the union."""
+    merged = {}
+    for state in rank_state_dicts:
+        for name, value in state.items():
+            merged.setdefault(name, value)
+    return merged
+
+
+@dataclass(frozen=True)
+class StrategyEntry:
+    """One technique as the run sees it.
+
+    check(cfg, world_size) -> config errors, each naming the field and the fix (before launch);
+    degrees(cfg, world_size) -> the parallel degrees the layout will build;
+    build(cfg, world_size) -> the Lightning strategy, given narrow arguments read from cfg here;
+    consolidate(rank_state_dicts, layout) -> the plain model's state dict from per-rank checkpoints.
+    """
+
+    check: Callable[..., list]
+    degrees: Callable[..., Degrees]
+    build: Callable[..., object]
+    consolidate: Callable[[list, dict], dict] = consolidate_replicated
+    one_process: bool = False  # runs as one process whatever hardware.devices_per_node says
+    # Lightning's optimizer step runs (and so clips at trainer.gradient_clip_val); false for every
+    # strategy that overrides optimizer_step, which bypasses Lightning's clipping.
+    clips_gradients: bool = False
+
+
+# strategy.name -> (module, entry attribute). Modules import lazily: `--help` and config checks of
+# one strategy do not import every technique.
+REGISTRY = {
+    "single": ("strategies.plain", "SINGLE"),
+    "ddp": ("strategies.plain", "DDP"),
+    "l2l": ("strategies.l2l", "L2L"),
+    "modular_pipeline": ("strategies.modular_pipeline", "PIPELINE"),
+    "gpipe": ("strategies.modular_pipeline", "PIPELINE"),
+    "one_f_one_b": ("strategies.modular_pipeline", "PIPELINE"),
+    "interleaved_1f1b": ("strategies.modular_pipeline", "PIPELINE"),
+    "zero_layered": ("strategies.zero_layered", "ZERO_LAYERED"),
+    "zero_depth_first": ("strategies.zero_layered", "ZERO_LAYERED"),
+    "fsdp2": ("strategies.fsdp2", "FSDP2"),
+    "kfac": ("strategies.kfac", "KFAC_ORACLE"),
+    "pipefisher": ("strategies.pipefisher", "PIPEFISHER"),
+    "three_d": ("strategies.three_d", "TENSOR_PARALLEL"),
+    "tp_1d": ("strategies.three_d", "TENSOR_PARALLEL"),
+    "tp_2d": ("strategies.three_d", "TENSOR_PARALLEL"),
+}
+
+
+def strategy_entry(name: str) -> StrategyEntry:
+    """The entry of `strategy.name`; KeyError naming the known strategies otherwise."""
+    if name not in REGISTRY:
+        raise KeyError(f"unknown strategy {name!r}; known: {', '.join(sorted(REGISTRY))}")
+    module, attribute = REGISTRY[name]
+    return getattr(importlib.import_module(module), attribute)

@@ -1,0 +1,50 @@
+"""Every tensor the framework creates names its device, or says why it lives on the host (DESIGN 11).
+
+On a GPU a factory call without `device=` makes a CPU tensor, and NCCL rejects a CPU tensor in a
+collective: the first step would fail. The scan reads the syntax tree (not text), so a call split
+over several lines or written `torch . zeros` is still found; a `# host` comment on any line of
+the call, or on the line just above it, marks a buffer that belongs on the host (the L2L store, data loading, offline tools).
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCANNED = ("strategies", "parallel", "layerwise")
+FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint",
+             "randperm", "eye", "linspace"}
+
+
+def unmarked_factory_calls(source: str, path: str) -> list:
+    """`path:line torch.<factory>(...)` for each factory call with no device= and no # host mark."""
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                and node.func.attr in FACTORIES):
+            continue
+        if any(keyword.arg == "device" for keyword in node.keywords):
+            continue
+        span = lines[max(0, node.lineno - 2):node.end_lineno]  # the call, and the line above it
+        if not any("# host" in line for line in span):
+            found.append(f"{path}:{node.lineno} torch.{node.func.attr}(...)")
+    return found
+
+
+def test_every_factory_call_names_a_device_or_is_marked_host():
+    offenders = []
+    for package in SCANNED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            offenders += unmarked_factory_calls(path.read_text(), str(path.relative_to(ROOT)))
+    assert not offenders, "tensor factories without device= or a '# host' reason:\n" + "\n".join(offenders)
+
+
+def test_the_scan_finds_what_it_must():
+    source = ("import torch\n"
+              "a = torch.zeros(3)\n"
+              "b = torch.empty(\n    4,\n)\n"
+              "c = torch.ones(2, device=d)\n"
+              "e = torch.tensor([1])  # host: a loader's batch\n"
+              "f = torch.zeros_like(a)\n")
+    assert unmarked_factory_calls(source, "x.py") == ["x.py:2 torch.zeros(...)", "x.py:3 torch.empty(...)"]

@@ -1,0 +1,74 @@
+"""`hardware.precision=bf16-mixed` is honoured by every strategy, not silently run in fp32.
+
+For each strategy: its bf16-mixed losses equal `single`'s bf16-mixed losses within the bf16
+tolerance, they differ from its own fp32 run by more than the fp32 tolerance (proof that autocast
+ran), and summary.json's `precision`, read from the dtypes the matrix products ran in, says so.
+"""
+
+import pytest
+
+from layerwise.run import train
+from layerwise.validate import ConfigError, validate
+from tests.harness import BF16_LOSS_RTOL, LOSS_RTOL, QUICK, compose_config
+
+STEPS = 5
+BF16 = "hardware.precision=bf16-mixed"
+
+
+def run(directory, *overrides):
+    cfg = compose_config(*QUICK, f"trainer.max_steps={STEPS}", "trainer.val_check_interval=5",
+                         "model.layers=4", "model.hidden=64", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", *overrides)
+    return train(cfg, directory, validate(cfg))
+
+
+@pytest.fixture(scope="module")
+def single_bf16(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("single_bf16"), "strategy=single", BF16)
+
+
+# id: (overrides, reference strategy overrides when not `single`)
+CASES = {
+    "ddp_dp2": ["strategy=ddp"],
+    "modular_pipeline_pp2_v2": ["strategy=modular_pipeline"],
+    "gpipe_pp2": ["strategy=gpipe"],
+    "one_f_one_b_pp2": ["strategy=one_f_one_b"],
+    "interleaved_pp2_v2": ["strategy=interleaved_1f1b"],
+    "zero_layered_dp2": ["strategy=zero_layered"],
+    "zero_layered_pp2_dp2": ["strategy=zero_layered", "strategy.pipeline_degree=2",
+                             "hardware.devices_per_node=4"],
+    "tp_1d_2": ["strategy=tp_1d", "strategy.tensor_grid=2"],
+    "tp_2d_q2": ["strategy=tp_2d", "hardware.devices_per_node=4"],
+    "l2l_dp2": ["strategy=l2l"],
+    "fsdp2_dp2": ["strategy=fsdp2"],
+}
+
+
+def relative_gap(actual, expected) -> float:
+    return max(abs(a - e) / abs(e) for a, e in zip(actual, expected))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_mixed_equals_single_and_is_not_fp32(case, single_bf16, tmp_path):
+    bf16 = run(tmp_path / "bf16", *CASES[case], BF16)
+    fp32 = run(tmp_path / "fp32", *CASES[case])
+    assert bf16["precision"] == "bf16-mixed" and fp32["precision"] == "32-true"
+    print(f"{case}: bf16 vs single bf16 {relative_gap(bf16['losses'], single_bf16['losses']):.2e}, "
+          f"bf16 vs own fp32 {relative_gap(bf16['losses'], fp32['losses']):.2e}")
+    assert relative_gap(bf16["losses"], single_bf16["losses"]) <= BF16_LOSS_RTOL
+    assert relative_gap(bf16["losses"], fp32["losses"]) > LOSS_RTOL  # autocast really ran
+
+
+def test_pipefisher_bf16_mixed_equals_kfac(tmp_path):
+    common = ["strategy.micro_batches=4", "optimizer=lamb", "strategy.refresh_interval=2", BF16]
+    kfac = run(tmp_path / "kfac", "strategy=kfac", *common)
+    pipefisher = run(tmp_path / "pipefisher", "strategy=pipefisher", *common)
+    fp32 = run(tmp_path / "fp32", "strategy=pipefisher", *common[:-1])
+    assert pipefisher["precision"] == kfac["precision"] == "bf16-mixed"
+    assert relative_gap(pipefisher["losses"], kfac["losses"]) <= BF16_LOSS_RTOL
+    assert relative_gap(pipefisher["losses"], fp32["losses"]) > LOSS_RTOL
+
+
+def test_fp16_is_rejected_on_cpu_before_launch():
+    cfg = compose_config(*QUICK, "hardware.precision=16-mixed")
+    with pytest.raises(ConfigError, match="hardware.precision='16-mixed'"):
+        validate(cfg)

@@ -5,6 +5,9 @@
     python train.py -m strategy=single,ddp           a sweep: one run directory per point
     python train.py mode=check                       compose and validate only
     python train.py --help                           the config groups and their options
+    torchrun --nnodes=2 --nproc-per-node=8 ... train.py hardware.nodes=2   ranks started outside
+
+Nothing here initialises CUDA: local GPU ranks are started afterwards (layerwise/launch.py).
 """
 
 import os
@@ -15,10 +18,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from layerwise.config import register_schemas
+from layerwise.launch import external_world_errors, launched_externally, writes_run_files
 from layerwise.validate import ConfigError, validate
 
 register_schemas()
 os.environ.setdefault("WANDB_MODE", "offline")  # nothing leaves the machine unless asked
+# Under torchrun/srun every rank runs this file; Hydra's own files (.hydra/, train.log) come from one.
+SILENT_RANK_OVERRIDES = ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
 
 
 def finish_config(cfg) -> None:
@@ -30,32 +36,44 @@ def finish_config(cfg) -> None:
         cfg.run_name = hydra_config.job.override_dirname  # the point's overrides name its W&B run
 
 
+def say(message: str) -> None:
+    """Print on global rank 0 only (every rank torchrun or srun started runs this file)."""
+    if writes_run_files():
+        print(f"[layerwise] {message}", flush=True)
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def main(cfg) -> float:
+def main(cfg):
     finish_config(cfg)
     try:
         world_size = validate(cfg)  # before any process starts
+        problems = external_world_errors(world_size, sweep=HydraConfig.get().mode.name == "MULTIRUN")
+        if problems:
+            raise ConfigError(problems)
     except ConfigError as error:
         print(f"layerwise: {error}", file=sys.stderr)
         sys.exit(2)
     run_directory = HydraConfig.get().runtime.output_dir
-    if int(os.environ.get("SLURM_PROCID", 0)) == 0:  # under srun every rank gets here: one writes
+    if writes_run_files():  # under srun/torchrun every rank gets here: one writes
         OmegaConf.save(cfg, os.path.join(run_directory, "config.yaml"), resolve=True)
-    print(f"[layerwise] {cfg.strategy.name} × {cfg.model.name} × {cfg.hardware.name}: "
-          f"{world_size} rank(s), run directory {run_directory}", flush=True)
+    say(f"{cfg.strategy.name} × {cfg.model.name} × {cfg.hardware.name}: {world_size} rank(s), "
+        f"run directory {run_directory}")
     if cfg.mode == "check":
-        print("[layerwise] configuration is valid; mode=check starts nothing", flush=True)
+        say("configuration is valid; mode=check starts nothing")
         return 0.0
     from layerwise.run import train
     summary = train(cfg, run_directory, world_size)
-    print(f"[layerwise] {summary['status']}: validation loss {summary['initial_val_loss']:.4f} -> "
-          f"{summary['final_val_loss']:.4f} nats/token, {summary['tokens_per_s_median']:.0f} "
-          f"tokens/s; evidence in {run_directory}", flush=True)
+    if summary is None:  # a rank other than global rank 0: rank 0 reports
+        return None
+    say(f"{summary['status']}: validation loss {summary['initial_val_loss']:.4f} -> "
+        f"{summary['final_val_loss']:.4f} nats/token, {summary['tokens_per_s_median']:.0f} "
+        f"tokens/s; evidence in {run_directory}")
     if cfg.logger.name == "wandb" and cfg.logger.mode == "offline":
-        print(f"[layerwise] upload the W&B run with: wandb sync {run_directory}/wandb/offline-run-*",
-              flush=True)
+        say(f"upload the W&B run with: wandb sync {run_directory}/wandb/offline-run-*")
     return summary["final_val_loss"]
 
 
 if __name__ == "__main__":
+    if launched_externally() and not writes_run_files():
+        sys.argv += SILENT_RANK_OVERRIDES
     main()

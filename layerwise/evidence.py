@@ -22,9 +22,10 @@ import torch.distributed as dist
 
 from parallel.comm import KINDS
 from parallel.memory import ComputeMemoryMeter
+from parallel.timing import StepTimer, allocator_peak_bytes, reset_allocator_peak
 
 COLUMNS = (["step", "loss", "lr", "step_time_s", "tokens_per_s"]
-           + [f"comm_bytes_{kind}" for kind in KINDS] + ["peak_compute_bytes", "val_loss"])
+           + [f"comm_bytes_{kind}" for kind in KINDS] + ["peak_compute_bytes", "allocator_peak_bytes", "val_loss"])
 
 
 def reduce_over_ranks(values: list, op, device: torch.device) -> list:
@@ -105,11 +106,22 @@ class RunEvidence(pl.Callback):
     # ----- steps
     def on_train_start(self, trainer, module):
         self._started = time.perf_counter()
+        self._record_setup_memory(trainer)
         if trainer.is_global_zero:
             self._rewrite_csv_up_to(trainer.global_step)
         if self.history["initial_val_loss"] is None and self.cfg.trainer.limit_val_batches > 0:
             self.history["initial_val_loss"] = evaluate(trainer, module)
             self._say(trainer, f"initial validation loss {self.history['initial_val_loss']:.4f}")
+
+    def _record_setup_memory(self, trainer):
+        """What building and placing this process's part of the model took, the maximum over ranks
+        (measured by the strategy in configure_model; a resumed run records its own setup)."""
+        strategy = trainer.strategy
+        allocator = strategy.setup_allocator_peak_bytes  # None off CUDA
+        maxima = reduce_over_ranks([float(strategy.setup_peak_bytes or 0), float(allocator or 0)],
+                                   dist.ReduceOp.MAX, strategy.root_device)
+        self.history["setup_peak_bytes"] = maxima[0]
+        self.history["setup_allocator_peak_bytes"] = None if allocator is None else maxima[1]
 
     def on_train_batch_start(self, trainer, module, batch, batch_index):
         self._flush_row(trainer)
@@ -120,10 +132,13 @@ class RunEvidence(pl.Callback):
             self._meter = ComputeMemoryMeter()
             self._meter.resident(trainer.strategy.compute_resident_tensors())
             self._meter.__enter__()
-        self._step_start = time.perf_counter()
+        reset_allocator_peak(trainer.strategy.root_device)
+        self._timer = StepTimer(trainer.strategy.root_device)  # CUDA events on a GPU
+        self._timer.start()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
-        step_time = time.perf_counter() - self._step_start
+        step_time = self._timer.stop()
+        allocator = allocator_peak_bytes(trainer.strategy.root_device)  # None off CUDA
         peak = 0.0
         if self._meter is not None:
             self._meter.__exit__(None, None, None)
@@ -136,12 +151,13 @@ class RunEvidence(pl.Callback):
         communicator = trainer.strategy.communicator()
         comm = communicator.snapshot() if communicator else {kind: 0.0 for kind in KINDS}
         (loss_value,) = reduce_over_ranks([float(loss)], dist.ReduceOp.SUM, trainer.strategy.root_device)
-        maxima = reduce_over_ranks([step_time, peak] + [comm[k] for k in KINDS], dist.ReduceOp.MAX,
-                                   trainer.strategy.root_device)
+        maxima = reduce_over_ranks([step_time, peak, allocator or 0.0] + [comm[k] for k in KINDS],
+                                   dist.ReduceOp.MAX, trainer.strategy.root_device)
         row = {"step": trainer.global_step, "loss": loss_value / self.world_size,
                "lr": trainer.optimizers[0].param_groups[0]["lr"], "step_time_s": maxima[0],
                "tokens_per_s": self.tokens_per_step / maxima[0], "peak_compute_bytes": maxima[1],
-               **{f"comm_bytes_{k}": v for k, v in zip(KINDS, maxima[2:])}, "val_loss": None}
+               "allocator_peak_bytes": None if allocator is None else maxima[2],
+               **{f"comm_bytes_{k}": v for k, v in zip(KINDS, maxima[3:])}, "val_loss": None}
         self.history["losses"].append(row["loss"])
         self.history["rows"].append({k: v for k, v in row.items() if k != "val_loss"})
         self._pending_row = row
@@ -233,6 +249,10 @@ class RunEvidence(pl.Callback):
             "tokens_per_s_median": median("tokens_per_s"),
             "comm_bytes_per_step": {k: median(f"comm_bytes_{k}") for k in KINDS} if rows else {},
             "peak_compute_bytes": max((r["peak_compute_bytes"] for r in rows), default=None),
+            "allocator_peak_bytes": max((r["allocator_peak_bytes"] for r in rows
+                                         if r.get("allocator_peak_bytes") is not None), default=None),
+            "setup_peak_bytes": self.history.get("setup_peak_bytes"),
+            "setup_allocator_peak_bytes": self.history.get("setup_allocator_peak_bytes"),
             "wall_time_s": time.perf_counter() - self._started if self._started else None,
             "versions": versions(), "git_sha": git_sha(),
             "precision": precision_name(self.history["matrix_product_dtypes"], master_dtype(trainer)),

@@ -1,16 +1,27 @@
-"""Start the ranks of one run and train in each: forked local processes, or ranks Slurm started.
+"""Start the ranks of one run and train in each: local processes, or ranks Slurm/torchrun started.
 
-On a laptop the launching process forks one process per rank (fork is 3-5x faster than Lightning's
-own popen/spawn launchers: nothing is re-imported), sets the rendezvous variables in each child,
-and waits. If any rank fails, the others are ended at once and the failing rank's traceback is
-raised in the parent: a run never hangs on a dead peer and never leaves a stray process.
+On a laptop the launching process starts one process per rank, sets the rendezvous variables in
+each child, and waits. If any rank fails, the others are ended at once and the failing rank's
+traceback is raised in the parent: a run never hangs on a dead peer and never leaves a stray process.
+
+Start method: CPU ranks are forked (3-5x faster than spawn or Lightning's popen launcher: nothing
+is re-imported). GPU ranks are spawned: a forked child cannot use CUDA if the parent initialised
+it, and spawn makes that impossible whatever the parent imported. The parent itself never
+initialises CUDA either (DESIGN.md §11): it counts GPUs with NVML only (`local_gpu_count`).
+
+Several nodes on one machine (`hardware.nodes` > 1 without Slurm or torchrun) are emulated: rank r
+gets LOCAL_RANK = r mod devices_per_node and NODE_RANK = r div devices_per_node, as a cluster
+would give it.
 """
 
 import os
 import queue
 import socket
+import subprocess
 import sys
+import time
 import traceback
+from typing import Optional
 
 import torch
 import torch.multiprocessing as multiprocessing
@@ -38,9 +49,70 @@ def launched_externally() -> bool:
     return "LOCAL_RANK" in os.environ or "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ
 
 
-def _rank_entry(function, rank, world_size, port, results, arguments):
+def global_rank() -> int:
+    """This process's rank in the world: torchrun's RANK, srun's SLURM_PROCID, else 0 (the only
+    process, or the parent that launches the ranks)."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+
+
+def writes_run_files() -> bool:
+    """Only global rank 0 writes the run directory's files (DESIGN.md §8)."""
+    return global_rank() == 0
+
+
+def external_world_size():
+    """How many processes torchrun or srun started, or None when nothing started them."""
+    if not launched_externally():
+        return None
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
+
+
+def external_world_errors(world_size: int, sweep: bool = False) -> list:
+    """What is wrong with the processes torchrun or srun started for this configuration: another
+    number than it needs, or a sweep under torchrun (each rank would name its own sweep directory
+    from its own clock, and the ranks would not agree on the points' directories)."""
+    errors, started = [], external_world_size()
+    if started is not None and started != world_size:
+        errors.append(f"the launcher started {started} processes (WORLD_SIZE / SLURM_NTASKS) but "
+                      f"this configuration runs {world_size} (hardware.nodes × "
+                      f"hardware.devices_per_node, or 1 for a one-process strategy). Fix: torchrun "
+                      f"--nnodes=N --nproc-per-node=D with N × D = {world_size}, or set "
+                      f"hardware.nodes and hardware.devices_per_node to match.")
+    if sweep and "TORCHELASTIC_RUN_ID" in os.environ:
+        errors.append("python train.py -m (a sweep) under torchrun: every rank would sweep on its "
+                      "own. Fix: one torchrun command per point, without -m (or hydra/launcher=slurm "
+                      "on a Slurm cluster).")
+    return errors
+
+
+def start_method(accelerator: str) -> str:
+    """`spawn` for GPU ranks (a forked child cannot use CUDA once a parent touched it), `fork`
+    for CPU ranks (nothing re-imported: 3-5x faster)."""
+    return "spawn" if accelerator == "gpu" else "fork"
+
+
+def local_gpu_count() -> int:
+    """CUDA devices on this node, counted without initialising CUDA in this process.
+
+    NVML reads the driver's device list; torch.cuda.is_available() and device_count()'s fallback
+    call cudaGetDeviceCount, which initialises the CUDA driver in the caller, and children forked
+    after that cannot use CUDA. When NVML cannot answer, a short-lived subprocess counts instead.
+    """
+    if not torch.backends.cuda.is_built():
+        return 0
+    nvml_count = getattr(torch.cuda, "_device_count_nvml", None)  # private: the only in-process
+    count = nvml_count() if nvml_count else -1                    # count that never initialises
+    if count >= 0:
+        return count
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                           capture_output=True, text=True, timeout=120)
+    return int(probe.stdout.strip() or 0) if probe.returncode == 0 else 0
+
+
+def _rank_entry(function, rank, world_size, ranks_per_node, port, results, arguments):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
-                      RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
+                      RANK=str(rank), LOCAL_RANK=str(rank % ranks_per_node),
+                      NODE_RANK=str(rank // ranks_per_node))
     torch.set_num_threads(1)  # ranks share the cores; more threads per rank only contend
     code = 0
     try:
@@ -58,13 +130,19 @@ def _rank_entry(function, rank, world_size, port, results, arguments):
         os._exit(code)  # skip the parent's atexit handlers (pytest's, Hydra's) in the child
 
 
-def run_ranks(function, world_size: int, *arguments, timeout: float = 900.0) -> list:
-    """Run `function(rank, *arguments)` on `world_size` forked ranks; return results by rank."""
-    context = multiprocessing.get_context("fork")
+def run_ranks(function, world_size: int, *arguments, timeout: float = 900.0,
+              method: str = "fork", ranks_per_node: Optional[int] = None) -> list:
+    """Run `function(rank, *arguments)` on `world_size` local ranks; return results by rank.
+
+    method: the start method (`start_method(accelerator)` chooses); with spawn, `function` and
+    `arguments` must pickle. ranks_per_node: emulated node size (default: one node).
+    """
+    context = multiprocessing.get_context(method)
     results = context.Queue()
     port = free_port()
+    per_node = ranks_per_node or world_size
     processes = [context.Process(target=_rank_entry, daemon=False,
-                                 args=(function, rank, world_size, port, results, arguments))
+                                 args=(function, rank, world_size, per_node, port, results, arguments))
                  for rank in range(world_size)]
     for process in processes:
         process.start()
@@ -78,7 +156,6 @@ def run_ranks(function, world_size: int, *arguments, timeout: float = 900.0) -> 
 
 
 def _collect(processes, results, world_size: int, timeout: float) -> list:
-    import time
     outputs, deadline = {}, time.monotonic() + timeout
     while len(outputs) < world_size:
         if time.monotonic() > deadline:

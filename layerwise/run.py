@@ -1,8 +1,9 @@
 """One training run: build data, task, strategy and Trainer in each rank, fit, leave evidence.
 
-`train(cfg, run_directory)` is what train.py calls after validation. It forks local ranks (or runs
+`train(cfg, run_directory)` is what train.py calls after validation. It starts local ranks (or runs
 in place when Slurm/torchrun started the ranks), resumes from the run directory's `last`
-checkpoint when there is one, and returns rank 0's summary.
+checkpoint when there is one, and returns rank 0's summary (None in the other ranks Slurm or
+torchrun started: only global rank 0 writes, and reads, the run directory's files).
 """
 
 import os
@@ -16,7 +17,8 @@ from omegaconf import OmegaConf
 
 from layerwise import data as data_lib
 from layerwise.evidence import PointToPointOrderCheck, RunEvidence, write_json_atomically
-from layerwise.launch import RankError, launched_externally, run_ranks
+from layerwise.launch import (RankError, global_rank, launched_externally, run_ranks, start_method,
+                              writes_run_files)
 from layerwise.slurm import slurm_callbacks, slurm_plugins
 from layerwise.task import LanguageModelData, LanguageModelTask, objective_of
 from strategies import strategy_entry
@@ -61,7 +63,8 @@ def build_loggers(cfg, run_directory: Path):
         return [WandbLogger(save_dir=str(run_directory), project=cfg.logger.project,
                             entity=cfg.logger.entity, group=cfg.logger.group, name=cfg.run_name,
                             job_type=cfg.strategy.name, offline=cfg.logger.mode == "offline",
-                            mode=cfg.logger.mode, id=wandb_run_id(run_directory),
+                            mode=cfg.logger.mode,
+                            id=wandb_run_id(run_directory) if writes_run_files() else None,
                             resume="allow", config=OmegaConf.to_container(cfg, resolve=True))]
     if name == "csv":
         from lightning.pytorch.loggers import CSVLogger
@@ -73,9 +76,10 @@ def build_loggers(cfg, run_directory: Path):
 
 
 def wandb_run_id(run_directory: Path) -> str:
-    """One W&B run per run directory: a requeued or resumed job continues the same run."""
+    """One W&B run per run directory: a requeued or resumed job continues the same run. Global
+    rank 0 alone logs to W&B, so it alone creates the id (the link keeps that atomic)."""
     path = Path(run_directory) / "wandb_run_id"
-    if not path.exists():  # created once even when every Slurm rank gets here at the same time
+    if not path.exists():
         import uuid
         candidate = path.with_name(f"{path.name}.{uuid.uuid4().hex}")
         candidate.write_text(uuid.uuid4().hex[:12])
@@ -157,18 +161,25 @@ def finish_wandb(cfg) -> None:
         sys.modules["wandb"].finish()
 
 
-def train(cfg, run_directory: Path, world_size: int) -> dict:
-    """Fit on all ranks; on any rank's failure, record it in summary.json and re-raise."""
+def train(cfg, run_directory: Path, world_size: int):
+    """Fit on all ranks; on any rank's failure, record it in summary.json and re-raise.
+
+    Returns rank 0's summary; None in a rank Slurm or torchrun started other than global rank 0
+    (that rank's node may not even see the file rank 0 writes)."""
     run_directory = Path(run_directory)
     run_directory.mkdir(parents=True, exist_ok=True)
     try:
         if world_size == 1 or launched_externally():
-            fit_rank(int(os.environ.get("RANK", 0)), cfg, run_directory, world_size)
+            fit_rank(global_rank(), cfg, run_directory, world_size)
         else:
-            run_ranks(fit_rank, world_size, cfg, run_directory, world_size)
+            run_ranks(fit_rank, world_size, cfg, run_directory, world_size,
+                      method=start_method(cfg.hardware.accelerator),
+                      ranks_per_node=cfg.hardware.devices_per_node)
     except RankError as error:
         record_failure(run_directory, cfg, world_size, error)
         raise
+    if not writes_run_files():
+        return None
     import json
     return json.loads((run_directory / "summary.json").read_text())
 

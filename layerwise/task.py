@@ -30,7 +30,9 @@ def model_arguments(model_config, vocab_size: int, seed: int) -> dict:
 class LanguageModelTask(pl.LightningModule):
     """A GPT (causal) or BERT (masked) language model with its optimizer and LR schedule.
 
-    1. the model is built deterministically from `cfg.seed` (every rank builds the same weights);
+    1. the model is built on the meta device (shapes only); in `configure_model` the strategy
+       materialises the parts this rank owns with their values seeded from `cfg.seed`, so every
+       rank holds exactly the weights the whole model would, and only those;
     2. a step's loss is the mean cross-entropy over the rank's slice of the global batch;
     3. dropout masks are re-seeded from (seed, step, data rank) so a resumed run replays them.
     """
@@ -39,7 +41,7 @@ class LanguageModelTask(pl.LightningModule):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
-        self.model = build_model(cfg.model.architecture,
+        self.model = build_model(cfg.model.architecture, device="meta",
                                  **model_arguments(cfg.model, vocab_size, cfg.seed))
 
     def training_step(self, batch, batch_index):
@@ -60,11 +62,12 @@ class LanguageModelTask(pl.LightningModule):
             optimizer.zero_grad()
 
     def configure_model(self):
-        # Lightning's ModelParallelStrategy (strategy=fsdp2) requires this hook; the strategy shards.
+        # After the layout exists, before the strategy's setup and the optimizers: the strategy
+        # materialises (and places, cuts or shards) the parts of the meta model this rank owns.
         self.trainer.strategy.shard_lightning_module(self)
 
     def configure_optimizers(self):
-        # Strategies that keep only some layers prune `self.model` before this runs.
+        # Strategies that keep only some layers or shards have left only those in `self.model`.
         optimizer = build_optimizer(self.cfg.optimizer, self.model.named_parameters())
         scheduler = build_scheduler(optimizer, self.cfg.optimizer, self.cfg.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

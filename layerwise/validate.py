@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from strategies import REGISTRY, strategy_entry
-from strategies.checks import divisors, gradient_clipping_errors, nearest_multiples
+from strategies.checks import divisors, fp16_errors, gradient_clipping_errors, nearest_multiples
 
 CHOICES = {
     "mode": ("fit", "check"),
@@ -136,8 +136,10 @@ def check_hardware(cfg, world: int, submitting: bool = False) -> list:
 
 
 def gpu_available() -> bool:
-    import torch
-    return torch.cuda.is_available()
+    """This node has a CUDA device, asked without initialising CUDA: the ranks are started after
+    this check, and forked children cannot use CUDA once the parent initialised it."""
+    from layerwise.launch import local_gpu_count
+    return local_gpu_count() > 0
 
 
 def check_data(cfg) -> list:
@@ -163,8 +165,8 @@ def check_strategy(cfg, world: int) -> list:
     if cfg.strategy.name not in REGISTRY:
         return []
     entry = strategy_entry(cfg.strategy.name)
-    errors = entry.check(cfg, world) + gradient_clipping_errors(cfg.strategy.name,
-                                                                cfg.trainer.gradient_clip_val)
+    errors = (entry.check(cfg, world) + gradient_clipping_errors(cfg.strategy.name, cfg.trainer.gradient_clip_val)
+              + fp16_errors(cfg.strategy.name, cfg.hardware.precision))
     if errors:
         return errors
     data_degree, micro = entry.degrees(cfg, world).data, micro_batches(cfg.strategy)

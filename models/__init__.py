@@ -2,6 +2,8 @@
 
     from models import GPT, BERT, build_model
     model = build_model("gpt", vocab_size=256, sequence_length=128, layers=4, hidden=128, heads=4)
+    shapes = build_model("gpt", ..., device="meta")   # no storage: a process then materialises
+    shapes.materialise("cuda", ["embed", "blocks.0"])  # only the parts it owns, with seeded values
 """
 
 from models.bert import BERT
@@ -12,6 +14,7 @@ from models.transformer import (
     build_block,
     initialize_block,
     model_flops_per_token,
+    on_meta,
     parameter_count,
 )
 
@@ -30,5 +33,5 @@ def build_model(architecture: str, **kwargs) -> LanguageModel:
 
 __all__ = [
     "ARCHITECTURES", "BERT", "Block", "GPT", "LanguageModel", "build_block", "build_model",
-    "initialize_block", "model_flops_per_token", "parameter_count",
+    "initialize_block", "model_flops_per_token", "on_meta", "parameter_count",
 ]

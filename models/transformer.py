@@ -1,14 +1,14 @@
 """The pieces every language model here is made of: embedding, pre-LayerNorm block, seeded init.
 
 A model is a sequence of layers: `embed`, then `blocks` (a ModuleDict keyed "0".."L-1" so parameter
-names survive partitioning), then `head`. Each of the three is initialised from its own generator,
-seeded by (seed, "embed"), (seed, block index) or (seed, "head"), so a process that builds only some
-blocks gets exactly the weights those blocks have in the full model.
+names survive partitioning), then `head`. Each part is initialised from its own generator, seeded by
+(seed, "embed"), (seed, block index) or (seed, "head"), so a process that builds only some parts gets
+exactly the weights those parts have in the full model. A model built on the `meta` device holds
+shapes only; `materialise` gives chosen parts storage and their seeded values, one part at a time.
 """
 
 import hashlib
 import math
-from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -26,18 +26,6 @@ def derived_seed(seed: int, name) -> int:
     # hashlib rather than hash(): Python salts str hashes per process.
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-@contextmanager
-def preserved_global_rng():
-    """Run the body without changing the global CPU RNG state.
-
-    nn.Linear and nn.Embedding draw their default init from the global RNG. A pipeline rank that
-    builds 3 blocks and the full model that builds 12 must leave the global RNG (which dropout
-    uses afterwards) in the same state, so construction must not consume it.
-    """
-    with torch.random.fork_rng(devices=[]):
-        yield
 
 
 @torch.no_grad()
@@ -62,7 +50,7 @@ def initialize(module: nn.Module, *, seed: int, name, residual_std: float = INIT
 
 def _normal(parameter: nn.Parameter, std: float, generator: torch.Generator) -> None:
     if parameter.device.type == "meta":
-        return  # the planner builds full-size models on meta: drawing 175B numbers would stall it
+        return  # shapes only: a planner's full-size model on meta would stall drawing 175B numbers
     values = torch.empty(parameter.shape, dtype=torch.float32, device="cpu")
     values.normal_(0.0, std, generator=generator)
     parameter.copy_(values)
@@ -174,13 +162,33 @@ def initialize_block(block: Block, *, seed: int, index: int, layers: int) -> Non
     initialize(block, seed=seed, name=index, residual_std=residual_init_std(layers))
 
 
+def seeded_module(make, device, *, seed: int, name, residual_std: float = INIT_STD) -> nn.Module:
+    """`make()` with the values `initialize` gives it, on `device` (on "meta": shapes only).
+
+    The module is first built on meta, where constructors draw nothing: the global RNG (which
+    dropout uses afterwards) stays as it was on every device, however many parts a rank builds,
+    and no default initialisation is computed only to be overwritten.
+    """
+    with torch.device("meta"):
+        module = make()
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    if device.type != "meta":
+        module.to_empty(device=device)
+        initialize(module, seed=seed, name=name, residual_std=residual_std)
+    return module
+
+
 def build_block(*, hidden: int, heads: int, mlp_ratio: int, dropout: float, causal: bool,
-                seed: int, index: int, layers: int) -> Block:
+                seed: int, index: int, layers: int, device=None) -> Block:
     """Block `index` exactly as the full model built with `seed` holds it; global RNG untouched."""
-    with preserved_global_rng():
-        block = Block(hidden, heads, mlp_ratio, dropout, causal)
-    initialize_block(block, seed=seed, index=index, layers=layers)
-    return block
+    return seeded_module(lambda: Block(hidden, heads, mlp_ratio, dropout, causal), device,
+                         seed=seed, name=index, residual_std=residual_init_std(layers))
+
+
+def on_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of `module` is still shapes only."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    return any(tensor.device.type == "meta" for tensor in tensors)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -191,32 +199,67 @@ class LanguageModel(nn.Module):
 
     Subclasses set `causal` and implement `make_head`. forward is a plain loop over blocks, so a
     strategy can run any contiguous or looping subset of layers by indexing `blocks` by name.
+    Built with device="meta" the model holds shapes only, and a process materialises just the
+    parts it owns (`materialise`), or builds a part's seeded values alone (`build_part`).
     """
 
     causal: bool = True
 
     def __init__(self, *, vocab_size: int, sequence_length: int, layers: int, hidden: int,
                  heads: int, mlp_ratio: int = 4, dropout: float = 0.0,
-                 tie_embeddings: bool = False, seed: int = 0):
+                 tie_embeddings: bool = False, seed: int = 0, device=None):
         super().__init__()
         if layers < 1:
             raise ValueError(f"model.layers: need at least one block, got {layers}")
         self.vocab_size = vocab_size
         self.sequence_length = sequence_length
+        self.layers = layers  # the whole model's depth: residual init scales by it on every rank
+        self.hidden, self.heads, self.mlp_ratio, self.dropout = hidden, heads, mlp_ratio, dropout
+        self.tie_embeddings = tie_embeddings
         self.seed = seed
-        with preserved_global_rng():
-            self.embed = Embedding(vocab_size, sequence_length, hidden, dropout)
-            self.head = self.make_head(hidden, vocab_size)
-        initialize(self.embed, seed=seed, name="embed")
-        initialize(self.head, seed=seed, name="head")
-        self.blocks = nn.ModuleDict({
-            str(index): build_block(hidden=hidden, heads=heads, mlp_ratio=mlp_ratio,
-                                    dropout=dropout, causal=self.causal, seed=seed,
-                                    index=index, layers=layers)
-            for index in range(layers)
-        })
-        if tie_embeddings:
-            # After init, so the shared Parameter keeps the embedding's values.
+        self.embed = self.build_part("embed", "meta")
+        self.head = self.build_part("head", "meta")  # registered before the blocks: parameter order
+        self.blocks = nn.ModuleDict({str(index): self.build_part(f"blocks.{index}", "meta")
+                                     for index in range(layers)})
+        self._tie()
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        if device.type != "meta":
+            self.materialise(device)
+
+    # ----- parts: "embed", "blocks.<index>", "head"
+    def part_names(self) -> list:
+        """The parts this model still holds, in forward order (a pipeline rank drops some)."""
+        names = ["embed"] if self.embed is not None else []
+        names += [f"blocks.{index}" for index in self.blocks]
+        return names + (["head"] if self.head is not None else [])
+
+    def build_part(self, part: str, device) -> nn.Module:
+        """The part named `part`, alone, with the values it has in the full model seeded `seed`."""
+        if part.startswith("blocks."):
+            return build_block(hidden=self.hidden, heads=self.heads, mlp_ratio=self.mlp_ratio,
+                               dropout=self.dropout, causal=self.causal, seed=self.seed,
+                               index=int(part.removeprefix("blocks.")), layers=self.layers,
+                               device=device)
+        makers = {"embed": lambda: Embedding(self.vocab_size, self.sequence_length, self.hidden, self.dropout),
+                  "head": lambda: self.make_head(self.hidden, self.vocab_size)}
+        if part not in makers:
+            raise ValueError(f"unknown part {part!r}: embed, blocks.<index> or head")
+        return seeded_module(makers[part], device, seed=self.seed, name=part)
+
+    def materialise(self, device, parts=None) -> None:
+        """Give each named part still on meta (default: every part) storage on `device` and its
+        seeded values, one part at a time; parts that already hold values are left as they are."""
+        for part in self.part_names() if parts is None else parts:
+            current = self.get_submodule(part)
+            if on_meta(current):
+                replacement = self.build_part(part, device).train(current.training)
+                parent, _, child = part.rpartition(".")
+                setattr(self.get_submodule(parent) if parent else self, child, replacement)
+        self._tie()
+
+    def _tie(self) -> None:
+        # After the head's own init, so the shared Parameter keeps the embedding's values.
+        if self.tie_embeddings and self.embed is not None and self.head is not None:
             self.head.output.weight = self.embed.token.weight
 
     def make_head(self, hidden: int, vocab_size: int) -> nn.Module:

@@ -65,8 +65,11 @@ class ParallelLayout:
     1. coordinates from the rank (tensor fastest, then pipeline, then data);
     2. for each axis, every group along it is created on every rank, in the same order;
     3. then each of `families`, in its given order, repeated in every tensor block;
-    4. groups of size one never touch the process group (single-process runs need none);
-    5. every collective goes through `self.communicator`, which counts logical bytes.
+    4. then, for each of `host_axes`, a gloo group along that axis named `host_<axis>`: host-side
+       tensors (L2L's store) are reduced there, since NCCL reduces only device tensors (Megatron and
+       DeepSpeed keep such a CPU group next to the device group for CPU offload);
+    5. groups of size one never touch the process group (single-process runs need none);
+    6. every collective goes through `self.communicator`, which counts logical bytes.
 
     `tensor_grid` names the families (e.g. "3d"); `describe()` records it, so a checkpoint cut on
     one grid is not resumed on another.
@@ -74,7 +77,7 @@ class ParallelLayout:
 
     def __init__(self, degrees: Degrees, rank: int = 0,
                  families: Optional[Mapping[str, Sequence[Sequence[int]]]] = None,
-                 tensor_grid: Optional[str] = None):
+                 tensor_grid: Optional[str] = None, host_axes: Sequence[str] = ()):
         self.degrees = degrees
         self.rank = rank
         self.tensor_grid = tensor_grid
@@ -85,17 +88,21 @@ class ParallelLayout:
             self.groups[axis] = self._build_axis(axis)
         for family, local_member_lists in (families or {}).items():  # after the axes, same order
             self.groups[family] = self._build_family(family, local_member_lists)
+        for axis in host_axes:  # last, in the given order, on every rank
+            self.groups[f"host_{axis}"] = self._create_groups(
+                f"host_{axis}", group_members(axis, degrees), backend="gloo")
 
     def _build_axis(self, axis: str) -> Group:
         return self._create_groups(axis, group_members(axis, self.degrees))
 
-    def _create_groups(self, name: str, member_lists) -> Group:
-        """Create every group of a family on every rank, in order; return this rank's."""
+    def _create_groups(self, name: str, member_lists, backend: Optional[str] = None) -> Group:
+        """Create every group of a family on every rank, in order; return this rank's.
+        `backend` None: the default process group's (the world is reused when a group spans it)."""
         mine = None
         for members in member_lists:
             handle = None
-            if 1 < len(members) < self.degrees.world_size:
-                handle = dist.new_group(list(members))  # collective: every rank calls it
+            if len(members) > 1 and (backend is not None or len(members) < self.degrees.world_size):
+                handle = dist.new_group(list(members), backend=backend)  # collective: every rank calls it
             elif len(members) > 1:
                 handle = dist.group.WORLD
             if self.rank in members:

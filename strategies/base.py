@@ -70,10 +70,11 @@ class LayerwiseStrategy(RunHooks, PerRankCheckpoints, DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict:
         return {"num_replicas": self.degrees.data, "rank": self.layout.index("data")}
 
-    def synchronise_replicas(self, module: torch.nn.Module) -> None:
+    def synchronise_replicas(self, module: torch.nn.Module, group_name: str = "data") -> None:
         """Make data-parallel replicas bit-identical (DDP would broadcast; we build from the seed,
-        and this broadcast guards against any rank-dependent initialisation)."""
-        group = self.layout.group("data")
+        and this broadcast guards against any rank-dependent initialisation). The module must be
+        where `group_name`'s backend can reach it: on the device for "data" (NCCL)."""
+        group = self.layout.group(group_name)
         source = group.ranks[0]
         for tensor in list(module.parameters()) + list(module.buffers()):
             self.layout.communicator.broadcast(tensor.data, source, group)

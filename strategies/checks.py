@@ -17,6 +17,14 @@ def nearest_multiples(value: int, step: int) -> str:
     return " or ".join(str(multiple) for multiple in ([below] if below else []) + [below + step])
 
 
+def fp16_errors(strategy_name: str, precision: str) -> list:
+    """16-mixed only where the strategy scales the loss (StrategyEntry.scales_fp16_loss)."""
+    if not precision.startswith("16") or strategy_entry(strategy_name).scales_fp16_loss:
+        return []
+    return [f"hardware.precision={precision}: strategy={strategy_name} cannot scale an fp16 loss. "
+            f"Fix: hardware.precision=bf16-mixed (no loss scaling needed) or 32-true."]
+
+
 def gradient_clipping_errors(strategy_name: str, clip_value: float) -> list:
     """Lightning clips gradients inside its own optimizer step; a strategy that overrides
     `optimizer_step` (to run a schedule, reduce shards or precondition) never reaches that code,

@@ -10,7 +10,9 @@ directly, so its bytes are not in metrics.csv: the benchmark counts them with a 
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
 from typing_extensions import override
 
 from parallel.layout import Degrees
@@ -21,7 +23,8 @@ from strategies.registry import StrategyEntry
 class Fsdp2Strategy(RunHooks, ModelParallelStrategy):
     """FSDP2 over all ranks (data parallel only), with m depth-first micro-batches per step.
 
-    1. `shard_lightning_module` (called from the task's configure_model): fully_shard each block, then the root;
+    1. `materialise_model` (from the task's configure_model): fully_shard each block of the meta model,
+       then the root; only the shards get storage, filled from each part's seeded values;
     2. training_step: for each micro-batch, forward + backward of loss/m (sync or no-sync, see above);
     3. backward is a no-op (done in the step), optimizer_step calls the closure then steps.
     """
@@ -40,11 +43,17 @@ class Fsdp2Strategy(RunHooks, ModelParallelStrategy):
         return self.global_rank, self.world_size  # FSDP2 here shards over every rank
 
     @override
-    def shard_lightning_module(self, task) -> None:
+    def materialise_model(self, model) -> None:
+        """PyTorch's meta-device flow: shard the shapes, give the shards storage (to_empty), then fill
+        them part by part; a part's full seeded values exist only while its shards are filled."""
         mesh = self.device_mesh["data_parallel"]
-        for block in task.model.blocks.values():
+        for block in model.blocks.values():
             fully_shard(block, mesh=mesh)
-        fully_shard(task.model, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device=self.root_device)
+        filled = set()  # a tied weight takes the values of the first part holding it (the embedding)
+        for part in model.part_names():
+            fill_shards(model.get_submodule(part), model.build_part(part, self.root_device), filled)
 
     @override
     def training_step(self, *args, **kwargs):
@@ -76,6 +85,19 @@ class Fsdp2Strategy(RunHooks, ModelParallelStrategy):
     @override
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         return closure_loss  # every micro-batch's backward ran inside training_step
+
+
+@torch.no_grad()
+def fill_shards(sharded: nn.Module, seeded: nn.Module, filled: set) -> None:
+    """Copy into each DTensor shard of `sharded` its slice of the same-named parameter of `seeded`,
+    cut by DTensor's own rule (src_data_rank=None: every rank holds the values, no communication)."""
+    for name, parameter in sharded.named_parameters():
+        if id(parameter) in filled:
+            continue
+        local = distribute_tensor(seeded.get_parameter(name).detach(), parameter.device_mesh,
+                                  parameter.placements, src_data_rank=None)
+        parameter.to_local().copy_(local.to_local())
+        filled.add(id(parameter))
 
 
 # ----- the registry interface (see strategies/__init__.py)

@@ -2,7 +2,8 @@
 
 Every strategy class mixes in `RunHooks` (first in its bases), so layerwise/ calls these methods
 directly instead of probing attributes. A technique overrides only what it has: a pipeline its
-bubble fraction and Gantt charts, ZeRO the shards it keeps resident, FSDP2 its sharding hook.
+bubble fraction and Gantt charts, ZeRO the shards it keeps resident, each technique that owns less
+than the whole model what it materialises.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from pathlib import Path
 
 import torch
 
+from parallel.memory import ComputeMemoryMeter
+from parallel.timing import allocator_peak_bytes, reset_allocator_peak
+
 
 class RunHooks:
     """Defaults for the run's questions to a strategy.
@@ -20,11 +24,16 @@ class RunHooks:
     2. `owns_step`: training_step runs the backward too, so the task must not zero gradients after it;
     3. `data_parallel()`: (rank, degree) of this process along the data axis, for the data module;
     4. `compute_resident_tensors()`: what the compute side holds between steps (the memory meter's floor);
-    5. `shard_lightning_module`, `bubble_fraction`, `write_evidence`: nothing unless overridden.
+    5. `materialise_model(model)`: give the parts of the meta model this rank owns their storage and
+       seeded values (default: the whole model on the device), measured as `setup_peak_bytes`;
+    6. `bubble_fraction`, `write_evidence`: nothing unless overridden.
     """
 
     layout = None
     owns_step = False
+    model_materialised = False
+    setup_peak_bytes = None  # most bytes live while materialising and placing this rank's part
+    setup_allocator_peak_bytes = None  # the same from the CUDA caching allocator (None elsewhere)
 
     def communicator(self):
         """The counted communicator every collective of this strategy passes through, if any."""
@@ -52,7 +61,23 @@ class RunHooks:
         self._timeout = timedelta(seconds=seconds)
 
     def shard_lightning_module(self, task) -> None:
-        """Called from the task's configure_model (Lightning's ModelParallelStrategy needs it)."""
+        """Called from the task's configure_model: after the layout exists, before `setup` and the
+        optimizers. Materialises this rank's part once per process (Lightning calls configure_model
+        again for validate/test), counting live storages as the compute-side meter does."""
+        if self.model_materialised:
+            return
+        reset_allocator_peak(self.root_device)
+        meter = ComputeMemoryMeter()
+        with meter:
+            self.materialise_model(task.model)
+        self.setup_peak_bytes = meter.peak_bytes
+        self.setup_allocator_peak_bytes = allocator_peak_bytes(self.root_device)
+        self.model_materialised = True
+
+    def materialise_model(self, model) -> None:
+        """Give the parts of the meta `model` this rank owns their storage and seeded values; a
+        technique that owns less than the whole model materialises only that (default: all of it)."""
+        model.materialise(self.root_device)
 
     def bubble_fraction(self) -> dict | None:
         """{"simulated": x, "measured": y} where the strategy runs a schedule; None otherwise."""

@@ -264,4 +264,4 @@ def build(cfg, world_size: int):
                         "cuda" if cfg.hardware.accelerator == "gpu" else "cpu")
 
 
-KFAC_ORACLE = StrategyEntry(check=check, degrees=degrees, build=build, one_process=True)
+KFAC_ORACLE = StrategyEntry(check=check, degrees=degrees, build=build, one_process=True, scales_fp16_loss=False)

@@ -391,6 +391,14 @@ class L2LOffloadStrategy(OwnedStepStrategy):
         self.relay = None
 
     @override
+    def layout_arguments(self) -> dict:
+        return {"host_axes": ("data",)}  # the store's reductions run on the host, over gloo
+
+    @override
+    def materialise_model(self, model) -> None:
+        model.materialise(torch.device("cpu"))  # the model is the host store: its fp32 masters live there
+
+    @override
     def model_to_device(self) -> None:
         pass  # the model is the host store; layers travel to the device one at a time
 
@@ -402,12 +410,12 @@ class L2LOffloadStrategy(OwnedStepStrategy):
     def setup(self, trainer) -> None:
         super().setup(trainer)
         model = self.lightning_module.model
-        self.synchronise_replicas(model)
+        self.synchronise_replicas(model, "host_data")  # the host store: broadcast over gloo
         if self.root_device.type == "cuda":
             for parameter in model.parameters():
                 parameter.data = parameter.data.pin_memory()
         if self.relay is None and self.optimizers:
-            self.relay = Relay(model, self.optimizers[0], self.layout.communicator, self.layout.group("data"),
+            self.relay = Relay(model, self.optimizers[0], self.layout.communicator, self.layout.group("host_data"),
                                self.micro_batches, self.constant_memory, self.prefetch, self.root_device,
                                self.compute_dtype)
 
@@ -480,4 +488,4 @@ def build(cfg, world_size: int) -> L2LOffloadStrategy:
                               process_group_backend=cfg.hardware.process_group_backend)
 
 
-L2L = StrategyEntry(check=check, degrees=degrees, build=build)
+L2L = StrategyEntry(check=check, degrees=degrees, build=build, scales_fp16_loss=False)

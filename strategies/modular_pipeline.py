@@ -106,17 +106,25 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         return contextlib.nullcontext()
 
     # ----- placement
+    def local_stages(self) -> list:
+        """The stages this rank runs (looping: stage c on pipeline rank c mod p)."""
+        return list(self.plan.stages_on(self.layout.index("pipeline")))
+
+    @override
+    def materialise_model(self, model) -> None:
+        """Drop the other ranks' stages while they are shapes only, materialise the rest directly
+        on the device (NCCL broadcasts only device tensors), then make the replicas bit-identical."""
+        keep_local_stages(model, self.local_stages(), self.plan.stages, self.layers_per_stage)
+        model.materialise(self.root_device)
+        self.synchronise_replicas(model)
+
     @override
     def setup(self, trainer) -> None:
-        model = self.lightning_module.model
-        local = list(self.plan.stages_on(self.layout.index("pipeline")))
-        keep_local_stages(model, local, self.plan.stages, self.layers_per_stage)
-        self.model_to_device()  # before the broadcasts: NCCL moves only device tensors
-        self.synchronise_replicas(model)
+        model = self.lightning_module.model  # this rank's stages only, on its device (materialise_model)
         pipeline = self.layout.group("pipeline")
         peers = Peers([pipeline.ranks[r] for r in self.plan.placement], pipeline,
                       self.layout.group("data"), self.layout.communicator)
-        self.work = self.make_stage_work(model, local, peers)
+        self.work = self.make_stage_work(model, self.local_stages(), peers)
         super().setup(trainer)  # Lightning's setup: the optimizer sees what make_stage_work left
 
     # ----- the step

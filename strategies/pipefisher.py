@@ -163,4 +163,4 @@ def build(cfg, world_size: int):
                               **modular_pipeline.pipeline_arguments(cfg))
 
 
-PIPEFISHER = StrategyEntry(check=check, degrees=modular_pipeline.degrees, build=build)
+PIPEFISHER = StrategyEntry(check=check, degrees=modular_pipeline.degrees, build=build, scales_fp16_loss=False)

@@ -32,6 +32,10 @@ def _counted_all_reduce_hook(layout: ParallelLayout, bucket):
     group = layout.group("data")
     tensor = bucket.buffer().div_(group.size)
     work = layout.communicator.all_reduce(tensor, group, async_op=True)
+    if work is None:  # one replica: nothing to reduce, but DDP still waits on a future
+        done = torch.futures.Future()
+        done.set_result(tensor)
+        return done
     return work.get_future().then(lambda future: future.value()[0])
 
 

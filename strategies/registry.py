@@ -42,6 +42,10 @@ class StrategyEntry:
     # Lightning's optimizer step runs (and so clips at trainer.gradient_clip_val); false for every
     # strategy that overrides optimizer_step, which bypasses Lightning's clipping.
     clips_gradients: bool = False
+    # fp16 (16-mixed) needs its loss scaled and its gradients unscaled; false where the technique
+    # cannot: L2L's host store updates before a step-wide inf check exists, K-FAC's factor B would
+    # be built from scaled output gradients.
+    scales_fp16_loss: bool = True
 
 
 # strategy.name -> (module, entry attribute). Modules import lazily: `--help` and config checks of

@@ -53,16 +53,25 @@ class FlatShard:
         self.entries, self.size, self.unpadded = entries, size, offsets
         self.shard_size = -(-offsets // size)  # ceil: every rank's slice has the same length
         device = model.get_parameter(names[0]).device
-        full = torch.zeros(self.shard_size * size, device=device)
-        with torch.no_grad():
-            for entry in entries:
-                full[entry.offset:entry.offset + entry.numel] = model.get_parameter(entry.name).reshape(-1)
-        local = full[rank * self.shard_size:(rank + 1) * self.shard_size].clone()
+        local = self._local_slice(model, rank, device)
         # 2-D for a group of matrices, so optimizer parameter groups decay it as they decay matrices.
         self.parameter = nn.Parameter(local.view(1, -1) if matrix else local)
         self.leaves = [self._replace(model, entry, device) for entry in entries]
         self.full = None  # the installed full buffer, or None
         self.gradient = None  # the flat full gradient of the current backward run
+
+    @torch.no_grad()
+    def _local_slice(self, model: nn.Module, rank: int, device: torch.device) -> torch.Tensor:
+        """Elements [r·S, (r+1)·S) of the padded flat layout, copied from the parameters overlapping
+        them: the full flat group is never built, so cutting a stage needs no second copy of it."""
+        start, end = rank * self.shard_size, (rank + 1) * self.shard_size
+        local = torch.zeros(self.shard_size, device=device)  # the padding stays zero
+        for entry in self.entries:
+            first, last = max(start, entry.offset), min(end, entry.offset + entry.numel)
+            if first < last:
+                flat = model.get_parameter(entry.name).reshape(-1)
+                local[first - start:last - start] = flat[first - entry.offset:last - entry.offset]
+        return local
 
     @property
     def padded(self) -> int:

@@ -33,13 +33,18 @@ def keep_local_stages(model: nn.Module, local_stages: list, stages: int, layers_
         model.head = None
 
 
+def stage_part_names(stage: int, stages: int, layers_per_stage: int) -> list:
+    """The model's parts (see models.LanguageModel.part_names) one stage holds: its blocks, +
+    the embedding on the first stage and the head on the last."""
+    parts = [f"blocks.{block}" for block in stage_blocks(stage, layers_per_stage)]
+    parts += ["embed"] if stage == 0 else []
+    return parts + (["head"] if stage == stages - 1 else [])
+
+
 def stage_parameter_names(model: nn.Module, stage: int, stages: int, layers_per_stage: int) -> list:
     """Names (in the model) of one stage's parameters: its blocks, + embedding / head at the ends."""
-    prefixes = [f"blocks.{block}" for block in stage_blocks(stage, layers_per_stage)]
-    prefixes += ["embed"] if stage == 0 else []
-    prefixes += ["head"] if stage == stages - 1 else []
-    return [f"{prefix}.{name}" for prefix in prefixes
-            for name, _ in model.get_submodule(prefix).named_parameters()]
+    return [f"{part}.{name}" for part in stage_part_names(stage, stages, layers_per_stage)
+            for name, _ in model.get_submodule(part).named_parameters()]
 
 
 def stage_parameters(model: nn.Module, stage: int, stages: int, layers_per_stage: int) -> list:

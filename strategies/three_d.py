@@ -30,7 +30,8 @@ class TensorParallelStrategy(LayerwiseStrategy):
     """Tensor-parallel training on a 1-D, 2-D or 3-D grid, times data replicas.
 
     1. `setup_environment`: the layout with the grid's group families;
-    2. `setup`: cut the plain model (built from the seed) into this rank's shards, then optimizers;
+    2. `materialise_model`: one plain part at a time (embedding, block, head), materialise it from
+       the seed, cut this rank's shards, drop it; replicas over data start bit-identical;
     3. `training_step`: parallel forward, vocabulary-parallel loss (a live tensor; Lightning
        runs the backward, whose collectives are in the layers);
     4. `optimizer_step`: closure, sum replicated and data-parallel gradients, step.
@@ -46,10 +47,11 @@ class TensorParallelStrategy(LayerwiseStrategy):
         return layout_arguments(self.tensor_grid, self.degrees.tensor)
 
     @override
-    def setup(self, trainer) -> None:
-        if self.form is None:  # before the optimizers are built over the model's parameters
-            self.form = PARALLELIZE[self.tensor_grid](self.lightning_module.model, self.layout)
-        super().setup(trainer)
+    def materialise_model(self, model) -> None:
+        """Before the optimizers are built over the model's parameters: this rank's shards only,
+        on its device, then broadcast over the data group (NCCL moves only device tensors)."""
+        self.form = PARALLELIZE[self.tensor_grid](model, self.layout, self.root_device)
+        self.synchronise_replicas(model)
 
     def _loss(self, batch):
         return self.form.loss(self.lightning_module.model(batch["tokens"]), batch["targets"])

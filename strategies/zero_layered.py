@@ -21,7 +21,7 @@ from strategies.schedule.zero import (GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SC
 from strategies.checks import divisors
 from strategies.registry import StrategyEntry
 from strategies.sharding import FlatShard, ShardContainer, unshard
-from strategies.stages import Peers, StageWork, stage_parameter_names
+from strategies.stages import Peers, StageWork, keep_local_stages, stage_parameter_names, stage_part_names
 
 
 def shard_stages(model, local_stages, stages: int, layers_per_stage: int, rank: int, size: int) -> dict:
@@ -140,7 +140,8 @@ class ShardedStageWork(StageWork):
 class ZeroLayeredStrategy(ModularPipelineStrategy):
     """ZeRO-3 over the data-parallel group on the modular pipeline's engine (layered or depth-first).
 
-    1. setup: keep this rank's stages, then cut each into flat 1/n shards (the optimizer's parameters);
+    1. materialise: keep this rank's stages, then one stage at a time materialise it, cut it into flat
+       1/n shards (the optimizer's parameters) and drop it: never more than one full stage besides shards;
     2. each step runs the plan: gather a stage before each run of its compute (one run ahead), reduce-
        scatter its gradient after each backward run — twice + once per step under layered order;
     3. before the optimizer: wait for the reduce-scatters; the optimizer updates only the shards.
@@ -163,11 +164,23 @@ class ZeroLayeredStrategy(ModularPipelineStrategy):
         return add_weight_gathers(forward_only(compute))
 
     @override
-    def make_stage_work(self, model, local_stages: list, peers: Peers) -> ShardedStageWork:
+    def materialise_model(self, model) -> None:
+        """Stage by stage: materialise it on the device, make the replicas bit-identical, cut this
+        rank's flat shards; cutting replaces the stage's parameters, so the full stage is freed."""
+        local_stages = self.local_stages()
+        keep_local_stages(model, local_stages, self.plan.stages, self.layers_per_stage)
         data = self.layout.group("data")
-        self.shards = shard_stages(model, local_stages, self.plan.stages, self.layers_per_stage,
-                                   self.layout.index("data"), data.size)
+        for stage in local_stages:
+            parts = stage_part_names(stage, self.plan.stages, self.layers_per_stage)
+            model.materialise(self.root_device, parts)
+            for part in parts:
+                self.synchronise_replicas(model.get_submodule(part))
+            self.shards.update(shard_stages(model, [stage], self.plan.stages, self.layers_per_stage,
+                                            self.layout.index("data"), data.size))
         model.zero_shards = ShardContainer(self.shards)  # the optimizer's only parameters
+
+    @override
+    def make_stage_work(self, model, local_stages: list, peers: Peers) -> ShardedStageWork:
         return ShardedStageWork(model, self.plan.stages, self.layers_per_stage, self.plan.micro_batches,
                                 peers, shards=self.shards, **self.stage_precision())
 

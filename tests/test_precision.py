@@ -72,3 +72,11 @@ def test_fp16_is_rejected_on_cpu_before_launch():
     cfg = compose_config(*QUICK, "hardware.precision=16-mixed")
     with pytest.raises(ConfigError, match="hardware.precision='16-mixed'"):
         validate(cfg)
+
+
+@pytest.mark.parametrize("strategy", ["l2l", "pipefisher", "kfac"])
+def test_fp16_is_rejected_where_the_loss_cannot_be_scaled(strategy):
+    cfg = compose_config(*QUICK, f"strategy={strategy}", "hardware=dgx_a100_80g", "mode=check",
+                         "hardware.precision=16-mixed")
+    with pytest.raises(ConfigError, match=f"strategy={strategy} cannot scale an fp16 loss"):
+        validate(cfg, submitting=True)

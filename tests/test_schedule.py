@@ -17,8 +17,8 @@ from strategies.schedule import (BACKWARD, FINISH, FORWARD, KINDS, RECV_ACTIVATI
                                  interleaved_one_f_one_b, layered, looped_breadth_first, one_f_one_b, parse_action,
                                  parse_row, plot_timeline, simulate, stage_placement, unit_cost, validate_plan)
 from strategies.modular_pipeline import forward_only
-from strategies.schedule import (POST_RECV_ACTIVATION, KindInfo, add_receive_posts, check_point_to_point_order,
-                                 curvature, is_post, issue_sequences, offload, post_of)
+from strategies.schedule import (POST_RECV_ACTIVATION, RECV_GRADIENT, KindInfo, add_receive_posts,
+                                 check_point_to_point_order, curvature, is_post, issue_sequences, offload, post_of)
 from strategies.schedule.curvature import synchronous_plan
 from strategies.schedule.ir import register_kinds
 from strategies.schedule.zero import add_zero
@@ -352,8 +352,7 @@ def posts_at_step_start(plan: Plan) -> Plan:
     rows = []
     for row in plan.ranks:
         kept = [action for action in row if not is_post(action)]
-        receives = [action for action in kept if action is not None and action.kind in (RECV_ACTIVATION,
-                                                                                         "RECV_GRADIENT")]
+        receives = [a for a in kept if a is not None and a.kind in (RECV_ACTIVATION, RECV_GRADIENT)]
         rows.append([post_of(receive) for receive in receives] + kept)
     return dataclasses.replace(plan, ranks=rows, name=f"{plan.name} (receives posted at step start)")
 

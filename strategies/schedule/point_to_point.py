@@ -140,12 +140,15 @@ def add_receive_posts(plan: Plan) -> Plan:
     except PlanError:
         return plan
     after = [defaultdict(list) for _ in plan.ranks]  # per rank: slot (-1: step start) -> posts issued after it
-    for order in orders.values():
-        for rank in {order[0].sender, order[0].receiver} if order else ():
+    for pair, order in orders.items():
+        for rank in pair:
             _place_posts(plan.ranks[rank], rank, order, after[rank])
-    rows = [[*after[rank][-1], *(step for slot, action in enumerate(row) for step in [action, *after[rank][slot]])]
-            for rank, row in enumerate(plan.ranks)]
-    return dataclasses.replace(plan, ranks=rows)
+    return dataclasses.replace(plan, ranks=[_with_posts(row, after[rank]) for rank, row in enumerate(plan.ranks)])
+
+
+def _with_posts(row, after: dict) -> list:
+    """`row` with the posts of `after` (slot -> posts) inserted right after their slots."""
+    return [*after[-1], *(step for slot, action in enumerate(row) for step in [action, *after[slot]])]
 
 
 def _place_posts(row, rank: int, order: list[Message], after: dict) -> None:

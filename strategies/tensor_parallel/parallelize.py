@@ -1,9 +1,11 @@
 """The plan (module name -> Style) of a plain GPT and the functions that apply it on a grid.
 
-    form = parallelize_3d(model, layout)   # or parallelize_1d / parallelize_2d
+    form = parallelize_3d(model, layout, device)   # or parallelize_1d / parallelize_2d
 
 replaces the planned modules in place by their parallel forms, cut from the plain model's own
-(seeded) weights, so the parallel run starts exactly from the reference weights.
+(seeded) weights, so the parallel run starts exactly from the reference weights. A model on the
+meta device is materialised one part at a time (the embedding, a block, the head), cut, and that
+part's plain weights dropped: a rank never holds more than one full part besides its shards.
 """
 
 from dataclasses import dataclass
@@ -91,19 +93,24 @@ def gradient_groups(model: nn.Module, plan, grid, layout) -> Dict[str, Tuple]:
 
 
 @torch.no_grad()
-def parallelize(model: nn.Module, layout) -> TensorParallelForm:
-    """Turn a plain GPT into its form on `layout.tensor_grid`, in place (torchtitan-style)."""
+def parallelize(model: nn.Module, layout, device=None) -> TensorParallelForm:
+    """Turn a plain GPT into its form on `layout.tensor_grid`, in place (torchtitan-style), part
+    by part; parts still on meta are first materialised on `device` with their seeded values."""
     if model.head.output.weight is model.embed.token.weight:
         raise ValueError("model.tie_embeddings=true is not supported by tensor parallelism")
     grid = grid_of(layout.tensor_grid, layout.degrees.tensor, layout.index("tensor"))
     plan = plan_gpt(len(model.blocks))
-    for name, style in plan.items():
-        parent, _, child = name.rpartition(".")
-        replacement = parallel_module(model.get_submodule(name), style, grid, layout)
-        setattr(model.get_submodule(parent) if parent else model, child, replacement)
-    for block in model.blocks.values():  # heads are split with qkv's output chunks
-        block.attention = HeadParallelAttention(block.attention,
-                                                block.attention.heads // grid.head_parts)
+    for part in model.part_names():
+        model.materialise(device, [part])
+        for name, style in plan.items():
+            if name == part or name.startswith(part + "."):
+                parent, _, child = name.rpartition(".")
+                replacement = parallel_module(model.get_submodule(name), style, grid, layout)
+                setattr(model.get_submodule(parent) if parent else model, child, replacement)
+        if part.startswith("blocks."):  # heads are split with qkv's output chunks
+            block = model.get_submodule(part)
+            block.attention = HeadParallelAttention(block.attention,
+                                                    block.attention.heads // grid.head_parts)
     return TensorParallelForm(model, VocabularyParallelLoss(layout, grid),
                               gradient_groups(model, plan, grid, layout))
 
@@ -114,22 +121,22 @@ def _check_grid(layout, expected: str):
                          f"got {layout.tensor_grid!r}")
 
 
-def parallelize_1d(model, layout) -> TensorParallelForm:
+def parallelize_1d(model, layout, device=None) -> TensorParallelForm:
     """Megatron 1-D: column-parallel qkv/fc_in/head, row-parallel proj/fc_out."""
     _check_grid(layout, "1d")
-    return parallelize(model, layout)
+    return parallelize(model, layout, device)
 
 
-def parallelize_2d(model, layout) -> TensorParallelForm:
+def parallelize_2d(model, layout, device=None) -> TensorParallelForm:
     """SUMMA 2-D on a q×q grid (all-gather form of its row and column broadcasts)."""
     _check_grid(layout, "2d")
-    return parallelize(model, layout)
+    return parallelize(model, layout, device)
 
 
-def parallelize_3d(model, layout) -> TensorParallelForm:
+def parallelize_3d(model, layout, device=None) -> TensorParallelForm:
     """3-D on a q³ grid (Bian et al. 2021; TECHNIQUES §4)."""
     _check_grid(layout, "3d")
-    return parallelize(model, layout)
+    return parallelize(model, layout, device)
 
 
 def _style_of(parameter_name: str, plan) -> Tuple[Style, str]:

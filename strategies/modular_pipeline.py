@@ -125,7 +125,27 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         peers = Peers([pipeline.ranks[r] for r in self.plan.placement], pipeline,
                       self.layout.group("data"), self.layout.communicator)
         self.work = self.make_stage_work(model, self.local_stages(), peers)
+        self._connect_neighbours(pipeline)
         super().setup(trainer)  # Lightning's setup: the optimizer sees what make_stage_work left
+
+    def _connect_neighbours(self, pipeline) -> None:
+        """Make each pair of neighbouring ranks' first contact now, in one order every rank shares.
+
+        NCCL creates a pair's communicator lazily, at the pair's first send or receive, with a
+        handshake that blocks both ranks: with three or more ranks, first contacts made in
+        different orders can deadlock even when every pair's messages match. Here each pair
+        exchanges one element in the order of the sorted pairs: the earliest pair not yet done
+        always has both of its ranks waiting on it, so the sequence cannot stall.
+        """
+        ranks = [pipeline.ranks[r] for r in self.plan.placement]
+        pairs = sorted({tuple(sorted(pair)) for pair in zip(ranks, ranks[1:]) if pair[0] != pair[1]})
+        token = torch.zeros(1, device=self.root_device)
+        for low, high in pairs:
+            if self.global_rank == low:
+                self.layout.communicator.send(token, high, pipeline).wait()
+            elif self.global_rank == high:
+                self.layout.communicator.receive(token, low, pipeline).wait()
+        self.layout.communicator.reset()  # set-up traffic is not a training step's
 
     # ----- the step
     @override

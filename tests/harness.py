@@ -43,6 +43,9 @@ PARAMETER_ATOL = 1e-5
 # bf16 keeps 8 bits of mantissa (relative step 2^-8 ≈ 4e-3): two equal computations whose fp32
 # reductions run in another order round differently in a few matrix products per step.
 BF16_LOSS_RTOL = 1e-2
+GRADIENT_RTOL = 1e-5
+GRADIENT_SCALE_ATOL = 1e-5
+GRADIENT_RECOVERY_EPS = 2 * 2.0 ** -23
 
 
 def assert_same_losses(actual, expected):
@@ -58,8 +61,25 @@ def assert_same_parameters(actual: dict, expected: dict):
                                    atol=PARAMETER_ATOL, msg=lambda m: f"{name}: {m}")
 
 
-def consolidated_parameters(run_directory, strategy_name: str) -> dict:
-    """The full model's state dict from a run's `last` checkpoint, whatever the strategy.
+def gradient_atol(expected, initial, learning_rate: float) -> float:
+    """The absolute part of a gradient tensor's tolerance: GRADIENT_SCALE_ATOL of its largest
+    entry, plus the rounding of recovering it from fp32 weights (GRADIENT_RECOVERY_EPS)."""
+    return (GRADIENT_SCALE_ATOL * float(expected.abs().max())
+            + GRADIENT_RECOVERY_EPS * float(initial.abs().max()) / learning_rate)
+
+
+def assert_same_gradients(actual: dict, expected: dict, initial: dict, learning_rate: float):
+    """First-step gradients g = (p0 − p1)/lr equal, tensor by tensor (see the tolerance table)."""
+    import torch
+    assert actual.keys() == expected.keys(), set(actual) ^ set(expected)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=GRADIENT_RTOL,
+                                   atol=gradient_atol(expected[name], initial[name], learning_rate),
+                                   msg=lambda m: f"gradient of {name}: {m}")
+
+
+def consolidated_parameters(run_directory, strategy_name: str, checkpoint: str = "last") -> dict:
+    """The full model's state dict from a run's `last` (or another named) checkpoint, whatever the strategy.
 
     A single file is already whole; a per-rank directory is merged by the strategy module's
     `consolidate(rank_state_dicts, layout) -> state_dict` (pipelines: disjoint keys; shards:
@@ -72,7 +92,7 @@ def consolidated_parameters(run_directory, strategy_name: str) -> dict:
 
     from strategies import strategy_entry
 
-    path = Path(run_directory) / "checkpoints" / "last.ckpt"
+    path = Path(run_directory) / "checkpoints" / f"{checkpoint}.ckpt"
     if path.is_file():
         state = torch.load(path, weights_only=False, map_location="cpu")["state_dict"]
         return {name.removeprefix("module."): value for name, value in state.items()}
@@ -93,3 +113,206 @@ def cached_references(tmp_path_factory, run):
             cache[layers] = (run(directory, "strategy=single", f"model.layers={layers}"), directory)
         return cache[layers]
     return reference
+
+
+# ----- plain SGD: an oracle that sees a gradient's scale -----------------------------------------
+#
+# AdamW and LAMB divide each step by a running gradient norm, so a constant factor on a gradient
+# (summed instead of averaged over replicas) barely moves their weights. Plain SGD at a constant
+# learning rate steps by exactly lr·g: every "equals single" test also runs it, and compares
+#   1. the losses of every step,
+#   2. the gradient of the first step, recovered exactly as g = (p0 − p1)/lr from the reference's
+#      initial weights p0 (its own step-0 checkpoint) and each run's weights after step 1,
+#   3. the parameters after SGD_STEPS steps.
+# Mutation tests (test_mutations.py) prove these very assertions fail on known bugs.
+
+SGD_LEARNING_RATE = 1.0
+SGD_STEPS = 3
+SGD_OVERRIDES = ["optimizer=sgd", "optimizer.momentum=0", "optimizer.weight_decay=0",
+                 "optimizer.warmup_steps=0", "optimizer.lr_schedule=constant",
+                 f"optimizer.lr={SGD_LEARNING_RATE}"]
+# One model for every SGD comparison, so one single-process reference serves every strategy:
+# 4 blocks (2 pipeline stages × 2 loops), 16 sequences (4 micro-batches × 2 replicas × 2 rows),
+# no validation (the comparison reads training losses and checkpoints only).
+SGD_MODEL = ["model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batches=0",
+             f"trainer.val_check_interval={SGD_STEPS}"]
+
+
+class _StepCheckpoints:
+    """Trainer callback: also save the checkpoint `step{n}.ckpt` after step n (0: before training)."""
+
+    def __new__(cls, steps):
+        import lightning.pytorch as pl
+
+        class StepCheckpoints(pl.Callback):
+            @staticmethod
+            def _save(trainer, step):
+                path = Path(trainer.default_root_dir) / "checkpoints" / f"step{step}.ckpt"
+                trainer.save_checkpoint(path, weights_only=False)
+
+            def on_train_start(self, trainer, module):
+                if 0 in steps:
+                    self._save(trainer, 0)
+
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
+                if trainer.global_step in steps:
+                    self._save(trainer, trainer.global_step)
+        return StepCheckpoints()
+
+
+def train_saving_steps(cfg, directory, steps=(1,)):
+    """layerwise.run.train, with checkpoints after the given steps too (the ranks are forked from
+    this process, so the patched trainer factory reaches them)."""
+    import layerwise.run as run_module
+    from layerwise.validate import validate
+
+    original = run_module.build_trainer
+
+    def build_trainer(*arguments, **keywords):
+        trainer = original(*arguments, **keywords)
+        trainer.callbacks.append(_StepCheckpoints(tuple(steps)))
+        return trainer
+    run_module.build_trainer = build_trainer
+    try:
+        return run_module.train(cfg, directory, validate(cfg))
+    finally:
+        run_module.build_trainer = original
+
+
+class SgdRun:
+    """One run under SGD_OVERRIDES: its summary, and its consolidated weights after steps 0 (when
+    saved), 1 and the last."""
+
+    def __init__(self, directory, *overrides, initial=False, steps=SGD_STEPS):
+        cfg = compose_config(*QUICK, *SGD_MODEL, *SGD_OVERRIDES, f"trainer.max_steps={steps}", *overrides)
+        self.learning_rate = float(cfg.optimizer.lr)
+        self.strategy = cfg.strategy.name
+        self.summary = train_saving_steps(cfg, directory, (0, 1) if initial else (1,))
+        assert self.summary["status"] == "completed", self.summary.get("error")
+        self.initial = consolidated_parameters(directory, self.strategy, "step0") if initial else None
+        self.first = consolidated_parameters(directory, self.strategy, "step1")
+        self.last = consolidated_parameters(directory, self.strategy)
+
+    def gradients(self, initial: dict) -> dict:
+        """The first step's gradient: p1 = p0 − lr·g under plain SGD, so g = (p0 − p1)/lr."""
+        return {name: (initial[name] - self.first[name]) / self.learning_rate for name in initial}
+
+
+_SGD_REFERENCES = {}  # reference overrides -> SgdRun, made once per session
+
+
+def sgd_reference(tmp_path_factory, *overrides) -> SgdRun:
+    """The one-process reference (default `strategy=single`) under SGD, with its initial weights."""
+    overrides = overrides or ("strategy=single",)
+    if overrides not in _SGD_REFERENCES:
+        directory = tmp_path_factory.mktemp("sgd_reference")
+        _SGD_REFERENCES[overrides] = SgdRun(directory, *overrides, initial=True)
+    return _SGD_REFERENCES[overrides]
+
+
+class SgdComparison:
+    """A run against its reference under SGD: `check()` is every SGD equality test's assertion,
+    `excess()` says by how much each comparison exceeded its tolerance (> 1 fails)."""
+
+    def __init__(self, actual: SgdRun, expected: SgdRun):
+        self.actual, self.expected = actual, expected
+        self.actual_gradients = actual.gradients(expected.initial)
+        self.expected_gradients = expected.gradients(expected.initial)
+
+    def check(self) -> None:
+        assert_same_losses(self.actual.summary["losses"], self.expected.summary["losses"])
+        assert_same_gradients(self.actual_gradients, self.expected_gradients, self.expected.initial,
+                              self.expected.learning_rate)
+        assert_same_parameters(self.actual.last, self.expected.last)
+
+    def excess(self) -> dict:
+        """Worst |actual − expected| / (atol + rtol·|expected|) of each comparison, and where."""
+        import torch
+        losses = tolerance_excess(torch.tensor(self.actual.summary["losses"]),
+                                  torch.tensor(self.expected.summary["losses"]), LOSS_RTOL, 0.0)
+        gradients = max((tolerance_excess(self.actual_gradients[name], self.expected_gradients[name],
+                                          GRADIENT_RTOL, gradient_atol(self.expected_gradients[name],
+                                                                       self.expected.initial[name],
+                                                                       self.expected.learning_rate)), name)
+                        for name in self.expected_gradients)
+        parameters = max((tolerance_excess(self.actual.last[name], self.expected.last[name],
+                                           PARAMETER_RTOL, PARAMETER_ATOL), name)
+                         for name in self.expected.last)
+        return {"losses": (losses, "losses"), "gradients": gradients, "parameters": parameters}
+
+
+def compare_under_sgd(tmp_path, tmp_path_factory, *overrides, reference=()) -> SgdComparison:
+    """Run `overrides` under SGD and compare it with the (cached) reference run of `reference`."""
+    expected = sgd_reference(tmp_path_factory, *reference)
+    return SgdComparison(SgdRun(tmp_path, *overrides), expected)
+
+
+def tolerance_excess(actual, expected, rtol: float, atol: float) -> float:
+    """max |a − e| / (atol + rtol·|e|): above 1 exactly where torch.testing.assert_close fails."""
+    import torch
+    difference = (actual.double() - expected.double()).abs()
+    allowed = atol + rtol * expected.double().abs()
+    return float((difference / allowed).max()) if difference.numel() else 0.0
+
+
+# What a checkpoint holds that is evidence, not training state: the evidence callback's wall-clock
+# step times (they differ between any two runs) and the version string.
+NOT_TRAINING_STATE = ("callbacks", "pytorch-lightning_version")
+
+
+def checkpoint_files(run_directory) -> dict:
+    """`last.ckpt` of a run, as {file name: path}: the single file, or every `rank{r}.pt`."""
+    from pathlib import Path
+
+    path = Path(run_directory) / "checkpoints" / "last.ckpt"
+    if path.is_file():
+        return {path.name: path}
+    assert path.is_dir(), f"{path}: no checkpoint"
+    return {p.name: p for p in sorted(path.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))}
+
+
+def assert_same_checkpoints(directory_a, directory_b) -> int:
+    """The two runs' final checkpoints hold the same training state, bit for bit, on every rank.
+
+    Compared tensor by tensor (dtype, shape and bytes, so -0.0 ≠ 0.0 and NaN = NaN): the model's
+    state dict, every optimizer's state (AdamW's and LAMB's step, exp_avg, exp_avg_sq) and param
+    groups, the schedulers, the loops' counters, and whatever a strategy adds (PipeFisher's `kfac`:
+    factors, inverses, pending captures). Only NOT_TRAINING_STATE is skipped. Returns the number of
+    tensors compared.
+    """
+    import torch
+
+    files_a, files_b = checkpoint_files(directory_a), checkpoint_files(directory_b)
+    assert files_a.keys() == files_b.keys(), (list(files_a), list(files_b))
+    compared = 0
+    for name in files_a:
+        a, b = (torch.load(files[name], weights_only=False, map_location="cpu") for files in (files_a, files_b))
+        keys = set(a) - set(NOT_TRAINING_STATE)
+        assert keys == set(b) - set(NOT_TRAINING_STATE), f"{name}: {sorted(set(a) ^ set(b))}"
+        for key in sorted(keys):
+            compared += _assert_same_state(a[key], b[key], f"{name}:{key}")
+    assert compared > 0
+    return compared
+
+
+def _assert_same_state(a, b, where: str) -> int:
+    """Recursive exact equality of checkpoint contents; the number of tensors compared."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{where}: tensor vs {type(b).__name__}"
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}"
+        same = torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+        if not same:
+            difference = (a.double() - b.double()).abs().max().item() if a.is_floating_point() else "n/a"
+            raise AssertionError(f"{where}: tensors differ (largest difference {difference})")
+        return 1
+    assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys {sorted(map(str, set(a) ^ set(b)))}"
+        return sum(_assert_same_state(a[key], b[key], f"{where}.{key}") for key in a)
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: length {len(a)} vs {len(b)}"
+        return sum(_assert_same_state(x, y, f"{where}[{index}]") for index, (x, y) in enumerate(zip(a, b)))
+    assert a == b, f"{where}: {a!r} vs {b!r}"
+    return 0

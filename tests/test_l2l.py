@@ -21,8 +21,8 @@ from strategies.schedule import (BACKWARD, FORWARD, layered, looped_breadth_firs
 from strategies.schedule.ir import parse_action
 from strategies.schedule.offload import (GRADIENT_TO_HOST, RELEASE_BACKWARD, RELEASE_FORWARD, UPDATE_ON_HOST,
                                          WEIGHTS_BACKWARD, WEIGHTS_FORWARD, add_host_transfers, relay_plan)
-from tests.harness import (QUICK, assert_same_losses, assert_same_parameters, compose_config,
-                           consolidated_parameters)
+from tests.harness import (QUICK, assert_same_checkpoints, assert_same_losses, assert_same_parameters,
+                           compose_config, consolidated_parameters)
 
 STEPS = 5
 OPTIMIZER = OmegaConf.create(dict(name="adamw", lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
@@ -216,6 +216,7 @@ def test_l2l_resume_is_bit_identical(tmp_path):
     expected = consolidated_parameters(whole_directory, "l2l")
     for name, value in consolidated_parameters(directory, "l2l").items():
         assert torch.equal(value, expected[name]), name
+    assert_same_checkpoints(directory, whole_directory)  # the host store's Adam state too
 
 
 # ----------------------------------------------------------------------------- config checks

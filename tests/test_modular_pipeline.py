@@ -10,8 +10,8 @@ import pytest
 
 from layerwise.run import train
 from layerwise.validate import ConfigError, validate
-from tests.harness import (QUICK, assert_same_losses, assert_same_parameters, cached_references,
-                           compose_config, consolidated_parameters)
+from tests.harness import (QUICK, assert_same_checkpoints, assert_same_losses, assert_same_parameters,
+                           cached_references, compose_config, consolidated_parameters)
 
 STEPS = 5
 
@@ -75,6 +75,7 @@ def test_resume_is_bit_identical(tmp_path):
     assert resumed["losses"] == whole["losses"]
     assert consolidated_parameters(tmp_path / "resumed", "modular_pipeline").keys() == \
         consolidated_parameters(tmp_path / "whole", "modular_pipeline").keys()
+    assert_same_checkpoints(tmp_path / "resumed", tmp_path / "whole")  # every rank: weights, Adam state
 
 
 BAD = [

@@ -16,8 +16,8 @@ from strategies.schedule import (Action, PlanError, add_communication, add_gradi
                                  simulate, validate_plan)
 from strategies.kfac import KFAC as KFACMath  # KFAC below is the override list
 from strategies.schedule import curvature as units
-from tests.harness import (QUICK, assert_same_losses, assert_same_parameters, compose_config,
-                           consolidated_parameters)
+from tests.harness import (QUICK, assert_same_checkpoints, assert_same_losses, assert_same_parameters,
+                           compose_config, consolidated_parameters)
 
 STEPS = 6
 KFAC = ["optimizer=lamb", "optimizer.warmup_steps=2", "model.layers=4"]
@@ -80,6 +80,7 @@ def test_resume_is_bit_identical_mid_cycle(tmp_path):
     assert resumed["losses"] == whole["losses"]
     for name, value in consolidated_parameters(tmp_path / "whole", "pipefisher").items():
         assert consolidated_parameters(tmp_path / "resumed", "pipefisher")[name].equal(value), name
+    assert_same_checkpoints(tmp_path / "resumed", tmp_path / "whole")  # LAMB state, K-FAC factors and inverses
     assert (tmp_path / "whole" / "schedule_kfac.png").stat().st_size > 10_000
 
 

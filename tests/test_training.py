@@ -8,7 +8,7 @@ import torch
 
 from layerwise.run import train
 from layerwise.validate import validate
-from tests.harness import QUICK, assert_same_losses, assert_same_parameters, compose_config
+from tests.harness import QUICK, assert_same_checkpoints, assert_same_losses, assert_same_parameters, compose_config
 
 STEPS = 10
 
@@ -84,6 +84,7 @@ def test_resume_continues_bit_identically(reference, tmp_path):
                          *cfg_overrides)
     resumed = train(cfg, directory, 1)
     assert resumed["losses"][4:] == reference[0]["losses"][4:]
+    assert_same_checkpoints(directory, reference[1])  # weights, Adam state, scheduler, loop counters
     assert [int(r["step"]) for r in metrics(directory)] == list(range(1, STEPS + 1))
 
 

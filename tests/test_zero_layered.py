@@ -18,8 +18,8 @@ from layerwise.validate import ConfigError, validate
 from strategies.schedule import add_communication, build_plan, validate_plan
 from strategies.schedule.zero import (GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, add_zero,
                                       gathers_per_step)
-from tests.harness import (QUICK, assert_same_losses, assert_same_parameters, cached_references, compose_config,
-                           consolidated_parameters, run_on_ranks)
+from tests.harness import (QUICK, assert_same_checkpoints, assert_same_losses, assert_same_parameters,
+                           cached_references, compose_config, consolidated_parameters, run_on_ranks)
 
 STEPS = 5
 BATCH = ["data.global_batch_size=16"]  # splits into n=4 ranks × m=4 and n=2 × m=8
@@ -173,6 +173,7 @@ def test_resume_is_bit_identical(tmp_path):
     after, reference = (consolidated_parameters(tmp_path / d, "zero_layered") for d in ("resumed", "whole"))
     assert after.keys() == reference.keys()
     assert all(torch.equal(after[name], reference[name]) for name in reference)
+    assert_same_checkpoints(tmp_path / "resumed", tmp_path / "whole")  # every rank's shards and Adam state
 
 
 BAD = [

@@ -170,6 +170,7 @@ class TrainerConfig:
     gradient_clip_val: float = 0.0  # global gradient-norm clip; 0 = off
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | none
     check_point_to_point_order: bool = False  # each step, compare rank pairs' p2p issue order (NCCL); tests: true
+    measure_every_n_steps: int = 50  # compute-memory meter and pipeline timelines: first 2 steps, every n, last
 
 
 @dataclass

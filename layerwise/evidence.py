@@ -25,7 +25,36 @@ from parallel.memory import ComputeMemoryMeter
 from parallel.timing import StepTimer, allocator_peak_bytes, reset_allocator_peak
 
 COLUMNS = (["step", "loss", "lr", "step_time_s", "tokens_per_s"]
-           + [f"comm_bytes_{kind}" for kind in KINDS] + ["peak_compute_bytes", "allocator_peak_bytes", "val_loss"])
+           + [f"comm_bytes_{kind}" for kind in KINDS]
+           + ["comm_calls", "memory_measured", "peak_compute_bytes", "allocator_peak_bytes", "val_loss"])
+# The counter's kinds that are collectives (one call of every rank of a group); sends and host<->device
+# copies are not: `comm_calls` counts what bucketing gradient reductions would make fewer.
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+# The compute-memory meter (a Python dispatch mode on every operator) slows a step by ~25% on a small
+# model: it runs on these first steps of every start or resume, every trainer.measure_every_n_steps,
+# and on the last step (so the executed Gantt chart is the last step's).
+WARM_UP_MEASURED_STEPS = 2
+
+
+def is_measured_step(step: int, steps_run_here: int, every: int, last: int) -> bool:
+    """Whether 1-based `step` is sampled, `steps_run_here` steps after this process started
+    training (start or resume); `every` ≤ 0 samples only the warm-up and the last step."""
+    return (steps_run_here < WARM_UP_MEASURED_STEPS or step == last
+            or (every > 0 and step % every == 0))
+
+
+def gather_step_numbers(summed: float, maxima: list, device: torch.device) -> tuple:
+    """A step's numbers over all ranks in ONE collective: (the sum of `summed`, the element-wise
+    maxima of `maxima`). Each rank's small float64 vector is all-gathered on its compute device
+    (NCCL reduces only device tensors) and reduced locally. Not counted: evidence, not training."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return summed, list(maxima)
+    mine = torch.tensor([summed, *maxima], dtype=torch.float64, device=device)
+    everyone = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.float64, device=device)
+    dist.all_gather_single(everyone, mine)
+    by_rank = everyone.view(dist.get_world_size(), mine.numel())
+    totals = torch.cat([by_rank[:, :1].sum(dim=0), by_rank[:, 1:].amax(dim=0)]).tolist()  # one sync
+    return totals[0], totals[1:]
 
 
 def reduce_over_ranks(values: list, op, device: torch.device) -> list:
@@ -74,8 +103,10 @@ def write_json_atomically(path: Path, payload: dict) -> None:
 class RunEvidence(pl.Callback):
     """Measures each step, writes metrics.csv and summary.json, prints progress on rank 0.
 
-    1. step start: reset the communication counter, start the compute-memory meter;
-    2. step end: reduce loss (mean), bytes and peak (max) over ranks; rank 0 writes the row;
+    1. step start: reset the communication counter; on a sampled step (`is_measured_step`) start
+       the compute-memory meter and tell the strategy to collect its own evidence (timelines);
+    2. step end: one collective carries loss (summed), time, bytes, calls and peaks (maxima) over
+       ranks; rank 0 writes the row;
     3. validation: mean loss over batches and ranks, attached to the step's row;
     4. end (or failure): summary.json with the fixed schema of DESIGN.md.
     """
@@ -93,6 +124,7 @@ class RunEvidence(pl.Callback):
         self.tokens_per_step = cfg.data.global_batch_size * cfg.data.sequence_length
         self._pending_row = None
         self._meter = None
+        self._steps_run_here = 0  # since this process started training: a resume measures again
         self._validation_losses = []
         self._started = None
 
@@ -106,6 +138,7 @@ class RunEvidence(pl.Callback):
     # ----- steps
     def on_train_start(self, trainer, module):
         self._started = time.perf_counter()
+        self._steps_run_here = 0
         self._record_setup_memory(trainer)
         if trainer.is_global_zero:
             self._rewrite_csv_up_to(trainer.global_step)
@@ -128,7 +161,10 @@ class RunEvidence(pl.Callback):
         communicator = trainer.strategy.communicator()
         if communicator is not None:
             communicator.reset()
-        if self.measure_memory:
+        measuring = is_measured_step(trainer.global_step + 1, self._steps_run_here,
+                                     self.cfg.trainer.measure_every_n_steps, self.cfg.trainer.max_steps)
+        trainer.strategy.measure_this_step(measuring)
+        if self.measure_memory and measuring:
             self._meter = ComputeMemoryMeter()
             self._meter.resident(trainer.strategy.compute_resident_tensors())
             self._meter.__enter__()
@@ -138,31 +174,40 @@ class RunEvidence(pl.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
         step_time = self._timer.stop()
-        allocator = allocator_peak_bytes(trainer.strategy.root_device)  # None off CUDA
-        peak = 0.0
-        if self._meter is not None:
-            self._meter.__exit__(None, None, None)
-            peak = float(self._meter.peak_bytes)
-            counts = self.history["matrix_product_dtypes"]
-            for dtype, count in self._meter.matrix_product_dtypes.items():
-                counts[dtype] = counts.get(dtype, 0) + count
-            self._meter = None
+        allocator = allocator_peak_bytes(trainer.strategy.root_device)  # every step (free); None off CUDA
+        peak = self._stop_meter()
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         communicator = trainer.strategy.communicator()
         comm = communicator.snapshot() if communicator else {kind: 0.0 for kind in KINDS}
-        (loss_value,) = reduce_over_ranks([float(loss)], dist.ReduceOp.SUM, trainer.strategy.root_device)
-        maxima = reduce_over_ranks([step_time, peak, allocator or 0.0] + [comm[k] for k in KINDS],
-                                   dist.ReduceOp.MAX, trainer.strategy.root_device)
-        row = {"step": trainer.global_step, "loss": loss_value / self.world_size,
+        calls = sum(communicator.calls_by_kind.get(k, 0) for k in COLLECTIVE_KINDS) if communicator else 0
+        loss_sum, maxima = gather_step_numbers(
+            float(loss), [step_time, peak or 0.0, allocator or 0.0, calls] + [comm[k] for k in KINDS],
+            trainer.strategy.root_device)
+        self._steps_run_here += 1
+        row = {"step": trainer.global_step, "loss": loss_sum / self.world_size,
                "lr": trainer.optimizers[0].param_groups[0]["lr"], "step_time_s": maxima[0],
-               "tokens_per_s": self.tokens_per_step / maxima[0], "peak_compute_bytes": maxima[1],
+               "tokens_per_s": self.tokens_per_step / maxima[0], "comm_calls": int(maxima[3]),
+               "memory_measured": int(peak is not None),
+               "peak_compute_bytes": None if peak is None else maxima[1],
                "allocator_peak_bytes": None if allocator is None else maxima[2],
-               **{f"comm_bytes_{k}": v for k, v in zip(KINDS, maxima[3:])}, "val_loss": None}
+               **{f"comm_bytes_{k}": v for k, v in zip(KINDS, maxima[4:])}, "val_loss": None}
         self.history["losses"].append(row["loss"])
         self.history["rows"].append({k: v for k, v in row.items() if k != "val_loss"})
         self._pending_row = row
-        module.log("loss", row["loss"], prog_bar=True, logger=False, rank_zero_only=True)
+        if trainer.progress_bar_callback is not None:  # Lightning's logging costs ~1 ms a step; only the bar reads it
+            module.log("loss", row["loss"], prog_bar=True, logger=False, rank_zero_only=True)
         self._progress(trainer, row)
+
+    def _stop_meter(self):
+        """This step's compute-side peak (None on an unsampled step); adds its matrix-product dtypes."""
+        if self._meter is None:
+            return None
+        self._meter.__exit__(None, None, None)
+        counts = self.history["matrix_product_dtypes"]
+        for dtype, count in self._meter.matrix_product_dtypes.items():
+            counts[dtype] = counts.get(dtype, 0) + count
+        peak, self._meter = float(self._meter.peak_bytes), None
+        return peak
 
     # ----- validation
     def on_validation_epoch_start(self, trainer, module):
@@ -232,7 +277,9 @@ class RunEvidence(pl.Callback):
         if not trainer.is_global_zero:
             return
         rows = self.history["rows"]
-        median = lambda key: statistics.median(r[key] for r in rows) if rows else None
+        def median(key):  # rows of a checkpoint written before a column existed lack it
+            values = [r[key] for r in rows if r.get(key) is not None]
+            return statistics.median(values) if values else None
         val = self.history["val_losses"]
         summary = {
             "status": status, "error": error,
@@ -248,7 +295,9 @@ class RunEvidence(pl.Callback):
             "step_time_s_median": median("step_time_s"),
             "tokens_per_s_median": median("tokens_per_s"),
             "comm_bytes_per_step": {k: median(f"comm_bytes_{k}") for k in KINDS} if rows else {},
-            "peak_compute_bytes": max((r["peak_compute_bytes"] for r in rows), default=None),
+            "comm_calls_per_step": median("comm_calls"),
+            "peak_compute_bytes": max((r["peak_compute_bytes"] for r in rows
+                                       if r.get("peak_compute_bytes") is not None), default=None),
             "allocator_peak_bytes": max((r["allocator_peak_bytes"] for r in rows
                                          if r.get("allocator_peak_bytes") is not None), default=None),
             "setup_peak_bytes": self.history.get("setup_peak_bytes"),

@@ -16,7 +16,7 @@ import threading
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -58,6 +58,10 @@ class ComputeMemoryMeter(TorchDispatchMode):
 
     def _track(self, tensor) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return
+        if is_traceable_wrapper_subclass(tensor):  # a DTensor's own storage is a placeholder of
+            for name in tensor.__tensor_flatten__()[0]:  # the full size: its local shard is the memory
+                self._track(getattr(tensor, name))
             return
         storage = tensor.untyped_storage()
         if storage in self._storages or storage in self._host:

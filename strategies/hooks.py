@@ -26,7 +26,10 @@ class RunHooks:
     4. `compute_resident_tensors()`: what the compute side holds between steps (the memory meter's floor);
     5. `materialise_model(model)`: give the parts of the meta model this rank owns their storage and
        seeded values (default: the whole model on the device), measured as `setup_peak_bytes`;
-    6. `bubble_fraction`, `write_evidence`: nothing unless overridden.
+    6. `bubble_fraction`, `write_evidence`: nothing unless overridden;
+    7. `measure_this_step(measuring)`: the evidence callback says, before each step, whether the step
+       is a sampled one (trainer.measure_every_n_steps); a technique collects its costly evidence
+       (a pipeline's gathered timeline) only then.
     """
 
     layout = None
@@ -34,6 +37,7 @@ class RunHooks:
     model_materialised = False
     setup_peak_bytes = None  # most bytes live while materialising and placing this rank's part
     setup_allocator_peak_bytes = None  # the same from the CUDA caching allocator (None elsewhere)
+    measuring = True  # whether this step is sampled (RunEvidence sets it; outside a run every step is)
 
     def communicator(self):
         """The counted communicator every collective of this strategy passes through, if any."""
@@ -78,6 +82,10 @@ class RunHooks:
         """Give the parts of the meta `model` this rank owns their storage and seeded values; a
         technique that owns less than the whole model materialises only that (default: all of it)."""
         model.materialise(self.root_device)
+
+    def measure_this_step(self, measuring: bool) -> None:
+        """Called by the evidence callback before each training step, with the same answer on every rank."""
+        self.measuring = measuring
 
     def bubble_fraction(self) -> dict | None:
         """{"simulated": x, "measured": y} where the strategy runs a schedule; None otherwise."""

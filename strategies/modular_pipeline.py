@@ -182,6 +182,10 @@ class ModularPipelineStrategy(OwnedStepStrategy):
 
     # ----- evidence: executed order and measured bubbles
     def _record(self, records) -> None:
+        """On sampled steps only (`measuring`): gather every pipeline rank's records for the measured
+        bubble and the executed Gantt chart. all_gather_object pickles and runs two collectives."""
+        if not self.measuring:
+            return
         mine = [(str(r.action), r.start, r.end) for r in records]
         group = self.layout.group("pipeline")
         gathered = [None] * group.size

@@ -1,0 +1,183 @@
+"""The equality oracles can fail: each test injects one known bug and the SGD comparison catches it.
+
+Every test runs a case of harness.SGD_CASES, the very run and assertions of an "equals single under
+SGD" test (harness.SgdComparison.check: losses, first-step gradients, parameters after
+SGD_STEPS steps, with the tolerances of the table in harness.py), with one bug patched in. Ranks are
+forked from this process, so a monkeypatch applied here reaches them. Each test prints by how much
+every comparison exceeded its tolerance (worst |actual − expected| / (atol + rtol·|expected|), above
+1 fails) and the AssertionError that check() raised; run with -s to see them.
+"""
+
+import pytest
+import torch
+
+from strategies.l2l import HostStore, step_only
+from strategies.pipefisher import PipeFisherStrategy
+from strategies.sharding import FlatShard
+from strategies.stages import StageWork, stage_parameters
+from strategies.tensor_parallel.grids import Style
+from strategies.tensor_parallel.parallelize import BLOCK_PLAN
+from strategies.zero_layered import ShardedStageWork
+from tests.harness import (PARAMETER_ATOL, PARAMETER_RTOL, SGD_CASES, compare_under_sgd,
+                           sgd_reference)
+
+
+def assert_caught(comparison, bug: str) -> dict:
+    """check() must raise; returns {comparison: (worst difference / tolerance, where)}."""
+    excess = comparison.excess()
+    with pytest.raises(AssertionError) as caught:
+        comparison.check()
+    first_lines = "\n    ".join(str(caught.value).strip().splitlines()[:4])
+    print(f"\n[mutation] {bug}: " + ", ".join(f"{kind} {value:.3g}× tolerance ({where})"
+                                             for kind, (value, where) in excess.items())
+          + f"\n  check() raised: {first_lines}")
+    assert max(value for value, _ in excess.values()) > 1
+    return excess
+
+
+def caught_at_step_one(excess: dict) -> None:
+    """The first step's gradient comparison alone sees the bug (not only its later consequences)."""
+    assert excess["gradients"][0] > 1, excess
+
+
+# ----- (a) data-parallel gradients summed instead of averaged
+
+def test_zero_summing_instead_of_averaging_is_caught(monkeypatch, tmp_path, tmp_path_factory):
+    """FlatShard.accumulate divides the reduce-scattered sum by 1 instead of n = 2."""
+    original = FlatShard.accumulate
+    monkeypatch.setattr(FlatShard, "accumulate", lambda self, piece, replicas: original(self, piece, 1))
+    excess = assert_caught(compare_under_sgd("zero_layered_dp2_m4", tmp_path, tmp_path_factory),
+                           "(a) ZeRO sums the data-parallel gradients")
+    caught_at_step_one(excess)
+
+
+def test_pipeline_summing_instead_of_averaging_is_caught(monkeypatch, tmp_path, tmp_path_factory):
+    """StageWork.wait_for_reductions waits for the all-reduces but forgets to divide by n = 2."""
+    def wait_without_dividing(self):
+        for work, _ in self.state.pending_reductions:
+            if work is not None:
+                work.wait()
+        self.state.pending_reductions.clear()
+    monkeypatch.setattr(StageWork, "wait_for_reductions", wait_without_dividing)
+    excess = assert_caught(compare_under_sgd("modular_pipeline_pp2_dp2_v2_m4", tmp_path, tmp_path_factory),
+                           "(a) the pipeline sums the data-parallel gradients")
+    caught_at_step_one(excess)
+
+
+# ----- (b) one micro-batch dropped from accumulation
+
+def test_dropped_micro_batch_is_caught(monkeypatch, tmp_path, tmp_path_factory):
+    """The last micro-batch's backward runs (its input gradient still flows to the previous stage)
+    but its weight gradients are thrown away: 3 of 4 micro-batches are accumulated."""
+    original = StageWork.backward
+
+    def backward_dropping_the_last(self, action):
+        if action.micro_batch != self.micro_batches - 1:
+            return original(self, action)
+        parameters = stage_parameters(self.model, action.stage, self.stages, self.layers_per_stage)
+        kept = [None if p.grad is None else p.grad.clone() for p in parameters]
+        original(self, action)
+        for parameter, gradient in zip(parameters, kept):
+            parameter.grad = gradient
+    monkeypatch.setattr(StageWork, "backward", backward_dropping_the_last)
+    excess = assert_caught(compare_under_sgd("modular_pipeline_pp2_v2_m4", tmp_path, tmp_path_factory),
+                           "(b) one micro-batch dropped from accumulation")
+    caught_at_step_one(excess)
+
+
+# ----- (c) one stage's data-parallel reduction skipped
+
+def test_skipped_stage_reduction_is_caught(monkeypatch, tmp_path, tmp_path_factory):
+    """Stage 0 (embedding + block 0) is never all-reduced: each replica steps on its own half-batch."""
+    original = StageWork.reduce_gradient
+    monkeypatch.setattr(StageWork, "reduce_gradient",
+                        lambda self, action: None if action.stage == 0 else original(self, action))
+    excess = assert_caught(compare_under_sgd("modular_pipeline_pp2_dp2_v2_m4", tmp_path, tmp_path_factory),
+                           "(c) stage 0's data-parallel reduction skipped")
+    caught_at_step_one(excess)
+
+
+# ----- (d) ZeRO gathers the weights of the wrong stage
+
+def test_zero_gathering_the_wrong_stage_is_caught(monkeypatch, tmp_path, tmp_path_factory):
+    """Gathers of stage 1 (block 1) fetch stage 2's shards (block 2: the same shapes, so nothing
+    fails loudly); gradients still land in stage 1's shards."""
+    original = ShardedStageWork.gather
+
+    def gather_the_wrong_stage(self, action):
+        if action.stage != 1:
+            return original(self, action)
+        right = self.shards_of[1]
+        self.shards_of[1] = self.shards_of[2]
+        try:
+            original(self, action)
+        finally:
+            self.shards_of[1] = right
+    monkeypatch.setattr(ShardedStageWork, "gather", gather_the_wrong_stage)
+    excess = assert_caught(compare_under_sgd("zero_layered_dp2_m4", tmp_path, tmp_path_factory),
+                           "(d) ZeRO gathers stage 2's weights for stage 1")
+    assert excess["losses"][0] > 1, excess  # the forward itself is wrong
+
+
+# ----- (e) a 3-D linear with its input and output axis roles swapped
+
+def test_three_d_swapped_axis_roles_are_caught(monkeypatch, tmp_path, tmp_path_factory):
+    """mlp.fc_out is parallelised as a "first" linear: its axis roles (j, k) are swapped, so it reads
+    fc_in's output layout L(k, j) as L(j, k). The shapes agree (q × q), so nothing fails loudly.
+    The plan is patched here too, so the checkpoint is consolidated with the roles it was cut with."""
+    monkeypatch.setitem(BLOCK_PLAN, "mlp.fc_out", Style("linear", "first"))
+    excess = assert_caught(compare_under_sgd("three_d_q2", tmp_path, tmp_path_factory),
+                           "(e) 3-D fc_out with input/output axis roles swapped")
+    assert excess["losses"][0] > 1, excess
+
+
+# ----- (f) PipeFisher's factors not synchronised across data-parallel replicas
+
+def test_unsynchronised_kfac_factors_are_caught(monkeypatch, tmp_path, tmp_path_factory):
+    """The factor sync units do nothing: each replica inverts the curvature of its own half-batch."""
+    monkeypatch.setattr(PipeFisherStrategy, "_sync", lambda self, action: None)
+    excess = assert_caught(compare_under_sgd("pipefisher_gpipe_pp2_dp2_m4_k2", tmp_path, tmp_path_factory),
+                           "(f) PipeFisher factors not synchronised over data")
+    caught_at_step_one(excess)
+
+
+# ----- (g) L2L updating a layer with the previous step's gradient
+
+def test_l2l_stale_gradient_is_caught(monkeypatch, tmp_path, tmp_path_factory):
+    """The host store steps each layer with the gradient it received one step earlier (step 1, which
+    has none, uses its own, as a warm-up would): step 1 is right, so only the parameters after
+    SGD_STEPS steps and the later losses can see it."""
+    previous = {}
+
+    def update_with_the_previous_gradient(self, parameters):
+        current = {id(p): p.grad.clone() for p in parameters if p.grad is not None}
+        for parameter in parameters:
+            if id(parameter) in previous and parameter.grad is not None:
+                parameter.grad.copy_(previous[id(parameter)])
+        step_only(self.optimizer, parameters)
+        previous.update(current)
+    monkeypatch.setattr(HostStore, "update", update_with_the_previous_gradient)
+    excess = assert_caught(compare_under_sgd("l2l_m4", tmp_path, tmp_path_factory),
+                           "(g) L2L updates with the previous step's gradient")
+    assert excess["gradients"][0] <= 1 < excess["parameters"][0], excess
+
+
+# ----- the learning rates: a factor 2 on a gradient is visible in the parameters
+
+@pytest.mark.parametrize("reference", ["single", "kfac"])
+def test_sgd_learning_rates_make_a_factor_two_visible(reference, tmp_path_factory):
+    """A factor-2 error on step 1's gradient moves each weight by lr·|g| beyond the right one: for
+    most elements with a gradient that is many times the parameter tolerance (the margin)."""
+    case = {"single": (), "kfac": SGD_CASES["pipefisher_gpipe_pp2_dp2_m4_k2"].reference}[reference]
+    run = sgd_reference(tmp_path_factory, *case)
+    gradients = run.gradients(run.initial)
+    ratios = torch.cat([(run.learning_rate * gradients[name].abs()
+                         / (PARAMETER_ATOL + PARAMETER_RTOL * run.first[name].abs())).reshape(-1)
+                        for name in gradients])
+    ratios = ratios[torch.cat([g.reshape(-1) for g in gradients.values()]) != 0]
+    visible = float((ratios > 1).double().mean())
+    print(f"\n[margin] {reference}, lr {run.learning_rate}: a factor-2 gradient error exceeds the parameter "
+          f"tolerance on {visible:.1%} of the {ratios.numel()} elements with a gradient; median "
+          f"lr·|g| / tolerance {float(ratios.median()):.0f}×; losses {run.summary['losses']}")
+    assert visible > 0.8 and float(ratios.median()) > 10
+    assert run.summary["losses"][-1] < run.summary["losses"][0]  # lr small enough to descend

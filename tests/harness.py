@@ -24,29 +24,73 @@ QUICK = ["logger=none", "trainer.progress=none", "trainer.limit_val_batches=1",
 
 
 def compose_config(*overrides: str):
-    """The composed (unvalidated) config for these overrides, as train.py would see it."""
+    """The composed (unvalidated) config for these overrides, as train.py would see it, with the
+    strict point-to-point check on (first, so a test that means to turn it off still can)."""
     register_schemas()
     with initialize_config_dir(config_dir=CONFIG_DIRECTORY, version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+        return compose(config_name="config", overrides=[STRICT_POINT_TO_POINT, *overrides])
 
 
 def run_on_ranks(function, world_size: int, *arguments):
     assert "LOCAL_RANK" not in os.environ, "a previous test leaked LOCAL_RANK"
     return run_ranks(function, world_size, *arguments, timeout=300)
 
-# Named tolerances of every "equals the single-process reference" test (fp32).
+# ----- Tolerances: every one a test uses, and why it is that size ------------------------------------
+#
+# Two runs of one computation in fp32 whose sums run in another order (micro-batches accumulated
+# in another order, all-reduces, sharded matrix products) differ by round-off, a few ulp (2^-23 ≈
+# 1.2e-7 relative) per operation. Each fp32 tolerance is ≥ 4× the largest such difference any test
+# measures (`SgdComparison.check` prints it: worst |actual − expected| / tolerance, e.g. "losses
+# 0.018") and ≥ 20× below the smallest effect of a bug in test_mutations.py.
+#
+# K-FAC's damped inverses run in float64 (strategies/kfac.py `damped_inverse`): in fp32, Cholesky of
+# A + λ_A·I (condition number up to ~1/λ ≈ 1e3) would magnify the ~1e-7 differences between equal
+# factors summed in another order (pipeline vs one process) beyond these tolerances; in float64 the
+# inverses agree to ~1e-13, so PipeFisher is held to the same fp32 tolerances as every strategy.
+
+# fp32 loss of every step ("equals single"). Largest measured: 1.8e-7 relative (tp_2d, SGD).
 LOSS_RTOL = 1e-5
+# fp32 parameters after k steps. Largest measured under SGD: 3.3e-2 of this tolerance (PipeFisher).
 PARAMETER_RTOL = 1e-5
 # The key part of the fused qkv bias has an analytically zero gradient (softmax ignores a constant
 # added to every key), so its computed gradient is round-off, which Adam normalises into steps of
 # up to lr: those entries drift by ~1e-6 between equal computations summed in another order.
 PARAMETER_ATOL = 1e-5
+# First-step gradient g = (p0 − p1)/lr under plain SGD (harness.SgdComparison), per element:
+GRADIENT_RTOL = 1e-5
+# ... plus this fraction of the tensor's largest |g| as atol: entries that are sums of cancelling
+# terms (the qkv key bias: analytically 0) carry round-off of the tensor's scale, not their own.
+# Sized by K-FAC: B⁻¹ ∇W A⁻¹ multiplies ∇W's round-off by the damped factors' condition number,
+# 6.4e-6 of max |g| measured (PipeFisher vs kfac, fc_out); first-order gradients stay ≤ 1e-6.
+GRADIENT_SCALE_ATOL = 3e-5
+# ... plus the rounding of recovering g from fp32 weights: p1 = p0 − lr·g is stored to the nearest
+# fp32, so two runs' p1 may differ by one ulp ≤ 2^-23·|p| although their g agree; p0 − p1 is exact
+# (Sterbenz), so g carries GRADIENT_RECOVERY_EPS·max|p0|/lr (2 ulp: |p1| may exceed |p0|).
+GRADIENT_RECOVERY_EPS = 2 * 2.0 ** -23
 # bf16 keeps 8 bits of mantissa (relative step 2^-8 ≈ 4e-3): two equal computations whose fp32
 # reductions run in another order round differently in a few matrix products per step.
 BF16_LOSS_RTOL = 1e-2
-GRADIENT_RTOL = 1e-5
-GRADIENT_SCALE_ATOL = 1e-5
-GRADIENT_RECOVERY_EPS = 2 * 2.0 ** -23
+# A bf16 forward against an fp32 one (L2L's cross mixed precision vs a plain step): not two
+# roundings of one computation but ~10 matrix products whose inputs lose 16 bits each (2^-9 relative).
+BF16_VERSUS_FP32_LOSS_RTOL = 2e-2
+# CUDA against CPU (the GPU-only L2L test): other kernels, other blocking of every reduction.
+DEVICE_LOSS_RTOL = 1e-4
+# One tensor-parallel operator's shards against the chunks of the unsharded result (test_three_d):
+# a single product or norm, whose only difference is the order of its own sums; atol is relative to
+# the largest entry (OPERATOR_SCALE_ATOL × max|expected|) so entries near zero do not fail spuriously.
+OPERATOR_RTOL = 1e-6
+OPERATOR_SCALE_ATOL = 1e-6
+# float64 sums of the same terms grouped differently (K-FAC factor split in token halves): 2^-52 ≈
+# 2.2e-16 per addition, over ~15 terms.
+FLOAT64_RTOL = 1e-12
+FLOAT64_ATOL = 1e-15
+# Byte counts and simulated times: integers and (g−1)/g factors computed in float64, exact up to
+# float64 rounding; anything but rounding is a different count.
+EXACT_RTOL = 1e-12
+# Estimates, not equalities, keep their literal next to the quantity they bound (not numerics):
+# test_models (initial std within 10% of a finite sample, 6N FLOPs within 5%), test_setup_memory
+# and test_l2l's memory tests (allocator slack, 5%), test_schedule (pytest.approx defaults on
+# simulated makespans, which are exact sums of unit costs).
 
 
 def assert_same_losses(actual, expected):

@@ -38,6 +38,7 @@ CASES = {
                              "hardware.devices_per_node=4"],
     "tp_1d_2": ["strategy=tp_1d", "strategy.tensor_grid=2"],
     "tp_2d_q2": ["strategy=tp_2d", "hardware.devices_per_node=4"],
+    "three_d_q2": ["strategy=three_d", "hardware.devices_per_node=8"],
     "l2l_dp2": ["strategy=l2l"],
     "fsdp2_dp2": ["strategy=fsdp2"],
 }

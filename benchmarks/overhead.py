@@ -1,6 +1,6 @@
 """What the framework costs per step: hand-written PyTorch loops against train.py, side by side.
 
-    .venv/bin/python benchmarks/overhead.py [--steps 50 --repeats 3] [overrides ...]
+    .venv/bin/python benchmarks/overhead.py [--steps 100 --repeats 5 --threads 1] [overrides ...]
 
 Two pairs, the same model (models.build_model), global batches (layerwise.data), AdamW and LR
 schedule (layerwise.optim) in each pair:
@@ -8,12 +8,19 @@ schedule (layerwise.optim) in each pair:
   `train.py strategy=single` (layerwise.run.train in this process: Lightning, callbacks, evidence);
 - `ddp`: torch DDP on gloo in 2 forked ranks, each its slice of the global batch, against
   `train.py strategy=ddp` (2 ranks forked by the framework's launcher).
-Seconds per step by wall clock, start-up excluded: every variant runs N and 2N steps, from a fresh
-start each time, and (T(2N) − T(N)) / N is its cost per step in a steady run. The variants alternate
-within each repeat so they share the machine's load; the medians over repeats are printed with
-the ratio framework / hand and the load average (other processes on a 2-core machine show in it).
-The first losses are printed too: both sides of a pair compute the same thing.
-Validation is off (limit_val_batches=0): the comparison is of training steps.
+A step's cost is read from per-step wall-clock timestamps (rank 0's step starts; the framework's
+are taken by a callback added to the Trainer), which leaves start-up and the end of the run out:
+each variant runs 2 + N + 1 steps and the N intervals from step 3 to step N + 2 are measured.
+- `mean`: their mean, everything a steady run pays per step: Lightning's loop, the evidence, the
+  sampled steps' memory meter (N a multiple of trainer.measure_every_n_steps, default 50, keeps
+  their share at its steady 1 in 50), logging, the data;
+- `median`, `p10`: the typical and a fast step; on a machine other processes load, the 10th
+  percentile is the steadiest estimate of an undisturbed step.
+(Timing N and 2N steps and taking the difference measured start-up noise more than steps: W&B's
+and the ranks' start vary by seconds.)
+The variants alternate within each repeat so they share the machine's load; medians over repeats
+are printed with the ratio framework / hand and the 1-minute load average. The first losses are
+printed too: both sides of a pair compute the same thing. Validation is off (limit_val_batches=0).
 """
 
 import argparse
@@ -27,25 +34,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import json  # noqa: E402
+
+import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import layerwise.run  # noqa: E402
 from layerwise import data as data_lib  # noqa: E402
+from layerwise.config import register_schemas  # noqa: E402
 from layerwise.launch import free_port  # noqa: E402
 from layerwise.optim import build_optimizer, build_scheduler  # noqa: E402
-from layerwise.run import load_corpus, train  # noqa: E402
 from layerwise.task import model_arguments, objective_of  # noqa: E402
 from layerwise.validate import validate  # noqa: E402
 from models import build_model  # noqa: E402
-from tests.harness import compose_config  # noqa: E402
 
+CONFIG_DIRECTORY = str(Path(__file__).resolve().parent.parent / "conf")
 RANKS = 2
+SIDES = ("hand", "framework")
+MEASURES = ("mean", "median", "p10")
+WARM_UP = 2  # first steps left out of the per-step intervals (allocations, optimizer state)
+os.environ.setdefault("WANDB_SILENT", "true")  # train.py's default logger is W&B offline: keep its banner quiet
 
 
 # ----- the hand-written side
 
-def hand_loop(cfg, corpus, steps: int, data_rank: int = 0, data_degree: int = 1, wrap=None) -> float:
-    """The whole training loop a user would write by hand; returns the first step's loss."""
+def hand_loop(cfg, corpus, steps: int, data_rank: int = 0, data_degree: int = 1, wrap=None) -> tuple:
+    """The whole training loop a user would write by hand: (first step's loss, step start times)."""
     objective = objective_of(cfg.model)
     model = build_model(cfg.model.architecture,
                         **model_arguments(cfg.model, data_lib.model_vocab_size(corpus, objective), cfg.seed))
@@ -55,102 +70,138 @@ def hand_loop(cfg, corpus, steps: int, data_rank: int = 0, data_degree: int = 1,
     batches = iter(data_lib.TrainBatches(corpus, global_batch_size=cfg.data.global_batch_size,
                                          sequence_length=cfg.data.sequence_length, seed=cfg.seed,
                                          objective=objective, data_rank=data_rank, data_degree=data_degree))
-    first_loss = None
+    first_loss, starts = None, []
     for _ in range(steps):
+        starts.append(time.perf_counter())
         batch = next(batches)
         optimizer.zero_grad()
         loss = model.loss(trained(batch["tokens"]), batch["targets"])
         loss.backward()
         optimizer.step()
         scheduler.step()
-        first_loss = float(loss) if first_loss is None else first_loss
-    return first_loss
+        first_loss = float(loss.detach()) if first_loss is None else first_loss
+    return first_loss, starts
 
 
-def hand_ddp_rank(rank: int, port: int, cfg, corpus, steps: int, losses) -> None:
+def hand_ddp_rank(rank: int, port: int, cfg, corpus, steps: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # as the framework's launcher does: the ranks share the cores
     dist.init_process_group("gloo", rank=rank, world_size=RANKS)
-    wrap = lambda model: torch.nn.parallel.DistributedDataParallel(model)  # noqa: E731
-    loss = hand_loop(cfg, corpus, steps, data_rank=rank, data_degree=RANKS, wrap=wrap)
-    losses.put((rank, loss))
+    bucket_mb = cfg.strategy.get("bucket_mb", 25.0)  # the same buckets as the framework's DDP
+    wrap = lambda model: torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)  # noqa: E731
+    results.put((rank, hand_loop(cfg, corpus, steps, data_rank=rank, data_degree=RANKS, wrap=wrap)))
     dist.destroy_process_group()
 
 
-def hand_ddp(cfg, corpus, steps: int) -> float:
-    """2 forked ranks, torch DDP on gloo; returns the first step's loss, the mean over ranks."""
+def hand_ddp(cfg, corpus, steps: int) -> tuple:
+    """2 forked ranks, torch DDP on gloo: (first step's loss averaged over ranks, rank 0's step starts)."""
     context = multiprocessing.get_context("fork")
-    losses, port = context.Queue(), free_port()
-    ranks = [context.Process(target=hand_ddp_rank, args=(rank, port, cfg, corpus, steps, losses))
+    results, port = context.Queue(), free_port()
+    ranks = [context.Process(target=hand_ddp_rank, args=(rank, port, cfg, corpus, steps, results))
              for rank in range(RANKS)]
     for process in ranks:
         process.start()
-    first = [losses.get(timeout=600)[1] for _ in ranks]
+    by_rank = dict(results.get(timeout=600) for _ in ranks)
     for process in ranks:
         process.join()
         assert process.exitcode == 0, f"a hand-written DDP rank exited with {process.exitcode}"
-    return sum(first) / RANKS
+    return sum(loss for loss, _ in by_rank.values()) / RANKS, by_rank[0][1]
 
 
 # ----- the framework side
 
-def framework(cfg, corpus, steps: int) -> float:
-    """train.py's run (compose and validate done); returns the first step's loss."""
+class StepStarts(pl.Callback):
+    """Rank 0 writes the wall clock at each training step's start to `step_starts.json`."""
+
+    def __init__(self, path: Path):
+        self.path, self.starts = path, []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_index):
+        self.starts.append(time.perf_counter())
+
+    def on_train_end(self, trainer, module):
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps(self.starts))
+
+
+def build_trainer_with_step_starts(cfg, run_directory, *arguments):
+    """layerwise.run.build_trainer, plus the StepStarts callback (forked ranks inherit the patch)."""
+    trainer = BUILD_TRAINER(cfg, run_directory, *arguments)
+    trainer.callbacks.append(StepStarts(Path(run_directory) / "step_starts.json"))
+    return trainer
+
+
+BUILD_TRAINER = layerwise.run.build_trainer
+layerwise.run.build_trainer = build_trainer_with_step_starts
+
+
+def framework(cfg, corpus, steps: int) -> tuple:
+    """train.py's run (compose and validate done): (first step's loss, rank 0's step starts)."""
     with tempfile.TemporaryDirectory() as directory:
-        summary = train(cfg, Path(directory), validate(cfg))
+        summary = layerwise.run.train(cfg, Path(directory), validate(cfg))
+        starts = json.loads((Path(directory) / "step_starts.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == steps
-    return summary["losses"][0]
+    return summary["losses"][0], starts
 
 
 # ----- measurement
 
 def configured(strategy: str, steps: int, overrides: list):
-    """One config for both sides of a pair: the hand loop reads model, data, optimizer, schedule."""
-    return compose_config(f"strategy={strategy}", f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
-                          "trainer.progress=none", *overrides)
+    """The config train.py would compose (not the tests' strict one), for both sides of a pair: the
+    hand loop reads model, data, optimizer and schedule from it."""
+    from hydra import compose, initialize_config_dir
+    register_schemas()
+    with initialize_config_dir(config_dir=CONFIG_DIRECTORY, version_base="1.3"):
+        return compose(config_name="config", overrides=[
+            f"strategy={strategy}", f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
+            "trainer.progress=none", *overrides])
 
 
-def seconds_per_step(run, strategy: str, steps: int, overrides: list, corpus) -> tuple:
-    """(T(2N) − T(N)) / N by wall clock, and the first step's loss."""
-    elapsed = {}
-    for count in (steps, 2 * steps):
-        cfg = configured(strategy, count, overrides)
-        start = time.perf_counter()
-        loss = run(cfg, corpus, count)
-        elapsed[count] = time.perf_counter() - start
-    if os.environ.get("OVERHEAD_VERBOSE"):
-        print(f"  {strategy} {run.__name__}: T({steps}) = {elapsed[steps]:.2f} s, "
-              f"T({2 * steps}) = {elapsed[2 * steps]:.2f} s", flush=True)
-    return (elapsed[2 * steps] - elapsed[steps]) / steps, loss
+def per_step(run, strategy: str, steps: int, overrides: list, corpus) -> tuple:
+    """({"mean", "median", "p10"} seconds per step, the first step's loss): see the module docstring."""
+    loss, starts = run(configured(strategy, WARM_UP + steps + 1, overrides), corpus, WARM_UP + steps + 1)
+    intervals = [later - earlier for earlier, later in zip(starts[WARM_UP:], starts[WARM_UP + 1:])]
+    return {"mean": statistics.fmean(intervals), "median": statistics.median(intervals),
+            "p10": statistics.quantiles(intervals, n=10)[0]}, loss
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=50, help="N: each variant runs N and 2N steps")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=100, help="N: steps measured per run (after 2)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of the single pair (default: torch's, as train.py runs; "
+                             "1 keeps timings steadier while other processes load the cores)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both sides, e.g. model=gpt_small")
     arguments = parser.parse_args()
-    corpus = load_corpus(configured("single", arguments.steps, arguments.overrides))
+    if arguments.threads:
+        torch.set_num_threads(arguments.threads)
+    corpus = layerwise.run.load_corpus(configured("single", arguments.steps, arguments.overrides))
     pairs = {"single": (hand_loop, framework), "ddp": (hand_ddp, framework)}
-    times = {(pair, side): [] for pair in pairs for side in ("hand", "framework")}
+    times = {(pair, side): [] for pair in pairs for side in SIDES}
     losses, load = {}, [os.getloadavg()[0]]
     for repeat in range(arguments.repeats):
-        for pair, (hand, ours) in pairs.items():
-            for side, run in (("hand", hand), ("framework", ours)):
-                seconds, losses[pair, side] = seconds_per_step(run, pair, arguments.steps,
-                                                               arguments.overrides, corpus)
+        for pair, runs in pairs.items():
+            for side, run in zip(SIDES, runs):
+                seconds, losses[pair, side] = per_step(run, pair, arguments.steps, arguments.overrides, corpus)
                 times[pair, side].append(seconds)
-                print(f"repeat {repeat + 1} {pair:6s} {side:9s} {seconds:.4f} s/step "
-                      f"(load {os.getloadavg()[0]:.2f})", flush=True)
+                print(f"repeat {repeat + 1} {pair:6s} {side:9s} " + ", ".join(
+                    f"{measure} {seconds[measure]:.4f}" for measure in MEASURES)
+                    + f" s/step (load {os.getloadavg()[0]:.2f})", flush=True)
         load.append(os.getloadavg()[0])
-    print(f"\n{arguments.steps} and {2 * arguments.steps} steps, {arguments.repeats} repeats, "
-          f"overrides {arguments.overrides or 'none'}; 1-minute load average {min(load):.2f}-{max(load):.2f} "
-          f"on {os.cpu_count()} cores")
-    print(f"{'pair':8s} {'hand s/step':>12s} {'framework s/step':>17s} {'ratio':>7s}   first losses (hand, framework)")
+    report(arguments, pairs, times, losses, load)
+
+
+def report(arguments, pairs, times, losses, load) -> None:
+    print(f"\n{arguments.steps} steps measured per run, {arguments.repeats} repeats (medians), "
+          f"overrides {arguments.overrides or 'none'}, {torch.get_num_threads()} threads in single, 1 per ddp "
+          f"rank; 1-minute load average {min(load):.2f}-{max(load):.2f} on {os.cpu_count()} cores")
+    print(f"{'pair':8s} {'measure':7s} {'hand s/step':>12s} {'framework s/step':>17s} {'ratio':>7s}")
     for pair in pairs:
-        hand, ours = (statistics.median(times[pair, side]) for side in ("hand", "framework"))
-        print(f"{pair:8s} {hand:12.4f} {ours:17.4f} {ours / hand:7.3f}   "
-              f"{losses[pair, 'hand']:.5f}, {losses[pair, 'framework']:.5f}")
+        for measure in MEASURES:
+            hand, ours = (statistics.median(t[measure] for t in times[pair, side]) for side in SIDES)
+            print(f"{pair:8s} {measure:7s} {hand:12.4f} {ours:17.4f} {ours / hand:7.3f}")
+        print(f"{pair:8s} first step's loss: hand {losses[pair, 'hand']:.5f}, framework {losses[pair, 'framework']:.5f}")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,30 @@ class StrategyConfig:
 
 
 @dataclass
+class ActivationRecomputeConfig:
+    """Mixin of the strategies that keep block activations between forward and backward."""
+
+    activation_recompute: str = "none"  # none | full (each block keeps only its input; recomputed in backward)
+
+
+@dataclass
+class BucketedReductionConfig:
+    """Mixin of the strategies whose data-parallel gradient reduction is one collective per bucket."""
+
+    bucket_mb: float = 25.0  # gradients all-reduced in flat buckets of at most this many MiB; 0 = one per tensor
+
+
+@dataclass
+class PlainStrategyConfig(StrategyConfig, ActivationRecomputeConfig):
+    """`single`: the whole model in one process; its only knob is activation recomputation."""
+
+
+@dataclass
+class DataParallelStrategyConfig(PlainStrategyConfig, BucketedReductionConfig):
+    """`ddp`: replicas whose gradients DDP all-reduces in buckets (its bucket_cap_mb)."""
+
+
+@dataclass
 class MicroBatchedStrategyConfig(StrategyConfig):
     """A strategy that splits each rank's batch into micro-batches within one optimizer step."""
 
@@ -77,7 +101,7 @@ class MicroBatchedStrategyConfig(StrategyConfig):
 
 
 @dataclass
-class PipelineStrategyConfig(MicroBatchedStrategyConfig):
+class StagedStrategyConfig(MicroBatchedStrategyConfig):
     """A schedule from strategies/schedule run over pipeline (and data-parallel) ranks.
 
     Stage placement is not a knob: the schedule decides it (gpipe and one_f_one_b contiguous,
@@ -91,7 +115,18 @@ class PipelineStrategyConfig(MicroBatchedStrategyConfig):
 
 
 @dataclass
-class TensorParallelStrategyConfig(StrategyConfig):
+class PipelineStrategyConfig(StagedStrategyConfig, ActivationRecomputeConfig, BucketedReductionConfig):
+    """modular_pipeline, gpipe, one_f_one_b, interleaved_1f1b: stage replicas all-reduce their gradients."""
+
+
+@dataclass
+class ZeroLayeredStrategyConfig(StagedStrategyConfig, ActivationRecomputeConfig):
+    """zero_layered, zero_depth_first: gradients are reduce-scattered per flat shard, already one
+    collective per (stage, kind), so no bucket size."""
+
+
+@dataclass
+class TensorParallelStrategyConfig(StrategyConfig, ActivationRecomputeConfig):
     """Tensor parallelism on a grid of edge q (1-D: q ranks, 2-D: q², 3-D: q³) × data replicas."""
 
     data_degree: Optional[int] = None  # data-parallel replicas; null = world / tensor ranks
@@ -100,7 +135,7 @@ class TensorParallelStrategyConfig(StrategyConfig):
 
 
 @dataclass
-class L2LStrategyConfig(MicroBatchedStrategyConfig):
+class L2LStrategyConfig(MicroBatchedStrategyConfig, BucketedReductionConfig):
     """L2L relay with an eager host parameter server (TECHNIQUES §3); one device per data rank."""
 
     constant_memory: bool = False  # stash activations on the host: compute memory flat in depth and m
@@ -116,8 +151,9 @@ class KFACStrategyConfig(MicroBatchedStrategyConfig):
 
 
 @dataclass
-class PipeFisherStrategyConfig(PipelineStrategyConfig):
-    """A pipeline whose bubbles run K-FAC's curvature, factor sync and inversion (Osawa et al. 2023)."""
+class PipeFisherStrategyConfig(StagedStrategyConfig, BucketedReductionConfig):
+    """A pipeline whose bubbles run K-FAC's curvature, factor sync and inversion (Osawa et al. 2023).
+    No activation recomputation: its curvature capture would see every recomputed forward twice."""
 
     damping: float = 1e-3  # Tikhonov λ, split as λ_A = √λ·π, λ_B = √λ/π (TECHNIQUES §2)
     refresh_interval: Optional[int] = None  # k; null = the steps the bubble packing needs
@@ -194,7 +230,9 @@ SCHEMAS = {
     "model": {"model": ModelConfig},
     "data": {"data": DataConfig},
     "hardware": {"hardware": HardwareConfig},
-    "strategy": {"strategy": StrategyConfig, "pipeline": PipelineStrategyConfig, "l2l": L2LStrategyConfig,
+    "strategy": {"strategy": StrategyConfig, "plain": PlainStrategyConfig,
+                 "data_parallel": DataParallelStrategyConfig, "pipeline": PipelineStrategyConfig,
+                 "zero_layered": ZeroLayeredStrategyConfig, "l2l": L2LStrategyConfig,
                  "tensor_parallel": TensorParallelStrategyConfig,
                  "kfac": KFACStrategyConfig, "pipefisher": PipeFisherStrategyConfig,
                  "fsdp2": Fsdp2StrategyConfig},

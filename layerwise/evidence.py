@@ -50,9 +50,9 @@ def gather_step_numbers(summed: float, maxima: list, device: torch.device) -> tu
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return summed, list(maxima)
     mine = torch.tensor([summed, *maxima], dtype=torch.float64, device=device)
-    everyone = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.float64, device=device)
-    dist.all_gather_single(everyone, mine)
-    by_rank = everyone.view(dist.get_world_size(), mine.numel())
+    pieces = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, mine)  # the list form: independent counters of training traffic skip it
+    by_rank = torch.stack(pieces)
     totals = torch.cat([by_rank[:, :1].sum(dim=0), by_rank[:, 1:].amax(dim=0)]).tolist()  # one sync
     return totals[0], totals[1:]
 
@@ -122,6 +122,10 @@ class RunEvidence(pl.Callback):
         self.history = {"losses": [], "val_losses": {}, "initial_val_loss": None, "rows": [],
                         "matrix_product_dtypes": {}}
         self.tokens_per_step = cfg.data.global_batch_size * cfg.data.sequence_length
+        # read once: an OmegaConf lookup costs ~25 µs, and the step hooks would make several a step
+        self.max_steps = cfg.trainer.max_steps
+        self.measure_every_n_steps = cfg.trainer.measure_every_n_steps
+        self.log_every_n_steps = max(1, cfg.trainer.log_every_n_steps)
         self._pending_row = None
         self._meter = None
         self._steps_run_here = 0  # since this process started training: a resume measures again
@@ -162,7 +166,7 @@ class RunEvidence(pl.Callback):
         if communicator is not None:
             communicator.reset()
         measuring = is_measured_step(trainer.global_step + 1, self._steps_run_here,
-                                     self.cfg.trainer.measure_every_n_steps, self.cfg.trainer.max_steps)
+                                     self.measure_every_n_steps, self.max_steps)
         trainer.strategy.measure_this_step(measuring)
         if self.measure_memory and measuring:
             self._meter = ComputeMemoryMeter()
@@ -175,7 +179,17 @@ class RunEvidence(pl.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
         step_time = self._timer.stop()
         allocator = allocator_peak_bytes(trainer.strategy.root_device)  # every step (free); None off CUDA
-        peak = self._stop_meter()
+        row = self._step_row(trainer, outputs, step_time, self._stop_meter(), allocator)
+        self._steps_run_here += 1
+        self.history["losses"].append(row["loss"])
+        self.history["rows"].append({k: v for k, v in row.items() if k != "val_loss"})
+        self._pending_row = row
+        if trainer.progress_bar_callback is not None:  # only the bar reads it; a module.log costs ~0.8 ms
+            module.log("loss", row["loss"], prog_bar=True, logger=False, rank_zero_only=True)
+        self._progress(trainer, row)
+
+    def _step_row(self, trainer, outputs, step_time: float, peak, allocator) -> dict:
+        """The metrics.csv row of the step that just ended: every rank's numbers in one collective."""
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         communicator = trainer.strategy.communicator()
         comm = communicator.snapshot() if communicator else {kind: 0.0 for kind in KINDS}
@@ -183,20 +197,13 @@ class RunEvidence(pl.Callback):
         loss_sum, maxima = gather_step_numbers(
             float(loss), [step_time, peak or 0.0, allocator or 0.0, calls] + [comm[k] for k in KINDS],
             trainer.strategy.root_device)
-        self._steps_run_here += 1
-        row = {"step": trainer.global_step, "loss": loss_sum / self.world_size,
-               "lr": trainer.optimizers[0].param_groups[0]["lr"], "step_time_s": maxima[0],
-               "tokens_per_s": self.tokens_per_step / maxima[0], "comm_calls": int(maxima[3]),
-               "memory_measured": int(peak is not None),
-               "peak_compute_bytes": None if peak is None else maxima[1],
-               "allocator_peak_bytes": None if allocator is None else maxima[2],
-               **{f"comm_bytes_{k}": v for k, v in zip(KINDS, maxima[4:])}, "val_loss": None}
-        self.history["losses"].append(row["loss"])
-        self.history["rows"].append({k: v for k, v in row.items() if k != "val_loss"})
-        self._pending_row = row
-        if trainer.progress_bar_callback is not None:  # Lightning's logging costs ~1 ms a step; only the bar reads it
-            module.log("loss", row["loss"], prog_bar=True, logger=False, rank_zero_only=True)
-        self._progress(trainer, row)
+        return {"step": trainer.global_step, "loss": loss_sum / self.world_size,
+                "lr": trainer.optimizers[0].param_groups[0]["lr"], "step_time_s": maxima[0],
+                "tokens_per_s": self.tokens_per_step / maxima[0], "comm_calls": int(maxima[3]),
+                "memory_measured": int(peak is not None),
+                "peak_compute_bytes": None if peak is None else maxima[1],
+                "allocator_peak_bytes": None if allocator is None else maxima[2],
+                **{f"comm_bytes_{k}": v for k, v in zip(KINDS, maxima[4:])}, "val_loss": None}
 
     def _stop_meter(self):
         """This step's compute-side peak (None on an unsampled step); adds its matrix-product dtypes."""
@@ -256,10 +263,17 @@ class RunEvidence(pl.Callback):
             if new:
                 writer.writeheader()
             writer.writerow(self._pending_row)
-        loggable = {k: v for k, v in self._pending_row.items() if v is not None and k != "step"}
-        for logger in trainer.loggers:
-            logger.log_metrics(loggable, step=self._pending_row["step"])
+        if self._logs_row(self._pending_row):
+            loggable = {k: v for k, v in self._pending_row.items() if v is not None and k != "step"}
+            for logger in trainer.loggers:
+                logger.log_metrics(loggable, step=self._pending_row["step"])
         self._pending_row = None
+
+    def _logs_row(self, row) -> bool:
+        """Loggers get every trainer.log_every_n_steps-th row, evaluation rows and the last: a W&B
+        log call costs ~1 ms of a step on this machine; metrics.csv keeps every row."""
+        return (row["step"] % self.log_every_n_steps == 0 or row["val_loss"] is not None
+                or row["step"] == self.max_steps)
 
     def _rewrite_csv_up_to(self, step: int):
         """On resume, drop rows written after the checkpoint's step (they will be redone)."""
@@ -317,13 +331,13 @@ class RunEvidence(pl.Callback):
             print(f"[layerwise] {message}", flush=True)
 
     def _progress(self, trainer, row):
-        every = max(1, self.cfg.trainer.max_steps // 20)
-        if row["step"] % every and row["step"] != self.cfg.trainer.max_steps:
+        every = max(1, self.max_steps // 20)
+        if row["step"] % every and row["step"] != self.max_steps:
             return
         elapsed = time.perf_counter() - self._started
         done = len(self.history["losses"])
-        remaining = elapsed / max(1, done) * (self.cfg.trainer.max_steps - row["step"])
-        self._say(trainer, f"step {row['step']}/{self.cfg.trainer.max_steps} loss {row['loss']:.4f} "
+        remaining = elapsed / max(1, done) * (self.max_steps - row["step"])
+        self._say(trainer, f"step {row['step']}/{self.max_steps} loss {row['loss']:.4f} "
                            f"lr {row['lr']:.2e} {row['step_time_s']:.3f} s/step "
                            f"{row['tokens_per_s']:.0f} tokens/s eta {remaining:.0f} s")
 

@@ -23,6 +23,7 @@ from parallel.layout import Degrees
 from parallel.memory import host_side
 from models.transformer import IGNORE_INDEX
 from strategies.base import OwnedStepStrategy
+from strategies.buckets import bucket_bytes, post_bucket_reductions
 from strategies.precision import compute_dtype
 from strategies.checks import divisors
 from strategies.registry import StrategyEntry
@@ -175,8 +176,9 @@ class HostStore:
     one background thread while the main thread drives the device; `wait()` ends the step.
     """
 
-    def __init__(self, optimizer, communicator, data_group):
+    def __init__(self, optimizer, communicator, data_group, bucket_bytes: int = 0):
         self.optimizer, self.communicator, self.data_group = optimizer, communicator, data_group
+        self.bucket_bytes = bucket_bytes  # one all-reduce per flat bucket of gradients (0: per tensor)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-host-store")
         self.pending = []
 
@@ -185,10 +187,11 @@ class HostStore:
 
     @torch.no_grad()
     def reduce(self, parameters) -> None:
-        """Average the gradients over the data-parallel replicas (sum, then divide)."""
-        for parameter in parameters:
-            self.communicator.all_reduce(parameter.grad, self.data_group)
-            parameter.grad.div_(self.data_group.size)
+        """Average the gradients over the data-parallel replicas: sum each flat bucket, then divide."""
+        for work, flat in post_bucket_reductions(parameters, self.bucket_bytes, self.communicator, self.data_group):
+            if work is not None:  # a group of one reduces nothing
+                work.wait()
+                flat.div_(self.data_group.size)
 
     def update(self, parameters) -> None:
         step_only(self.optimizer, parameters)
@@ -225,14 +228,14 @@ class Relay:
 
     def __init__(self, model, optimizer, communicator, data_group, micro_batches: int,
                  constant_memory: bool = False, prefetch: bool = True,
-                 device=torch.device("cpu"), dtype=torch.float32):
+                 device=torch.device("cpu"), dtype=torch.float32, bucket_bytes: int = 0):
         self.model, self.micro_batches, self.communicator = model, micro_batches, communicator
         self.modules = stage_modules(model)
         self.parameters = [dict(module.named_parameters()) for module in self.modules]
         owner = owners(self.modules)
         self.owned = [[p for p in params.values() if owner[id(p)] == stage]
                       for stage, params in enumerate(self.parameters)]
-        self.store = HostStore(optimizer, communicator, data_group)
+        self.store = HostStore(optimizer, communicator, data_group, bucket_bytes)
         self.copier = DeviceCopier(torch.device(device), dtype)
         self.stash = Stash(constant_memory, self.copier, self.sent)
         self.plan = validate_plan(relay_plan(len(self.modules), micro_batches, prefetch,
@@ -384,10 +387,12 @@ class L2LOffloadStrategy(OwnedStepStrategy):
     strategy_name = "l2l"
 
     def __init__(self, degrees: Degrees, micro_batches: int, constant_memory: bool = False,
-                 prefetch: bool = True, compute_dtype: torch.dtype = torch.float32, **kwargs):
+                 prefetch: bool = True, compute_dtype: torch.dtype = torch.float32, bucket_mb: float = 25.0,
+                 **kwargs):
         super().__init__(degrees, **kwargs)
         self.micro_batches, self.constant_memory, self.prefetch = micro_batches, constant_memory, prefetch
         self.compute_dtype = compute_dtype
+        self.bucket_mb = bucket_mb  # the host store's all-reduce buckets (strategies/buckets.py)
         self.relay = None
 
     @override
@@ -417,7 +422,7 @@ class L2LOffloadStrategy(OwnedStepStrategy):
         if self.relay is None and self.optimizers:
             self.relay = Relay(model, self.optimizers[0], self.layout.communicator, self.layout.group("host_data"),
                                self.micro_batches, self.constant_memory, self.prefetch, self.root_device,
-                               self.compute_dtype)
+                               self.compute_dtype, bucket_bytes(self.bucket_mb))
 
     def run_step(self, batch) -> torch.Tensor:
         return self.relay.step(batch["tokens"], batch["targets"])
@@ -484,7 +489,7 @@ def check(cfg, world_size: int) -> list:
 def build(cfg, world_size: int) -> L2LOffloadStrategy:
     return L2LOffloadStrategy(degrees(cfg, world_size), cfg.strategy.micro_batches,
                               constant_memory=cfg.strategy.constant_memory, prefetch=cfg.strategy.prefetch,
-                              compute_dtype=compute_dtype(cfg.hardware.precision),
+                              compute_dtype=compute_dtype(cfg.hardware.precision), bucket_mb=cfg.strategy.bucket_mb,
                               process_group_backend=cfg.hardware.process_group_backend)
 
 

@@ -17,7 +17,9 @@ from typing_extensions import override
 from parallel.layout import Degrees
 from strategies.base import OwnedStepStrategy
 from strategies.checks import divisors, nearest_multiples
+from strategies.buckets import bucket_bytes
 from strategies.precision import activation_dtype
+from strategies.recompute import backward_factor, recompute_errors
 from strategies.registry import StrategyEntry
 from strategies.schedule import (FORWARD, POST_RECV_ACTIVATION, RECV_ACTIVATION, SEND_ACTIVATION, Plan,
                                  Timeline, add_communication, add_gradient_reductions, build_plan,
@@ -64,10 +66,13 @@ class ModularPipelineStrategy(OwnedStepStrategy):
     """
 
     def __init__(self, degrees: Degrees, compute: Plan, layers_per_stage: int,
-                 activation_dtype: torch.dtype = torch.float32, **kwargs):
+                 activation_dtype: torch.dtype = torch.float32, activation_recompute: str = "none",
+                 bucket_mb: float = 25.0, **kwargs):
         super().__init__(degrees, **kwargs)
         self.layers_per_stage = layers_per_stage
         self.activation_dtype = activation_dtype
+        self.activation_recompute = activation_recompute  # none | full (strategies/recompute.py)
+        self.bucket_mb = bucket_mb  # data-parallel all-reduce buckets (strategies/buckets.py)
         self.plan = self.complete_plan(compute)
         self.validation_plan = self.forward_plan(compute)
         self.work = None
@@ -91,8 +96,10 @@ class ModularPipelineStrategy(OwnedStepStrategy):
                          **self.stage_precision())
 
     def stage_precision(self) -> dict:
-        """StageWork's precision arguments: the boundary dtype and the fp16 loss scaling."""
-        return {"activation_dtype": self.activation_dtype, "scale_loss": self.scale_loss}
+        """StageWork's keyword arguments: the boundary dtype and the fp16 loss scaling, plus how the
+        stages keep activations and bucket their gradient all-reduces (every StageWork takes them)."""
+        return {"activation_dtype": self.activation_dtype, "scale_loss": self.scale_loss,
+                "activation_recompute": self.activation_recompute, "bucket_bytes": bucket_bytes(self.bucket_mb)}
 
     def plan_of_step(self, step: int) -> Plan:
         return self.plan
@@ -198,8 +205,9 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         self.measured_bubble_fractions.append(timeline.bubble_fraction)
 
     def simulated_timeline(self) -> Timeline:
-        """Uniform layers, backward twice the forward: the cost model the measurement is held to."""
-        return simulate(self.plan, flop_cost(1.0, 1.0, backward_factor=2.0))
+        """Uniform layers, backward twice the forward (three times with activation recomputation):
+        the cost model the measurement is held to."""
+        return simulate(self.plan, flop_cost(1.0, 1.0, backward_factor=backward_factor(self.activation_recompute)))
 
     @override
     def bubble_fraction(self) -> dict:
@@ -259,6 +267,11 @@ def check(cfg, world_size: int) -> list:
     return errors or plan_errors(cfg)
 
 
+def check_recomputing(cfg, world_size: int) -> list:
+    """The pipeline's checks and strategy.activation_recompute's (pipefisher's schema has no such knob)."""
+    return recompute_errors(cfg.strategy) + check(cfg, world_size)
+
+
 def plan_errors(cfg) -> list:
     """Build and validate the plan now, so a bad combination fails before any rank starts."""
     if cfg.model.layers % cfg.strategy.layers_per_stage:
@@ -272,7 +285,9 @@ def plan_errors(cfg) -> list:
 
 def build(cfg, world_size: int):
     return ModularPipelineStrategy(degrees(cfg, world_size), compute_plan(cfg.strategy, cfg.model.layers),
-                                   cfg.strategy.layers_per_stage, **pipeline_arguments(cfg))
+                                   cfg.strategy.layers_per_stage, **pipeline_arguments(cfg),
+                                   activation_recompute=cfg.strategy.activation_recompute,
+                                   bucket_mb=cfg.strategy.bucket_mb)
 
 
 def pipeline_arguments(cfg) -> dict:
@@ -281,4 +296,4 @@ def pipeline_arguments(cfg) -> dict:
             "process_group_backend": cfg.hardware.process_group_backend}
 
 
-PIPELINE = StrategyEntry(check=check, degrees=degrees, build=build)
+PIPELINE = StrategyEntry(check=check_recomputing, degrees=degrees, build=build)

@@ -160,7 +160,7 @@ def build(cfg, world_size: int):
     return PipeFisherStrategy(degrees, modular_pipeline.compute_plan(cfg.strategy, cfg.model.layers),
                               cfg.strategy.layers_per_stage, cost, cfg.strategy.refresh_interval,
                               cfg.strategy.bubble_margin, cfg.strategy.damping,
-                              **modular_pipeline.pipeline_arguments(cfg))
+                              **modular_pipeline.pipeline_arguments(cfg), bucket_mb=cfg.strategy.bucket_mb)
 
 
 PIPEFISHER = StrategyEntry(check=check, degrees=modular_pipeline.degrees, build=build, scales_fp16_loss=False)

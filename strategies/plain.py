@@ -14,17 +14,30 @@ from typing_extensions import override
 
 from parallel.layout import Degrees, ParallelLayout
 from strategies.hooks import RunHooks
+from strategies.recompute import apply_activation_recompute, recompute_errors
 from strategies.registry import StrategyEntry
 
 
-class SingleStrategy(RunHooks, SingleDeviceStrategy):
+class WholeModelHooks(RunHooks):
+    """The whole model on the device, its blocks recomputed in the backward under `full`."""
+
+    activation_recompute = "none"
+
+    @override
+    def materialise_model(self, model) -> None:
+        super().materialise_model(model)  # DDP wraps the model later: the blocks are patched first
+        apply_activation_recompute(model, self.activation_recompute)
+
+
+class SingleStrategy(WholeModelHooks, SingleDeviceStrategy):
     """One process, one device: forward and backward over the whole global batch, then step."""
 
     strategy_name = "single"
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", activation_recompute: str = "none"):
         super().__init__(device=torch.device(device))
         self.layout = ParallelLayout(Degrees(), rank=0)
+        self.activation_recompute = activation_recompute
 
 
 def _counted_all_reduce_hook(layout: ParallelLayout, bucket):
@@ -39,7 +52,7 @@ def _counted_all_reduce_hook(layout: ParallelLayout, bucket):
     return work.get_future().then(lambda future: future.value()[0])
 
 
-class CountedDDPStrategy(RunHooks, DDPStrategy):
+class CountedDDPStrategy(WholeModelHooks, DDPStrategy):
     """Data parallel: replicas on every rank, slices of the global batch, averaged gradients.
 
     1. every rank builds the same weights from the seed (DDP also broadcasts rank 0's);
@@ -50,8 +63,9 @@ class CountedDDPStrategy(RunHooks, DDPStrategy):
 
     strategy_name = "ddp"
 
-    def __init__(self, timeout_seconds: float = 300.0, **kwargs):
+    def __init__(self, timeout_seconds: float = 300.0, activation_recompute: str = "none", **kwargs):
         super().__init__(timeout=timedelta(seconds=timeout_seconds), **kwargs)
+        self.activation_recompute = activation_recompute
 
     @override
     def setup_environment(self) -> None:
@@ -73,16 +87,19 @@ def degrees(cfg, world_size: int) -> Degrees:
 
 
 def check(cfg, world_size: int) -> list:
-    """Nothing to check: the schema of single and ddp has no knob besides the name."""
-    return []
+    """Only strategy.activation_recompute can be wrong (bucket_mb is DDP's bucket_cap_mb)."""
+    return recompute_errors(cfg.strategy)
 
 
 def build_single(cfg, world_size: int) -> SingleStrategy:
-    return SingleStrategy("cuda" if cfg.hardware.accelerator == "gpu" else "cpu")
+    return SingleStrategy("cuda" if cfg.hardware.accelerator == "gpu" else "cpu",
+                          activation_recompute=cfg.strategy.activation_recompute)
 
 
 def build_ddp(cfg, world_size: int) -> "CountedDDPStrategy":
-    return CountedDDPStrategy(process_group_backend=cfg.hardware.process_group_backend)
+    return CountedDDPStrategy(process_group_backend=cfg.hardware.process_group_backend,
+                              activation_recompute=cfg.strategy.activation_recompute,
+                              bucket_cap_mb=cfg.strategy.bucket_mb)
 
 
 SINGLE = StrategyEntry(check=check, degrees=degrees, build=build_single, one_process=True,

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from strategies.buckets import post_bucket_reductions
+from strategies.recompute import apply_activation_recompute
 from strategies.schedule import (BACKWARD, FINISH, FORWARD, POST_RECV_ACTIVATION, POST_RECV_GRADIENT,
                                  RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT,
                                  Action, posted_receive)
@@ -70,7 +72,7 @@ class StepState:
     outputs: dict = field(default_factory=dict)  # output (or scaled loss on the last stage)
     output_gradients: dict = field(default_factory=dict)  # gradient arriving for an output
     pending_sends: list = field(default_factory=list)  # (work, tensor): keep tensors alive
-    pending_reductions: list = field(default_factory=list)  # (work, gradient) per parameter
+    pending_reductions: list = field(default_factory=list)  # (work, flat gradient) per bucket
     posted_receives: dict = field(default_factory=dict)  # RECV action -> (work, buffer), from its post
     loss: torch.Tensor = None
 
@@ -85,12 +87,15 @@ class StageWork:
     3. SEND_* post asynchronous sends; POST_RECV_* post asynchronous receives where the plan says
        (NCCL matches a pair's operations in issue order, so the plan fixes that order); RECV_*
        wait for their posted receive, or post and wait at once when the plan has no post for it;
-       REDUCE_GRADIENT(c) starts the data-parallel all-reduce of stage c's gradients as soon as its
-       last backward is done (layered accumulation).
+       REDUCE_GRADIENT(c) starts the data-parallel all-reduces of stage c's gradients, one per
+       flat bucket of at most `bucket_bytes` (0: one per tensor), as soon as its last backward is
+       done (layered accumulation: they overlap the earlier stages' backward).
+    With `activation_recompute="full"` each block keeps only its input and reruns in the backward.
     """
 
     def __init__(self, model: nn.Module, stages: int, layers_per_stage: int, micro_batches: int,
-                 peers: Peers, activation_dtype: torch.dtype = torch.float32, scale_loss=None):
+                 peers: Peers, activation_dtype: torch.dtype = torch.float32, scale_loss=None,
+                 activation_recompute: str = "none", bucket_bytes: int = 0):
         self.model = model
         self.stages = stages
         self.layers_per_stage = layers_per_stage
@@ -100,6 +105,8 @@ class StageWork:
         # additions run in fp32). Receive buffers are allocated in it; NCCL needs equal sizes.
         self.activation_dtype = activation_dtype
         self.scale_loss = scale_loss or (lambda loss: loss)  # fp16: the loss scaler's scale
+        apply_activation_recompute(model, activation_recompute)
+        self.bucket_bytes = bucket_bytes
         self.state = StepState()
         self.batch = None
         self.training = True
@@ -211,12 +218,10 @@ class StageWork:
 
     # ----- data parallel
     def reduce_gradient(self, action: Action) -> None:
-        group = self.peers.data_group
-        for parameter in stage_parameters(self.model, action.stage, self.stages, self.layers_per_stage):
-            if parameter.grad is None:  # every replica must join every all-reduce
-                parameter.grad = torch.zeros_like(parameter)
-            work = self.peers.communicator.all_reduce(parameter.grad, group, async_op=True)
-            self.state.pending_reductions.append((work, parameter.grad))
+        parameters = stage_parameters(self.model, action.stage, self.stages, self.layers_per_stage)
+        # Reversed: the order the backward finished them, the order DDP fills its buckets in.
+        self.state.pending_reductions += post_bucket_reductions(
+            parameters[::-1], self.bucket_bytes, self.peers.communicator, self.peers.data_group)
 
     def finish(self) -> None:
         for work, _ in self.state.pending_sends:

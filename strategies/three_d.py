@@ -17,6 +17,7 @@ from typing_extensions import override
 from parallel.layout import Degrees
 from strategies.base import LayerwiseStrategy
 from strategies.checks import nearest_multiples
+from strategies.recompute import apply_activation_recompute, recompute_errors
 from strategies.registry import StrategyEntry
 from strategies.tensor_parallel import consolidate as consolidate_form
 from strategies.tensor_parallel import parallelize_1d, parallelize_2d, parallelize_3d
@@ -37,9 +38,10 @@ class TensorParallelStrategy(LayerwiseStrategy):
     4. `optimizer_step`: closure, sum replicated and data-parallel gradients, step.
     """
 
-    def __init__(self, degrees: Degrees, tensor_grid: str, **kwargs):
+    def __init__(self, degrees: Degrees, tensor_grid: str, activation_recompute: str = "none", **kwargs):
         super().__init__(degrees, **kwargs)
         self.tensor_grid = tensor_grid
+        self.activation_recompute = activation_recompute
         self.form = None
 
     @override
@@ -52,6 +54,9 @@ class TensorParallelStrategy(LayerwiseStrategy):
         on its device, then broadcast over the data group (NCCL moves only device tensors)."""
         self.form = PARALLELIZE[self.tensor_grid](model, self.layout, self.root_device)
         self.synchronise_replicas(model)
+        # Every rank recomputes its blocks in the same backward order, so the collectives inside a
+        # recomputed block are issued in the same order on every rank of its groups.
+        apply_activation_recompute(model, self.activation_recompute)
 
     def _loss(self, batch):
         return self.form.loss(self.lightning_module.model(batch["tokens"]), batch["targets"])
@@ -117,7 +122,7 @@ def check(cfg, world_size: int) -> list:
     grid = grid_of(mode, tensor, 0)  # every rank of the grid splits by the same counts
     batch_parts = grid.input_rows()[1]  # ranks that split a data rank's sequences
     feature_parts, head_parts = grid.feature_parts, grid.head_parts
-    errors = _check_world(cfg, world_size, tensor, mode) + _check_unsupported(cfg)
+    errors = _check_world(cfg, world_size, tensor, mode) + _check_unsupported(cfg) + recompute_errors(cfg.strategy)
     data = degrees(cfg, world_size).data
     per_rank = cfg.data.global_batch_size // max(1, data)
     if not errors and (cfg.data.global_batch_size % data or per_rank % batch_parts):
@@ -167,6 +172,7 @@ def _check_unsupported(cfg) -> list:
 
 def build(cfg, world_size: int):
     return TensorParallelStrategy(degrees(cfg, world_size), _mode(cfg),
+                                  activation_recompute=cfg.strategy.activation_recompute,
                                   process_group_backend=cfg.hardware.process_group_backend)
 
 

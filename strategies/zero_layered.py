@@ -209,13 +209,14 @@ def check(cfg, world_size: int) -> list:
     if cfg.model.tie_embeddings:
         errors.append("model.tie_embeddings=true shares one weight between the first and the last stage, "
                       "which are sharded separately. Fix: model.tie_embeddings=false.")
-    return errors + modular_pipeline.check(cfg, world_size)
+    return errors + modular_pipeline.check_recomputing(cfg, world_size)
 
 
 def build(cfg, world_size: int):
     return ZeroLayeredStrategy(modular_pipeline.degrees(cfg, world_size),
                                compute_plan(cfg.strategy, cfg.model.layers), cfg.strategy.layers_per_stage,
-                               **modular_pipeline.pipeline_arguments(cfg))
+                               **modular_pipeline.pipeline_arguments(cfg),
+                               activation_recompute=cfg.strategy.activation_recompute)
 
 
 def consolidate(rank_state_dicts: list, layout: dict) -> dict:

@@ -21,8 +21,9 @@ from strategies.schedule import (BACKWARD, FORWARD, layered, looped_breadth_firs
 from strategies.schedule.ir import parse_action
 from strategies.schedule.offload import (GRADIENT_TO_HOST, RELEASE_BACKWARD, RELEASE_FORWARD, UPDATE_ON_HOST,
                                          WEIGHTS_BACKWARD, WEIGHTS_FORWARD, add_host_transfers, relay_plan)
-from tests.harness import (QUICK, assert_same_checkpoints, assert_same_losses, assert_same_parameters,
-                           compose_config, consolidated_parameters)
+from tests.harness import (BF16_VERSUS_FP32_LOSS_RTOL, DEVICE_LOSS_RTOL, QUICK, assert_same_checkpoints,
+                           assert_same_losses, assert_same_parameters, compare_under_sgd, compose_config,
+                           consolidated_parameters)
 
 STEPS = 5
 OPTIMIZER = OmegaConf.create(dict(name="adamw", lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
@@ -118,7 +119,8 @@ def test_cross_mixed_precision_keeps_fp32_masters_and_halves_the_bytes():
     tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
     loss = relay.step(tokens, tokens)
     relay.close()
-    torch.testing.assert_close(loss, reference.loss(reference(tokens), tokens), rtol=2e-2, atol=0)
+    torch.testing.assert_close(loss, reference.loss(reference(tokens), tokens), rtol=BF16_VERSUS_FP32_LOSS_RTOL,
+                               atol=0)
     assert all(p.dtype == torch.float32 for p in offloaded.parameters())
     parameters = sum(p.numel() for p in offloaded.parameters())
     assert communicator.snapshot()["host_device"] == 3 * 2 * parameters  # bf16 weights and gradients
@@ -206,6 +208,13 @@ def test_l2l_data_parallel_with_tied_weights_reproduces_single(tmp_path):
     assert {float(row["comm_bytes_all_reduce"]) for row in rows} == {2 * (2 - 1) / 2 * unique * 4}
 
 
+@pytest.mark.parametrize("case", ["l2l_m4", "l2l_dp2_m2_const"])
+def test_l2l_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
+    """Plain SGD sees the gradient's scale, which AdamW normalises away (harness.SgdComparison):
+    losses, the first step's gradients and the parameters after harness.SGD_STEPS steps."""
+    compare_under_sgd(case, tmp_path, tmp_path_factory).check()
+
+
 def test_l2l_resume_is_bit_identical(tmp_path):
     overrides = ["strategy=l2l", "hardware.devices_per_node=1", "model.dropout=0.1", "strategy.micro_batches=4",
                  "strategy.constant_memory=true", "trainer.checkpoint_every_n_steps=1"]
@@ -236,14 +245,22 @@ def test_check_names_the_field_and_the_fix():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_relay_matches_cpu():  # pragma: no cover - no GPU on the development machine
+    """Three relay steps (m = 2, eager AdamW updates on the host) on CUDA equal three on the CPU:
+    every step's loss, then every parameter of the host copy the relay updated."""
     cpu_model, gpu_model = tiny_model(dropout=0.0), tiny_model(dropout=0.0)
     for parameter in gpu_model.parameters():
         parameter.data = parameter.data.pin_memory()
-    losses = []
+    losses = {}
     for model, device in ((cpu_model, "cpu"), (gpu_model, "cuda")):
         relay = Relay(model, build_optimizer(OPTIMIZER, model.named_parameters()), Communicator(),
                       Group("data", (0,)), 2, device=torch.device(device))
-        tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
-        losses.append(relay.step(tokens, tokens).cpu())
+        generator = torch.Generator().manual_seed(0)
+        losses[device] = []
+        for _ in range(3):
+            tokens, targets = (torch.randint(0, 64, (4, 16), generator=generator) for _ in range(2))
+            relay.store.optimizer.zero_grad(set_to_none=True)
+            losses[device].append(relay.step(tokens, targets).cpu())
         relay.close()
-    torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=0)
+    torch.testing.assert_close(torch.stack(losses["cuda"]), torch.stack(losses["cpu"]), rtol=DEVICE_LOSS_RTOL, atol=0)
+    assert_same_parameters({name: value.cpu() for name, value in gpu_model.state_dict().items()},
+                           cpu_model.state_dict())

@@ -11,7 +11,7 @@ import pytest
 from layerwise.run import train
 from layerwise.validate import ConfigError, validate
 from tests.harness import (QUICK, assert_same_checkpoints, assert_same_losses, assert_same_parameters,
-                           cached_references, compose_config, consolidated_parameters)
+                           cached_references, compare_under_sgd, compose_config, consolidated_parameters)
 
 STEPS = 5
 
@@ -49,6 +49,14 @@ def test_pipeline_equals_single(case, references, tmp_path):
     assert_same_losses(summary["losses"], expected["losses"])
     assert_same_parameters(consolidated_parameters(tmp_path, strategy),
                            consolidated_parameters(reference_directory, "single"))
+
+
+@pytest.mark.parametrize("case", ["modular_pipeline_pp2_v2_m4", "modular_pipeline_pp2_dp2_v2_m4", "gpipe_pp2_m4",
+                                  "one_f_one_b_pp2_m4", "interleaved_1f1b_pp2_v2_m4"])
+def test_pipeline_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
+    """Plain SGD sees the gradient's scale, which AdamW normalises away (harness.SgdComparison):
+    losses, the first step's gradients and the parameters after harness.SGD_STEPS steps."""
+    compare_under_sgd(case, tmp_path, tmp_path_factory).check()
 
 
 def test_executed_order_equals_the_plan_and_evidence_is_written(tmp_path):

@@ -11,6 +11,10 @@ every comparison exceeded its tolerance (worst |actual − expected| / (atol + r
 import pytest
 import torch
 
+from layerwise import data as data_lib
+from layerwise.run import load_corpus
+from layerwise.task import model_arguments, objective_of
+from models import build_model
 from strategies.l2l import HostStore, step_only
 from strategies.pipefisher import PipeFisherStrategy
 from strategies.sharding import FlatShard
@@ -18,8 +22,15 @@ from strategies.stages import StageWork, stage_parameters
 from strategies.tensor_parallel.grids import Style
 from strategies.tensor_parallel.parallelize import BLOCK_PLAN
 from strategies.zero_layered import ShardedStageWork
-from tests.harness import (PARAMETER_ATOL, PARAMETER_RTOL, SGD_CASES, compare_under_sgd,
-                           sgd_reference)
+from tests.harness import (PARAMETER_ATOL, PARAMETER_RTOL, QUICK, SGD_CASES, SGD_MODEL, SGD_OVERRIDES,
+                           compare_under_sgd, compose_config, sgd_reference)
+
+
+@pytest.fixture(autouse=True)
+def references_without_the_bug(tmp_path_factory):
+    """The reference runs are cached for the session: make them before a test patches its bug in."""
+    for reference in sorted({case.reference for case in SGD_CASES.values()}):
+        sgd_reference(tmp_path_factory, *reference)
 
 
 def assert_caught(comparison, bug: str) -> dict:
@@ -52,13 +63,15 @@ def test_zero_summing_instead_of_averaging_is_caught(monkeypatch, tmp_path, tmp_
 
 
 def test_pipeline_summing_instead_of_averaging_is_caught(monkeypatch, tmp_path, tmp_path_factory):
-    """StageWork.wait_for_reductions waits for the all-reduces but forgets to divide by n = 2."""
-    def wait_without_dividing(self):
-        for work, _ in self.state.pending_reductions:
-            if work is not None:
-                work.wait()
-        self.state.pending_reductions.clear()
-    monkeypatch.setattr(StageWork, "wait_for_reductions", wait_without_dividing)
+    """StageWork.wait_for_reductions leaves the all-reduced sum: its division by n = 2 is undone."""
+    original = StageWork.wait_for_reductions
+
+    def wait_and_sum(self):
+        original(self)
+        for parameter in self.model.parameters():  # this rank's stages only
+            if parameter.grad is not None:
+                parameter.grad.mul_(self.peers.data_group.size)
+    monkeypatch.setattr(StageWork, "wait_for_reductions", wait_and_sum)
     excess = assert_caught(compare_under_sgd("modular_pipeline_pp2_dp2_v2_m4", tmp_path, tmp_path_factory),
                            "(a) the pipeline sums the data-parallel gradients")
     caught_at_step_one(excess)
@@ -77,8 +90,11 @@ def test_dropped_micro_batch_is_caught(monkeypatch, tmp_path, tmp_path_factory):
         parameters = stage_parameters(self.model, action.stage, self.stages, self.layers_per_stage)
         kept = [None if p.grad is None else p.grad.clone() for p in parameters]
         original(self, action)
-        for parameter, gradient in zip(parameters, kept):
-            parameter.grad = gradient
+        for parameter, gradient in zip(parameters, kept):  # in place: .grad may be a view of a bucket
+            if gradient is None:
+                parameter.grad.zero_()
+            else:
+                parameter.grad.copy_(gradient)
     monkeypatch.setattr(StageWork, "backward", backward_dropping_the_last)
     excess = assert_caught(compare_under_sgd("modular_pipeline_pp2_v2_m4", tmp_path, tmp_path_factory),
                            "(b) one micro-batch dropped from accumulation")
@@ -160,6 +176,21 @@ def test_l2l_stale_gradient_is_caught(monkeypatch, tmp_path, tmp_path_factory):
     excess = assert_caught(compare_under_sgd("l2l_m4", tmp_path, tmp_path_factory),
                            "(g) L2L updates with the previous step's gradient")
     assert excess["gradients"][0] <= 1 < excess["parameters"][0], excess
+
+
+# ----- the oracle's own inputs
+
+def test_initial_weights_are_the_seeded_model(tmp_path_factory):
+    """p0 of g = (p0 − p1)/lr is the reference's step-0 checkpoint: bit-identical to models.build_model
+    at the seed, which every strategy materialises its parts from."""
+    cfg = compose_config(*QUICK, *SGD_MODEL, *SGD_OVERRIDES, "strategy=single")
+    vocabulary = data_lib.model_vocab_size(load_corpus(cfg), objective_of(cfg.model))
+    model = build_model(cfg.model.architecture, device="meta", **model_arguments(cfg.model, vocabulary, cfg.seed))
+    model.materialise(torch.device("cpu"))
+    seeded = {f"model.{name}": value for name, value in model.state_dict().items()}
+    initial = sgd_reference(tmp_path_factory).initial
+    assert seeded.keys() == initial.keys()
+    assert all(torch.equal(seeded[name], initial[name]) for name in seeded)
 
 
 # ----- the learning rates: a factor 2 on a gradient is visible in the parameters

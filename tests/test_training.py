@@ -9,7 +9,7 @@ import torch
 from layerwise.run import train
 from layerwise.validate import validate
 from tests.harness import (QUICK, SAVED_AT_ANOTHER_HOOK, assert_same_checkpoints, assert_same_losses,
-                           assert_same_parameters, compose_config)
+                           assert_same_parameters, compare_under_sgd, compose_config)
 
 STEPS = 10
 
@@ -45,6 +45,12 @@ def test_ddp_reproduces_single(reference, tmp_path):
     assert ddp_summary["status"] == "completed" and ddp_summary["world_size"] == 2
     assert_same_losses(ddp_summary["losses"], single_summary["losses"])
     assert_same_parameters(final_parameters(ddp_directory), final_parameters(single_directory))
+
+
+def test_ddp_equals_single_under_sgd(tmp_path, tmp_path_factory):
+    """Plain SGD sees the gradient's scale, which AdamW normalises away (harness.SgdComparison):
+    losses, the first step's gradients and the parameters after harness.SGD_STEPS steps."""
+    compare_under_sgd("ddp_dp2", tmp_path, tmp_path_factory).check()
 
 
 def test_ddp_communication_equals_the_ring_formula(tmp_path):

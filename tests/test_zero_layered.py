@@ -18,8 +18,9 @@ from layerwise.validate import ConfigError, validate
 from strategies.schedule import add_communication, build_plan, validate_plan
 from strategies.schedule.zero import (GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, add_zero,
                                       gathers_per_step)
-from tests.harness import (QUICK, assert_same_checkpoints, assert_same_losses, assert_same_parameters,
-                           cached_references, compose_config, consolidated_parameters, run_on_ranks)
+from tests.harness import (EXACT_RTOL, QUICK, assert_same_checkpoints, assert_same_losses, assert_same_parameters,
+                           cached_references, compare_under_sgd, compose_config, consolidated_parameters,
+                           run_on_ranks)
 
 STEPS = 5
 BATCH = ["data.global_batch_size=16"]  # splits into n=4 ranks × m=4 and n=2 × m=8
@@ -126,13 +127,22 @@ def test_zero_equals_single_and_moves_3_n_minus_1_over_n_P(case, references, tmp
     volume = transfers * (data - 1) / data * max(per_rank) * BYTES
     for row in metrics_rows(tmp_path):  # the strategy's own accounting, every step
         logged = float(row["comm_bytes_all_gather"]) + float(row["comm_bytes_reduce_scatter"])
-        assert logged == pytest.approx(volume, rel=1e-12), row
+        assert logged == pytest.approx(volume, rel=EXACT_RTOL), row
         assert float(row["comm_bytes_all_reduce"]) == 0
     # the independent counter, on every rank (pipeline ranks hold different P)
     for rank, tally in enumerate(tallies):
         mine = per_rank[rank % pipeline] * transfers * (data - 1) / data * BYTES
-        assert (tally["all_gather"] + tally["reduce_scatter"]) / STEPS == pytest.approx(mine, rel=1e-12)
-        assert tally["reduce_scatter"] * 2 == pytest.approx(tally["all_gather"], rel=1e-12)
+        assert (tally["all_gather"] + tally["reduce_scatter"]) / STEPS == pytest.approx(mine, rel=EXACT_RTOL)
+        assert tally["reduce_scatter"] * 2 == pytest.approx(tally["all_gather"], rel=EXACT_RTOL)
+
+
+@pytest.mark.parametrize("case", ["zero_layered_dp2_m4", "zero_layered_pp2_dp2_m4", "zero_depth_first_dp2_m4",
+                                  "fsdp2_dp2_m4"])
+def test_zero_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
+    """Plain SGD sees the gradient's scale, which AdamW normalises away (harness.SgdComparison):
+    losses, the first step's gradients and the parameters after harness.SGD_STEPS steps. fsdp2 is
+    PyTorch's ZeRO-3, the baseline."""
+    compare_under_sgd(case, tmp_path, tmp_path_factory).check()
 
 
 def test_plan_counts_follow_the_zero_table():

@@ -112,6 +112,10 @@ class StagedStrategyConfig(MicroBatchedStrategyConfig):
     data_degree: Optional[int] = None  # data-parallel replicas; null = world / pipeline_degree
     layers_per_stage: int = 1  # k consecutive blocks per stage; stages = layers / k
     breadth_first_micro_batches: Optional[int] = None  # null = all micro-batches breadth-first
+    # Each stage's blocks split over a tensor grid (innermost axis: a tensor group stays in a node);
+    # world = data × pipeline_degree × tensor ranks (1d: q, 2d: q², 3d: q³).
+    tensor_parallel: str = "none"  # none | 1d (Megatron) | 2d (SUMMA) | 3d (Bian et al. 2021)
+    tensor_grid: int = 2  # q, the grid's edge (read only when tensor_parallel is not none)
 
 
 @dataclass
@@ -131,7 +135,7 @@ class TensorParallelStrategyConfig(StrategyConfig, ActivationRecomputeConfig):
 
     data_degree: Optional[int] = None  # data-parallel replicas; null = world / tensor ranks
     tensor_grid: int = 2  # q, the grid's edge; the tensor-parallel group has q^dimension ranks
-    tensor_mode: str = "3d"  # 1d (Megatron) | 2d (SUMMA) | 3d (Bian et al. 2021)
+    tensor_parallel: str = "3d"  # 1d (Megatron) | 2d (SUMMA) | 3d (Bian et al. 2021); fixed by the name
 
 
 @dataclass

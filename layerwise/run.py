@@ -21,6 +21,7 @@ from layerwise.launch import (RankError, global_rank, launched_externally, run_r
                               writes_run_files)
 from layerwise.slurm import slurm_callbacks, slurm_plugins
 from layerwise.task import LanguageModelData, LanguageModelTask, objective_of
+from parallel.layout import RANK_ORDER
 from strategies import strategy_entry
 from strategies.checkpoint import checkpoint_exists
 
@@ -136,7 +137,7 @@ def fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:
     objective = objective_of(cfg.model)
     task = LanguageModelTask(cfg, data_lib.model_vocab_size(corpus, objective))
     entry = strategy_entry(cfg.strategy.name)
-    layout = entry.degrees(cfg, world_size).as_dict()
+    layout = {**entry.degrees(cfg, world_size).as_dict(), "order": list(RANK_ORDER)}  # tensor innermost
     evidence = RunEvidence(run_directory, cfg, world_size, layout,
                            progress_lines=not show_bar(cfg) and cfg.trainer.progress != "none")
     trainer = build_trainer(cfg, run_directory, world_size, entry.build(cfg, world_size), evidence)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from parallel.comm import Communicator, Group
 
 AXES = ("data", "pipeline", "tensor")
+RANK_ORDER = ("tensor", "pipeline", "data")  # fastest-varying first: summary.json `layout.order`
 
 
 @dataclass(frozen=True)

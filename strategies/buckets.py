@@ -56,3 +56,21 @@ def post_bucket_reductions(parameters: list, capacity_bytes: int, communicator, 
         flat = flat_gradient(bucket)
         reductions.append((communicator.all_reduce(flat, group, async_op=True), flat))
     return reductions
+
+
+def sum_over_groups(gradients_and_groups: list, communicator) -> None:
+    """Sum each gradient over every group of its tuple, in place, with one flat buffer per distinct
+    tuple (tensor-grid replicas, data replicas): one collective per (tuple, group), not per tensor.
+    Tuples are taken in first-seen order, the same on every rank that shares the parameters."""
+    by_groups = {}
+    for gradient, groups in gradients_and_groups:
+        if groups:
+            by_groups.setdefault(tuple(groups), []).append(gradient)
+    for groups, gradients in by_groups.items():
+        flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
+        for group in groups:
+            communicator.all_reduce(flat, group)
+        offset = 0
+        for gradient in gradients:
+            gradient.copy_(flat[offset:offset + gradient.numel()].view_as(gradient))
+            offset += gradient.numel()

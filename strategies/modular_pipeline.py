@@ -20,11 +20,15 @@ from strategies.checks import divisors, nearest_multiples
 from strategies.buckets import bucket_bytes
 from strategies.precision import activation_dtype
 from strategies.recompute import backward_factor, recompute_errors
-from strategies.registry import StrategyEntry
+from strategies.registry import StrategyEntry, consolidate_replicated
 from strategies.schedule import (FORWARD, POST_RECV_ACTIVATION, RECV_ACTIVATION, SEND_ACTIVATION, Plan,
                                  Timeline, add_communication, add_gradient_reductions, build_plan,
                                  execute, flop_cost, parse_action, plot_timeline, simulate, validate_plan)
 from strategies.stages import Peers, StageWork, keep_local_stages
+from strategies.tensor_parallel import consolidate as consolidate_tensor_grid
+from strategies.tensor_parallel import parallelize
+from strategies.tensor_parallel.grids import DIMENSION, layout_arguments
+from strategies.three_d import grid_errors
 
 # Dropping every gradient message on both ends keeps each pair's issue order matched (NCCL's rule).
 FORWARD_ONLY = (FORWARD, SEND_ACTIVATION, POST_RECV_ACTIVATION, RECV_ACTIVATION)
@@ -61,14 +65,19 @@ class ModularPipelineStrategy(OwnedStepStrategy):
        backward ends);
     3. the loss (on the last stage) is broadcast over the pipeline so every rank returns it;
     4. before the optimizer: wait for the data-parallel all-reduces and average.
+    With `tensor_parallel` ("1d" | "2d" | "3d"), each stage's parts are cut by the tensor-parallel
+    strategies' own functions over the layout's innermost axis; a stage boundary carries each grid
+    position's piece of the activation to the same position of the next stage (no gather).
     Children (ZeRO-layered, PipeFisher) override only the seams: how the plans are completed, how
     stage work is made, which plan a step runs, which handlers run which kinds, and the step's context.
     """
 
     def __init__(self, degrees: Degrees, compute: Plan, layers_per_stage: int,
                  activation_dtype: torch.dtype = torch.float32, activation_recompute: str = "none",
-                 bucket_mb: float = 25.0, **kwargs):
+                 bucket_mb: float = 25.0, tensor_parallel: str = None, **kwargs):
         super().__init__(degrees, **kwargs)
+        self.tensor_parallel = tensor_parallel  # None, or the grid each stage is split over
+        self.form = None  # the tensor-parallel form of this rank's parts (parallelize_parts)
         self.layers_per_stage = layers_per_stage
         self.activation_dtype = activation_dtype
         self.activation_recompute = activation_recompute  # none | full (strategies/recompute.py)
@@ -99,7 +108,8 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         """StageWork's keyword arguments: the boundary dtype and the fp16 loss scaling, plus how the
         stages keep activations and bucket their gradient all-reduces (every StageWork takes them)."""
         return {"activation_dtype": self.activation_dtype, "scale_loss": self.scale_loss,
-                "activation_recompute": self.activation_recompute, "bucket_bytes": bucket_bytes(self.bucket_mb)}
+                "activation_recompute": self.activation_recompute, "bucket_bytes": bucket_bytes(self.bucket_mb),
+                "tensor_form": self.form}
 
     def plan_of_step(self, step: int) -> Plan:
         return self.plan
@@ -118,12 +128,29 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         return list(self.plan.stages_on(self.layout.index("pipeline")))
 
     @override
+    def layout_arguments(self) -> dict:
+        """The tensor grid's group families, inside every (data, pipeline) block of ranks."""
+        return layout_arguments(self.tensor_parallel, self.degrees.tensor) if self.tensor_parallel else {}
+
+    @override
     def materialise_model(self, model) -> None:
         """Drop the other ranks' stages while they are shapes only, materialise the rest directly
-        on the device (NCCL broadcasts only device tensors), then make the replicas bit-identical."""
+        on the device (NCCL broadcasts only device tensors), part by part cut to this rank's
+        tensor-grid shards if any, then make the replicas bit-identical."""
         keep_local_stages(model, self.local_stages(), self.plan.stages, self.layers_per_stage)
+        self.parallelize_parts(model, model.part_names())
         model.materialise(self.root_device)
         self.synchronise_replicas(model)
+
+    def parallelize_parts(self, model, parts: list) -> None:
+        """Cut `parts` (materialised one at a time) to this rank's tensor-grid shards; the form's
+        replicated-gradient groups accumulate over calls. No grid: nothing to do."""
+        if not self.tensor_parallel:
+            return
+        form = parallelize(model, self.layout, self.root_device, parts=parts, loss_over_data=False)
+        if self.form is not None:
+            form.gradient_groups.update(self.form.gradient_groups)
+        self.form = form
 
     @override
     def setup(self, trainer) -> None:
@@ -237,21 +264,45 @@ def measured_timeline(gathered) -> Timeline:
 
 # ----- the registry interface (see strategies/__init__.py)
 
+def tensor_parallel(strategy_config):
+    """The grid each stage is split over ("1d" | "2d" | "3d"), or None."""
+    mode = strategy_config.tensor_parallel
+    return None if mode == "none" else mode
+
+
+def tensor_degree(strategy_config) -> int:
+    """Ranks of one tensor block: q, q² or q³ (1 without a grid)."""
+    mode = tensor_parallel(strategy_config)
+    return strategy_config.tensor_grid ** DIMENSION[mode] if mode in DIMENSION else 1
+
+
 def degrees(cfg, world_size: int) -> Degrees:
-    pipeline = cfg.strategy.pipeline_degree
-    return Degrees(data=max(1, world_size // pipeline), pipeline=pipeline)
+    pipeline, tensor = cfg.strategy.pipeline_degree, tensor_degree(cfg.strategy)
+    return Degrees(data=max(1, world_size // (pipeline * tensor)), pipeline=pipeline, tensor=tensor)
 
 
 def check(cfg, world_size: int) -> list:
     strategy, errors = cfg.strategy, []
-    if world_size % strategy.pipeline_degree:
-        return [f"strategy.pipeline_degree={strategy.pipeline_degree} does not divide the world "
-                f"size {world_size} (hardware.nodes × hardware.devices_per_node). Fix: "
-                f"strategy.pipeline_degree in {divisors(world_size)}, or change hardware.devices_per_node."]
-    data = world_size // strategy.pipeline_degree
+    mode = tensor_parallel(strategy)
+    if mode is not None and (mode not in DIMENSION or strategy.tensor_grid < 1):
+        return [f"strategy.tensor_parallel={mode}, strategy.tensor_grid={strategy.tensor_grid}: need one of "
+                f"none, 1d, 2d, 3d and q >= 1. Fix: strategy.tensor_parallel=1d strategy.tensor_grid=2."]
+    split = strategy.pipeline_degree * tensor_degree(strategy)
+    if world_size % split:
+        return [f"strategy.pipeline_degree={strategy.pipeline_degree} × {tensor_degree(strategy)} tensor "
+                f"ranks (strategy.tensor_parallel={strategy.tensor_parallel}) = {split} does not divide the world "
+                f"size {world_size} (hardware.nodes × hardware.devices_per_node); world = data × pipeline × "
+                f"tensor. Fix: hardware.devices_per_node={split} or {2 * split}, or strategy.pipeline_degree "
+                f"in {[d for d in divisors(world_size) if world_size % (d * tensor_degree(strategy)) == 0]}."]
+    data = world_size // split
     if strategy.data_degree not in (None, data):
-        errors.append(f"strategy.data_degree={strategy.data_degree} but world {world_size} / "
-                      f"pipeline {strategy.pipeline_degree} = {data}. Fix: strategy.data_degree={data} or null.")
+        errors.append(f"strategy.data_degree={strategy.data_degree} but world {world_size} / (pipeline "
+                      f"{strategy.pipeline_degree} × tensor {tensor_degree(strategy)}) = {data}. Fix: "
+                      f"strategy.data_degree={data} or null.")
+    if mode is not None:
+        errors += grid_errors(cfg, mode, strategy.tensor_grid, batch_splits=data * strategy.micro_batches,
+                              splitter=f"each of the {strategy.micro_batches} micro-batches of each of the "
+                                       f"{data} data-parallel ranks")
     if cfg.model.layers % strategy.layers_per_stage:
         errors.append(f"model.layers={cfg.model.layers} is not divisible by strategy.layers_per_stage="
                       f"{strategy.layers_per_stage}. Fix: a divisor of {cfg.model.layers}.")
@@ -291,9 +342,24 @@ def build(cfg, world_size: int):
 
 
 def pipeline_arguments(cfg) -> dict:
-    """The keyword arguments every pipeline strategy's constructor takes from the hardware group."""
+    """The keyword arguments every pipeline strategy's constructor takes: the hardware group's, and
+    the tensor grid each stage is split over."""
     return {"activation_dtype": activation_dtype(cfg.hardware.precision),
-            "process_group_backend": cfg.hardware.process_group_backend}
+            "process_group_backend": cfg.hardware.process_group_backend,
+            "tensor_parallel": tensor_parallel(cfg.strategy)}
 
 
-PIPELINE = StrategyEntry(check=check_recomputing, degrees=degrees, build=build)
+def consolidate(rank_state_dicts: list, layout: dict) -> dict:
+    """Stages are disjoint across pipeline ranks; with a tensor grid, each pipeline rank's block of
+    tensor ranks (data replica 0: ranks T·p … T·p + T − 1) is merged into whole tensors first."""
+    tensor = layout.get("tensor", 1)
+    if tensor == 1:
+        return consolidate_replicated(rank_state_dicts, layout)
+    merged = {}
+    for pipeline_rank in range(layout["pipeline"]):
+        block = rank_state_dicts[tensor * pipeline_rank:tensor * (pipeline_rank + 1)]
+        merged.update(consolidate_tensor_grid(block, layout))
+    return merged
+
+
+PIPELINE = StrategyEntry(check=check_recomputing, degrees=degrees, build=build, consolidate=consolidate)

@@ -148,6 +148,10 @@ def check(cfg, world_size: int) -> list:
     if not 0 <= cfg.strategy.bubble_margin < 1:
         errors.append(f"strategy.bubble_margin={cfg.strategy.bubble_margin} must be in [0, 1). "
                       f"Fix: strategy.bubble_margin=0.05 (the paper's 5%).")
+    if cfg.strategy.tensor_parallel != "none":
+        errors.append(f"strategy.tensor_parallel={cfg.strategy.tensor_parallel}: pipefisher's curvature is "
+                      f"captured on whole nn.Linear layers; factors per tensor shard are not built yet. "
+                      f"Fix: strategy.tensor_parallel=none (or strategy=one_f_one_b with the grid, first-order).")
     if cfg.strategy.schedule == "interleaved_one_f_one_b":
         errors.append("strategy.schedule=interleaved_one_f_one_b is not supported by pipefisher. "
                       "Fix: gpipe, one_f_one_b or looped_breadth_first.")

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from strategies.buckets import post_bucket_reductions
+from strategies.buckets import post_bucket_reductions, sum_over_groups
 from strategies.recompute import apply_activation_recompute
+from strategies.tensor_parallel.grids import local_activation_shape
 from strategies.schedule import (BACKWARD, FINISH, FORWARD, POST_RECV_ACTIVATION, POST_RECV_GRADIENT,
                                  RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT,
                                  Action, posted_receive)
@@ -91,12 +92,18 @@ class StageWork:
        flat bucket of at most `bucket_bytes` (0: one per tensor), as soon as its last backward is
        done (layered accumulation: they overlap the earlier stages' backward).
     With `activation_recompute="full"` each block keeps only its input and reruns in the backward.
+    With a `tensor_form` (strategies/tensor_parallel) the stages' modules are this rank's shards:
+    boundaries carry this grid position's piece of the activation to the same position of the next
+    stage, the loss is the vocabulary-parallel one, and REDUCE_GRADIENT first sums the gradients of
+    pieces the grid replicates over their tensor groups (TECHNIQUES §4), then over data.
     """
 
     def __init__(self, model: nn.Module, stages: int, layers_per_stage: int, micro_batches: int,
                  peers: Peers, activation_dtype: torch.dtype = torch.float32, scale_loss=None,
-                 activation_recompute: str = "none", bucket_bytes: int = 0):
+                 activation_recompute: str = "none", bucket_bytes: int = 0, tensor_form=None):
         self.model = model
+        self.tensor_form = tensor_form
+        self.loss_function = tensor_form.loss if tensor_form is not None else model.loss
         self.stages = stages
         self.layers_per_stage = layers_per_stage
         self.micro_batches = micro_batches
@@ -133,7 +140,7 @@ class StageWork:
         for name in stage_blocks(stage, self.layers_per_stage):
             hidden = self.model.blocks[name](hidden)
         if stage == self.stages - 1:
-            loss = self.model.loss(self.model.head(hidden), self.batch["targets"][micro_batch])
+            loss = self.loss_function(self.model.head(hidden), self.batch["targets"][micro_batch])
             hidden = loss / self.micro_batches  # mean over micro-batches = mean over the batch
             self.state.loss = hidden.detach() + (0 if self.state.loss is None else self.state.loss)
         self.state.outputs[(stage, micro_batch)] = hidden
@@ -206,22 +213,36 @@ class StageWork:
         sender = Action(SEND_GRADIENT if gradient else SEND_ACTIVATION, action.peer_stage,
                         action.micro_batch, action.stage)
         tokens = self.batch["tokens"][0]
-        shape = (tokens.shape[0], tokens.shape[1], self.model_hidden())
-        tensor = torch.empty(shape, dtype=self.activation_dtype, device=tokens.device)
+        tensor = torch.empty(self.boundary_shape(*tokens.shape), dtype=self.activation_dtype, device=tokens.device)
         work = self.peers.communicator.receive(tensor, self.peers.rank_of_stage[action.peer_stage],
                                                self.peers.pipeline_group, tag=self._tag(sender, gradient))
         return work, tensor
 
-    def model_hidden(self) -> int:
-        block = next(iter(self.model.blocks.values()))
-        return block.norm_attention.normalized_shape[0]
+    def boundary_shape(self, rows: int, length: int) -> tuple:
+        """What crosses a stage boundary: the residual stream, or this grid position's piece of it."""
+        if self.tensor_form is None:
+            return rows, length, self.model.hidden
+        return local_activation_shape(self.tensor_form.grid, rows, length, self.model.hidden)
 
     # ----- data parallel
     def reduce_gradient(self, action: Action) -> None:
         parameters = stage_parameters(self.model, action.stage, self.stages, self.layers_per_stage)
+        self.sum_replicated_gradients(action.stage)
         # Reversed: the order the backward finished them, the order DDP fills its buckets in.
         self.state.pending_reductions += post_bucket_reductions(
             parameters[::-1], self.bucket_bytes, self.peers.communicator, self.peers.data_group)
+
+    def sum_replicated_gradients(self, stage: int) -> None:
+        """Pieces a tensor grid holds on several ranks (norms, some biases, embeddings in 2-D/3-D)
+        got a partial gradient on each: sum them over their groups, one collective per group set,
+        before any data-parallel reduction (all ranks of a tensor block run the same plan row, so
+        they issue these in the same order)."""
+        if self.tensor_form is None:
+            return
+        names = stage_parameter_names(self.model, stage, self.stages, self.layers_per_stage)
+        groups = self.tensor_form.gradient_groups
+        sum_over_groups([(self.model.get_parameter(name).grad, groups.get(name, ())) for name in names],
+                        self.peers.communicator)
 
     def finish(self) -> None:
         for work, _ in self.state.pending_sends:

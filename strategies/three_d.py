@@ -9,13 +9,12 @@ run inside them. `optimizer_step` then sums the gradients of replicated paramete
 groups holding copies and every gradient over the data group, and steps (TECHNIQUES §4).
 """
 
-from collections import defaultdict
-
 import torch
 from typing_extensions import override
 
 from parallel.layout import Degrees
 from strategies.base import LayerwiseStrategy
+from strategies.buckets import sum_over_groups
 from strategies.checks import nearest_multiples
 from strategies.recompute import apply_activation_recompute, recompute_errors
 from strategies.registry import StrategyEntry
@@ -82,25 +81,16 @@ class TensorParallelStrategy(LayerwiseStrategy):
 
     def synchronise_gradients(self) -> None:
         """Sum each gradient over the groups holding copies of its parameter, then over data."""
-        buckets = defaultdict(list)
         data = self.layout.group("data")
-        for name, parameter in self.lightning_module.model.named_parameters():
-            groups = self.form.gradient_groups.get(name, ()) + (data,)
-            buckets[groups].append(parameter.grad)
-        for groups, gradients in buckets.items():
-            flat = torch.cat([g.reshape(-1) for g in gradients])  # one collective per group
-            for group in groups:
-                self.layout.communicator.all_reduce(flat, group)
-            offset = 0
-            for gradient in gradients:
-                gradient.copy_(flat[offset:offset + gradient.numel()].view_as(gradient))
-                offset += gradient.numel()
+        sum_over_groups([(parameter.grad, self.form.gradient_groups.get(name, ()) + (data,))
+                         for name, parameter in self.lightning_module.model.named_parameters()],
+                        self.layout.communicator)
 
 
 # ----- the registry interface (see strategies/__init__.py)
 
 def _mode(cfg) -> str:
-    return MODES.get(cfg.strategy.name, cfg.strategy.tensor_mode)
+    return MODES.get(cfg.strategy.name, cfg.strategy.tensor_parallel)
 
 
 def _tensor_degree(cfg) -> int:
@@ -116,31 +106,37 @@ def check(cfg, world_size: int) -> list:
     """Config errors before launch: world, batch, hidden and heads against the grid (§4)."""
     mode, q = _mode(cfg), cfg.strategy.tensor_grid
     if mode not in DIMENSION or q < 1:
-        return [f"strategy.tensor_mode={mode!r}, strategy.tensor_grid={q}: need a mode in "
-                f"1d, 2d, 3d and q >= 1. Fix: strategy.tensor_mode=3d strategy.tensor_grid=2."]
-    tensor, dimension = _tensor_degree(cfg), DIMENSION[mode]
-    grid = grid_of(mode, tensor, 0)  # every rank of the grid splits by the same counts
-    batch_parts = grid.input_rows()[1]  # ranks that split a data rank's sequences
-    feature_parts, head_parts = grid.feature_parts, grid.head_parts
-    errors = _check_world(cfg, world_size, tensor, mode) + _check_unsupported(cfg) + recompute_errors(cfg.strategy)
+        return [f"strategy.tensor_parallel={mode!r}, strategy.tensor_grid={q}: need a mode in "
+                f"1d, 2d, 3d and q >= 1. Fix: strategy.tensor_parallel=3d strategy.tensor_grid=2."]
+    errors = _check_world(cfg, world_size, _tensor_degree(cfg), mode) + recompute_errors(cfg.strategy)
     data = degrees(cfg, world_size).data
-    per_rank = cfg.data.global_batch_size // max(1, data)
-    if not errors and (cfg.data.global_batch_size % data or per_rank % batch_parts):
+    return errors + grid_errors(cfg, mode, q, batch_splits=data if not errors else 1,
+                                splitter=f"each of the {data} data-parallel ranks")
+
+
+def grid_errors(cfg, mode: str, q: int, batch_splits: int, splitter: str) -> list:
+    """What a tensor grid needs of the model and the batch, wherever it runs: `batch_splits` pieces of
+    the global batch (data ranks, × micro-batches in a pipeline) must each split over the grid's
+    rows; hidden and heads over its feature and head chunks; a plain untied GPT; whole-tensor-free
+    optimizers. Each error names the field and the fix."""
+    dimension, grid = DIMENSION[mode], grid_of(mode, q ** DIMENSION[mode], 0)
+    batch_parts = grid.input_rows()[1]  # ranks that split a piece's sequences
+    errors = _check_unsupported(cfg)
+    if cfg.data.global_batch_size % (batch_splits * batch_parts):
         errors.append(
-            f"data.global_batch_size={cfg.data.global_batch_size}: each of the {data} data-parallel "
-            f"ranks must get a multiple of {batch_parts} sequences (q^{dimension - 1} for {mode} with "
-            f"strategy.tensor_grid={q}). Fix: data.global_batch_size="
-            f"{nearest_multiples(cfg.data.global_batch_size, data * batch_parts)}.")
-    if cfg.model.hidden % feature_parts:
+            f"data.global_batch_size={cfg.data.global_batch_size}: {splitter} must get a multiple of "
+            f"{batch_parts} sequences (q^{dimension - 1} for {mode} with strategy.tensor_grid={q}). Fix: "
+            f"data.global_batch_size={nearest_multiples(cfg.data.global_batch_size, batch_splits * batch_parts)}.")
+    if cfg.model.hidden % grid.feature_parts:
         errors.append(
-            f"model.hidden={cfg.model.hidden} is not divisible by {feature_parts} (the {mode} grid "
+            f"model.hidden={cfg.model.hidden} is not divisible by {grid.feature_parts} (the {mode} grid "
             f"with strategy.tensor_grid={q} splits weights by that). Fix: model.hidden="
-            f"{nearest_multiples(cfg.model.hidden, feature_parts)}.")
-    if cfg.model.heads % head_parts:
+            f"{nearest_multiples(cfg.model.hidden, grid.feature_parts)}.")
+    if cfg.model.heads % grid.head_parts:
         errors.append(
             f"model.heads={cfg.model.heads} is not divisible by strategy.tensor_grid={q} (heads are "
-            f"split over {head_parts} ranks). Fix: model.heads="
-            f"{nearest_multiples(cfg.model.heads, head_parts)}.")
+            f"split over {grid.head_parts} ranks). Fix: model.heads="
+            f"{nearest_multiples(cfg.model.heads, grid.head_parts)}.")
     return errors
 
 

@@ -118,6 +118,7 @@ class ShardedStageWork(StageWork):
     # ----- gradients
     def reduce_scatter(self, action) -> None:
         self._settle_scatters()  # at most one stage's full gradient in flight
+        self.sum_replicated_gradients(action.stage)  # over the tensor grid first, then scattered over data
         for shard in self.shards_of[action.stage]:
             work, piece, gradient = shard.post_reduce_scatter(self.peers.communicator, self.peers.data_group)
             self.scatters.append((shard, work, piece, gradient))
@@ -172,6 +173,7 @@ class ZeroLayeredStrategy(ModularPipelineStrategy):
         data = self.layout.group("data")
         for stage in local_stages:
             parts = stage_part_names(stage, self.plan.stages, self.layers_per_stage)
+            self.parallelize_parts(model, parts)  # a tensor grid's shards first; ZeRO shards those over data
             model.materialise(self.root_device, parts)
             for part in parts:
                 self.synchronise_replicas(model.get_submodule(part))
@@ -220,17 +222,21 @@ def build(cfg, world_size: int):
 
 
 def consolidate(rank_state_dicts: list, layout: dict) -> dict:
-    """The full model from per-rank shards: concatenate each flat group over the data ranks."""
+    """The full model from per-rank shards: concatenate each flat group over the data ranks of every
+    (pipeline, tensor) position, then merge stages and tensor-grid shards as the pipeline does."""
     data, pipeline, tensor = layout["data"], layout["pipeline"], layout.get("tensor", 1)
+    unsharded = [unshard_over_data([rank_state_dicts[t + tensor * (p + pipeline * d)] for d in range(data)])
+                 for p in range(pipeline) for t in range(tensor)]  # in rank order of data replica 0
+    return modular_pipeline.consolidate(unsharded, layout)
+
+
+def unshard_over_data(states: list) -> dict:
+    """One (pipeline, tensor) position's state dict with its flat shards joined into parameters."""
     merged = {}
-    for pipeline_rank in range(pipeline):
-        ranks = [tensor * (pipeline_rank + pipeline * d) for d in range(data)]
-        states = [rank_state_dicts[r] for r in ranks]
-        description = states[0]["model.zero_shards._extra_state"]
-        for key, group in description.items():
-            pieces = [state[f"model.zero_shards.flat.{key}"] for state in states]
-            merged.update({f"model.{name}": value for name, value in unshard(group, pieces).items()})
-        merged.update({k: v for k, v in states[0].items() if not k.startswith("model.zero_shards.")})
+    for key, group in states[0]["model.zero_shards._extra_state"].items():
+        pieces = [state[f"model.zero_shards.flat.{key}"] for state in states]
+        merged.update({f"model.{name}": value for name, value in unshard(group, pieces).items()})
+    merged.update({k: v for k, v in states[0].items() if not k.startswith("model.zero_shards.")})
     return merged
 
 

@@ -167,7 +167,7 @@ BAD_INPUTS = [
     (["strategy=ddp", "data.global_batch_size=3"], "data.global_batch_size=3 does not split into 2 data-parallel"),
     (["model=gpt3_175b", "data.sequence_length=64"], "planning-only shape"),
     (["strategy=ddp", "+strategy.micro_batches=4"], "strategy.micro_batches=4 is not a setting of strategy=ddp"),
-    (["strategy=modular_pipeline", "strategy.data_degree=4"], "strategy.data_degree=4 but world 2 / pipeline 2 = 1"),
+    (["strategy=modular_pipeline", "strategy.data_degree=4"], "strategy.data_degree=4 but world 2 / (pipeline 2 × tensor 1) = 1"),
     (["data=text_files", "data.path=/nonexistent/texts"], "data.path='/nonexistent/texts' does not exist"),
     (["data=token_bin"], "data.path is not set"),
     (["hardware=dgx_a100_80g"], "needs CUDA GPUs and this machine has none"),

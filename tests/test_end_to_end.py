@@ -31,7 +31,8 @@ def test_default_strategy_run_leaves_its_evidence(tmp_path):
     result = train_py(*FAST, "data.global_batch_size=8", f"hydra.run.dir={tmp_path}")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["strategy"] == "modular_pipeline"
-    assert summary["world_size"] == 2 and summary["layout"] == {"data": 1, "pipeline": 2, "tensor": 1}
+    assert summary["world_size"] == 2 and summary["layout"] == {"data": 1, "pipeline": 2, "tensor": 1,
+                                                                 "order": ["tensor", "pipeline", "data"]}
     assert summary["steps"] == 6 and len(summary["losses"]) == 6
     assert summary["final_val_loss"] < summary["initial_val_loss"]
     rows = read_metrics(tmp_path)

@@ -140,7 +140,7 @@ def check_loss(layout, grid):
     q, c = grid.q, grid.c
     where = ((c["i"] * q + c["k"], q * q), (c["j"], q))
     local = rows_features(logits, *where).clone().requires_grad_()
-    loss = VocabularyParallelLoss(layout, grid)(local, targets)
+    loss = VocabularyParallelLoss(layout, grid, layout.group("data"))(local, targets)
     loss.backward()
     close(loss.detach(), expected.detach())  # every rank holds the global loss
     close(local.grad, rows_features(reference.grad, *where))  # and its share's gradient
@@ -198,7 +198,8 @@ def assert_reproduces(result, reference, strategy):
 
 def test_q2_reproduces_single(three_d_run, reference):
     assert_reproduces(three_d_run, reference, "three_d")
-    assert three_d_run[0]["layout"] == {"data": 1, "pipeline": 1, "tensor": 8}
+    assert three_d_run[0]["layout"] == {"data": 1, "pipeline": 1, "tensor": 8,
+                                    "order": ["tensor", "pipeline", "data"]}
     assert three_d_run[0]["comm_bytes_per_step"]["reduce_scatter"] > 0
 
 

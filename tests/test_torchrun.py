@@ -83,7 +83,8 @@ def test_two_torchrun_nodes_train_the_same_run_as_the_fork_launcher(tmp_path):
 
     fork, torchrun = read_summary(fork_directory), read_summary(torchrun_directory)
     assert torchrun["status"] == "completed" and torchrun["world_size"] == 4
-    assert torchrun["layout"] == fork["layout"] == {"data": 2, "pipeline": 2, "tensor": 1}
+    assert torchrun["layout"] == fork["layout"] == {"data": 2, "pipeline": 2, "tensor": 1,
+                                                    "order": ["tensor", "pipeline", "data"]}
     assert len(torchrun["losses"]) == 3
     assert_same_losses(torchrun["losses"], fork["losses"])
     assert torchrun["final_val_loss"] == fork["final_val_loss"]

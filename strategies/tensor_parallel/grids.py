@@ -110,6 +110,7 @@ class Grid3D:
         return (self.FAMILY_OF[a], 0), ("weight", 0), (self.FAMILY_OF[b], 0)
 
     norm_family = "output"  # features of the first layout are split by k
+    activation_feature_parts = output_parts  # the residual stream L(j,k): features chunk k of q
     vocabulary_family = "input"  # the head is a "first" linear: logits split by j
     batch_families = ("output_weight",)  # logits rows are split by (i, k)
 
@@ -164,6 +165,7 @@ class Grid2D:
         return ("row", -1), ("column", 0), None
 
     norm_family = "row"
+    activation_feature_parts = output_parts  # features chunk `column` of q
     vocabulary_family = "row"
     batch_families = ("column",)
 
@@ -213,6 +215,7 @@ class Grid1D:
         return ()  # copies see identical inputs and gradients: nothing to sum
 
     norm_family = None
+    activation_feature_parts = 1  # Megatron keeps the residual stream whole on every rank
     vocabulary_family = "tensor"
     batch_families = ()
 
@@ -223,6 +226,16 @@ class Grid1D:
 
     def vocabulary_chunk(self):
         return self.t, self.q
+
+
+def local_activation_shape(grid, rows: int, length: int, hidden: int) -> tuple:
+    """This rank's piece of a [rows, length, hidden] residual-stream activation: what it holds
+    between blocks and what a pipeline stage boundary carries to the same grid position."""
+    row_parts, feature_parts = grid.input_rows()[1], grid.activation_feature_parts
+    if rows % row_parts or hidden % feature_parts:
+        raise ValueError(f"an activation of {rows} sequences × {hidden} features does not split into "
+                         f"{row_parts} row and {feature_parts} feature chunks on the {grid.name} grid")
+    return rows // row_parts, length, hidden // feature_parts
 
 
 GRIDS = {"1d": Grid1D, "2d": Grid2D, "3d": Grid3D}

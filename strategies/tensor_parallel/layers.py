@@ -117,15 +117,18 @@ class VocabularyParallelLoss:
     axes that split the batch), so every rank logs the global loss; its gradient is the share's.
     """
 
-    def __init__(self, layout, grid):
-        self.communicator, self.layout = layout.communicator, layout
+    def __init__(self, layout, grid, data_group):
+        self.communicator = layout.communicator
         self.vocabulary_group = layout.group(grid.vocabulary_family)
-        self.batch_groups = [layout.group(f) for f in grid.batch_families] + [layout.group("data")]
+        # data_group None: the loss of this data rank's batch (a pipeline averages over data itself)
+        self.data_group = data_group
+        self.batch_groups = [layout.group(f) for f in grid.batch_families] + ([data_group] if data_group else [])
         self.rows, self.chunk = grid.logit_rows(), grid.vocabulary_chunk()
 
     def __call__(self, logits, targets):
         valid_count = (targets != -100).sum().to(logits.dtype).reshape(1)
-        self.communicator.all_reduce(valid_count, self.layout.group("data"))
+        if self.data_group is not None:
+            self.communicator.all_reduce(valid_count, self.data_group)
         targets = targets.chunk(self.rows[1], dim=0)[self.rows[0]].reshape(-1)
         logits = logits.reshape(-1, logits.shape[-1])
         offset = self.chunk[0] * logits.shape[-1]

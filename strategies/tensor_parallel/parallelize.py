@@ -37,13 +37,23 @@ BLOCK_PLAN = {
 }
 
 
-def plan_gpt(layers: int) -> Dict[str, Style]:
-    """Module name -> Style for a GPT of `layers` blocks (the head is a "first" linear)."""
-    plan = {"embed": Style("embedding")}
-    for index in range(layers):
-        plan.update({f"blocks.{index}.{name}": style for name, style in BLOCK_PLAN.items()})
-    plan.update({"head.norm": Style("norm"), "head.output": Style("linear", "first")})
+def plan_of_parts(parts) -> Dict[str, Style]:
+    """Module name -> Style for the named parts of a GPT ("embed", "blocks.<i>", "head"): a
+    pipeline rank holds only its stages' parts. The head is a "first" linear."""
+    plan = {}
+    for part in parts:
+        if part == "embed":
+            plan["embed"] = Style("embedding")
+        elif part == "head":
+            plan.update({"head.norm": Style("norm"), "head.output": Style("linear", "first")})
+        else:
+            plan.update({f"{part}.{name}": style for name, style in BLOCK_PLAN.items()})
     return plan
+
+
+def plan_gpt(layers: int) -> Dict[str, Style]:
+    """Module name -> Style for a whole GPT of `layers` blocks."""
+    return plan_of_parts(["embed", *(f"blocks.{index}" for index in range(layers)), "head"])
 
 
 @dataclass
@@ -53,6 +63,7 @@ class TensorParallelForm:
     model: nn.Module
     loss: Callable
     gradient_groups: Dict[str, Tuple]  # parameter name -> Groups to sum its gradient over
+    grid: object = None  # this rank's grid (its activation pieces: grids.local_activation_shape)
 
 
 def cut(grid, style: Style, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -93,14 +104,20 @@ def gradient_groups(model: nn.Module, plan, grid, layout) -> Dict[str, Tuple]:
 
 
 @torch.no_grad()
-def parallelize(model: nn.Module, layout, device=None) -> TensorParallelForm:
+def parallelize(model: nn.Module, layout, device=None, parts=None, loss_over_data: bool = True) -> TensorParallelForm:
     """Turn a plain GPT into its form on `layout.tensor_grid`, in place (torchtitan-style), part
-    by part; parts still on meta are first materialised on `device` with their seeded values."""
-    if model.head.output.weight is model.embed.token.weight:
+    by part; parts still on meta are first materialised on `device` with their seeded values.
+
+    `parts`: only these (default: every part the model holds; a pipeline rank holds its stages').
+    `loss_over_data`: the loss is normalised over the whole data group's batch (gradients then
+    summed over data); false: over this data rank's batch (a pipeline averages over data itself).
+    """
+    if model.embed is not None and model.head is not None and model.head.output.weight is model.embed.token.weight:
         raise ValueError("model.tie_embeddings=true is not supported by tensor parallelism")
     grid = grid_of(layout.tensor_grid, layout.degrees.tensor, layout.index("tensor"))
-    plan = plan_gpt(len(model.blocks))
-    for part in model.part_names():
+    parts = model.part_names() if parts is None else parts
+    plan = plan_of_parts(parts)
+    for part in parts:
         model.materialise(device, [part])
         for name, style in plan.items():
             if name == part or name.startswith(part + "."):
@@ -111,8 +128,9 @@ def parallelize(model: nn.Module, layout, device=None) -> TensorParallelForm:
             block = model.get_submodule(part)
             block.attention = HeadParallelAttention(block.attention,
                                                     block.attention.heads // grid.head_parts)
-    return TensorParallelForm(model, VocabularyParallelLoss(layout, grid),
-                              gradient_groups(model, plan, grid, layout))
+    data = layout.group("data") if loss_over_data else None
+    return TensorParallelForm(model, VocabularyParallelLoss(layout, grid, data),
+                              gradient_groups(model, plan, grid, layout), grid)
 
 
 def _check_grid(layout, expected: str):
@@ -154,8 +172,8 @@ def consolidate(rank_states, described: dict, prefix: str = "model.") -> dict:
     """
     tensor, tensor_grid = described["tensor"], described["tensor_grid"]
     names = [n for n in rank_states[0] if n.startswith(prefix)]
-    layers = len({n.split(".")[2] for n in names if n.startswith(prefix + "blocks.")})
-    plan, full = plan_gpt(layers), {}
+    blocks = sorted({n.split(".")[2] for n in names if n.startswith(prefix + "blocks.")}, key=int)
+    plan, full = plan_of_parts(["embed", *(f"blocks.{block}" for block in blocks), "head"]), {}
     for name in names:
         style, leaf = _style_of(name[len(prefix):], plan)
         if style is None:

@@ -19,8 +19,9 @@ each variant runs 2 + N + 1 steps and the N intervals from step 3 to step N + 2 
 (Timing N and 2N steps and taking the difference measured start-up noise more than steps: W&B's
 and the ranks' start vary by seconds.)
 The variants alternate within each repeat so they share the machine's load; medians over repeats
-are printed with the ratio framework / hand and the 1-minute load average. The first losses are
-printed too: both sides of a pair compute the same thing. Validation is off (limit_val_batches=0).
+are printed with the median of the repeats' ratios framework / hand and the 1-minute load average.
+The first losses are printed too: both sides of a pair compute the same thing. Validation is off
+(limit_val_batches=0); the logger is train.py's default (W&B offline) unless overridden.
 """
 
 import argparse
@@ -193,14 +194,18 @@ def main() -> None:
 
 
 def report(arguments, pairs, times, losses, load) -> None:
-    print(f"\n{arguments.steps} steps measured per run, {arguments.repeats} repeats (medians), "
-          f"overrides {arguments.overrides or 'none'}, {torch.get_num_threads()} threads in single, 1 per ddp "
-          f"rank; 1-minute load average {min(load):.2f}-{max(load):.2f} on {os.cpu_count()} cores")
-    print(f"{'pair':8s} {'measure':7s} {'hand s/step':>12s} {'framework s/step':>17s} {'ratio':>7s}")
+    """Medians over repeats; the ratio is the median of each repeat's framework / hand (the two ran
+    one after the other, so a repeat's ratio is the least disturbed by the machine's other load)."""
+    print(f"\n{arguments.steps} steps measured per run, {arguments.repeats} repeats, overrides "
+          f"{arguments.overrides or 'none'}, {torch.get_num_threads()} threads in single, 1 per ddp rank; "
+          f"1-minute load average {min(load):.2f}-{max(load):.2f} on {os.cpu_count()} cores")
+    print(f"{'pair':8s} {'measure':7s} {'hand s/step':>12s} {'framework s/step':>17s} {'ratio':>7s}  ratio range")
     for pair in pairs:
         for measure in MEASURES:
-            hand, ours = (statistics.median(t[measure] for t in times[pair, side]) for side in SIDES)
-            print(f"{pair:8s} {measure:7s} {hand:12.4f} {ours:17.4f} {ours / hand:7.3f}")
+            hand, ours = ([t[measure] for t in times[pair, side]] for side in SIDES)
+            ratios = [framework / by_hand for by_hand, framework in zip(hand, ours)]
+            print(f"{pair:8s} {measure:7s} {statistics.median(hand):12.4f} {statistics.median(ours):17.4f} "
+                  f"{statistics.median(ratios):7.3f}  {min(ratios):.3f}-{max(ratios):.3f}")
         print(f"{pair:8s} first step's loss: hand {losses[pair, 'hand']:.5f}, framework {losses[pair, 'framework']:.5f}")
 
 

@@ -144,6 +144,7 @@ class L2LStrategyConfig(MicroBatchedStrategyConfig, BucketedReductionConfig):
 
     constant_memory: bool = False  # stash activations on the host: compute memory flat in depth and m
     prefetch: bool = True  # copy the next layer's weights while this one computes (two in flight)
+    tensor_parallel: str = "none"  # only none: one device per data replica (validation says why)
 
 
 @dataclass

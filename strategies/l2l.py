@@ -483,6 +483,11 @@ def check(cfg, world_size: int) -> list:
         errors.append(f"strategy.micro_batches={strategy.micro_batches} must divide the per-rank batch "
                       f"{per_rank} (data.global_batch_size / {world_size} ranks). Fix: strategy.micro_batches="
                       f"one of {divisors(per_rank)}.")
+    if strategy.tensor_parallel != "none":
+        errors.append(f"strategy.tensor_parallel={strategy.tensor_parallel}: L2L relays whole layers through one "
+                      f"device per data replica (its point is one device holding one layer at a time), so it "
+                      f"does not split layers over a tensor grid. Fix: strategy.tensor_parallel=none, or "
+                      f"strategy=modular_pipeline strategy.tensor_parallel={strategy.tensor_parallel}.")
     return errors
 
 

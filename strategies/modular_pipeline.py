@@ -248,10 +248,13 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         order = {"plan": [[str(a) for a in row if a is not None] for row in self.plan.ranks],
                  "executed_last_step": [[a for a, _, _ in row] for row in self.executed]}
         (Path(run_directory) / "schedule.json").write_text(json.dumps(order, indent=1))
+        # One row per pipeline rank: a tensor grid's collectives run inside each F and B bar.
+        grid = f" × {self.tensor_parallel} grid of {self.degrees.tensor} (collectives inside F, B)" \
+            if self.tensor_parallel else ""
         paths = [plot_timeline(self.simulated_timeline(), Path(run_directory) / "schedule_planned.png",
-                               title=f"planned: {self.plan.name}", time_unit="forward units"),
+                               title=f"planned: {self.plan.name}{grid}", time_unit="forward units"),
                  plot_timeline(measured_timeline(self.executed), Path(run_directory) / "schedule_executed.png",
-                               title=f"executed (last step): {self.plan.name}")]
+                               title=f"executed (last step): {self.plan.name}{grid}")]
         for logger in loggers:
             if hasattr(logger, "log_image"):
                 logger.log_image(key="schedule", images=[str(p) for p in paths])
@@ -287,13 +290,14 @@ def check(cfg, world_size: int) -> list:
     if mode is not None and (mode not in DIMENSION or strategy.tensor_grid < 1):
         return [f"strategy.tensor_parallel={mode}, strategy.tensor_grid={strategy.tensor_grid}: need one of "
                 f"none, 1d, 2d, 3d and q >= 1. Fix: strategy.tensor_parallel=1d strategy.tensor_grid=2."]
-    split = strategy.pipeline_degree * tensor_degree(strategy)
+    tensor = tensor_degree(strategy)
+    split = strategy.pipeline_degree * tensor
     if world_size % split:
-        return [f"strategy.pipeline_degree={strategy.pipeline_degree} × {tensor_degree(strategy)} tensor "
-                f"ranks (strategy.tensor_parallel={strategy.tensor_parallel}) = {split} does not divide the world "
-                f"size {world_size} (hardware.nodes × hardware.devices_per_node); world = data × pipeline × "
-                f"tensor. Fix: hardware.devices_per_node={split} or {2 * split}, or strategy.pipeline_degree "
-                f"in {[d for d in divisors(world_size) if world_size % (d * tensor_degree(strategy)) == 0]}."]
+        grid = f" × {tensor} tensor ranks (strategy.tensor_parallel={mode}) = {split}" if mode else ""
+        return [f"strategy.pipeline_degree={strategy.pipeline_degree}{grid} does not divide the world size "
+                f"{world_size} (hardware.nodes × hardware.devices_per_node); world = data × pipeline × tensor. "
+                f"Fix: strategy.pipeline_degree in {[d for d in divisors(world_size) if world_size % (d * tensor) == 0]}"
+                f", or hardware.devices_per_node={split} or {2 * split}."]
     data = world_size // split
     if strategy.data_degree not in (None, data):
         errors.append(f"strategy.data_degree={strategy.data_degree} but world {world_size} / (pipeline "

@@ -1,0 +1,194 @@
+"""Logical bytes one rank moves per optimizer step, as the sum of its layout's parts' formulas.
+
+A composed layout (data × pipeline × tensor grid) moves, per rank and step:
+  pipeline  its plan row's sends × the activation piece it holds (grids.local_activation_shape);
+  tensor    per forward-and-backward of a block, the grid's collectives (TECHNIQUES §4):
+              1d  4 all-reduces of the micro-batch's activation (Megatron's f and g, twice);
+              2d  per linear, a gather of X along the row and of W along the column, and their
+                  reduce-scatters in the backward: (q−1)/q²·(N_X + N_W) each;
+              3d  per linear (q−1)/q³·(N_X + N_W + N_Y) gathered and as much reduce-scattered;
+            plus the split LayerNorms' sums, the head's linear and the vocabulary-parallel loss;
+            once per stage and step, the gradients of pieces the grid replicates, summed;
+  data      the stage's gradient all-reduced over n replicas, 2(n−1)/n·P, or under ZeRO each
+            gather and reduce-scatter of the padded flat shards, (n−1)/n·P each (the plan says
+            how many);
+  loss      one fp32 broadcast over the pipeline.
+Counts come from the plan (how many sends, gathers, forwards per stage), sizes from the model's
+shape: nothing here runs a model. Volumes use parallel.comm.ring_factor, as the Communicator does.
+"""
+
+from collections import Counter
+from dataclasses import dataclass
+
+from parallel.comm import ring_factor
+from strategies.schedule import FORWARD, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT
+from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER
+from strategies.tensor_parallel.grids import DIMENSION, grid_of, local_activation_shape
+
+BYTES = 4  # fp32: activations, gradients and the tensor grid's partial sums
+
+
+@dataclass(frozen=True)
+class GptShape:
+    """What the formulas need of a GPT: widths, vocabulary, and the two lengths (the position
+    table has max_sequence_length rows; a micro-batch has `length` tokens per sequence)."""
+
+    hidden: int
+    mlp_ratio: int
+    vocabulary: int
+    length: int
+    max_length: int
+
+    def linears(self):
+        """(input, output, position, has bias) of a block's four linears."""
+        h, r = self.hidden, self.mlp_ratio
+        return ((h, 3 * h, "first", True), (h, h, "second", True),
+                (h, r * h, "first", True), (r * h, h, "second", True))
+
+
+def all_reduce(elements: float, group: int) -> float:
+    return ring_factor("all_reduce", group) * elements * BYTES
+
+
+def all_gather(elements: float, group: int) -> float:
+    return ring_factor("all_gather", group) * elements * BYTES
+
+
+# ----- one tensor grid: collectives of a block, the head and loss, the replicated gradients
+
+def linear_traffic(grid: str, q: int, rows: int, shape: GptShape, fan_in: int, fan_out: int) -> Counter:
+    """Forward and backward of one grid linear on `rows` sequences (the 1-D ones are in block_traffic)."""
+    tokens = rows * shape.length
+    if grid == "2d":
+        moved = all_gather(tokens / q * fan_in + fan_in * fan_out / q, q)
+    else:  # 3d: gathered pieces are 1/q² of the full tensors, so (q−1)/q³ of N per tensor
+        moved = all_gather((tokens * fan_in + fan_in * fan_out + tokens * fan_out) / q ** 2, q)
+    return Counter(all_gather=moved, reduce_scatter=moved)
+
+
+def norm_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
+    """A LayerNorm over split features: two sums (mean, variance) forward, two backward, over q."""
+    if grid == "1d":
+        return Counter()
+    local_rows = rows // grid_of(grid, q ** DIMENSION[grid], 0).input_rows()[1]
+    return Counter(all_reduce=4 * all_reduce(local_rows * shape.length, q))
+
+
+def block_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
+    """One block's forward and backward on one micro-batch of `rows` sequences."""
+    if grid == "1d":
+        return Counter(all_reduce=4 * all_reduce(rows * shape.length * shape.hidden, q))
+    traffic = Counter()
+    for fan_in, fan_out, _, _ in shape.linears():
+        traffic += linear_traffic(grid, q, rows, shape, fan_in, fan_out)
+    return traffic + norm_traffic(grid, q, rows, shape) + norm_traffic(grid, q, rows, shape)
+
+
+def head_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
+    """The head (norm, vocabulary-split linear) and the vocabulary-parallel loss on one micro-batch:
+    3 all-reduces of the rows' max, Σexp and target logit, and the loss's sum over batch splits."""
+    grid_object = grid_of(grid, q ** DIMENSION[grid], 0)
+    logit_rows = rows // grid_object.logit_rows()[1] * shape.length
+    if grid == "1d":  # column-parallel head: its input's gradient is summed in the backward
+        traffic = Counter(all_reduce=all_reduce(rows * shape.length * shape.hidden, q))
+        batch_split = 1
+    else:
+        traffic = linear_traffic(grid, q, rows, shape, shape.hidden, shape.vocabulary)
+        traffic += norm_traffic(grid, q, rows, shape)
+        batch_split = q if grid == "2d" else q * q
+    traffic["all_reduce"] += 3 * all_reduce(logit_rows, q) + all_reduce(1, batch_split)
+    return traffic
+
+
+def local_parameters(grid, q: int, shape: GptShape, embed: bool, blocks: int, head: bool) -> dict:
+    """Elements this grid position holds: {"all": every parameter, "replicated": those whose
+    gradients are summed over the grid} (1-D replicates norms and row-parallel biases too, but its
+    copies see identical gradients, so nothing is summed)."""
+    ranks = q ** DIMENSION[grid] if grid else 1
+    split = 1 if grid in (None, "1d") else q  # 2-D/3-D split biases, norms and tables by q
+    h = shape.hidden
+    weights = sum(fan_in * fan_out for fan_in, fan_out, _, _ in shape.linears()) / ranks
+    biases = sum(fan_out / (ranks if grid == "1d" and position == "first" else split)
+                 for _, fan_out, position, _ in shape.linears())
+    vectors = blocks * (biases + 4 * h / split) + (2 * h / split if head else 0)
+    tables = (shape.vocabulary + shape.max_length) * h / split if embed else 0
+    total = blocks * weights + vectors + tables + (h * shape.vocabulary / ranks if head else 0)
+    replicated = 0 if grid in (None, "1d") else vectors + tables
+    return {"all": total, "replicated": replicated}
+
+
+# ----- a whole step of one rank
+
+@dataclass(frozen=True)
+class ComposedLayout:
+    """Degrees and the grid; `zero`: the stage parameters are flat ZeRO-3 shards over data."""
+
+    data: int
+    pipeline: int
+    tensor_grid: str = None  # None | "1d" | "2d" | "3d"
+    edge: int = 1
+    zero: bool = False
+
+
+def step_traffic(plan, layout: ComposedLayout, pipeline_rank: int, shape: GptShape, layers_per_stage: int,
+                 micro_batch_rows: int) -> Counter:
+    """Logical bytes by kind (parallel.comm.KINDS) one rank at `pipeline_rank` moves in one step."""
+    row = [action for action in plan.ranks[pipeline_rank] if action is not None]
+    grid, q = layout.tensor_grid, layout.edge
+    traffic = Counter()
+    piece = micro_batch_rows * shape.length * shape.hidden
+    if grid:
+        piece = _product(local_activation_shape(grid_of(grid, q ** DIMENSION[grid], 0), micro_batch_rows,
+                                                shape.length, shape.hidden))
+    sends = sum(action.kind in (SEND_ACTIVATION, SEND_GRADIENT) for action in row)
+    traffic["send_recv"] += sends * piece * BYTES
+    traffic["broadcast"] += BYTES if layout.pipeline > 1 else 0  # the loss, from the last stage
+    for stage in sorted({action.stage for action in row if action.kind == FORWARD}):
+        traffic += _stage_traffic(row, stage, plan.stages, layout, shape, layers_per_stage, micro_batch_rows)
+    return traffic
+
+
+def _stage_traffic(row, stage: int, stages: int, layout: ComposedLayout, shape: GptShape,
+                   layers_per_stage: int, rows: int) -> Counter:
+    grid, q, n = layout.tensor_grid, layout.edge, layout.data
+    forwards = sum(action.kind == FORWARD and action.stage == stage for action in row)
+    parameters = local_parameters(grid, q, shape, stage == 0, layers_per_stage, stage == stages - 1)
+    traffic = Counter()
+    if grid:
+        per_micro_batch = Counter({k: v * layers_per_stage for k, v in block_traffic(grid, q, rows, shape).items()})
+        if stage == stages - 1:
+            per_micro_batch += head_traffic(grid, q, rows, shape)
+        traffic += Counter({kind: forwards * volume for kind, volume in per_micro_batch.items()})
+    if not layout.zero:
+        reductions = sum(action.kind == REDUCE_GRADIENT and action.stage == stage for action in row)
+        replicated_group = q if grid == "2d" else q * q
+        traffic["all_reduce"] += reductions * (all_reduce(parameters["all"], n)
+                                               + all_reduce(parameters["replicated"], replicated_group))
+        return traffic
+    return traffic + _zero_traffic(row, stage, stages, layout, shape, layers_per_stage)
+
+
+def _zero_traffic(row, stage, stages, layout, shape, layers_per_stage) -> Counter:
+    """Gathers and reduce-scatters of the stage's two flat shards ("matrices", "vectors"), each
+    padded to a multiple of n (strategies/sharding.py)."""
+    if layout.tensor_grid not in (None, "1d"):
+        raise NotImplementedError("ZeRO over a 2-D/3-D grid: replicated gradients are not yet in the formula")
+    n, grid, q = layout.data, layout.tensor_grid, layout.edge
+    ranks = q if grid else 1
+    everything = local_parameters(grid, q, shape, stage == 0, layers_per_stage, stage == stages - 1)["all"]
+    matrices = layers_per_stage * sum(i * o for i, o, _, _ in shape.linears()) / ranks
+    matrices += ((shape.vocabulary + shape.max_length) * shape.hidden if stage == 0 else 0)
+    matrices += (shape.hidden * shape.vocabulary / ranks if stage == stages - 1 else 0)
+    padded = sum(-(-int(size) // n) * n for size in (matrices, everything - matrices) if size)
+    moves = sum(action.stage == stage and action.kind in (GATHER_FORWARD, GATHER_BACKWARD, REDUCE_SCATTER)
+                for action in row)
+    gathers = sum(action.stage == stage and action.kind in (GATHER_FORWARD, GATHER_BACKWARD) for action in row)
+    volume = all_gather(padded, n)
+    return Counter(all_gather=gathers * volume, reduce_scatter=(moves - gathers) * volume)
+
+
+def _product(values) -> int:
+    result = 1
+    for value in values:
+        result *= value
+    return result

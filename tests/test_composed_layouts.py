@@ -1,0 +1,111 @@
+"""Layouts compose: a tensor grid inside each pipeline stage, × data replicas or ZeRO-layered shards.
+
+Every composed layout reproduces `single` (AdamW: 5 steps of losses and the final parameters; plain
+SGD: losses, the first step's gradients and the parameters, harness.SgdComparison), and the logical
+bytes it counts per step equal, kind by kind, the sum of its parts' formulas (strategies/traffic.py:
+pipeline sends × the activation piece, the grid's collectives per block, head and loss, replicated
+gradients, data all-reduce or ZeRO gathers). A mutation (the grid's replicated gradients not summed)
+proves the composed oracle can fail. Ids: pp{p} pipeline ranks, v{v} loops, p{t} 1-D tensor ranks,
+2d_q{q} / 3d_q{q} grids of edge q, dp{n} data replicas, m{m} micro-batches.
+"""
+
+import pytest
+
+from layerwise.run import train
+from layerwise.validate import ConfigError, validate
+from parallel.comm import KINDS
+from strategies.modular_pipeline import compute_plan, training_plan
+from strategies.stages import StageWork
+from strategies.traffic import ComposedLayout, GptShape, step_traffic
+from strategies.zero_layered import ZeroLayeredStrategy
+from tests.harness import (EXACT_RTOL, QUICK, SGD_CASES, assert_same_losses, assert_same_parameters,
+                           compare_under_sgd, compose_config, consolidated_parameters)
+
+STEPS = 5
+MODEL = ["model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batches=0",
+         f"trainer.val_check_interval={STEPS}", f"trainer.max_steps={STEPS}"]
+CASES = ["modular_pipeline_pp2_p2_m4", "modular_pipeline_pp2_v2_2d_q2_m4", "zero_layered_pp2_p2_dp2_m4",
+         "one_f_one_b_pp2_3d_q2_m4"]
+
+
+def run(directory, *overrides):
+    cfg = compose_config(*QUICK, *MODEL, *overrides)
+    return cfg, train(cfg, directory, validate(cfg))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("single")
+    _, summary = run(directory, "strategy=single")
+    return summary, consolidated_parameters(directory, "single")
+
+
+def formula_bytes(cfg, summary, vocabulary: int) -> dict:
+    """Max over ranks, per kind, of strategies.traffic's sum of parts for this layout."""
+    strategy, layout = cfg.strategy, summary["layout"]
+    zero = strategy.name.startswith("zero")
+    grid = None if strategy.tensor_parallel == "none" else strategy.tensor_parallel
+    composed = ComposedLayout(layout["data"], layout["pipeline"], grid, strategy.tensor_grid, zero)
+    compute = compute_plan(strategy, cfg.model.layers)
+    plan = ZeroLayeredStrategy.complete_plan(compute) if zero else training_plan(strategy, cfg.model.layers)
+    shape = GptShape(cfg.model.hidden, cfg.model.mlp_ratio, vocabulary, cfg.data.sequence_length,
+                     cfg.model.max_sequence_length)
+    rows = cfg.data.global_batch_size // (layout["data"] * strategy.micro_batches)
+    per_rank = [step_traffic(plan, composed, p, shape, strategy.layers_per_stage, rows)
+                for p in range(layout["pipeline"])]
+    return {kind: max(traffic[kind] for traffic in per_rank) for kind in KINDS}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_composed_layout_equals_single_and_moves_the_sum_of_its_parts(case, reference, tmp_path):
+    expected, expected_parameters = reference
+    overrides, world, _ = SGD_CASES[case]
+    cfg, summary = run(tmp_path, *overrides)
+    assert summary["status"] == "completed" and summary["world_size"] == world
+    assert summary["layout"]["order"] == ["tensor", "pipeline", "data"]
+    assert_same_losses(summary["losses"], expected["losses"])
+    assert_same_parameters(consolidated_parameters(tmp_path, cfg.strategy.name), expected_parameters)
+    vocabulary = expected_parameters["model.head.output.weight"].shape[0]
+    predicted, counted = formula_bytes(cfg, summary, vocabulary), summary["comm_bytes_per_step"]
+    print(f"{case}: counted {counted}\n  formula {predicted}")
+    for kind in KINDS:
+        assert counted[kind] == pytest.approx(predicted[kind], rel=EXACT_RTOL, abs=0), kind
+    assert counted["send_recv"] > 0 and (counted["all_reduce"] > 0 or counted["all_gather"] > 0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_composed_layout_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
+    """Plain SGD sees the gradient's scale, which AdamW normalises away (harness.SgdComparison)."""
+    compare_under_sgd(case, tmp_path, tmp_path_factory).check()
+
+
+def test_unsummed_replicated_gradients_are_caught(monkeypatch, tmp_path, tmp_path_factory):
+    """A 2-D grid replicates norms, biases and embedding tables over its columns; each copy gets a
+    partial gradient. Skipping their sum must fail the SGD comparison at the first step."""
+    monkeypatch.setattr(StageWork, "sum_replicated_gradients", lambda self, stage: None)
+    comparison = compare_under_sgd("modular_pipeline_pp2_v2_2d_q2_m4", tmp_path, tmp_path_factory)
+    assert comparison.excess()["gradients"][0] > 1
+    with pytest.raises(AssertionError):
+        comparison.check()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["strategy=modular_pipeline", "strategy.tensor_parallel=1d", "hardware.devices_per_node=6"],
+     "= 4 does not divide the world size 6"),
+    (["strategy=modular_pipeline", "strategy.tensor_parallel=3d", "hardware.devices_per_node=16"],
+     "each of the 4 micro-batches of each of the 1 data-parallel ranks must get a multiple of 4 sequences"),
+    (["strategy=one_f_one_b", "strategy.tensor_parallel=2d", "hardware.devices_per_node=8", "model.heads=3",
+      "model.hidden=48"], "model.heads=3 is not divisible by strategy.tensor_grid=2"),
+    (["strategy=modular_pipeline", "strategy.tensor_parallel=4d"], "need one of none, 1d, 2d, 3d"),
+    (["strategy=pipefisher", "strategy.tensor_parallel=1d", "hardware.devices_per_node=4"],
+     "factors per tensor shard are not built yet"),
+    (["strategy=l2l", "strategy.tensor_parallel=1d"], "L2L relays whole layers through one device"),
+    (["strategy=zero_layered", "strategy.pipeline_degree=2", "strategy.tensor_parallel=1d",
+      "hardware.devices_per_node=8", "model.tie_embeddings=true"], "model.tie_embeddings=true"),
+], ids=["world", "micro_batch_rows", "heads", "grid", "pipefisher", "l2l", "tied"])
+def test_bad_composition_is_named_before_launch(overrides, message):
+    cfg = compose_config(*QUICK, "data.global_batch_size=8", *overrides)
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+    assert message in str(error.value)
+    assert "Fix:" in str(error.value)

@@ -170,21 +170,21 @@ def _stage_traffic(row, stage: int, stages: int, layout: ComposedLayout, shape: 
 
 def _zero_traffic(row, stage, stages, layout, shape, layers_per_stage) -> Counter:
     """Gathers and reduce-scatters of the stage's two flat shards ("matrices", "vectors"), each
-    padded to a multiple of n (strategies/sharding.py)."""
-    if layout.tensor_grid not in (None, "1d"):
-        raise NotImplementedError("ZeRO over a 2-D/3-D grid: replicated gradients are not yet in the formula")
+    padded to a multiple of n (strategies/sharding.py); before each reduce-scatter, the grid's
+    replicated pieces summed over the tensor groups holding them."""
     n, grid, q = layout.data, layout.tensor_grid, layout.edge
-    ranks = q if grid else 1
-    everything = local_parameters(grid, q, shape, stage == 0, layers_per_stage, stage == stages - 1)["all"]
+    ranks = q ** DIMENSION[grid] if grid else 1
+    split = 1 if grid in (None, "1d") else q
+    parameters = local_parameters(grid, q, shape, stage == 0, layers_per_stage, stage == stages - 1)
     matrices = layers_per_stage * sum(i * o for i, o, _, _ in shape.linears()) / ranks
-    matrices += ((shape.vocabulary + shape.max_length) * shape.hidden if stage == 0 else 0)
+    matrices += ((shape.vocabulary + shape.max_length) * shape.hidden / split if stage == 0 else 0)
     matrices += (shape.hidden * shape.vocabulary / ranks if stage == stages - 1 else 0)
-    padded = sum(-(-int(size) // n) * n for size in (matrices, everything - matrices) if size)
-    moves = sum(action.stage == stage and action.kind in (GATHER_FORWARD, GATHER_BACKWARD, REDUCE_SCATTER)
-                for action in row)
-    gathers = sum(action.stage == stage and action.kind in (GATHER_FORWARD, GATHER_BACKWARD) for action in row)
+    padded = sum(-(-int(size) // n) * n for size in (matrices, parameters["all"] - matrices) if size)
+    count = Counter(action.kind for action in row if action.stage == stage)
+    gathers, scatters = count[GATHER_FORWARD] + count[GATHER_BACKWARD], count[REDUCE_SCATTER]
     volume = all_gather(padded, n)
-    return Counter(all_gather=gathers * volume, reduce_scatter=(moves - gathers) * volume)
+    replicated = all_reduce(parameters["replicated"], q if grid == "2d" else q * q)
+    return Counter(all_gather=gathers * volume, reduce_scatter=scatters * volume, all_reduce=scatters * replicated)
 
 
 def _product(values) -> int:

@@ -18,6 +18,7 @@ from strategies.modular_pipeline import ModularPipelineStrategy, compute_plan, f
 from strategies.schedule import BACKWARD, FINISH, FORWARD, validate_plan
 from strategies.schedule.zero import (GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, add_weight_gathers,
                                       add_zero)
+from strategies.buckets import sum_over_groups
 from strategies.checks import divisors
 from strategies.registry import StrategyEntry
 from strategies.sharding import FlatShard, ShardContainer, unshard
@@ -122,6 +123,15 @@ class ShardedStageWork(StageWork):
         for shard in self.shards_of[action.stage]:
             work, piece, gradient = shard.post_reduce_scatter(self.peers.communicator, self.peers.data_group)
             self.scatters.append((shard, work, piece, gradient))
+
+    def sum_replicated_gradients(self, stage: int) -> None:
+        """As StageWork's, over the installed leaves (views of the flat gradient buffer): the
+        modules' parameters were replaced by the shards', so they are found by the shards' entries."""
+        if self.tensor_form is None:
+            return
+        groups = self.tensor_form.gradient_groups
+        sum_over_groups([(leaf.grad, groups.get(entry.name, ())) for shard in self.shards_of[stage]
+                         for entry, leaf in zip(shard.entries, shard.leaves)], self.peers.communicator)
 
     def _settle_scatters(self) -> None:
         for shard, work, piece, _ in self.scatters:

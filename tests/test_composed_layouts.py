@@ -25,7 +25,7 @@ STEPS = 5
 MODEL = ["model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batches=0",
          f"trainer.val_check_interval={STEPS}", f"trainer.max_steps={STEPS}"]
 CASES = ["modular_pipeline_pp2_p2_m4", "modular_pipeline_pp2_v2_2d_q2_m4", "zero_layered_pp2_p2_dp2_m4",
-         "one_f_one_b_pp2_3d_q2_m4"]
+         "zero_layered_pp2_2d_q2_dp2_m4", "one_f_one_b_pp2_3d_q2_m4"]
 
 
 def run(directory, *overrides):

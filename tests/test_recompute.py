@@ -16,13 +16,17 @@ from strategies.schedule import flop_cost, simulate
 from tests.harness import QUICK, compose_config, consolidated_parameters
 
 STEPS = 3
-# Ids: dp2 two data replicas, pp2 two pipeline stages, q2 a 1-D tensor grid of 2.
+# Ids: dp2 two data replicas, pp2 two pipeline stages, q2 a tensor grid of edge 2 (1-D: 2 ranks,
+# 2-D: 4, 3-D: 8; the last case is a 2-D grid inside each of 2 pipeline stages).
 CASES = {
     "single": ["strategy=single"],
     "ddp_dp2": ["strategy=ddp"],
     "modular_pipeline_pp2_v2_m4": ["strategy=modular_pipeline", "model.layers=4"],
     "zero_layered_dp2_m4": ["strategy=zero_layered"],
     "tp_1d_q2": ["strategy=tp_1d", "strategy.tensor_grid=2"],
+    "three_d_q2": ["strategy=three_d", "hardware.devices_per_node=8"],
+    "modular_pipeline_pp2_2d_q2": ["strategy=modular_pipeline", "strategy.tensor_parallel=2d",
+                                   "hardware.devices_per_node=8", "model.layers=4"],
 }
 
 

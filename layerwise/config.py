@@ -153,6 +153,7 @@ class KFACStrategyConfig(MicroBatchedStrategyConfig):
 
     damping: float = 1e-3  # Tikhonov λ, split as λ_A = √λ·π, λ_B = √λ/π (TECHNIQUES §2)
     refresh_interval: int = 1  # k: curvature captured every k steps, inverses used from the cycle's last step
+    factor_blocks: int = 1  # T > 1: factors block-diagonal as a 1-D grid of T holds them (pipefisher × 1d's oracle)
 
 
 @dataclass

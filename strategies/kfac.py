@@ -1,8 +1,16 @@
 """K-FAC (Martens & Grosse 2015) as PipeFisher's reference uses it (TECHNIQUES.md §2), single process.
 
-Only the nn.Linear layers inside transformer blocks are preconditioned; everything else keeps the
+Only the linear layers inside transformer blocks are preconditioned; everything else keeps the
 outer optimizer's plain gradient. This file holds the math (`KFAC`, no torch.distributed: factor
 sync is the caller's job) and `KFACStrategy`, the one-process oracle PipeFisher is held to.
+
+Factors per tensor shard (PipeFisher × a 1-D tensor grid of T ranks): a rank holding a
+column-parallel linear's output rows keeps A whole (its input is whole) and the B block of its
+rows; a row-parallel linear's rank keeps the A block of its input columns and B whole. So the
+preconditioner is K-FAC with the split factor block-diagonal over the T shards; π-damping uses the
+whole factors' traces (one scalar summed over the tensor group), so replicated row-parallel biases
+stay identical. The oracle is this class with `factor_blocks=T`: whole factors, the split one
+inverted block by block.
 """
 
 import math
@@ -15,12 +23,40 @@ from typing_extensions import override
 from parallel.layout import Degrees, ParallelLayout
 from strategies.hooks import RunHooks
 from strategies.registry import StrategyEntry
+from strategies.tensor_parallel.layers import MegatronLinear
+from strategies.tensor_parallel.parallelize import BLOCK_PLAN
 
 
 def block_linears(model: nn.Module) -> dict:
-    """Every nn.Linear inside a block, by its name in the model ("blocks.0.attention.qkv", ...)."""
+    """Every linear inside a block (plain, or this rank's 1-D shard of it), by its name in the
+    model ("blocks.0.attention.qkv", ...)."""
     return {f"blocks.{block}.{name}": module for block, body in model.blocks.items()
-            for name, module in body.named_modules() if isinstance(module, nn.Linear)}
+            for name, module in body.named_modules() if isinstance(module, (nn.Linear, MegatronLinear))}
+
+
+def split_factor(name: str) -> tuple:
+    """(the factor a 1-D grid splits, how many outputs the linear fuses) for a block linear's name:
+    a "first" (column-parallel) linear splits B by output rows, a "second" one A by input columns."""
+    style = BLOCK_PLAN[name.split(".", 2)[2]]
+    return ("B" if style.position == "first" else "A"), style.fused
+
+
+def shard_indices(size: int, blocks: int, fused: int) -> list:
+    """Index sets of the `blocks` shards of a factor of `size`: contiguous chunks, or for a fused
+    [Q|K|V] output the chunk of each part (grids.interleave_fused's order)."""
+    part = size // fused
+    return [torch.cat([torch.arange(j * part + t * part // blocks, j * part + (t + 1) * part // blocks)
+                       for j in range(fused)]) for t in range(blocks)]
+
+
+def block_diagonal_inverse(factor: torch.Tensor, index_sets: list, damping: float) -> torch.Tensor:
+    """The damped inverse of each diagonal block (rows and columns in `index_sets`), zero elsewhere:
+    what the ranks holding the blocks apply, as one matrix for the one-process oracle."""
+    inverse = torch.zeros_like(factor)
+    for indices in index_sets:
+        block = factor[indices][:, indices]
+        inverse[indices.unsqueeze(1), indices] = damped_inverse(block, damping)
+    return inverse
 
 
 def refresh_phase(step: int, refresh_interval: int) -> tuple:
@@ -44,11 +80,16 @@ def damped_inverse(factor: torch.Tensor, damping: float) -> torch.Tensor:
     return torch.cholesky_inverse(cholesky).to(factor.dtype)
 
 
-def pi_damping(a_factor: torch.Tensor, b_factor: torch.Tensor, damping: float) -> tuple:
-    """Factored Tikhonov damping: π = √((tr A/dim A)/(tr B/dim B)), λ_A = √λ·π, λ_B = √λ/π."""
-    a_mean, b_mean = a_factor.trace() / a_factor.shape[0], b_factor.trace() / b_factor.shape[0]
+def pi_damping(a_mean: float, b_mean: float, damping: float) -> tuple:
+    """Factored Tikhonov damping from the factors' mean eigenvalues tr/dim:
+    π = √((tr A/dim A)/(tr B/dim B)), λ_A = √λ·π, λ_B = √λ/π."""
     pi = math.sqrt(a_mean / b_mean) if a_mean > 0 and b_mean > 0 else 1.0
     return math.sqrt(damping) * pi, math.sqrt(damping) / pi
+
+
+def local_trace(name: str, factor: str, matrix: torch.Tensor) -> tuple:
+    """(trace, dimension) of a factor held whole on this process."""
+    return float(matrix.trace()), matrix.shape[0]
 
 
 class KFAC:
@@ -60,21 +101,26 @@ class KFAC:
     4. preconditioning: ∇W ← B⁻¹ ∇W A⁻¹ and ∇b ← B⁻¹ ∇b (bias is not folded into A).
     """
 
-    def __init__(self, linears: dict, damping: float):
+    def __init__(self, linears: dict, damping: float, factor_blocks: int = 1, whole_trace=local_trace):
         self.linears = linears
         self.damping = damping
+        # The oracle of a 1-D grid of `factor_blocks` ranks: each layer's split factor (split_factor)
+        # is inverted block by block. `whole_trace(name, factor, matrix)`: (trace, dim) of the
+        # whole factor, which a rank holding one block gets by summing over its tensor group.
+        self.factor_blocks = factor_blocks
+        self.whole_trace = whole_trace
         self.capturing = False
         self.micro_batch = 0  # the caller says which micro-batch the next forward is
         self.captured = {}  # ("a" | "g", name, micro_batch) -> tensor, kept until its curvature unit runs
-        self.factors = {name: {"A": self._square(linear.in_features, linear),
-                               "B": self._square(linear.out_features, linear)}
+        self.factors = {name: {"A": self._square(linear.weight.shape[1], linear),
+                               "B": self._square(linear.weight.shape[0], linear)}
                         for name, linear in linears.items()}
         self.fresh = {}  # name -> {"A": inverse, "B": inverse}, built this cycle
         self.inverses = {}  # name -> {"A": inverse, "B": inverse}, used by precondition
         self._handles = [linear.register_forward_hook(self._hook(name)) for name, linear in linears.items()]
 
     @staticmethod
-    def _square(size: int, like: nn.Linear) -> torch.Tensor:
+    def _square(size: int, like: nn.Module) -> torch.Tensor:
         return torch.zeros(size, size, dtype=like.weight.dtype, device=like.weight.device)
 
     # ----- capture
@@ -118,10 +164,17 @@ class KFAC:
     def invert(self, factor: str, names) -> None:
         """Damped inverse of factor "A" or "B" of each layer (π needs both factors, already synced)."""
         for name in names:
-            a_factor, b_factor = self.factors[name]["A"], self.factors[name]["B"]
-            a_damping, b_damping = pi_damping(a_factor, b_factor, self.damping)
-            matrix, damping = (a_factor, a_damping) if factor == "A" else (b_factor, b_damping)
-            self.fresh.setdefault(name, {})[factor] = damped_inverse(matrix, damping)
+            means = {f: trace / dimension for f, (trace, dimension) in
+                     ((f, self.whole_trace(name, f, self.factors[name][f])) for f in "AB")}
+            dampings = dict(zip("AB", pi_damping(means["A"], means["B"], self.damping)))
+            matrix = self.factors[name][factor]
+            split, fused = split_factor(name)
+            if self.factor_blocks > 1 and factor == split:
+                indices = shard_indices(matrix.shape[0], self.factor_blocks, fused)
+                inverse = block_diagonal_inverse(matrix, indices, dampings[factor])
+            else:
+                inverse = damped_inverse(matrix, dampings[factor])
+            self.fresh.setdefault(name, {})[factor] = inverse
 
     def promote(self) -> None:
         """The inverses built in this cycle replace the ones in use."""
@@ -194,15 +247,17 @@ class KFACStrategy(RunHooks, KFACInCheckpoint, SingleDeviceStrategy):
 
     strategy_name = "kfac"
 
-    def __init__(self, damping: float, refresh_interval: int, micro_batches: int, device: str = "cpu"):
+    def __init__(self, damping: float, refresh_interval: int, micro_batches: int, device: str = "cpu",
+                 factor_blocks: int = 1):
         super().__init__(device=torch.device(device))
         self.damping, self.refresh_interval, self.micro_batches = damping, refresh_interval, micro_batches
+        self.factor_blocks = factor_blocks  # > 1: the oracle of PipeFisher over a 1-D grid of that many
         self.layout = ParallelLayout(Degrees(), rank=0)
 
     @override
     def setup(self, trainer) -> None:
         super().setup(trainer)
-        self.kfac = KFAC(block_linears(self.lightning_module.model), self.damping)
+        self.kfac = KFAC(block_linears(self.lightning_module.model), self.damping, self.factor_blocks)
         self.restore_kfac()
 
     @override
@@ -244,7 +299,13 @@ def degrees(cfg, world_size: int) -> Degrees:
 
 
 def check(cfg, world_size: int) -> list:
-    return kfac_errors(cfg.strategy)
+    errors = kfac_errors(cfg.strategy)
+    blocks = cfg.strategy.factor_blocks
+    if blocks < 1 or cfg.model.hidden % blocks or cfg.model.heads % blocks:
+        errors.append(f"strategy.factor_blocks={blocks}: the blocks are a 1-D grid's shards, so model.hidden="
+                      f"{cfg.model.hidden} and model.heads={cfg.model.heads} must split into them. Fix: "
+                      f"strategy.factor_blocks=1 (plain K-FAC) or a common divisor such as 2.")
+    return errors
 
 
 def kfac_errors(strategy) -> list:
@@ -261,7 +322,7 @@ def kfac_errors(strategy) -> list:
 
 def build(cfg, world_size: int):
     return KFACStrategy(cfg.strategy.damping, cfg.strategy.refresh_interval, cfg.strategy.micro_batches,
-                        "cuda" if cfg.hardware.accelerator == "gpu" else "cpu")
+                        "cuda" if cfg.hardware.accelerator == "gpu" else "cpu", cfg.strategy.factor_blocks)
 
 
 KFAC_ORACLE = StrategyEntry(check=check, degrees=degrees, build=build, one_process=True, scales_fp16_loss=False)

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing_extensions import override
 
 from strategies import modular_pipeline
-from strategies.kfac import KFAC, KFACInCheckpoint, block_linears, kfac_errors, refresh_phase, unit_scales
+from strategies.kfac import (KFAC, KFACInCheckpoint, block_linears, kfac_errors, local_trace, refresh_phase,
+                            split_factor, unit_scales)
 from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule import FORWARD, plot_timeline, simulate, validate_plan
 from strategies.schedule import curvature as units
@@ -52,11 +53,21 @@ class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
     def setup(self, trainer) -> None:
         super().setup(trainer)
         model = self.lightning_module.model
-        self.kfac = KFAC(block_linears(model), self.damping)
+        self.kfac = KFAC(block_linears(model), self.damping, whole_trace=self._whole_trace)
         self.restore_kfac()
         for stage in self.plan.stages_on(self.layout.index("pipeline")):
             self._stage_linears[stage] = [f"blocks.{block}.{path}" for block in stage_blocks(
                 stage, self.layers_per_stage) for path in units.LINEAR_PARTS.values()]
+
+    def _whole_trace(self, name: str, factor: str, matrix) -> tuple:
+        """(trace, dim) of the whole factor: over a 1-D grid, the split factor's block traces are
+        summed over the tensor group, so every shard damps with the whole layer's π (kfac.py)."""
+        tensor = self.layout.group("tensor")
+        if factor != split_factor(name)[0] or tensor.size == 1:
+            return local_trace(name, factor, matrix)
+        trace = matrix.trace().reshape(1)
+        self.layout.communicator.all_reduce(trace, tensor)
+        return float(trace), matrix.shape[0] * tensor.size
 
     def _names(self, stage: int, part: str = None) -> list:
         suffix = None if part is None else units.LINEAR_PARTS[part]
@@ -148,10 +159,10 @@ def check(cfg, world_size: int) -> list:
     if not 0 <= cfg.strategy.bubble_margin < 1:
         errors.append(f"strategy.bubble_margin={cfg.strategy.bubble_margin} must be in [0, 1). "
                       f"Fix: strategy.bubble_margin=0.05 (the paper's 5%).")
-    if cfg.strategy.tensor_parallel != "none":
-        errors.append(f"strategy.tensor_parallel={cfg.strategy.tensor_parallel}: pipefisher's curvature is "
-                      f"captured on whole nn.Linear layers; factors per tensor shard are not built yet. "
-                      f"Fix: strategy.tensor_parallel=none (or strategy=one_f_one_b with the grid, first-order).")
+    if cfg.strategy.tensor_parallel not in ("none", "1d"):
+        errors.append(f"strategy.tensor_parallel={cfg.strategy.tensor_parallel}: pipefisher keeps K-FAC factors "
+                      f"per 1-D shard (a shard's rows or columns); 2-D/3-D grids also split a linear's tokens, "
+                      f"whose factors are not built yet. Fix: strategy.tensor_parallel=1d or none.")
     if cfg.strategy.schedule == "interleaved_one_f_one_b":
         errors.append("strategy.schedule=interleaved_one_f_one_b is not supported by pipefisher. "
                       "Fix: gpipe, one_f_one_b or looped_breadth_first.")
@@ -167,4 +178,5 @@ def build(cfg, world_size: int):
                               **modular_pipeline.pipeline_arguments(cfg), bucket_mb=cfg.strategy.bucket_mb)
 
 
-PIPEFISHER = StrategyEntry(check=check, degrees=modular_pipeline.degrees, build=build, scales_fp16_loss=False)
+PIPEFISHER = StrategyEntry(check=check, degrees=modular_pipeline.degrees, build=build,
+                           consolidate=modular_pipeline.consolidate, scales_fp16_loss=False)

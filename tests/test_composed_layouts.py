@@ -18,8 +18,9 @@ from strategies.modular_pipeline import compute_plan, training_plan
 from strategies.stages import StageWork
 from strategies.traffic import ComposedLayout, GptShape, step_traffic
 from strategies.zero_layered import ZeroLayeredStrategy
-from tests.harness import (EXACT_RTOL, QUICK, SGD_CASES, assert_same_losses, assert_same_parameters,
-                           compare_under_sgd, compose_config, consolidated_parameters)
+from tests.harness import (EXACT_RTOL, KFAC_SGD, QUICK, SGD_CASES, SgdComparison, assert_same_losses,
+                           assert_same_parameters, compare_under_sgd, compose_config, consolidated_parameters,
+                           sgd_reference)
 
 STEPS = 5
 MODEL = ["model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batches=0",
@@ -89,6 +90,25 @@ def test_unsummed_replicated_gradients_are_caught(monkeypatch, tmp_path, tmp_pat
         comparison.check()
 
 
+def test_pipefisher_over_a_1d_grid_equals_block_diagonal_kfac_under_sgd(tmp_path, tmp_path_factory):
+    """PipeFisher p2 × 1-D 2 × data 2 keeps each shard's factors (A whole and B's block for a
+    column-parallel linear, A's block and B whole for a row-parallel one) and damps with the whole
+    layer's π: it equals the one-process `kfac` with factor_blocks=2."""
+    compare_under_sgd("pipefisher_gpipe_pp2_p2_dp2_m4_k2", tmp_path, tmp_path_factory).check()
+
+
+def test_block_diagonal_factors_are_not_the_whole_factors(tmp_path_factory):
+    """The oracle above is a different preconditioner from plain K-FAC: equality with it is not
+    equality with anything K-FAC-like (SGD, lr 0.01, 3 steps)."""
+    blocks = sgd_reference(tmp_path_factory, "strategy=kfac", "strategy.factor_blocks=2", *KFAC_SGD)
+    whole = sgd_reference(tmp_path_factory, "strategy=kfac", *KFAC_SGD)
+    comparison = SgdComparison(blocks, whole)
+    print(f"kfac factor_blocks=2 vs 1: {comparison.excess()}")
+    assert comparison.excess()["gradients"][0] > 10
+    with pytest.raises(AssertionError):
+        comparison.check()
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["strategy=modular_pipeline", "strategy.tensor_parallel=1d", "hardware.devices_per_node=6"],
      "= 4 does not divide the world size 6"),
@@ -97,8 +117,8 @@ def test_unsummed_replicated_gradients_are_caught(monkeypatch, tmp_path, tmp_pat
     (["strategy=one_f_one_b", "strategy.tensor_parallel=2d", "hardware.devices_per_node=8", "model.heads=3",
       "model.hidden=48"], "model.heads=3 is not divisible by strategy.tensor_grid=2"),
     (["strategy=modular_pipeline", "strategy.tensor_parallel=4d"], "need one of none, 1d, 2d, 3d"),
-    (["strategy=pipefisher", "strategy.tensor_parallel=1d", "hardware.devices_per_node=4"],
-     "factors per tensor shard are not built yet"),
+    (["strategy=pipefisher", "strategy.tensor_parallel=2d", "hardware.devices_per_node=8"],
+     "2-D/3-D grids also split a linear's tokens"),
     (["strategy=l2l", "strategy.tensor_parallel=1d"], "L2L relays whole layers through one device"),
     (["strategy=zero_layered", "strategy.pipeline_degree=2", "strategy.tensor_parallel=1d",
       "hardware.devices_per_node=8", "model.tie_embeddings=true"], "model.tie_embeddings=true"),

@@ -37,29 +37,45 @@ def plot_timeline(timeline: Timeline, path: str | Path, title: str | None = None
     axes = figure.add_subplot()
     inches_per_time = 0.92 * figure.get_figwidth() / (timeline.makespan or 1.0)
     for rank, row in enumerate(timeline.ranks):
-        for record in row:
-            _draw(axes, rank, record, stages, inches_per_time)
+        _draw_row(axes, rank, row, stages, inches_per_time)
     _decorate(axes, timeline, title, time_unit)
     figure.savefig(path, dpi=110)
     return Path(path)
 
 
-def _draw(axes, rank: int, record: TimedAction, stages: int, inches_per_time: float) -> None:
-    """One action: a box for compute and timed communication, a diamond for a reduction."""
-    action, width = record.action, record.end - record.start
-    if action.kind == REDUCE_GRADIENT:
-        axes.plot(record.start + width / 2, rank - 0.3, marker="D", markersize=5, color=_REDUCE_COLOUR, zorder=3)
-        return
-    if width <= 0:
-        return  # an instantaneous transfer (unit cost): nothing to see
-    shade = 0.35 + 0.5 * action.stage / max(stages - 1, 1)
-    colour = _colour(action, shade)
-    height = 0.8 if action.info.is_compute else 0.35
-    axes.barh(rank, width, left=record.start, height=height, color=colour, edgecolor="white", linewidth=0.6)
-    label = str(action)
+def _draw_row(axes, rank: int, row, stages: int, inches_per_time: float) -> None:
+    """One rank's actions: boxes for compute (tall) and timed communication (short), diamonds for
+    reductions. Boxes of one height are drawn in one call: a plan of thousands of actions (plan
+    mode at full scale) would take seconds with one artist per box."""
+    boxes = {0.8: ([], []), 0.35: ([], [])}  # height -> (x ranges, colours)
+    diamonds = []
+    for record in row:
+        action, width = record.action, record.end - record.start
+        if action.kind == REDUCE_GRADIENT:
+            diamonds.append(record.start + width / 2)
+            continue
+        if width <= 0:
+            continue  # an instantaneous transfer (unit cost): nothing to see
+        shade = 0.35 + 0.5 * action.stage / max(stages - 1, 1)
+        ranges, colours = boxes[0.8 if action.info.is_compute else 0.35]
+        ranges.append((record.start, width))
+        colours.append(_colour(action, shade))
+        _label(axes, rank, record, shade, inches_per_time)
+    for height, (ranges, colours) in boxes.items():
+        if ranges:
+            axes.broken_barh(ranges, (rank - height / 2, height), facecolors=colours, edgecolor="white",
+                             linewidth=0.6)
+    if diamonds:
+        axes.plot(diamonds, [rank - 0.3] * len(diamonds), marker="D", markersize=5, linestyle="",
+                  color=_REDUCE_COLOUR, zorder=3)
+
+
+def _label(axes, rank: int, record: TimedAction, shade: float, inches_per_time: float) -> None:
+    """The compact action string, where the box is wide enough to hold it."""
+    action, width, label = record.action, record.end - record.start, str(record.action)
     if width * inches_per_time >= len(label) * _CHARACTER_INCHES + 0.04:
         axes.text(record.start + width / 2, rank, label, ha="center", va="center", fontsize=_FONT_SIZE,
-                  color="white" if shade > 0.6 and action.info.is_compute else "black")
+                  color="white" if shade > 0.6 and action.info.is_compute else "black", zorder=4)
 
 
 def _colour(action, shade: float):

@@ -1,0 +1,147 @@
+"""mode=plan: every pipeline rank's memory and the predicted step at full scale, before anything runs.
+
+    python train.py mode=plan model=gpt3_175b hardware=dgx_a100_80g hardware.nodes=64 \
+        strategy=modular_pipeline strategy.pipeline_degree=16 strategy.tensor_parallel=1d \
+        strategy.tensor_grid=8 strategy.micro_batches=64 data.global_batch_size=1536 data.sequence_length=2048
+
+The same composition and validation as `fit`, then strategies/estimate.py's analytic model of the
+very plan `fit` would run: a table on the terminal, `plan.json`, the predicted step as a Gantt
+chart in seconds (`plan.png`) and the memory of each rank role (`plan_memory.png`). The model is
+not yet calibrated against this machine (issue 16): the default efficiency is an assumption.
+"""
+
+import json
+from pathlib import Path
+
+from layerwise.validate import ConfigError
+from models.transformer import model_flops_per_token
+from strategies import strategy_entry
+from strategies.estimate import Device, Workload, memory, predict_step
+from strategies.modular_pipeline import compute_plan, tensor_parallel
+from strategies.schedule import plot_timeline, validate_plan
+from strategies.traffic import ComposedLayout, GptShape
+
+PLANNED = ("modular_pipeline", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_layered", "zero_depth_first")
+GIB = 2 ** 30
+
+
+def workload_of(cfg, world_size: int) -> Workload:
+    """The model, layout and batch of a validated config, as the estimators see them."""
+    if cfg.strategy.name not in PLANNED:
+        raise ConfigError([f"strategy={cfg.strategy.name}: mode=plan covers the pipeline strategies so far "
+                           f"({', '.join(PLANNED)}, with strategy.tensor_parallel and ZeRO). Fix: "
+                           f"strategy=modular_pipeline strategy.pipeline_degree=1 plans data parallelism."])
+    degrees = strategy_entry(cfg.strategy.name).degrees(cfg, world_size)
+    vocabulary = cfg.data.vocab_size if cfg.data.corpus == "token_bin" else 256
+    vocabulary += 1 if cfg.model.architecture == "bert" else 0
+    shape = GptShape(cfg.model.hidden, cfg.model.mlp_ratio, vocabulary, cfg.data.sequence_length,
+                     cfg.model.max_sequence_length)
+    layout = ComposedLayout(degrees.data, degrees.pipeline, tensor_parallel(cfg.strategy),
+                            cfg.strategy.tensor_grid, cfg.strategy.name.startswith("zero"))
+    return Workload(shape, cfg.model.layers, cfg.model.heads, layout, cfg.strategy.layers_per_stage,
+                    cfg.data.global_batch_size // (degrees.data * cfg.strategy.micro_batches),
+                    cfg.optimizer.name, cfg.strategy.activation_recompute == "full",
+                    2 if cfg.hardware.precision.endswith("mixed") else 4)
+
+
+def device_of(cfg) -> Device:
+    hardware = cfg.hardware
+    dtype = "bf16" if hardware.precision.startswith("bf16") else "fp16" if hardware.precision.startswith("16") \
+        else "fp32"
+    return Device(hardware.peak_flops.get(dtype, 0.0), cfg.plan.efficiency, hardware.device_memory_bytes,
+                  hardware.intra_node_bandwidth, hardware.inter_node_bandwidth, hardware.devices_per_node)
+
+
+def training_plan_of(cfg):
+    """The plan `fit` would run (ZeRO's with its gathers and reduce-scatters)."""
+    from strategies.modular_pipeline import ModularPipelineStrategy
+    from strategies.zero_layered import ZeroLayeredStrategy
+    compute = compute_plan(cfg.strategy, cfg.model.layers)
+    owner = ZeroLayeredStrategy if cfg.strategy.name.startswith("zero") else ModularPipelineStrategy
+    return validate_plan(owner.complete_plan(compute))
+
+
+def roles(per_rank: list) -> list:
+    """Pipeline ranks with equal memory merged into one role: (label, ranks, breakdown)."""
+    merged = []
+    for rank, breakdown in enumerate(per_rank):
+        if merged and merged[-1][2] == breakdown:
+            merged[-1][1].append(rank)
+        else:
+            merged.append((None, [rank], breakdown))
+    last = len(per_rank) - 1
+    return [(_label(ranks, last), ranks, breakdown) for _, ranks, breakdown in merged]
+
+
+def _label(ranks: list, last: int) -> str:
+    parts = (["embedding"] if 0 in ranks else []) + (["head"] if last in ranks else [])
+    span = f"pipeline rank {ranks[0]}" if len(ranks) == 1 else f"pipeline ranks {ranks[0]}–{ranks[-1]}"
+    return span + (f" ({' + '.join(parts)})" if parts else "")
+
+
+def plan(cfg, world_size: int, run_directory) -> dict:
+    """Compute, print and write the plan; returns what plan.json holds."""
+    workload, device, schedule = workload_of(cfg, world_size), device_of(cfg), training_plan_of(cfg)
+    step = predict_step(workload, device, schedule)
+    per_rank = [memory(workload, schedule, rank, cfg.plan.flash_attention) for rank in range(schedule.pipeline_degree)]
+    margin = cfg.plan.allocator_margin
+    tokens = cfg.data.global_batch_size * cfg.data.sequence_length
+    flops = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
+                                  workload.shape.vocabulary, cfg.model.mlp_ratio) * tokens
+    result = {"strategy": cfg.strategy.name, "model": cfg.model.name, "hardware": cfg.hardware.name,
+              "world_size": world_size, "layout": workload.layout.__dict__,
+              "step_seconds": step["step_seconds"], "tokens_per_s": tokens / step["step_seconds"],
+              "mfu": flops / (device.flops_per_second * world_size * step["step_seconds"]),
+              "bubble_fraction": step["bubble_fraction"], "exposed_data_seconds": step["exposed_data_seconds"],
+              "bytes_by_pipeline_rank": step["bytes_by_rank"], "allocator_margin": margin,
+              "efficiency_assumed": device.efficiency,
+              "roles": [{"role": label, "pipeline_ranks": ranks, "bytes": breakdown,
+                         "total_bytes": sum(breakdown.values()) * (1 + margin),
+                         "fits": sum(breakdown.values()) * (1 + margin) <= device.memory_bytes}
+                        for label, ranks, breakdown in roles(per_rank)]}
+    _write(result, step["timeline"], Path(run_directory), device.memory_bytes)
+    print(table(result, device))
+    return result
+
+
+def table(result: dict, device: Device) -> str:
+    lines = [f"plan: {result['strategy']} × {result['model']} × {result['hardware']} on {result['world_size']} "
+             f"devices; predicted step {result['step_seconds']:.3f} s, {result['tokens_per_s']:.0f} tokens/s, "
+             f"MFU {result['mfu']:.1%}, bubble {result['bubble_fraction']:.1%} (efficiency "
+             f"{result['efficiency_assumed']:.0%} assumed, not calibrated)",
+             f"{'role':40s} {'params':>8s} {'grads':>8s} {'optim':>8s} {'activ':>8s} {'buffers':>8s} "
+             f"{'total GiB':>10s} {'device':>7s} fits"]
+    for role in result["roles"]:
+        b = role["bytes"]
+        lines.append(f"{role['role']:40s} " + " ".join(f"{b[k] / GIB:8.2f}" for k in
+                     ("parameters", "gradients", "optimizer", "activations", "buffers"))
+                     + f" {role['total_bytes'] / GIB:10.2f} {device.memory_bytes / GIB:7.1f} "
+                     f"{'yes' if role['fits'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def _write(result: dict, timeline, directory: Path, device_memory_bytes: float) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "plan.json").write_text(json.dumps(result, indent=1))
+    plot_timeline(timeline, directory / "plan.png", title=f"predicted step: {result['strategy']}", time_unit="s")
+    _plot_memory(result, directory / "plan_memory.png", device_memory_bytes)
+
+
+def _plot_memory(result: dict, path: Path, device_memory_bytes: float) -> None:
+    """Stacked bars per rank role, one colour per kind, and the device's memory as a line."""
+    from matplotlib.figure import Figure
+    figure = Figure(figsize=(9, 1.5 + 0.45 * len(result["roles"])), layout="constrained")
+    axes = figure.add_subplot()
+    kinds = list(result["roles"][0]["bytes"])
+    for colour, kind in enumerate(kinds):
+        lefts = [sum(role["bytes"][k] for k in kinds[:colour]) / GIB for role in result["roles"]]
+        widths = [role["bytes"][kind] / GIB for role in result["roles"]]
+        axes.barh(range(len(widths)), widths, left=lefts, color=f"C{colour}", label=kind)
+    axes.axvline(device_memory_bytes / (1 + result["allocator_margin"]) / GIB, color="black", linestyle="--",
+                 label="device memory less the allocator margin")
+    axes.set_yticks(range(len(result["roles"])), [role["role"] for role in result["roles"]])
+    axes.invert_yaxis()
+    axes.set_xlabel("GiB per device")
+    axes.set_title(f"plan: {result['strategy']} × {result['model']} on {result['world_size']} devices", fontsize=10)
+    axes.legend(loc="lower right", fontsize=8)
+    figure.savefig(path, dpi=110)

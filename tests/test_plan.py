@@ -1,0 +1,79 @@
+"""mode=plan (first slice of issue 16): the analytic plan of a layout at full scale, nothing run.
+
+The plan is the very schedule `fit` would execute; memory is per pipeline rank (first, middle,
+last differ), with the activation stash counted from the plan's own in-flight forwards.
+"""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from layerwise.plan import plan, training_plan_of, workload_of
+from layerwise.validate import ConfigError, validate
+from strategies.estimate import block_saved_bytes, in_flight
+from tests.harness import compose_config
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT3 = ["mode=plan", "model=gpt3_175b", "hardware=dgx_a100_80g", "hardware.nodes=64", "logger=none",
+        "strategy.pipeline_degree=16", "strategy.tensor_parallel=1d", "strategy.tensor_grid=8",
+        "strategy.micro_batches=64", "strategy.layers_per_stage=6", "data.global_batch_size=1536",
+        "data.sequence_length=2048"]
+
+
+def planned(tmp_path, *overrides):
+    cfg = compose_config(*GPT3, *overrides)
+    return cfg, plan(cfg, validate(cfg), tmp_path)
+
+
+def test_gpt3_on_512_gpus_plans_in_seconds_with_a_role_per_pipeline_position(tmp_path):
+    started = time.perf_counter()
+    cfg, result = planned(tmp_path, "strategy=one_f_one_b", "strategy.activation_recompute=full")
+    seconds = time.perf_counter() - started
+    assert result["world_size"] == 512 and seconds < 60, seconds
+    assert result["layout"] == {"data": 4, "pipeline": 16, "tensor_grid": "1d", "edge": 8, "zero": False}
+    written = json.loads((tmp_path / "plan.json").read_text())
+    assert written["step_seconds"] == result["step_seconds"] > 0 and 0 < written["mfu"] < 1
+    assert (tmp_path / "plan.png").stat().st_size > 10_000 and (tmp_path / "plan_memory.png").stat().st_size > 5_000
+    # 1F1B keeps p − r micro-batches in flight on pipeline rank r: the first stage holds the most.
+    roles = result["roles"]
+    activations = [role["bytes"]["activations"] for role in roles]
+    assert activations == sorted(activations, reverse=True) and len(roles) == 16
+    assert all(role["fits"] for role in roles)
+
+
+def test_stash_is_the_plans_in_flight_forwards_times_a_stages_saved_bytes(tmp_path):
+    cfg, result = planned(tmp_path, "strategy=one_f_one_b")
+    workload, schedule = workload_of(cfg, 512), training_plan_of(cfg)
+    tokens = workload.micro_batch_rows * cfg.data.sequence_length
+    for role in result["roles"]:
+        rank = role["pipeline_ranks"][0]
+        stage = rank  # one_f_one_b: contiguous stages, one per pipeline rank
+        assert in_flight(schedule.ranks[rank], stage) == 16 - rank
+        expected = (16 - rank) * cfg.strategy.layers_per_stage * block_saved_bytes(workload, tokens, flash=True)
+        assert role["bytes"]["activations"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_breadth_first_with_64_micro_batches_does_not_fit_and_says_so(tmp_path):
+    _, result = planned(tmp_path, "strategy=modular_pipeline")
+    assert not any(role["fits"] for role in result["roles"])
+    assert result["roles"][0]["bytes"]["activations"] > 80e9  # all 64 micro-batches' stash
+
+
+def test_plan_refuses_a_strategy_it_does_not_cover():
+    cfg = compose_config("mode=plan", "strategy=l2l", "logger=none")
+    with pytest.raises(ConfigError) as error:
+        workload_of(cfg, validate(cfg))
+    assert "mode=plan covers the pipeline strategies" in str(error.value) and "Fix:" in str(error.value)
+
+
+def test_train_py_mode_plan_prints_the_table(tmp_path):
+    result = subprocess.run([sys.executable, "train.py", *GPT3, "strategy=one_f_one_b",
+                             "strategy.activation_recompute=full", f"hydra.run.dir={tmp_path}"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "pipeline rank 0 (embedding)" in result.stdout and "MFU" in result.stdout
+    assert (tmp_path / "plan.json").is_file()

@@ -4,7 +4,8 @@ Nothing here builds a model or a process group; it is what plan mode answers at 
   memory    per pipeline rank: parameters, gradients and optimizer state of the parts it holds
             (strategies/traffic.py's local_parameters: tensor-grid shards, ZeRO's 1/n), the
             activation stash — the most (stage, micro-batch) forwards alive at once in its plan row,
-            times the blocks' saved bytes — one block's working set, and communication buffers;
+            times the blocks' saved bytes — a working set (one block's backward, the head's logits),
+            and communication buffers;
   time      the one simulator (strategies/schedule/simulate.py) times the plan with F and B from
             FLOPs at the device's dense rate × an efficiency, plus the tensor grid's collectives
             inside them, and receives from the activation piece over the link the pipeline
@@ -62,23 +63,26 @@ class Workload:
 # ----- memory
 
 def block_saved_bytes(workload: "Workload", tokens: float, flash: bool) -> float:
-    """Bytes a block keeps for its backward, per micro-batch: the residual stream's tensors (its
-    input, the two norm outputs, the attention and MLP outputs before the residual adds: 6h per
-    token), the split ones (q/k/v, the attention context, the MLP's two wide activations:
-    4h + 2rh), and with the math attention kernel the score matrix (heads × s per token). A 1-D
-    grid keeps the residual stream whole on every rank; 2-D/3-D grids split everything."""
+    """Bytes a block keeps for its backward, per micro-batch, as autograd saves them: on the
+    residual stream the two norms' inputs and outputs (x, LN₁(x), x₂, LN₂(x₂): 4h per token; the
+    sub-layers' outputs feed only additions, which save nothing), split by the grid q/k/v, the
+    attention context and the MLP's two wide activations (4h + 2rh), and with the math attention
+    kernel the softmax probabilities (heads × s per token). A 1-D grid keeps the residual stream
+    whole on every rank; 2-D/3-D grids split everything. (Dropout masks, 1 byte each, are left out.)"""
     shape, ranks = workload.shape, workload.tensor_ranks
     h, r = shape.hidden, shape.mlp_ratio
-    residual = 6 * h / (1 if workload.layout.tensor_grid == "1d" else ranks)
+    residual = 4 * h / (1 if workload.layout.tensor_grid == "1d" else ranks)
     split = (4 * h + 2 * r * h + (0 if flash else workload.heads * shape.length)) / ranks
     return (residual + split) * tokens * workload.activation_bytes
 
 
-def in_flight(row, stage: int) -> int:
-    """Most forwards of `stage` alive (run, their backward not yet) at once in a plan row."""
+def in_flight(row, stages=None) -> int:
+    """Most forwards (of `stages`, default all) alive at once in a plan row: run, backward not yet.
+    Counted over time on the whole row, since different stages' peaks need not coincide
+    (interleaved 1F1B)."""
     alive = peak = 0
     for action in row:
-        if action is None or action.stage != stage:
+        if action is None or (stages is not None and action.stage not in stages):
             continue
         alive += action.kind == FORWARD
         alive -= action.kind == BACKWARD
@@ -97,12 +101,17 @@ def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True) -> 
     tokens = workload.micro_batch_rows * shape.length
     block = block_saved_bytes(workload, tokens, flash)
     kept = _piece(workload) * BYTES if workload.recompute else per_stage * block  # recompute: stage inputs
-    stash = sum(in_flight(row, stage) * kept for stage in stages)
+    stash = in_flight(row) * kept  # every stage holds layers_per_stage blocks
+    # Working set on top of the stash: a block's backward materialises gradients about the size of
+    # what it saved (with recomputation, also the block's recomputed internals); the last stage also
+    # holds the logits and their gradient (fp32, split by vocabulary).
+    logits = 2 * tokens * shape.vocabulary * BYTES / workload.tensor_ranks if plan.stages - 1 in stages else 0
+    working = block * (2 if workload.recompute else 1) + logits
     largest_stage = held / max(1, len(stages))
     return {"parameters": sharded * BYTES,
             "gradients": sharded * BYTES + (largest_stage * BYTES if layout.zero else 0),
             "optimizer": OPTIMIZER_STATE.get(workload.optimizer, 2) * sharded * BYTES,
-            "activations": stash + (block if workload.recompute else 0),
+            "activations": stash + working,
             "buffers": (2 * largest_stage * BYTES if layout.zero else 0) + 2 * _piece(workload) * BYTES}
 
 

@@ -15,16 +15,23 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from layerwise.config import register_schemas
 from layerwise.launch import external_world_errors, launched_externally, writes_run_files
-from layerwise.validate import ConfigError, validate
+from layerwise.validate import ConfigError, composition_problem, validate
 
 register_schemas()
 os.environ.setdefault("WANDB_MODE", "offline")  # nothing leaves the machine unless asked
 # Under torchrun/srun every rank runs this file; Hydra's own files (.hydra/, train.log) come from one.
 SILENT_RANK_OVERRIDES = ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
+# Hydra prints its own composition errors (a wrong type, an unknown key or option) and exits 1; with
+# HYDRA_FULL_ERROR=1 it raises them instead, so __main__ reports them like every other bad input.
+# Set only while composing: main unsets it first, so errors of the run keep Hydra's short traceback
+# and forked ranks do not inherit it. A user's own HYDRA_FULL_ERROR wins (full tracebacks).
+RAISE_COMPOSITION_ERRORS = "HYDRA_FULL_ERROR" not in os.environ
 
 
 def finish_config(cfg) -> None:
@@ -44,6 +51,8 @@ def say(message: str) -> None:
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg):
+    if RAISE_COMPOSITION_ERRORS:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
     finish_config(cfg)
     try:
         world_size = validate(cfg)  # before any process starts
@@ -61,13 +70,18 @@ def main(cfg):
     if cfg.mode == "check":
         say("configuration is valid; mode=check starts nothing")
         return 0.0
+    if cfg.mode == "plan":  # the analytic plan of this layout; nothing is built or started
+        from layerwise.plan import plan
+        return plan(cfg, world_size, run_directory)["step_seconds"] if writes_run_files() else None
     from layerwise.run import train
     summary = train(cfg, run_directory, world_size)
     if summary is None:  # a rank other than global rank 0: rank 0 reports
         return None
-    say(f"{summary['status']}: validation loss {summary['initial_val_loss']:.4f} -> "
-        f"{summary['final_val_loss']:.4f} nats/token, {summary['tokens_per_s_median']:.0f} "
-        f"tokens/s; evidence in {run_directory}")
+    losses = (f"validation loss {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f} nats/token"
+              if summary.get("final_val_loss") is not None and summary.get("initial_val_loss") is not None
+              else f"training loss {summary.get('final_train_loss')} (no validation ran)")
+    say(f"{summary['status']}: {losses}, {summary['tokens_per_s_median'] or 0:.0f} tokens/s; "
+        f"evidence in {run_directory}")
     if cfg.logger.name == "wandb" and cfg.logger.mode == "offline":
         say(f"upload the W&B run with: wandb sync {run_directory}/wandb/offline-run-*")
     return summary["final_val_loss"]
@@ -76,4 +90,12 @@ def main(cfg):
 if __name__ == "__main__":
     if launched_externally() and not writes_run_files():
         sys.argv += SILENT_RANK_OVERRIDES
-    main()
+    if RAISE_COMPOSITION_ERRORS:
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as error:
+        if not RAISE_COMPOSITION_ERRORS:
+            raise
+        print(f"layerwise: {ConfigError([composition_problem(error)])}", file=sys.stderr)
+        sys.exit(2)

@@ -173,12 +173,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of the single pair (default: torch's, as train.py runs; "
                              "1 keeps timings steadier while other processes load the cores)")
+    parser.add_argument("--pairs", default="single,ddp", help="which pairs to run, comma-separated")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both sides, e.g. model=gpt_small")
     arguments = parser.parse_args()
     if arguments.threads:
         torch.set_num_threads(arguments.threads)
     corpus = layerwise.run.load_corpus(configured("single", arguments.steps, arguments.overrides))
-    pairs = {"single": (hand_loop, framework), "ddp": (hand_ddp, framework)}
+    pairs = {name: sides for name, sides in {"single": (hand_loop, framework), "ddp": (hand_ddp, framework)}.items()
+             if name in arguments.pairs.split(",")}
     times = {(pair, side): [] for pair in pairs for side in SIDES}
     losses, load = {}, [os.getloadavg()[0]]
     for repeat in range(arguments.repeats):

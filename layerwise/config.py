@@ -213,6 +213,16 @@ class TrainerConfig:
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | none
     check_point_to_point_order: bool = False  # each step, compare rank pairs' p2p issue order (NCCL); tests: true
     measure_every_n_steps: int = 50  # compute-memory meter and pipeline timelines: first 2 steps, every n, last
+    skip_nonfinite_steps: bool = False  # NaN/inf loss: skip the step's update (counted in summary.json skipped_steps) instead of stopping
+
+
+@dataclass
+class PlanConfig:
+    """mode=plan: the analytic plan of this layout at full scale (layerwise/plan.py)."""
+
+    efficiency: float = 0.5  # achieved / peak FLOP/s of the matrix products (assumed until calibrated)
+    flash_attention: bool = True  # attention keeps no s × s scores (GPU kernels); false: the math kernel
+    allocator_margin: float = 0.1  # device memory the allocator's fragmentation and caches take beyond tensors
 
 
 @dataclass
@@ -226,8 +236,9 @@ class Config:
     optimizer: Any = MISSING
     logger: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     seed: int = 1234  # one seed for weights, data order and dropout
-    mode: str = "fit"  # fit | check (compose and validate only)
+    mode: str = "fit"  # fit | check (compose and validate only) | plan (predict memory and step time, run nothing)
     run_name: str = "default"  # the run directory's name
     resume: bool = True  # continue from the run directory's `last` checkpoint if present
 

@@ -25,6 +25,7 @@ MASK_FRACTION = 0.15  # BERT: share of positions per sequence the model must rec
 SPLITS = ("train", "validation")
 OBJECTIVES = ("causal", "masked")
 CORPORA = ("stdlib", "text_files", "token_bin")
+TOKEN_BIN_FILES = ("train.bin", "val.bin")  # under data.path; layerwise/validate.py checks them first
 
 
 class DataError(ValueError):
@@ -85,7 +86,7 @@ def _load_text_files(path: Optional[str], max_bytes: int, validation_fraction: f
 
 def _load_token_bin(path: Optional[str], vocab_size: int) -> Corpus:
     directory = _existing_directory(path, "token_bin")
-    splits = [_memmap_tokens(directory / name) for name in ("train.bin", "val.bin")]
+    splits = [_memmap_tokens(directory / name) for name in TOKEN_BIN_FILES]
     return Corpus(splits[0], splits[1], vocab_size, f"token_bin:{directory}")
 
 

@@ -306,6 +306,7 @@ class RunEvidence(pl.Callback):
             "final_val_loss": val[max(val, key=int)] if val else None,
             "val_losses": val,
             "final_train_loss": self.history["losses"][-1] if self.history["losses"] else None,
+            "skipped_steps": self.history.get("skipped_steps", []),  # non-finite loss, no update (faults.py)
             "step_time_s_median": median("step_time_s"),
             "tokens_per_s_median": median("tokens_per_s"),
             "comm_bytes_per_step": {k: median(f"comm_bytes_{k}") for k in KINDS} if rows else {},

@@ -11,30 +11,36 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from omegaconf import OmegaConf
 
 from layerwise import data as data_lib
 from layerwise.evidence import PointToPointOrderCheck, RunEvidence, write_json_atomically
+from layerwise.faults import NonFiniteGuard
 from layerwise.launch import (RankError, global_rank, launched_externally, run_ranks, start_method,
                               writes_run_files)
 from layerwise.slurm import slurm_callbacks, slurm_plugins
 from layerwise.task import LanguageModelData, LanguageModelTask, objective_of
 from parallel.layout import RANK_ORDER
 from strategies import strategy_entry
-from strategies.checkpoint import checkpoint_exists
+from strategies.checkpoint import (checkpoint_exists, load_first_readable, read_checkpoint_file,
+                                   swap_in, write_checkpoint_file)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save to a temporary name, then rename: a preempted save never leaves half a file."""
+    """torch.save to a temporary name, then rename (the replaced file kept as `previous.ckpt`): a
+    preempted or failed save never leaves half a file; a damaged `last` falls back to `previous`."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(path.name + ".tmp")
-        torch.save(checkpoint, temporary)
-        os.replace(temporary, path)
+        write_checkpoint_file(checkpoint, temporary)
+        swap_in(temporary, path)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None):
+        # every rank reads the same file here (single, ddp), so all fall back alike without a vote
+        return load_first_readable(Path(path), read_checkpoint_file)
 
 
 class LastCheckpoint(pl.Callback):
@@ -99,8 +105,9 @@ def show_bar(cfg) -> bool:
 
 
 def build_trainer(cfg, run_directory: Path, world_size: int, strategy, evidence) -> pl.Trainer:
-    callbacks = [evidence, LastCheckpoint(checkpoint_path(run_directory),
-                                          cfg.trainer.checkpoint_every_n_steps)]
+    callbacks = [evidence,  # the guard before the checkpoint: a non-finite step is never saved
+                 NonFiniteGuard(cfg.trainer.skip_nonfinite_steps, evidence, checkpoint_path(run_directory)),
+                 LastCheckpoint(checkpoint_path(run_directory), cfg.trainer.checkpoint_every_n_steps)]
     callbacks += slurm_callbacks(checkpoint_path(run_directory))  # preemption: save, requeue
     if cfg.trainer.check_point_to_point_order:  # after RunEvidence: its final validation is checked too
         callbacks.append(PointToPointOrderCheck())

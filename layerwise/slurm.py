@@ -50,7 +50,10 @@ from omegaconf import OmegaConf, open_dict, read_write
 
 PREEMPTION_SIGNAL = signal.SIGUSR2  # submitit asks Slurm for --signal=USR2@signal_delay_s
 TIMEOUT_VARIABLE = "LAYERWISE_PROCESS_GROUP_TIMEOUT_S"
-OWN_KEYS = ("process_group_timeout_s",)  # launcher keys of ours, not submitit's
+OWN_KEYS = ("process_group_timeout_s", "max_requeues")  # launcher keys of ours, not submitit's
+# Slurm's RealMemory of a node sits below its physical memory (OS, daemons): a job asking for all of
+# hardware.host_memory_bytes would pend forever, so a derived mem_gb asks for this fraction of it.
+SCHEDULABLE_MEMORY_FRACTION = 0.9
 SUBMITIT_KEYS = tuple(f.name for f in dataclasses.fields(SlurmQueueConf))
 PLUGIN_ROOT = Path(__file__).resolve().parent.parent  # holds hydra_plugins/layerwise_launchers
 FAILURE_LINE = re.compile(r"\[layerwise\] rank (\d+) failed: (.*)")
@@ -95,6 +98,7 @@ def job_resources(cfg, world_size: int) -> tuple:
             problems.append(f"hydra.launcher.{key}={resolved[key]} but {why}; Lightning would stop "
                             f"the job. Fix: drop hydra.launcher.{key} (it follows {source[key]}) or "
                             f"set {source[key]}={resolved[key]}.")
+    problems += memory_problems(raw, resolved, hardware)
     gpus = resolved.get("gpus_per_node")
     if hardware.accelerator == "gpu":
         if gpus is None or _is_interpolation(raw.get("gpus_per_node")):
@@ -108,6 +112,27 @@ def job_resources(cfg, world_size: int) -> tuple:
                         f"{hardware.accelerator}. Fix: drop hydra.launcher.gpus_per_node or choose "
                         f"a GPU hardware profile.")
     return resolved, problems
+
+
+def node_memory_gb(hardware):
+    """mem_gb (GiB per node, Slurm's G) from the profile's host memory; None if it states none."""
+    if not hardware.host_memory_bytes:
+        return None
+    return int(SCHEDULABLE_MEMORY_FRACTION * hardware.host_memory_bytes / 2 ** 30)
+
+
+def memory_problems(raw: dict, resolved: dict, hardware) -> list:
+    """Fill mem_gb from the hardware profile unless set; an explicit one must fit the node."""
+    derived = node_memory_gb(hardware)
+    if raw.get("mem_gb") is None or _is_interpolation(raw.get("mem_gb")):
+        resolved["mem_gb"] = derived
+        return []
+    node = hardware.host_memory_bytes / 2 ** 30
+    if hardware.host_memory_bytes and resolved["mem_gb"] > node:
+        return [f"hydra.launcher.mem_gb={resolved['mem_gb']} but hardware={hardware.name} nodes have "
+                f"{node:.0f} GiB (hardware.host_memory_bytes): Slurm would never start the job. Fix: "
+                f"drop hydra.launcher.mem_gb (it follows the profile: {derived}) or lower it."]
+    return []
 
 
 def point_config(launcher, overrides: Sequence[str], number: int):
@@ -207,6 +232,11 @@ class SlurmLauncher(_SubmititSlurm):
             raise ValueError(f"hydra.launcher has unknown key(s) {unknown}. Known: "
                              f"{', '.join(sorted(SUBMITIT_KEYS + OWN_KEYS))}.")
         self.process_group_timeout_s = params.pop("process_group_timeout_s", None)
+        self.max_requeues = params.pop("max_requeues", None)
+        if self.max_requeues is not None and (not isinstance(self.max_requeues, int) or self.max_requeues < 0):
+            raise ValueError(f"hydra.launcher.max_requeues={self.max_requeues!r}: a preempted job is "
+                             f"requeued at most this many times. Fix: a whole number ≥ 0 (0: never "
+                             f"requeue), or null for no limit.")
         super().__init__(**params)
 
     # ----- submission
@@ -295,10 +325,10 @@ class SlurmLauncher(_SubmititSlurm):
                                job_subdir_key="hydra.sweep.subdir", configure_logging=rank == 0)
         except SystemExit:
             if PREEMPTION.saved:
-                exit_after_requeue(rank)
+                exit_after_requeue(rank, self.max_requeues)
             raise
         if PREEMPTION.saved:
-            exit_after_requeue(rank)
+            exit_after_requeue(rank, self.max_requeues)
         if returned.status == JobStatus.FAILED:
             error = returned._return_value
             print(f"[layerwise] rank {rank} failed: {_one_line(error)}", file=sys.stderr, flush=True)
@@ -423,9 +453,24 @@ def requeue_on_preemption_callback(checkpoint_path: Path):
     return RequeueOnPreemption()
 
 
-def exit_after_requeue(rank: int) -> None:
+def requeues_so_far() -> int:
+    """How often Slurm has requeued this job (SLURM_RESTART_COUNT; absent before the first)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def exit_after_requeue(rank: int, max_requeues: Optional[int] = None) -> None:
     """Rank 0 requeues the job; every rank leaves without a result file (submitit must see the
-    job continue, not finish). A failed requeue fails the job: its checkpoint is still there."""
+    job continue, not finish). A failed requeue fails the job: its checkpoint is still there.
+    After `max_requeues` requeues (hydra.launcher.max_requeues) every rank fails instead: a job that
+    cannot finish in its time limit would otherwise be requeued forever."""
+    done = requeues_so_far()
+    if max_requeues is not None and done >= max_requeues:
+        if rank == 0:  # failing_rank() reads this line from the job log
+            print(f"[layerwise] rank 0 failed: preempted after {done} requeue(s), the limit "
+                  f"hydra.launcher.max_requeues={max_requeues}: not requeued. The checkpoint is kept. "
+                  f"Fix: raise hydra.launcher.timeout_min or hydra.launcher.max_requeues, then rerun "
+                  f"the same command: it resumes from the checkpoint.", file=sys.stderr, flush=True)
+        raise SystemExit(1)
     if rank == 0:
         job = slurm_job_id()
         subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)

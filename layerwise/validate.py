@@ -5,15 +5,24 @@ together, so a user fixes a config in one round instead of one error per launch.
 """
 
 import dataclasses
+import difflib
+import math
+import os
+import re
 from pathlib import Path
 
+from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
+from layerwise.config import Config
+from layerwise.data import TOKEN_BIN_FILES
 from strategies import REGISTRY, strategy_entry
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors, nearest_multiples
+from strategies.schedule.generators import SCHEDULES
 
 CHOICES = {
-    "mode": ("fit", "check"),
+    "mode": ("fit", "check", "plan"),
     "model.architecture": ("gpt", "bert"),
     "data.corpus": ("stdlib", "text_files", "token_bin"),
     "hardware.accelerator": ("cpu", "gpu"),
@@ -23,14 +32,61 @@ CHOICES = {
     "logger.name": ("wandb", "csv", "tensorboard", "none"),
     "logger.mode": ("offline", "online", "disabled"),
     "trainer.progress": ("auto", "bar", "lines", "none"),
+    "hardware.precision": ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true"),
 }
+CHOICES_STRATEGY = {"schedule": SCHEDULES}  # where the strategy's schema has the field
 CPU_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true")
-POSITIVE = ("model.layers", "model.hidden", "model.heads", "data.global_batch_size",
-            "data.sequence_length", "trainer.max_steps", "trainer.val_check_interval",
-            "trainer.checkpoint_every_n_steps", "hardware.devices_per_node", "hardware.nodes")
-POSITIVE_STRATEGY = ("micro_batches", "pipeline_degree")  # where the strategy's schema has them
+
+# Allowed values of every number a user can mistype: rule name -> (test, words for the message).
+# A null (an Optional field left to its default) is never range-checked.
+RULES = {
+    "count": (lambda value: value >= 1, "at least 1"),
+    "positive": (lambda value: value > 0, "> 0"),
+    "non_negative": (lambda value: value >= 0, ">= 0"),
+    "probability": (lambda value: 0 <= value < 1, "in [0, 1)"),
+    "share": (lambda value: 0 < value < 1, "strictly between 0 and 1"),
+    "ratio": (lambda value: 0 <= value <= 1, "in [0, 1]"),
+    "fraction": (lambda value: 0 < value <= 1, "in (0, 1]"),
+    # Lightning's seed_everything (run.py) refuses what numpy cannot seed: it would fail in every rank
+    "seed": (lambda value: 0 <= value <= 2**32 - 1, "in [0, 4294967295] (numpy's seed range)"),
+}
+# field -> (rule, the value a "Fix:" offers, as the user would type it)
+RANGES = {
+    "seed": ("seed", 1234),
+    "model.layers": ("count", 2), "model.hidden": ("count", 64), "model.heads": ("count", 4),
+    "model.mlp_ratio": ("count", 4), "model.max_sequence_length": ("count", 256),
+    "model.dropout": ("probability", 0.1),
+    "data.global_batch_size": ("count", 16), "data.sequence_length": ("count", 64),
+    "data.vocab_size": ("count", 50304), "data.max_bytes": ("count", 16777216),
+    "data.validation_fraction": ("share", 0.05),
+    "hardware.devices_per_node": ("count", 2), "hardware.nodes": ("count", 1),
+    # 0 = unknown. The host <-> device price joins this table when code reads it (tests/test_config.py).
+    "hardware.device_memory_bytes": ("non_negative", "8e9"),
+    "hardware.host_memory_bytes": ("non_negative", "2.4e10"),
+    "hardware.peak_flops": ("non_negative", "5e10"),  # each dtype's entry
+    "hardware.intra_node_bandwidth": ("non_negative", "5e9"),
+    "hardware.inter_node_bandwidth": ("non_negative", "1.25e9"),
+    "plan.efficiency": ("fraction", 0.5), "plan.allocator_margin": ("probability", 0.1),
+    "optimizer.lr": ("positive", "3e-4"), "optimizer.weight_decay": ("non_negative", 0.1),
+    "optimizer.beta1": ("probability", 0.9), "optimizer.beta2": ("probability", 0.95),
+    "optimizer.eps": ("positive", "1e-8"), "optimizer.momentum": ("probability", 0.9),
+    "optimizer.warmup_steps": ("non_negative", 10), "optimizer.min_lr_ratio": ("ratio", 0.1),
+    "trainer.max_steps": ("count", 200), "trainer.val_check_interval": ("count", 50),
+    "trainer.limit_val_batches": ("non_negative", 4), "trainer.log_every_n_steps": ("count", 1),
+    "trainer.checkpoint_every_n_steps": ("count", 50), "trainer.gradient_clip_val": ("non_negative", 1.0),
+    "trainer.measure_every_n_steps": ("count", 50),
+}
+RANGES_STRATEGY = {  # where the strategy's schema has the field
+    "micro_batches": ("count", 4), "pipeline_degree": ("count", 2), "data_degree": ("count", 1),
+    "layers_per_stage": ("count", 1), "breadth_first_micro_batches": ("count", 2),
+    "tensor_grid": ("count", 2), "bucket_mb": ("non_negative", 25), "refresh_interval": ("count", 1),
+    "damping": ("positive", "1e-3"), "bubble_margin": ("probability", 0.05),
+}
+NOT_EMPTY = {"run_name": "my-run", "logger.project": "layerwise"}  # names of directories and W&B projects
 SCHEMA_GROUPS = ("strategy", "model", "hardware", "data", "optimizer", "logger", "trainer")
-BYTES_PER_PARAMETER = 16  # fp32 weight + gradient + two Adam moments
+# fp32 weight and gradient, plus the optimizer's state per parameter (two moments, or momentum)
+WEIGHT_AND_GRADIENT_BYTES = 8
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "lamb": 8, "sgd": 4}
 
 
 class ConfigError(ValueError):
@@ -66,10 +122,29 @@ def check_choices(cfg) -> list:
     if cfg.strategy.name not in REGISTRY:
         errors.append(f"strategy={cfg.strategy.name!r} is unknown. Fix: one of "
                       f"{', '.join(sorted(REGISTRY))}.")
-    fields = POSITIVE + tuple(f"strategy.{name}" for name in POSITIVE_STRATEGY if name in cfg.strategy)
-    for field in fields:
-        if lookup(cfg, field) < 1:
-            errors.append(f"{field}={lookup(cfg, field)} must be at least 1.")
+    for name, allowed in CHOICES_STRATEGY.items():
+        if name in cfg.strategy and cfg.strategy[name] not in allowed:
+            errors.append(f"strategy.{name}={cfg.strategy[name]!r} is unknown. Fix: one of "
+                          f"{', '.join(allowed)}.")
+    return errors
+
+
+def check_ranges(cfg) -> list:
+    """Every number against its RULES entry, and names that must not be empty."""
+    fields = {**RANGES, **{f"strategy.{name}": entry for name, entry in RANGES_STRATEGY.items()
+                           if name in cfg.strategy}}
+    errors = []
+    for field, (rule, example) in fields.items():
+        value = lookup(cfg, field)
+        admits, words = RULES[rule]
+        # a mapping (peak FLOP/s per dtype): each entry against the rule
+        entries = ({f"{field}.{key}": item for key, item in value.items()} if OmegaConf.is_dict(value)
+                   else {field: value})
+        errors += [f"{name}={item} must be {words}. Fix: {name}={example}."
+                   for name, item in entries.items() if item is not None and not admits(item)]
+    for field, example in NOT_EMPTY.items():
+        if not str(lookup(cfg, field)).strip():
+            errors.append(f"{field} is empty. Fix: {field}={example}.")
     return errors
 
 
@@ -77,7 +152,10 @@ def check_schema_keys(cfg) -> list:
     """Keys a schema does not declare. Hydra rejects `strategy.micro_batches=4` for a strategy
     without micro-batches, and its message suggests `+strategy.micro_batches=4`, which would be
     accepted and then ignored: reject that here."""
-    errors = []
+    errors = [f"{key}={cfg[key]} is not a setting of this config (schema Config), so it would be "
+              f"ignored. Fix: remove +{key}; `python train.py --cfg job` lists every setting."
+              # a sweep point's config (layerwise/slurm.py) still holds Hydra's own node
+              for key in sorted(set(cfg) - {f.name for f in dataclasses.fields(Config)} - {"hydra"})]
     for group in SCHEMA_GROUPS:
         schema = OmegaConf.get_type(cfg[group])
         if not dataclasses.is_dataclass(schema):
@@ -125,14 +203,38 @@ def check_hardware(cfg, world: int, submitting: bool = False) -> list:
     if cfg.mode == "fit" and hardware.accelerator == "gpu" and not submitting and not gpu_available():
         errors.append(f"hardware={hardware.name} needs CUDA GPUs and this machine has none. "
                       f"Fix: hardware=cpu here, or submit with hydra/launcher=slurm.")
-    budget = hardware.device_memory_bytes if hardware.accelerator == "gpu" else hardware.host_memory_bytes
-    needed = approximate_parameters(cfg.model) * BYTES_PER_PARAMETER
-    if cfg.mode == "fit" and not cfg.model.planning_only and budget and needed > budget:
-        errors.append(f"model={cfg.model.name} needs about {needed / 1e9:.1f} GB for weights, "
-                      f"gradients and Adam state, more than hardware.{'device' if hardware.accelerator == 'gpu' else 'host'}"
-                      f"_memory_bytes={budget / 1e9:.1f} GB. Fix: a smaller model or a sharding "
-                      f"strategy.")
-    return errors
+    return errors + memory_errors(cfg, world)
+
+
+def memory_errors(cfg, world: int) -> list:
+    """A lower bound no strategy beats, in every mode (check too): the fp32 weights, gradients and
+    optimizer state, sharded evenly over all ranks (ZeRO-3) with host memory counted (L2L), must fit
+    each rank's share of its node. mode=plan is left to plan mode's full memory model, which says
+    how far over it is and where."""
+    if cfg.mode == "plan":
+        return []
+    hardware = cfg.hardware
+    gpu = hardware.accelerator == "gpu"
+    node_memory = hardware.host_memory_bytes + (hardware.devices_per_node * hardware.device_memory_bytes
+                                                if gpu else 0)
+    if not node_memory or cfg.optimizer.name not in OPTIMIZER_STATE_BYTES:
+        return []  # a profile without memory figures, or an unknown optimizer (reported already)
+    ranks_per_node = 1 if strategy_entry(cfg.strategy.name).one_process else hardware.devices_per_node
+    per_rank = hardware.host_memory_bytes / ranks_per_node + (hardware.device_memory_bytes if gpu else 0)
+    parameters = approximate_parameters(cfg.model)
+    total = parameters * (WEIGHT_AND_GRADIENT_BYTES + OPTIMIZER_STATE_BYTES[cfg.optimizer.name])
+    if total / world <= per_rank:
+        return []
+    share = (f"hardware.device_memory_bytes={hardware.device_memory_bytes / 1e9:.1f} GB plus a 1/"
+             f"{ranks_per_node} share of " if gpu else "")
+    nodes = math.ceil(total / node_memory)
+    return [f"model={cfg.model.name} has about {parameters / 1e9:.1f} billion parameters: their fp32 weights, "
+            f"gradients and {cfg.optimizer.name} state take {total / 1e9:.1f} GB, at least "
+            f"{total / world / 1e9:.1f} GB per rank even if sharded evenly over all {world} rank(s), "
+            f"more than {share}hardware.host_memory_bytes={hardware.host_memory_bytes / 1e9:.1f} GB "
+            f"per node allows each of its {ranks_per_node} rank(s) ({per_rank / 1e9:.1f} GB). Fix: "
+            f"hardware.nodes={nodes} or more with a sharding strategy (strategy=zero_layered), a "
+            f"hardware profile with more memory, or a smaller model."]
 
 
 def gpu_available() -> bool:
@@ -149,9 +251,31 @@ def check_data(cfg) -> list:
         if OmegaConf.is_missing(data, "path") or data.path is None:
             errors.append(f"data.path is not set: data={data.name} reads your files. "
                           f"Fix: data.path=/a/directory holding your {holding}.")
-        elif not Path(str(data.path)).exists():
+        elif not Path(str(data.path)).expanduser().exists():
             errors.append(f"data.path={data.path!r} does not exist. Fix: data.path=/a/directory "
                           f"holding your {holding}.")
+        else:
+            errors += data_path_errors(data, Path(str(data.path)).expanduser())
+    return errors
+
+
+def data_path_errors(data, directory: Path) -> list:
+    """What layerwise/data.py would refuse in every rank after start-up, found here first."""
+    fix = f"Fix: data.path=/a/directory holding your {'text files' if data.corpus == 'text_files' else 'train.bin and val.bin'}."
+    if not directory.is_dir():
+        return [f"data.path={data.path!r} is a file, not a directory. {fix}"]
+    if data.corpus == "text_files":
+        has_text = any(not name.startswith(".") and (Path(folder) / name).stat().st_size
+                       for folder, _, names in os.walk(directory) for name in names)
+        return [] if has_text else [f"data.path={data.path!r} holds no non-empty files. {fix}"]
+    errors = []
+    for name in TOKEN_BIN_FILES:
+        file = directory / name
+        if not file.is_file():
+            errors.append(f"data.path={data.path!r} has no {name} (nanoGPT's uint16 token file). {fix}")
+        elif file.stat().st_size == 0 or file.stat().st_size % 2:
+            errors.append(f"data.path={data.path!r}: {name} holds {file.stat().st_size} bytes, not a "
+                          f"non-empty uint16 array. Fix: re-export {name} as uint16 tokens.")
     return errors
 
 
@@ -184,8 +308,8 @@ def validate(cfg, submitting: bool = False) -> int:
 
     `submitting`: the run goes to a cluster (layerwise.slurm checks every point before submission),
     so this machine's own devices do not matter."""
-    errors = check_choices(cfg) + check_schema_keys(cfg)
-    if errors:  # later checks assume known names and declared keys
+    errors = check_choices(cfg) + check_schema_keys(cfg) + check_ranges(cfg)
+    if errors:  # later checks assume known names, declared keys and values in range
         raise ConfigError(errors)
     world = world_size(cfg)
     errors = (check_model(cfg) + check_hardware(cfg, world, submitting) + check_data(cfg)
@@ -194,3 +318,67 @@ def validate(cfg, submitting: bool = False) -> int:
         raise ConfigError(errors)
     OmegaConf.set_readonly(cfg, True)
     return world
+
+
+# ----- Hydra's own errors: raised while composing, before train.py's main runs ---------------------
+
+TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+              dict: "a mapping such as {key:value}", list: "a list such as [a,b]"}
+
+
+def composition_problem(error) -> str:
+    """One problem naming the field and the fix for an error Hydra or OmegaConf raised while
+    composing (train.py reports it like a ConfigError): an option a group lacks, a key a schema
+    lacks, a value of the wrong type, an override it cannot parse."""
+    cause = error.__cause__
+    if isinstance(error, MissingConfigException) and error.options and error.missing_cfg_file:
+        group, _, option = error.missing_cfg_file.rpartition("/")
+        close = difflib.get_close_matches(option, error.options, n=1)
+        fix = (f"{group}={close[0]} (options: {', '.join(error.options)})" if close
+               else f"{group}=<one of {', '.join(error.options)}>")
+        return f"{group}={option} is not an option of conf/{group}/. Fix: {fix}."
+    if isinstance(error, OverrideParseException):
+        return (f"{error.override}: Hydra cannot parse this override ({error.message.splitlines()[0]}). "
+                f"Fix: write key=value; quote values holding spaces or brackets, e.g. 'key=\"a b\"'.")
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
+        return unknown_key_problem(str(error), cause)
+    if isinstance(cause, ValidationError) and cause.full_key:
+        return wrong_type_problem(str(error), cause)
+    return (f"{str(error).splitlines()[0]}. Fix: `python train.py --cfg job` shows every setting "
+            f"and its value; `python train.py --help` lists every option.")
+
+
+def unknown_key_problem(message: str, cause) -> str:
+    """`model.layer=4`: the schema has no such key. Hydra's text suggests appending it with `+`,
+    which validation would then refuse: offer the key meant, or the keys there are."""
+    value = re.search(r"use \+\S+?=(\S*)", message)
+    value = value.group(1) if value else "..."
+    group, _, key = cause.full_key.rpartition(".")
+    prefix = f"{group}." if group else ""
+    declared = ([str(name) for name in cause.parent_node if name != "hydra"]
+                if cause.parent_node is not None else [])
+    close = difflib.get_close_matches(str(cause.key), declared, n=1)
+    owner = f"schema {cause.object_type.__name__}" if cause.object_type else "the config"
+    if "name" in declared and group in SCHEMA_GROUPS:
+        owner = f"{group}={cause.parent_node.name} ({owner})"
+    fix = (f"{prefix}{close[0]}={value}" if close
+           else f"remove {cause.full_key}={value} (the settings here: {', '.join(declared)})")
+    return f"Could not override '{cause.full_key}': {owner} has no such setting. Fix: {fix}."
+
+
+def wrong_type_problem(message: str, cause) -> str:
+    """`model.layers=abc`, `model.layers=null`: the schema's type refuses it; offer a value of the
+    right type (the current one)."""
+    override = re.search(r"override (\S+)", message)
+    current = None
+    try:
+        current = cause.parent_node[cause.key] if cause.parent_node is not None else None
+    except Exception:  # the node itself may be what failed to convert
+        pass
+    if OmegaConf.is_config(current):
+        current = OmegaConf.to_container(current)
+    words = TYPE_WORDS.get(type(current), "a value of the schema's type")
+    example = ("{" + ",".join(f"{k}:{v}" for k, v in current.items()) + "}" if isinstance(current, dict)
+               else str(current).lower() if isinstance(current, bool) else current)
+    return (f"{override.group(1) if override else cause.full_key}: {str(cause).splitlines()[0]}. "
+            f"Fix: {words}, e.g. {cause.full_key}={example}.")

@@ -5,6 +5,11 @@ dict: its own layers, shards, optimizer state) and `layout.json` (world size and
 rank writes into `last.ckpt.tmp/`; after a barrier rank 0 swaps it in with renames, so a job killed
 at any instant leaves either the previous complete checkpoint or the new one, never a mixture.
 
+Faults (docs/faults.md): the checkpoint before `last` is kept as `previous.ckpt`, so a `last` that
+turns out truncated or corrupt (every file's zip CRCs are checked on load) is skipped with a message
+naming the file, and the run resumes from `previous`; every rank must agree, so the ranks vote. A
+write that fails (disk full) removes its partial file and leaves `last` as it was.
+
 Why not torch.distributed.checkpoint: DCP treats a plain tensor key present on several ranks as
 replicated and keeps rank 0's copy (ZeRO shards all share their names), and resharding on load is
 not needed while a resume uses the same layout, which `layout.json` enforces with a clear error.
@@ -12,7 +17,9 @@ not needed while a resume uses the same layout, which `layout.json` enforces wit
 
 import json
 import os
+import pickle
 import shutil
+import zipfile
 from pathlib import Path
 
 import torch
@@ -27,10 +34,111 @@ def _temporary(path: Path) -> Path:
     return path.with_name(path.name + ".tmp")
 
 
-def checkpoint_exists(path: Path) -> bool:
-    """A complete checkpoint is at `path` (file or directory), or survived a crash mid-swap."""
+def previous_checkpoint(path: Path) -> Path:
+    """Where the checkpoint before `path` is kept: `previous.ckpt` beside `last.ckpt` (other names,
+    such as a test's `step3.ckpt`, get their own `step3.previous.ckpt`)."""
     path = Path(path)
-    return path.exists() or _old(path).exists()
+    return path.with_name(("previous" if path.stem == "last" else path.stem + ".previous") + path.suffix)
+
+
+def candidates(path: Path) -> list:
+    """The checkpoints a resume may use, newest first: `last`, its pre-swap copy, `previous`."""
+    path = Path(path)
+    return [p for p in (path, _old(path), previous_checkpoint(path)) if p.exists()]
+
+
+def checkpoint_exists(path: Path) -> bool:
+    """A checkpoint is at `path` (file or directory), survived a crash mid-swap, or precedes it."""
+    return bool(candidates(path))
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message names the file and the fix."""
+
+
+# What torch.load, zipfile and json raise on a truncated or overwritten file (not a layout mismatch).
+UNREADABLE = (CheckpointError, RuntimeError, EOFError, OSError, pickle.UnpicklingError,
+              zipfile.BadZipFile, json.JSONDecodeError, UnicodeDecodeError)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def write_checkpoint_file(checkpoint: dict, file: Path) -> None:
+    """torch.save through a Python file, so a full disk raises OSError (a path gives torch's
+    opaque stream error); synced before any rename relies on it. A failed write leaves no file."""
+    try:
+        with open(file, "wb") as handle:
+            torch.save(checkpoint, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        file.unlink(missing_ok=True)
+        raise CheckpointError(
+            f"could not write checkpoint file {file}: {error.strerror or error}. Nothing was "
+            f"swapped in: the last complete checkpoint beside it is untouched. Fix: free space "
+            f"on that file system (or give the run another directory with hydra.run.dir=...), then "
+            f"rerun the same command: it resumes from that checkpoint.") from error
+
+
+def swap_in(temporary: Path, path: Path) -> None:
+    """Make `temporary` the checkpoint at `path`, keeping the one it replaces as `previous`.
+
+    Renames only: a crash leaves `path`, or (between the renames) `previous` and the temporary,
+    each complete. The old `previous` is renamed aside before it is deleted, never half-deleted."""
+    previous = previous_checkpoint(path)
+    if path.exists():  # the first save of a name keeps whatever `previous` there is
+        _remove(_old(previous))
+        if previous.exists():
+            os.replace(previous, _old(previous))
+        os.replace(path, previous)
+    os.replace(temporary, path)
+    _remove(_old(previous))
+
+
+def verify_zip(file: Path) -> None:
+    """torch.save's zip CRCs: torch.load itself loads a file with overwritten tensor bytes silently."""
+    with zipfile.ZipFile(file) as archive:
+        damaged = archive.testzip()
+    if damaged is not None:
+        raise CheckpointError(f"{file}: entry {damaged} fails its CRC check (the file is corrupt)")
+
+
+def read_checkpoint_file(file: Path) -> dict:
+    """One checkpoint file, checked; CheckpointError naming the file if it is damaged."""
+    try:
+        verify_zip(file)
+        return torch.load(file, map_location="cpu", weights_only=False)
+    except UNREADABLE as error:
+        raise CheckpointError(f"{file} is unreadable ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else 'empty'})") from error
+
+
+def load_first_readable(path: Path, read, agree=lambda ok: ok, say=print):
+    """`read(candidate)` of the newest candidate every rank can read (`agree` votes).
+
+    A damaged `last` is reported and skipped for `previous`; if none is readable, the error names
+    each file and the fix."""
+    problems = []
+    for candidate in candidates(path):
+        try:
+            state, problem = read(candidate), None
+        except UNREADABLE as error:
+            state, problem = None, str(error)
+        if agree(problem is None):
+            if problems:
+                say(f"[layerwise] checkpoint {path} is damaged ({'; '.join(problems)}): "
+                    f"falling back to {candidate}")
+            return state
+        problems.append(problem or f"another rank could not read its file of {candidate}")
+    raise CheckpointError(
+        f"no readable checkpoint at {path}: {'; '.join(problems) or 'nothing there'}. Fix: delete "
+        f"the damaged checkpoint ({path}) to start over, or rerun with resume=false (or another "
+        f"run_name) to start a new run without it.")
 
 
 def save_per_rank(checkpoint: dict, path: Path, rank: int, layout: dict, barrier) -> None:
@@ -40,26 +148,29 @@ def save_per_rank(checkpoint: dict, path: Path, rank: int, layout: dict, barrier
         temporary.mkdir(parents=True)
         (temporary / "layout.json").write_text(json.dumps(layout))
     barrier("checkpoint directory created")
-    torch.save(checkpoint, temporary / f"rank{rank}.pt")
+    write_checkpoint_file(checkpoint, temporary / f"rank{rank}.pt")
     barrier("every rank wrote its file")
     if rank == 0:
-        if path.exists():
-            os.replace(path, _old(path)) if path.is_dir() else path.unlink()
-        os.replace(temporary, path)
-        shutil.rmtree(_old(path), ignore_errors=True)
+        swap_in(temporary, path)
     barrier("checkpoint swapped in")
 
 
-def load_per_rank(path: Path, rank: int, layout: dict) -> dict:
-    path = Path(path)
-    if not path.exists() and _old(path).exists():  # killed between the two renames
-        path = _old(path)
-    saved = json.loads((path / "layout.json").read_text())
-    if saved != layout:
+def load_per_rank(path: Path, rank: int, layout: dict, agree=lambda ok: ok) -> dict:
+    """This rank's file of the newest checkpoint all ranks can read (see load_first_readable)."""
+    return load_first_readable(Path(path), lambda candidate: _read_rank(candidate, rank, layout),
+                               agree, say=print if rank == 0 else lambda message: None)
+
+
+def _read_rank(path: Path, rank: int, layout: dict) -> dict:
+    try:
+        saved = json.loads((path / "layout.json").read_text())
+    except UNREADABLE as error:
+        raise CheckpointError(f"{path / 'layout.json'} is unreadable ({error})") from error
+    if saved != layout:  # not damage: a ValueError, never a fallback to an older checkpoint
         raise ValueError(f"checkpoint {path} was written with layout {saved}; this run has "
                          f"{layout}. Fix: resume with the same strategy degrees and world size, "
                          f"or start a new run with run_name=<new name>.")
-    return torch.load(path / f"rank{rank}.pt", map_location="cpu", weights_only=False)
+    return read_checkpoint_file(path / f"rank{rank}.pt")
 
 
 class PerRankCheckpoints:
@@ -86,7 +197,9 @@ class PerRankCheckpoints:
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        return load_per_rank(Path(checkpoint_path), self.global_rank, self.layout.describe())
+        # every rank must resume from the same checkpoint: a file damaged on one rank moves all
+        return load_per_rank(Path(checkpoint_path), self.global_rank, self.layout.describe(),
+                             agree=lambda ok: self.reduce_boolean_decision(ok, all=True))
 
     @override
     def remove_checkpoint(self, filepath) -> None:

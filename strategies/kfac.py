@@ -41,12 +41,12 @@ def split_factor(name: str) -> tuple:
     return ("B" if style.position == "first" else "A"), style.fused
 
 
-def shard_indices(size: int, blocks: int, fused: int) -> list:
+def shard_indices(size: int, blocks: int, fused: int, device=None) -> list:
     """Index sets of the `blocks` shards of a factor of `size`: contiguous chunks, or for a fused
     [Q|K|V] output the chunk of each part (grids.interleave_fused's order)."""
     part = size // fused
-    return [torch.cat([torch.arange(j * part + t * part // blocks, j * part + (t + 1) * part // blocks)
-                       for j in range(fused)]) for t in range(blocks)]
+    return [torch.cat([torch.arange(j * part + t * part // blocks, j * part + (t + 1) * part // blocks,
+                                    device=device) for j in range(fused)]) for t in range(blocks)]
 
 
 def block_diagonal_inverse(factor: torch.Tensor, index_sets: list, damping: float) -> torch.Tensor:
@@ -170,7 +170,7 @@ class KFAC:
             matrix = self.factors[name][factor]
             split, fused = split_factor(name)
             if self.factor_blocks > 1 and factor == split:
-                indices = shard_indices(matrix.shape[0], self.factor_blocks, fused)
+                indices = shard_indices(matrix.shape[0], self.factor_blocks, fused, matrix.device)
                 inverse = block_diagonal_inverse(matrix, indices, dampings[factor])
             else:
                 inverse = damped_inverse(matrix, dampings[factor])

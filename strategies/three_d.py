@@ -9,7 +9,6 @@ run inside them. `optimizer_step` then sums the gradients of replicated paramete
 groups holding copies and every gradient over the data group, and steps (TECHNIQUES §4).
 """
 
-import torch
 from typing_extensions import override
 
 from parallel.layout import Degrees

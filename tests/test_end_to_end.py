@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["debug=fast", "model.layers=2", "trainer.max_steps=6", "trainer.val_check_interval=3",

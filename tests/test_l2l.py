@@ -10,7 +10,6 @@ import torch
 from omegaconf import OmegaConf
 
 from parallel.comm import Communicator, Group
-from parallel.memory import ComputeMemoryMeter
 from layerwise.optim import build_optimizer
 from layerwise.run import train
 from layerwise.validate import ConfigError, validate

@@ -91,7 +91,7 @@ BAD = [
     (["model.layers=3", "strategy.layers_per_stage=2"], "model.layers=3 is not divisible by strategy.layers_per_stage"),
     (["model.layers=3"], "model.layers=3 makes 3 stages"),
     (["strategy.pipeline_degree=3"], "strategy.pipeline_degree=3 does not divide the world size 2"),
-    (["strategy.schedule=zigzag"], "unknown strategy.schedule 'zigzag'"),
+    (["strategy.schedule=zigzag"], "strategy.schedule='zigzag' is unknown"),
 ]
 
 

@@ -4,7 +4,6 @@ Test ids: {schedule}_pp{p}_m{m}_k{k} = pipeline degree p, m micro-batches, refre
 """
 
 import dataclasses
-import json
 import math
 
 import pytest

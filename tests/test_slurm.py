@@ -28,7 +28,11 @@ STEPS = 16
 # so a resumed run can only have resumed from the preemption's checkpoint.
 COMMON = ["hardware.nodes=2", "debug=fast", "data.global_batch_size=8", "data.max_bytes=2000000",
           "logger.name=wandb", f"trainer.max_steps={STEPS}", "trainer.val_check_interval=8",
-          "trainer.checkpoint_every_n_steps=100", "trainer.check_point_to_point_order=true"]
+          "trainer.checkpoint_every_n_steps=100", "trainer.check_point_to_point_order=true",
+          # the local test cluster's nodes have RealMemory=8000 MB (scripts/local_slurm.sh), less than
+          # the cpu profile's host memory that mem_gb follows by default: sbatch would refuse the job
+          # (a hydra.* override: it does not lengthen the sweep points' directory names)
+          "hydra.launcher.mem_gb=6"]
 
 
 def train_py(*arguments, environment=None, timeout=300):

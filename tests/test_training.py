@@ -1,7 +1,6 @@
 """Numerics and evidence of the plain strategies: ddp equals single; bytes equal the formula."""
 
 import csv
-import json
 
 import pytest
 import torch

@@ -1,0 +1,418 @@
+"""Dry run (prototype): one rank's real setup and training step at the full world size, in this process.
+
+Issue 16 item 2. The rank runs the same code as in `fit` (the strategy from the registry, the task,
+the data module, a Lightning Trainer) against torch's fake process group
+(`torch.testing._internal.distributed.fake_pg.FakeStore`, backend "fake"): every collective and
+point-to-point call returns at once and leaves its buffers as they were, so receives deliver
+uninitialised memory. Losses are therefore meaningless (NaN is fine); what is real is what the rank
+*issues* and what it *holds*:
+
+1. `collectives`: every call the rank's counted Communicator makes (parallel/comm.py), with kind,
+   group family, group size, elements, element size and logical bytes, split by phase
+   ("setup": materialising, synchronising replicas, first contacts; "step": one training step);
+2. `raw_calls`: every c10d operator the rank issued, seen by a dispatch mode below the
+   Communicator (an independent record: what the Communicator does not count shows up here,
+   e.g. the pipeline's evidence `all_gather_object`);
+3. `bytes_by_kind`: the step's logical bytes per kind, what a real run's `comm_bytes_per_step`
+   holds for this rank (a real run's summary reports the maximum over ranks);
+4. `peak_compute_bytes`: the step's compute-side peak from parallel/memory.py's meter, set up as
+   layerwise/evidence.py sets it up (resident tensors of the strategy, then every storage an
+   operator creates); `setup_peak_bytes` as the strategy measures it while materialising.
+
+The Trainer is built with the arguments layerwise/run.py's `build_trainer` uses, minus what a dry run
+must not do: loggers, checkpoints (they would write the run directory), the non-finite guard (losses
+are garbage by construction) and validation. Rendezvous variables are set for the call and restored
+after; the fake process group is destroyed on the way out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from layerwise import data as data_lib
+from layerwise.launch import RENDEZVOUS_VARIABLES
+from layerwise.task import LanguageModelData, LanguageModelTask, objective_of
+from parallel.comm import KINDS
+from parallel.memory import ComputeMemoryMeter
+from strategies import strategy_entry
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One counted call of the Communicator, as this rank issued it."""
+
+    phase: str  # "setup" | "step"
+    kind: str  # parallel.comm.KINDS
+    group: str  # the group's family name (data, pipeline, tensor, a grid family, ...)
+    group_size: int
+    elements: int
+    element_size: int
+    bytes: float  # logical volume: elements × element size × ring factor (parallel/comm.py)
+
+
+class RawCollectiveLog(TorchDispatchMode):
+    """Every c10d operator issued inside the block (collectives, sends, receives, barriers), with
+    the process group it ran on: an independent record below the Communicator."""
+
+    def __init__(self, phase: dict, group_names: dict):
+        super().__init__()
+        self.phase = phase
+        self.group_names = group_names  # ProcessGroup.group_name -> the layout's family name
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.calls.append((self.phase["name"], func.overloadpacket.__name__, self._group_of(args)))
+        return func(*args, **(kwargs or {}))
+
+    def _group_of(self, args) -> str:
+        """The family of the process group among the operator's arguments (a boxed ScriptObject)."""
+        for argument in args:
+            if isinstance(argument, torch.ScriptObject):
+                try:
+                    group = dist.ProcessGroup.unbox(argument)
+                except RuntimeError:  # a ReduceOp or a Work, not a group
+                    continue
+                if group is dist.group.WORLD:
+                    return "world"
+                return self.group_names.get(group.group_name, f"unnamed group of {group.size()}")
+        return "none"
+
+
+class DryRunProbe(pl.Callback):
+    """Records the Communicator's calls by phase and measures the step as RunEvidence does."""
+
+    def __init__(self, sampled: bool = True):
+        self.sampled = sampled  # what measure_this_step tells the strategy (its evidence gathers)
+        self.phase = {"name": "setup"}
+        self.collectives = []
+        self.step_seconds = None
+        self.peak_compute_bytes = None
+        self.matrix_product_dtypes = {}
+        self._meter = None
+        self._started = None
+
+    def setup(self, trainer, pl_module, stage):
+        communicator = trainer.strategy.communicator()  # the layout exists: setup_environment ran
+        if communicator is None:
+            return
+        count = communicator.count
+
+        def recording_count(kind, group_name, elements, element_size, group_size):
+            before = communicator.bytes_by_kind[kind]
+            count(kind, group_name, elements, element_size, group_size)
+            self.collectives.append(Collective(self.phase["name"], kind, group_name, group_size, int(elements),
+                                               int(element_size), communicator.bytes_by_kind[kind] - before))
+        communicator.count = recording_count  # this instance only; every counted call passes here
+
+    def on_train_batch_start(self, trainer, module, batch, batch_index):
+        self.phase["name"] = "step"
+        communicator = trainer.strategy.communicator()
+        if communicator is not None:
+            communicator.reset()
+        trainer.strategy.measure_this_step(self.sampled)
+        self._meter = ComputeMemoryMeter()
+        self._meter.resident(trainer.strategy.compute_resident_tensors())
+        self._meter.__enter__()
+        self._started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
+        self.step_seconds = time.perf_counter() - self._started
+        self._meter.__exit__(None, None, None)
+        self.peak_compute_bytes = float(self._meter.peak_bytes)
+        self.matrix_product_dtypes = dict(self._meter.matrix_product_dtypes)
+        self._meter = None
+        self.phase["name"] = "after"
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int, ranks_per_node: int):
+    """The fake process group as `rank` of `world_size`, with the rendezvous variables a launched
+    rank would see (Lightning then starts no processes and reuses the initialised group)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process")
+    saved = {name: os.environ.get(name) for name in RENDEZVOUS_VARIABLES}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", WORLD_SIZE=str(world_size),
+                      RANK=str(rank), LOCAL_RANK=str(rank % ranks_per_node),
+                      NODE_RANK=str(rank // ranks_per_node))
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def node_split(cfg, world_size: int) -> tuple:
+    """(nodes, ranks per node) for Lightning: the hardware's node size when it divides the world."""
+    per_node = cfg.hardware.devices_per_node
+    if world_size % per_node == 0:
+        return world_size // per_node, per_node
+    return 1, world_size
+
+
+def dry_trainer(cfg, strategy, probe, nodes: int, per_node: int) -> pl.Trainer:
+    """layerwise/run.py build_trainer's arguments, without loggers, checkpoints, guard, validation."""
+    return pl.Trainer(
+        accelerator="cpu", devices=per_node, num_nodes=nodes, strategy=strategy,
+        precision=cfg.hardware.precision, max_steps=1, limit_val_batches=0, num_sanity_val_steps=0,
+        check_val_every_n_epoch=None, val_check_interval=None, logger=False, callbacks=[probe],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, gradient_clip_val=cfg.trainer.gradient_clip_val or None,
+        default_root_dir=None, accumulate_grad_batches=1)
+
+
+def dry_run(cfg, rank: int, world_size: int, fake_tensors: bool = False) -> dict:
+    """Set up `rank` of `world_size` for cfg's strategy and run one training step under the fake
+    process group; return what it issued and held (module docstring).
+
+    fake_tensors: materialise and step under FakeTensorMode (shapes, dtypes and storages' sizes,
+    no data): for models that do not fit this machine. The batch stays real (it is small: token
+    ids), the corpus is synthetic when the model is `planning_only` (its vocabulary is
+    data.vocab_size, not the bytes of the default corpus)."""
+    torch.set_flush_denormal(True)  # garbage receive buffers: denormals would make matmuls crawl
+    nodes, per_node = node_split(cfg, world_size)
+    started = time.perf_counter()
+    with fake_world(rank, world_size, per_node):
+        result = one_rank_step(cfg, world_size, emulate_object_broadcast=True, fake_tensors=fake_tensors)
+    result["seconds"] = time.perf_counter() - started
+    return result
+
+
+def one_rank_step(cfg, world_size: int, emulate_object_broadcast: bool = False,
+                  fake_tensors: bool = False) -> dict:
+    """This process's rank (from the rendezvous variables): build, set up and run one step,
+    recording as the module docstring says. Under the fake group (dry_run) or a real one (a rank
+    started by layerwise.launch.run_ranks: the per-rank reference a dry run is checked against)."""
+    nodes, per_node = node_split(cfg, world_size)
+    entry = strategy_entry(cfg.strategy.name)
+    pl.seed_everything(cfg.seed, workers=False, verbose=False)
+    corpus = synthetic_corpus(cfg) if cfg.model.get("planning_only") else data_lib.load_corpus(
+        cfg.data.corpus, path=cfg.data.path, max_bytes=cfg.data.max_bytes,
+        validation_fraction=cfg.data.validation_fraction, vocab_size=cfg.data.vocab_size)
+    vocabulary = data_lib.model_vocab_size(corpus, objective_of(cfg.model))
+    task = LanguageModelTask(cfg, vocabulary)
+    strategy = entry.build(cfg, world_size)
+    # Under fake tensors the pipeline's evidence (all_gather_object of executed records) would read
+    # pickled sizes from fake tensors: an unsampled step skips it, as real runs do between samples.
+    probe = DryRunProbe(sampled=not fake_tensors)
+    trainer = dry_trainer(cfg, strategy, probe, nodes, per_node)
+    raw = RawCollectiveLog(probe.phase, {})
+    emulated = Counter()
+    if emulate_object_broadcast:
+        strategy.broadcast = _local_object_broadcast(strategy, emulated)
+    if fake_tensors:
+        from strategies.zero_layered import ZeroLayeredStrategy
+        if isinstance(strategy, ZeroLayeredStrategy):
+            # Measured: the step completes on a first stage but its peak is 1/3 of the real one.
+            raise NotImplementedError(
+                "dry run with fake_tensors=True of a ZeRO strategy: ShardedStageWork keys its saved-tensor "
+                "hooks by untyped_storage().data_ptr(), which is 0 for every fake tensor, so every saved "
+                "activation would be taken for a piece of the gathered stage (peak under-counted, or a "
+                "crash on the last stage). Fix (strategies/zero_layered.py): key by the storage object "
+                "(a WeakIdKeyDictionary of untyped_storage()), not its address. Use fake_tensors=False.")
+        _under_fake_tensors(strategy, emulated)
+        # Lightning moves the module to the root device after setup and to the CPU at teardown:
+        # FakeTensor parameters cannot be swapped by nn.Module._apply (the mode holds weak
+        # references to them), and they already live on the root device.
+        task.to = lambda *args, **kwargs: task
+        task.cpu = lambda: task
+    with _naming_groups(strategy, raw), raw:
+        trainer.fit(task, datamodule=LanguageModelData(cfg, corpus))
+    layout = strategy.layout
+    return {
+        "rank": trainer.global_rank, "world_size": world_size, "strategy": cfg.strategy.name,
+        "layout": layout.degrees.as_dict() if layout is not None else None,
+        "coordinates": dict(layout.coordinates) if layout is not None else None,
+        "vocabulary": vocabulary,
+        "collectives": [asdict(c) for c in probe.collectives],
+        "bytes_by_kind": by_kind(probe.collectives, "step"),
+        "setup_bytes_by_kind": by_kind(probe.collectives, "setup"),
+        "bytes_by_group": by_group(probe.collectives, "step"),
+        "calls_by_kind": dict(Counter(c.kind for c in probe.collectives if c.phase == "step")),
+        "raw_calls": raw_summary(raw.calls),
+        "emulated": dict(emulated),
+        "peak_compute_bytes": probe.peak_compute_bytes,
+        "setup_peak_bytes": strategy.setup_peak_bytes,
+        "matrix_product_dtypes": probe.matrix_product_dtypes,
+        "steps": trainer.global_step,
+        "step_seconds": probe.step_seconds,
+    }
+
+
+def synthetic_corpus(cfg) -> data_lib.Corpus:
+    """Random token ids over data.vocab_size: a planning-only model has no corpus to train on."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    size = 4 * (cfg.data.sequence_length + 1)
+    # host: a corpus lives on the host, as layerwise.data's do; batches are moved per step
+    train, validation = (torch.randint(0, cfg.data.vocab_size, (size,), generator=generator, device="cpu")
+                         for _ in range(2))
+    return data_lib.Corpus(train, validation, cfg.data.vocab_size, "synthetic")
+
+
+class UpperBoundNonzero(TorchDispatchMode):
+    """aten.nonzero's output size depends on values, which fake tensors do not have (the
+    vocabulary-parallel loss's backward takes the rows whose target is on this rank). Answer with
+    the upper bound, every element: its int64 index tensor is counted at most (rows × dims × 8 bytes
+    more than a real run holds, a few KiB), and the step goes on."""
+
+    def __init__(self, emulated: Counter):
+        super().__init__()
+        self.emulated = emulated
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.nonzero.default:
+            self.emulated["aten.nonzero (upper bound: every element)"] += 1
+            source = args[0]
+            return torch.empty((source.numel(), source.dim()), dtype=torch.long, device=source.device)
+        return func(*args, **(kwargs or {}))
+
+
+def _under_fake_tensors(strategy, emulated: Counter) -> None:
+    """Run the strategy's materialisation and its optimizer step (closure: training_step, backward;
+    then reductions and the update) under one FakeTensorMode. Data loading stays outside it (it
+    reads values: offsets.tolist()); real batches enter the mode as constants."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    for name in ("shard_lightning_module", "optimizer_step"):
+        method = getattr(strategy, name)
+
+        def under_mode(*args, _method=method, **kwargs):
+            with mode, _fake_to_empty(), UpperBoundNonzero(emulated):
+                return _method(*args, **kwargs)
+        setattr(strategy, name, under_mode)
+
+
+@contextlib.contextmanager
+def _fake_to_empty():
+    """models/transformer.py builds each part on meta, then `to_empty(device)`. Under FakeTensorMode
+    the meta parameters are FakeTensors, which nn.Module._apply must swap in place, and the mode's
+    own weak references forbid the swap. While the mode is on, replace the parameters instead (what
+    to_empty means: new storage, no values; `initialize` then fills them as in a real run)."""
+    original = torch.nn.Module.to_empty
+
+    def to_empty(self, *, device, recurse=True):
+        for module in self.modules() if recurse else [self]:
+            for key, parameter in list(module._parameters.items()):
+                if parameter is not None:
+                    module._parameters[key] = torch.nn.Parameter(torch.empty_like(parameter, device=device),
+                                                                 requires_grad=parameter.requires_grad)
+            for key, buffer in list(module._buffers.items()):
+                if buffer is not None:
+                    module._buffers[key] = torch.empty_like(buffer, device=device)
+        return self
+    torch.nn.Module.to_empty = to_empty
+    try:
+        yield
+    finally:
+        torch.nn.Module.to_empty = original
+
+
+def _local_object_broadcast(strategy, emulated: Counter):
+    """Lightning's `strategy.broadcast(obj, src)` pickles through broadcast_object_list, whose size
+    message a fake group never delivers: a rank other than `src` would allocate a garbage size.
+    Lightning broadcasts only values every rank computes alike (log_dir, checkpoint paths), so the
+    dry run keeps the local object and counts the call."""
+    def broadcast(obj, src: int = 0):
+        emulated["lightning strategy.broadcast (object)"] += 1
+        return obj
+    return broadcast
+
+
+@contextlib.contextmanager
+def _naming_groups(strategy, raw: RawCollectiveLog):
+    """Once the layout exists, name its process groups in the raw log (by the family they serve)."""
+    original = strategy.setup_environment
+
+    def setup_environment():
+        original()
+        if strategy.layout is not None:
+            for name, group in strategy.layout.groups.items():
+                if group is not None and group.process_group not in (None, dist.group.WORLD):
+                    raw.group_names[group.process_group.group_name] = name
+    strategy.setup_environment = setup_environment
+    try:
+        yield
+    finally:
+        del strategy.setup_environment
+
+
+def by_kind(collectives, phase: str) -> dict:
+    totals = {kind: 0.0 for kind in KINDS}
+    for c in collectives:
+        if c.phase == phase:
+            totals[c.kind] += c.bytes
+    return totals
+
+
+def by_group(collectives, phase: str) -> dict:
+    totals = defaultdict(float)
+    for c in collectives:
+        if c.phase == phase:
+            totals[c.group] += c.bytes
+    return dict(totals)
+
+
+def raw_summary(calls) -> dict:
+    """{phase: {"op on group": count}} of the c10d operators issued."""
+    summary = defaultdict(Counter)
+    for phase, op, group in calls:
+        summary[phase][f"{op} on {group}"] += 1
+    return {phase: dict(counts) for phase, counts in summary.items()}
+
+
+# ----- the analytic side: strategies/traffic.py's formula for the same rank
+
+PIPELINE_FAMILIES = ("modular_pipeline", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_layered",
+                     "zero_depth_first")
+TENSOR_FAMILIES = {"three_d": "3d", "tp_1d": "1d", "tp_2d": "2d"}
+
+
+def formula_bytes(cfg, world_size: int, pipeline_rank: int, vocabulary: int) -> dict:
+    """strategies/traffic.py's bytes per kind for one rank at `pipeline_rank`, for the pipeline
+    strategies (plain, composed with a tensor grid, ZeRO-layered) and the tensor-parallel ones (one
+    stage holding every layer, one micro-batch of the rank's rows, one gradient reduction)."""
+    from strategies.modular_pipeline import compute_plan, tensor_parallel, training_plan
+    from strategies.schedule import add_communication, add_gradient_reductions, build_plan
+    from strategies.traffic import ComposedLayout, GptShape, all_reduce, step_traffic
+    from strategies.zero_layered import ZeroLayeredStrategy
+    strategy, name = cfg.strategy, cfg.strategy.name
+    degrees = strategy_entry(name).degrees(cfg, world_size)
+    shape = GptShape(cfg.model.hidden, cfg.model.mlp_ratio, vocabulary, cfg.data.sequence_length,
+                     cfg.model.max_sequence_length)
+    if name in PIPELINE_FAMILIES:
+        zero = name.startswith("zero")
+        layout = ComposedLayout(degrees.data, degrees.pipeline, tensor_parallel(strategy), strategy.tensor_grid, zero)
+        plan = (ZeroLayeredStrategy.complete_plan(compute_plan(strategy, cfg.model.layers)) if zero
+                else training_plan(strategy, cfg.model.layers))
+        rows = cfg.data.global_batch_size // (degrees.data * strategy.micro_batches)
+        layers_per_stage = strategy.layers_per_stage
+    elif name in TENSOR_FAMILIES:
+        layout = ComposedLayout(degrees.data, 1, TENSOR_FAMILIES[name], strategy.tensor_grid)
+        plan = add_gradient_reductions(add_communication(build_plan("gpipe", pipeline_degree=1, stages=1,
+                                                                    micro_batches=1)))
+        rows, layers_per_stage = cfg.data.global_batch_size // degrees.data, cfg.model.layers
+    else:
+        raise NotImplementedError(f"no traffic formula wired for strategy {name!r} yet")
+    traffic = step_traffic(plan, layout, pipeline_rank, shape, layers_per_stage, rows)
+    if name in TENSOR_FAMILIES:
+        # Not in traffic.py (its head_traffic is the pipelines' loss, normalised per data rank):
+        # the tensor-parallel strategies normalise over the whole batch (parallelize's
+        # loss_over_data=True), so the loss's valid-token count and total are summed over data too.
+        traffic["all_reduce"] += 2 * all_reduce(1, degrees.data)
+    return {kind: float(traffic.get(kind, 0.0)) for kind in KINDS}

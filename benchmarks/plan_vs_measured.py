@@ -41,6 +41,8 @@ CONFIGS = {
                                    "hardware.devices_per_node=8"],
     "modular_pipeline p4 m8": ["strategy=modular_pipeline", "strategy.pipeline_degree=4", "strategy.micro_batches=8",
                                "hardware.devices_per_node=4"],
+    "modular_pipeline p2 × 3d q2": ["strategy=modular_pipeline", "strategy.tensor_parallel=3d",
+                                    "hardware.devices_per_node=16", "data.global_batch_size=32"],
 }
 
 

@@ -71,9 +71,26 @@ def block_saved_bytes(workload: "Workload", tokens: float, flash: bool) -> float
     whole on every rank; 2-D/3-D grids split everything. (Dropout masks, 1 byte each, are left out.)"""
     shape, ranks = workload.shape, workload.tensor_ranks
     h, r = shape.hidden, shape.mlp_ratio
+    scores = 0 if flash else workload.heads * shape.length
+    if workload.layout.tensor_grid in ("2d", "3d"):
+        return grid_block_saved_elements(workload, tokens, scores) * workload.activation_bytes
     residual = 4 * h / (1 if workload.layout.tensor_grid == "1d" else ranks)
-    split = (4 * h + 2 * r * h + (0 if flash else workload.heads * shape.length)) / ranks
+    split = (4 * h + 2 * r * h + scores) / ranks
     return (residual + split) * tokens * workload.activation_bytes
+
+
+def grid_block_saved_elements(workload: "Workload", tokens: float, scores: float) -> float:
+    """A 2-D/3-D block: each GridLinear saves the *gathered* X and W its product used
+    (collectives.GatherMatmulScatter: X gathered over q ranks to tokens·in/q (2-D) or tokens·in/q²
+    (3-D), W to in·out/q or in·out/q²), per micro-batch; the split LayerNorms save their centred and
+    normalised pieces (2 each), attention its q, k, v and output pieces, GELU its input piece.
+    A piece is 1/(grid ranks) of the full activation."""
+    shape, q, ranks = workload.shape, workload.layout.edge, workload.tensor_ranks
+    h, r = shape.hidden, shape.mlp_ratio
+    gather = q if workload.layout.tensor_grid == "2d" else q * q
+    linears = sum(tokens * fan_in / gather + fan_in * fan_out / gather for fan_in, fan_out, _, _ in shape.linears())
+    pieces = tokens * (2 * 2 * h + 3 * h + h + r * h + scores) / ranks
+    return linears + pieces
 
 
 def in_flight(row, stages=None) -> int:

@@ -1,0 +1,134 @@
+"""Export a run's model as one plain file anything can load.
+
+    python -m layerwise.export RUN_DIR --out model.safetensors [--checkpoint last]
+
+Writes the plain model's state dict — the names and shapes `models.build_model` gives, whatever
+strategy trained it — with the model's config in the file's metadata, so
+`load_exported(path)` (or any safetensors reader) gets the model back. Per-rank checkpoints are
+read one pipeline position at a time (a rank file also holds its optimizer state, 3× its weights
+under AdamW): only the plain model is ever whole in memory. Merging uses each strategy's own
+`consolidate` (strategies/registry.py), the function the tests hold to `single`.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from strategies import strategy_entry
+
+PREFIX = "model."
+
+
+def checkpoint_path(run_directory: Path, checkpoint: str) -> Path:
+    path = Path(run_directory) / "checkpoints" / f"{checkpoint}.ckpt"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: export needs a run directory with a checkpoint "
+                                f"(trainer.checkpoint_every_n_steps, or the one written at the end of fit)")
+    return path
+
+
+def run_config(run_directory):
+    """The resolved config train.py saved in the run directory."""
+    path = Path(run_directory) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: export reads the run's resolved config, which "
+                                f"train.py writes there")
+    return OmegaConf.load(path)
+
+
+def plain_state(run_directory, checkpoint: str = "last") -> dict:
+    """The plain model's state dict (models/ names) from any strategy's checkpoint."""
+    path = checkpoint_path(Path(run_directory), checkpoint)
+    cfg = run_config(run_directory)
+    if path.is_file():  # single, ddp: one Lightning file
+        merged = _load(path)
+    elif (path / ".metadata").is_file():  # fsdp2: torch.distributed.checkpoint
+        merged = _load_distributed_checkpoint(path)
+    else:
+        merged = _merge_positions(path, strategy_entry(cfg.strategy.name).consolidate)
+    return {name[len(PREFIX):]: value.detach().clone() for name, value in merged.items() if name.startswith(PREFIX)}
+
+
+def _load(path: Path) -> dict:
+    state = torch.load(path, weights_only=False, map_location="cpu")["state_dict"]  # host: offline export
+    return {name.removeprefix("module."): value for name, value in state.items()}
+
+
+def _load_distributed_checkpoint(path: Path) -> dict:
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(path, Path(scratch) / "whole.pt")
+        return torch.load(Path(scratch) / "whole.pt", weights_only=False)["state_dict"]
+
+
+def _merge_positions(path: Path, consolidate) -> dict:
+    """One pipeline position at a time: its ranks' files (the data replicas too when they hold
+    ZeRO shards, else data replica 0's tensor block), merged by the strategy's consolidate."""
+    layout = json.loads((path / "layout.json").read_text())
+    data, pipeline, tensor = layout["data"], layout["pipeline"], layout.get("tensor", 1)
+    merged = {}
+    for position in range(pipeline):
+        first = _load_rank(path, tensor * position)
+        replicas = data if any(name.startswith(PREFIX + "zero_shards.") for name in first) else 1
+        ranks = [t + tensor * (position + pipeline * d) for d in range(replicas) for t in range(tensor)]
+        states = [first if rank == tensor * position else _load_rank(path, rank) for rank in ranks]
+        merged.update(consolidate(states, {**layout, "data": replicas, "pipeline": 1}))
+        del first, states  # the next position's files replace these
+    return merged
+
+
+def _load_rank(path: Path, rank: int) -> dict:
+    return torch.load(path / f"rank{rank}.pt", weights_only=False, map_location="cpu")["state_dict"]  # host
+
+
+def export(run_directory, out, checkpoint: str = "last") -> dict:
+    """Write `out` (safetensors) and return the state dict written."""
+    from safetensors.torch import save_file
+    state = {name: value.contiguous() for name, value in plain_state(run_directory, checkpoint).items()}
+    cfg, vocabulary = run_config(run_directory), state["embed.token.weight"].shape[0]
+    metadata = {"model": json.dumps(OmegaConf.to_container(cfg.model, resolve=True)),
+                "vocab_size": str(vocabulary), "seed": str(cfg.seed), "strategy": cfg.strategy.name,
+                "checkpoint": checkpoint}
+    save_file(state, str(out), metadata=metadata)
+    return state
+
+
+def load_exported(path):
+    """(the plain model with the exported weights, its model config) from an exported file."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from layerwise.task import model_arguments
+    from models import build_model
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+    model_config = OmegaConf.create(json.loads(metadata["model"]))
+    model = build_model(model_config.architecture,
+                        **model_arguments(model_config, int(metadata["vocab_size"]), int(metadata["seed"])))
+    model.load_state_dict(load_file(str(path)))
+    return model, model_config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run_directory", type=Path, help="a run directory (runs/<run_name>)")
+    parser.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
+    parser.add_argument("--checkpoint", default="last", help="which checkpoint: last (default) or a step name")
+    arguments = parser.parse_args()
+    try:
+        state = export(arguments.run_directory, arguments.out, arguments.checkpoint)
+    except FileNotFoundError as error:
+        print(f"layerwise: {error}", file=sys.stderr)
+        sys.exit(2)
+    parameters = sum(value.numel() for value in state.values())
+    print(f"[layerwise] exported {len(state)} tensors ({parameters:,} parameters) to {arguments.out}")
+
+
+if __name__ == "__main__":
+    main()

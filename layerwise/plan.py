@@ -13,6 +13,8 @@ not yet calibrated against this machine (issue 16): the default efficiency is an
 import json
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from layerwise.validate import ConfigError
 from models.transformer import model_flops_per_token
 from strategies import strategy_entry
@@ -145,3 +147,44 @@ def _plot_memory(result: dict, path: Path, device_memory_bytes: float) -> None:
     axes.set_title(f"plan: {result['strategy']} × {result['model']} on {result['world_size']} devices", fontsize=10)
     axes.legend(loc="lower right", fontsize=8)
     figure.savefig(path, dpi=110)
+
+
+# ----- validation: a layout whose plan does not fit is refused before anything runs
+
+ALTERNATIVES = (("strategy.activation_recompute", "full"), ("strategy.schedule", "one_f_one_b"))
+
+
+def worst_role(cfg, world_size: int) -> tuple:
+    """(label, bytes by kind, total with the allocator margin) of the rank role needing the most."""
+    workload, schedule = workload_of(cfg, world_size), training_plan_of(cfg)
+    per_rank = [memory(workload, schedule, rank, cfg.plan.flash_attention) for rank in range(schedule.pipeline_degree)]
+    label, _, breakdown = max(roles(per_rank), key=lambda role: sum(role[2].values()))
+    return label, breakdown, sum(breakdown.values()) * (1 + cfg.plan.allocator_margin)
+
+
+def memory_problems(cfg, world_size: int) -> list:
+    """For validate: refuse a pipeline layout whose plan does not fit hardware.device_memory_bytes,
+    naming the role, its breakdown and the single changes that would fit (each planned too)."""
+    if cfg.strategy.name not in PLANNED or not cfg.hardware.device_memory_bytes:
+        return []
+    label, breakdown, total = worst_role(cfg, world_size)
+    if total <= cfg.hardware.device_memory_bytes:
+        return []
+    parts = ", ".join(f"{kind} {value / GIB:.1f}" for kind, value in breakdown.items())
+    fits = [f"{field}={value}" for field, value in ALTERNATIVES if _fits_with(cfg, world_size, field, value)]
+    return [f"the plan of this layout does not fit: {label} needs {total / GIB:.1f} GiB ({parts} GiB, + "
+            f"{cfg.plan.allocator_margin:.0%} allocator margin) but hardware.device_memory_bytes="
+            f"{cfg.hardware.device_memory_bytes:.3g} ({cfg.hardware.device_memory_bytes / GIB:.1f} GiB). Fix: "
+            + (" or ".join(fits) + " (planned to fit)" if fits else
+               "more pipeline or tensor ranks, more micro-batches, or a smaller data.global_batch_size")
+            + f"; python train.py mode=plan ... shows every role."]
+
+
+def _fits_with(cfg, world_size: int, field: str, value) -> bool:
+    """Whether the layout fits with one field changed (False if that change is itself invalid)."""
+    changed = OmegaConf.merge(cfg, {})  # a writable copy
+    OmegaConf.update(changed, field, value)
+    try:
+        return worst_role(changed, world_size)[2] <= cfg.hardware.device_memory_bytes
+    except Exception:  # noqa: BLE001 - a change the schedule rejects simply does not fit
+        return False

@@ -316,6 +316,11 @@ def validate(cfg, submitting: bool = False) -> int:
               + check_strategy(cfg, world))
     if errors:
         raise ConfigError(errors)
+    if cfg.mode != "plan":  # plan mode reports memory itself, fitting or not
+        from layerwise.plan import memory_problems  # the layout is sound: its plan can be built
+        errors = memory_problems(cfg, world)
+    if errors:
+        raise ConfigError(errors)
     OmegaConf.set_readonly(cfg, True)
     return world
 

@@ -118,6 +118,10 @@ BAD_INPUTS = [
     ("data=text_files data.path={empty}", "data.path", "holds no non-empty files"),
     # ----- across groups
     ("model=gpt3_175b mode=check", "hardware.host_memory_bytes", "at least 1391.8 GB per rank"),
+    ("model=gpt3_175b mode=check hardware=dgx_a100_80g hardware.nodes=64 strategy.pipeline_degree=16 "
+     "strategy.layers_per_stage=6 strategy.tensor_parallel=1d strategy.tensor_grid=8 strategy.micro_batches=64 "
+     "data.global_batch_size=1536 data.sequence_length=2048", "hardware.device_memory_bytes",
+     "the plan of this layout does not fit"),
     ("model.layers=400 model.hidden=4096 model.heads=32", "hardware.host_memory_bytes", "more than hardware.host_memory_bytes"),
     ("model=gpt3_175b", "model=gpt3_175b", "planning-only shape"),
     ("model.hidden=100 model.heads=3", "model.heads", "model.hidden=100 is not divisible by model.heads=3"),
@@ -188,8 +192,11 @@ def test_the_sound_neighbours_are_accepted(places):
     for overrides in ["model.dropout=0 optimizer.weight_decay=0 seed=0 trainer.limit_val_batches=0",
                       "optimizer=sgd optimizer.momentum=0 optimizer.min_lr_ratio=1 optimizer.warmup_steps=0",
                       "strategy=ddp strategy.bucket_mb=0 trainer.gradient_clip_val=0.5 seed=4294967295",
-                      # a planning shape fits where its memory does: 8 DGX A100 nodes, 64 ranks
-                      "model=gpt3_175b mode=check hardware=dgx_a100_80g hardware.nodes=8 data.global_batch_size=256"]:
+                      # a planning shape fits where its plan does: 64 DGX A100 nodes, 1F1B p16 × 1-D 8, recomputed
+                      "model=gpt3_175b mode=check hardware=dgx_a100_80g hardware.nodes=64 strategy=one_f_one_b "
+                      "strategy.pipeline_degree=16 strategy.layers_per_stage=6 strategy.tensor_parallel=1d "
+                      "strategy.tensor_grid=8 strategy.micro_batches=64 strategy.activation_recompute=full "
+                      "data.global_batch_size=1536 data.sequence_length=2048"]:
         assert problems_of(overrides, places) == [], overrides
 
 

@@ -41,13 +41,29 @@ def test_experiment_and_debug_presets_compose():
     assert cfg.trainer.max_steps == 5 and cfg.logger.name == "none"
 
 
+def cfg_layers(shape: str) -> int:
+    return compose_config(f"model={shape}").model.layers
+
+
 def test_planning_shapes_compose_and_validate_in_check_mode():
-    """On hardware whose memory can hold them (the lower bound in validate.memory_errors)."""
-    for shape, nodes in (("gpt3_175b", 8), ("gpt_1t", 64)):
+    """On hardware and a layout whose plan fits (layerwise.plan.memory_problems); the same shape on
+    a layout that does not fit is refused with the role, its breakdown and a change that fits."""
+    fitting = ["strategy=one_f_one_b", "strategy.tensor_parallel=1d", "strategy.tensor_grid=8",
+               "strategy.micro_batches=64", "strategy.activation_recompute=full", "data.global_batch_size=1536"]
+    for shape, nodes, pipeline, micro_batches in (("gpt3_175b", 64, 16, 64), ("gpt_1t", 512, 64, 128)):
         cfg = compose_config(f"model={shape}", "mode=check", "data.sequence_length=2048", "hardware=dgx_a100_80g",
-                             f"hardware.nodes={nodes}", "data.global_batch_size=2048")
+                             f"hardware.nodes={nodes}", *fitting, f"strategy.pipeline_degree={pipeline}",
+                             f"strategy.layers_per_stage={cfg_layers(shape) // pipeline}",
+                             f"strategy.micro_batches={micro_batches}", "data.global_batch_size=1024")
         validate(cfg)
         assert cfg.model.planning_only
+    cfg = compose_config("model=gpt3_175b", "mode=check", "data.sequence_length=2048", "hardware=dgx_a100_80g",
+                         "hardware.nodes=64", *fitting[:-2], "strategy.pipeline_degree=16",
+                         "strategy.layers_per_stage=6", "data.global_batch_size=1536")
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+    assert "pipeline rank 0 (embedding) needs" in str(error.value)
+    assert "Fix: strategy.activation_recompute=full (planned to fit)" in str(error.value)
 
 
 def test_typed_schema_rejects_misspelt_key():

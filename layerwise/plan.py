@@ -20,7 +20,7 @@ from models.transformer import model_flops_per_token
 from strategies import strategy_entry
 from strategies.estimate import Device, Workload, memory, predict_step
 from strategies.modular_pipeline import compute_plan, tensor_parallel
-from strategies.schedule import plot_timeline, validate_plan
+from strategies.schedule import plot_timeline
 from strategies.traffic import ComposedLayout, GptShape
 
 PLANNED = ("modular_pipeline", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_layered", "zero_depth_first")
@@ -55,12 +55,13 @@ def device_of(cfg) -> Device:
 
 
 def training_plan_of(cfg):
-    """The plan `fit` would run (ZeRO's with its gathers and reduce-scatters)."""
+    """The plan `fit` would run (ZeRO's with its gathers and reduce-scatters), built by the very
+    `complete_plan` the strategy calls (which validates it)."""
     from strategies.modular_pipeline import ModularPipelineStrategy
     from strategies.zero_layered import ZeroLayeredStrategy
     compute = compute_plan(cfg.strategy, cfg.model.layers)
     owner = ZeroLayeredStrategy if cfg.strategy.name.startswith("zero") else ModularPipelineStrategy
-    return validate_plan(owner.complete_plan(compute))
+    return owner.complete_plan(compute)
 
 
 def roles(per_rank: list) -> list:

@@ -1,9 +1,10 @@
-"""layerwise: compose a strategy, a model and a hardware profile, validate, then check or fit.
+"""layerwise: compose a strategy, a model and a hardware profile, validate, then check, plan or fit.
 
     python train.py                                  the default experiment
     python train.py strategy=single model=bert_tiny  one run, overridden
     python train.py -m strategy=single,ddp           a sweep: one run directory per point
     python train.py mode=check                       compose and validate only
+    python train.py mode=plan hardware=dgx_a100_80g  memory per rank and the predicted step, nothing run
     python train.py --help                           the config groups and their options
     torchrun --nnodes=2 --nproc-per-node=8 ... train.py hardware.nodes=2   ranks started outside
 
@@ -73,15 +74,12 @@ def main(cfg):
     if cfg.mode == "plan":  # the analytic plan of this layout; nothing is built or started
         from layerwise.plan import plan
         return plan(cfg, world_size, run_directory)["step_seconds"] if writes_run_files() else None
+    from layerwise.evidence import outcome  # imports Lightning: not needed by --help, check or plan
     from layerwise.run import train
     summary = train(cfg, run_directory, world_size)
     if summary is None:  # a rank other than global rank 0: rank 0 reports
         return None
-    losses = (f"validation loss {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f} nats/token"
-              if summary.get("final_val_loss") is not None and summary.get("initial_val_loss") is not None
-              else f"training loss {summary.get('final_train_loss')} (no validation ran)")
-    say(f"{summary['status']}: {losses}, {summary['tokens_per_s_median'] or 0:.0f} tokens/s; "
-        f"evidence in {run_directory}")
+    say(f"{outcome(summary)}; evidence in {run_directory}")
     if cfg.logger.name == "wandb" and cfg.logger.mode == "offline":
         say(f"upload the W&B run with: wandb sync {run_directory}/wandb/offline-run-*")
     return summary["final_val_loss"]

@@ -34,6 +34,16 @@ def two_rank_summary(directory: Path, arguments, *extra: str) -> dict:
     return train(cfg, directory, validate(cfg))
 
 
+def run_arguments(description: str, batch: int) -> argparse.ArgumentParser:
+    """The arguments of two_rank_summary's runs, shared by the benchmarks that use it."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt_small")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--sequence", type=int, default=128)
+    return parser
+
+
 def measure(directory: Path, arguments, extra: list) -> dict:
     summary = two_rank_summary(directory, arguments, *extra)
     return {"calls": summary["comm_calls_per_step"], "bytes": summary["comm_bytes_per_step"]["all_reduce"],
@@ -41,11 +51,7 @@ def measure(directory: Path, arguments, extra: list) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt_small")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--sequence", type=int, default=128)
+    parser = run_arguments(__doc__, batch=8)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     arguments = parser.parse_args()
     print(f"{'strategy':<18}{'bucket_mb':>10}{'calls/step':>11}{'all-reduce MB':>14}{'step s':>8}")

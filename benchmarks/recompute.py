@@ -8,14 +8,13 @@ on every step) and median step time, with `none` and `full`; then the ratios. A 
 costs a forward more (3F instead of 2F), so the ideal step-time ratio is 4/3. CPU numbers.
 """
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bucketing import two_rank_summary  # noqa: E402
+from benchmarks.bucketing import run_arguments, two_rank_summary  # noqa: E402
 
 STRATEGIES = {"modular_pipeline": ["strategy=modular_pipeline", "strategy.pipeline_degree=2"],
               "zero_layered": ["strategy=zero_layered"]}
@@ -28,12 +27,8 @@ def measure(directory: Path, arguments, extra: list) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt_small")
+    parser = run_arguments(__doc__, batch=16)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--sequence", type=int, default=128)
     arguments = parser.parse_args()
     print(f"{'strategy':<18}{'recompute':>10}{'peak MB':>9}{'step s':>8}")
     for name, overrides in STRATEGIES.items():

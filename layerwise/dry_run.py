@@ -378,8 +378,6 @@ def raw_summary(calls) -> dict:
 
 # ----- the analytic side: strategies/traffic.py's formula for the same rank
 
-PIPELINE_FAMILIES = ("modular_pipeline", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_layered",
-                     "zero_depth_first")
 TENSOR_FAMILIES = {"three_d": "3d", "tp_1d": "1d", "tp_2d": "2d"}
 
 
@@ -387,32 +385,26 @@ def formula_bytes(cfg, world_size: int, pipeline_rank: int, vocabulary: int) -> 
     """strategies/traffic.py's bytes per kind for one rank at `pipeline_rank`, for the pipeline
     strategies (plain, composed with a tensor grid, ZeRO-layered) and the tensor-parallel ones (one
     stage holding every layer, one micro-batch of the rank's rows, one gradient reduction)."""
-    from strategies.modular_pipeline import compute_plan, tensor_parallel, training_plan
+    from layerwise.plan import PLANNED, training_plan_of, workload_of
+    from strategies.estimate import rank_traffic
     from strategies.schedule import add_communication, add_gradient_reductions, build_plan
     from strategies.traffic import ComposedLayout, GptShape, all_reduce, step_traffic
-    from strategies.zero_layered import ZeroLayeredStrategy
     strategy, name = cfg.strategy, cfg.strategy.name
     degrees = strategy_entry(name).degrees(cfg, world_size)
+    if name in PLANNED:  # the pipelines: the very workload and plan plan mode uses
+        traffic = rank_traffic(workload_of(cfg, world_size, vocabulary), training_plan_of(cfg), pipeline_rank)
+        return {kind: float(traffic.get(kind, 0.0)) for kind in KINDS}
+    if name not in TENSOR_FAMILIES:
+        raise NotImplementedError(f"no traffic formula wired for strategy {name!r} yet")
     shape = GptShape(cfg.model.hidden, cfg.model.mlp_ratio, vocabulary, cfg.data.sequence_length,
                      cfg.model.max_sequence_length)
-    if name in PIPELINE_FAMILIES:
-        zero = name.startswith("zero")
-        layout = ComposedLayout(degrees.data, degrees.pipeline, tensor_parallel(strategy), strategy.tensor_grid, zero)
-        plan = (ZeroLayeredStrategy.complete_plan(compute_plan(strategy, cfg.model.layers)) if zero
-                else training_plan(strategy, cfg.model.layers))
-        rows = cfg.data.global_batch_size // (degrees.data * strategy.micro_batches)
-        layers_per_stage = strategy.layers_per_stage
-    elif name in TENSOR_FAMILIES:
-        layout = ComposedLayout(degrees.data, 1, TENSOR_FAMILIES[name], strategy.tensor_grid)
-        plan = add_gradient_reductions(add_communication(build_plan("gpipe", pipeline_degree=1, stages=1,
-                                                                    micro_batches=1)))
-        rows, layers_per_stage = cfg.data.global_batch_size // degrees.data, cfg.model.layers
-    else:
-        raise NotImplementedError(f"no traffic formula wired for strategy {name!r} yet")
-    traffic = step_traffic(plan, layout, pipeline_rank, shape, layers_per_stage, rows)
-    if name in TENSOR_FAMILIES:
-        # Not in traffic.py (its head_traffic is the pipelines' loss, normalised per data rank):
-        # the tensor-parallel strategies normalise over the whole batch (parallelize's
-        # loss_over_data=True), so the loss's valid-token count and total are summed over data too.
-        traffic["all_reduce"] += 2 * all_reduce(1, degrees.data)
+    layout = ComposedLayout(degrees.data, 1, TENSOR_FAMILIES[name], strategy.tensor_grid)
+    plan = add_gradient_reductions(add_communication(build_plan("gpipe", pipeline_degree=1, stages=1,
+                                                                micro_batches=1)))
+    traffic = step_traffic(plan, layout, pipeline_rank, shape, cfg.model.layers,
+                           cfg.data.global_batch_size // degrees.data)
+    # Not in traffic.py (its head_traffic is the pipelines' loss, normalised per data rank):
+    # the tensor-parallel strategies normalise over the whole batch (parallelize's
+    # loss_over_data=True), so the loss's valid-token count and total are summed over data too.
+    traffic["all_reduce"] += 2 * all_reduce(1, degrees.data)
     return {kind: float(traffic.get(kind, 0.0)) for kind in KINDS}

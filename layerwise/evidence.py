@@ -50,7 +50,7 @@ def gather_step_numbers(summed: float, maxima: list, device: torch.device) -> tu
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return summed, list(maxima)
     mine = torch.tensor([summed, *maxima], dtype=torch.float64, device=device)
-    pieces = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    pieces = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(pieces, mine)  # the list form: independent counters of training traffic skip it
     by_rank = torch.stack(pieces)
     totals = torch.cat([by_rank[:, :1].sum(dim=0), by_rank[:, 1:].amax(dim=0)]).tolist()  # one sync
@@ -393,3 +393,13 @@ def evaluate(trainer, module) -> float:
     module.train(was_training)
     (total,) = reduce_over_ranks([sum(losses) / len(losses)], dist.ReduceOp.SUM, trainer.strategy.root_device)
     return total / (dist.get_world_size() if dist.is_initialized() else 1)
+
+
+def outcome(summary: dict) -> str:
+    """A finished run in one line: status, validation loss before and after (or the last training
+    loss when validation was off), throughput."""
+    if summary.get("initial_val_loss") is not None and summary.get("final_val_loss") is not None:
+        losses = f"validation loss {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f} nats/token"
+    else:
+        losses = f"training loss {summary.get('final_train_loss')} (no validation ran)"
+    return f"{summary['status']}: {losses}, {summary['tokens_per_s_median'] or 0:.0f} tokens/s"

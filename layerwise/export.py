@@ -19,6 +19,7 @@ import torch
 from omegaconf import OmegaConf
 
 from strategies import strategy_entry
+from strategies.checkpoint import read_checkpoint_file
 
 PREFIX = "model."
 
@@ -43,19 +44,20 @@ def run_config(run_directory):
 def plain_state(run_directory, checkpoint: str = "last") -> dict:
     """The plain model's state dict (models/ names) from any strategy's checkpoint."""
     path = checkpoint_path(Path(run_directory), checkpoint)
-    cfg = run_config(run_directory)
-    if path.is_file():  # single, ddp: one Lightning file
-        merged = _load(path)
-    elif (path / ".metadata").is_file():  # fsdp2: torch.distributed.checkpoint
-        merged = _load_distributed_checkpoint(path)
-    else:
-        merged = _merge_positions(path, strategy_entry(cfg.strategy.name).consolidate)
+    merged = merged_state(path, run_config(run_directory).strategy.name)
     return {name[len(PREFIX):]: value.detach().clone() for name, value in merged.items() if name.startswith(PREFIX)}
 
 
-def _load(path: Path) -> dict:
-    state = torch.load(path, weights_only=False, map_location="cpu")["state_dict"]  # host: offline export
-    return {name.removeprefix("module."): value for name, value in state.items()}
+def merged_state(path: Path, strategy_name: str) -> dict:
+    """The whole LightningModule state dict ("model." names) of one checkpoint, whatever the strategy
+    (the tests compare it with `single`'s)."""
+    path = Path(path)
+    if path.is_file():  # single, ddp: one Lightning file
+        state = read_checkpoint_file(path)["state_dict"]
+        return {name.removeprefix("module."): value for name, value in state.items()}
+    if (path / ".metadata").is_file():  # fsdp2: torch.distributed.checkpoint
+        return _load_distributed_checkpoint(path)
+    return _merge_positions(path, strategy_entry(strategy_name).consolidate)
 
 
 def _load_distributed_checkpoint(path: Path) -> dict:
@@ -84,7 +86,7 @@ def _merge_positions(path: Path, consolidate) -> dict:
 
 
 def _load_rank(path: Path, rank: int) -> dict:
-    return torch.load(path / f"rank{rank}.pt", weights_only=False, map_location="cpu")["state_dict"]  # host
+    return read_checkpoint_file(path / f"rank{rank}.pt")["state_dict"]
 
 
 def export(run_directory, out, checkpoint: str = "last") -> dict:

@@ -27,15 +27,17 @@ PLANNED = ("modular_pipeline", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero
 GIB = 2 ** 30
 
 
-def workload_of(cfg, world_size: int) -> Workload:
-    """The model, layout and batch of a validated config, as the estimators see them."""
+def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
+    """The model, layout and batch of a validated config, as the estimators see them; `vocabulary`
+    defaults to the data group's (bytes: 256, token_bin: data.vocab_size; + [MASK] for BERT)."""
     if cfg.strategy.name not in PLANNED:
         raise ConfigError([f"strategy={cfg.strategy.name}: mode=plan covers the pipeline strategies so far "
                            f"({', '.join(PLANNED)}, with strategy.tensor_parallel and ZeRO). Fix: "
                            f"strategy=modular_pipeline strategy.pipeline_degree=1 plans data parallelism."])
     degrees = strategy_entry(cfg.strategy.name).degrees(cfg, world_size)
-    vocabulary = cfg.data.vocab_size if cfg.data.corpus == "token_bin" else 256
-    vocabulary += 1 if cfg.model.architecture == "bert" else 0
+    if vocabulary is None:
+        vocabulary = cfg.data.vocab_size if cfg.data.corpus == "token_bin" else 256
+        vocabulary += 1 if cfg.model.architecture == "bert" else 0
     shape = GptShape(cfg.model.hidden, cfg.model.mlp_ratio, vocabulary, cfg.data.sequence_length,
                      cfg.model.max_sequence_length)
     layout = ComposedLayout(degrees.data, degrees.pipeline, tensor_parallel(cfg.strategy),

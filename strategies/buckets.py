@@ -38,7 +38,7 @@ def flat_gradient(parameters: list) -> torch.Tensor:
     joins every all-reduce); each `.grad` becomes a view of it. One parameter: its own gradient."""
     for parameter in parameters:
         if parameter.grad is None:
-            parameter.grad = torch.zeros_like(parameter)
+            parameter.grad = torch.zeros_like(parameter, device=parameter.device)
     if len(parameters) == 1:
         return parameters[0].grad
     flat = torch.cat([parameter.grad.reshape(-1) for parameter in parameters])

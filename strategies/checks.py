@@ -3,6 +3,7 @@ are written once. Strategies call these from their `check`; layerwise/validate.p
 """
 
 from strategies.registry import REGISTRY, strategy_entry
+from strategies.tensor_parallel.grids import DIMENSION, grid_of
 
 
 def divisors(number: int) -> list:
@@ -36,3 +37,43 @@ def gradient_clipping_errors(strategy_name: str, clip_value: float) -> list:
     return [f"trainer.gradient_clip_val={clip_value}: strategy={strategy_name} runs its own "
             f"optimizer step, where Lightning's gradient clipping never happens. Fix: "
             f"trainer.gradient_clip_val=0, or a strategy that clips: {', '.join(clipping)}."]
+
+
+def grid_errors(cfg, mode: str, q: int, batch_splits: int, splitter: str) -> list:
+    """What a tensor grid needs of the model and the batch, wherever it runs: `batch_splits` pieces of
+    the global batch (data ranks, × micro-batches in a pipeline) must each split over the grid's
+    rows; hidden and heads over its feature and head chunks; a plain untied GPT; whole-tensor-free
+    optimizers. Each error names the field and the fix."""
+    dimension, grid = DIMENSION[mode], grid_of(mode, q ** DIMENSION[mode], 0)
+    batch_parts = grid.input_rows()[1]  # ranks that split a piece's sequences
+    errors = unsupported_model_errors(cfg)
+    if cfg.data.global_batch_size % (batch_splits * batch_parts):
+        errors.append(
+            f"data.global_batch_size={cfg.data.global_batch_size}: {splitter} must get a multiple of "
+            f"{batch_parts} sequences (q^{dimension - 1} for {mode} with strategy.tensor_grid={q}). Fix: "
+            f"data.global_batch_size={nearest_multiples(cfg.data.global_batch_size, batch_splits * batch_parts)}.")
+    if cfg.model.hidden % grid.feature_parts:
+        errors.append(
+            f"model.hidden={cfg.model.hidden} is not divisible by {grid.feature_parts} (the {mode} grid "
+            f"with strategy.tensor_grid={q} splits weights by that). Fix: model.hidden="
+            f"{nearest_multiples(cfg.model.hidden, grid.feature_parts)}.")
+    if cfg.model.heads % grid.head_parts:
+        errors.append(
+            f"model.heads={cfg.model.heads} is not divisible by strategy.tensor_grid={q} (heads are "
+            f"split over {grid.head_parts} ranks). Fix: model.heads="
+            f"{nearest_multiples(cfg.model.heads, grid.head_parts)}.")
+    return errors
+
+
+def unsupported_model_errors(cfg) -> list:
+    """What tensor-grid shards need: a plain untied GPT, and an optimizer without whole-tensor rules."""
+    errors = []
+    for field, value, wanted in (("model.architecture", cfg.model.architecture, "gpt"),
+                                 ("model.tie_embeddings", cfg.model.tie_embeddings, False)):
+        if value != wanted:
+            errors.append(f"{field}={value}: {cfg.strategy.name} supports only {wanted} so far. "
+                          f"Fix: {field}={wanted}.")
+    if cfg.optimizer.name == "lamb":
+        errors.append(f"optimizer.name=lamb: LAMB's per-tensor trust ratio needs whole tensors, "
+                      f"{cfg.strategy.name} holds shards. Fix: optimizer=adamw or optimizer=sgd.")
+    return errors

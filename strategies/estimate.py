@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from parallel.comm import KINDS
 from strategies.schedule import BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT, simulate
 from strategies.schedule.zero import REDUCE_SCATTER
-from strategies.traffic import (BYTES, ComposedLayout, GptShape, all_gather, all_reduce, block_traffic, head_traffic,
-                                local_parameters, step_traffic)
-from strategies.tensor_parallel.grids import DIMENSION, grid_of, local_activation_shape
+from strategies.traffic import (BYTES, ComposedLayout, GptShape, activation_piece, all_gather, all_reduce,
+                                block_traffic, head_traffic, local_parameters, step_traffic)
+from strategies.tensor_parallel.grids import DIMENSION
 
 OPTIMIZER_STATE = {"adamw": 2, "lamb": 2, "sgd": 1}  # fp32 tensors per parameter (SGD: momentum)
 
@@ -53,6 +53,11 @@ class Workload:
     optimizer: str = "adamw"
     recompute: bool = False
     activation_bytes: int = BYTES  # 2 under bf16/fp16 autocast: matrix-product inputs are kept in it
+
+    @property
+    def piece(self) -> int:
+        """Elements of the activation piece a rank holds between blocks and a boundary carries."""
+        return activation_piece(self.layout, self.micro_batch_rows, self.shape)
 
     @property
     def tensor_ranks(self) -> int:
@@ -117,7 +122,7 @@ def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True) -> 
     sharded = held / layout.data if layout.zero else held
     tokens = workload.micro_batch_rows * shape.length
     block = block_saved_bytes(workload, tokens, flash)
-    kept = _piece(workload) * BYTES if workload.recompute else per_stage * block  # recompute: stage inputs
+    kept = workload.piece * BYTES if workload.recompute else per_stage * block  # recompute: stage inputs
     stash = in_flight(row) * kept  # every stage holds layers_per_stage blocks
     # Working set on top of the stash: a block's backward materialises gradients about the size of
     # what it saved (with recomputation, also the block's recomputed internals); the last stage also
@@ -129,17 +134,7 @@ def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True) -> 
             "gradients": sharded * BYTES + (largest_stage * BYTES if layout.zero else 0),
             "optimizer": OPTIMIZER_STATE.get(workload.optimizer, 2) * sharded * BYTES,
             "activations": stash + working,
-            "buffers": (2 * largest_stage * BYTES if layout.zero else 0) + 2 * _piece(workload) * BYTES}
-
-
-def _piece(workload: Workload) -> float:
-    """Elements of the activation piece a stage boundary carries."""
-    rows, shape, layout = workload.micro_batch_rows, workload.shape, workload.layout
-    if not layout.tensor_grid:
-        return rows * shape.length * shape.hidden
-    grid = grid_of(layout.tensor_grid, workload.tensor_ranks, 0)
-    dims = local_activation_shape(grid, rows, shape.length, shape.hidden)
-    return dims[0] * dims[1] * dims[2]
+            "buffers": (2 * largest_stage * BYTES if layout.zero else 0) + 2 * workload.piece * BYTES}
 
 
 # ----- time
@@ -177,7 +172,7 @@ def step_cost(workload: Workload, device: Device, stages: int):
     """The simulator's cost of each action in seconds: F, B = (2 or 3)·F, and receive waits."""
     rate = device.flops_per_second * device.efficiency
     pipeline_link = link_bandwidth(device, workload.tensor_ranks * 2)
-    receive = _piece(workload) * BYTES / pipeline_link
+    receive = workload.piece * BYTES / pipeline_link
     backward_factor = 3.0 if workload.recompute else 2.0
 
     def cost(action) -> float:
@@ -190,12 +185,17 @@ def step_cost(workload: Workload, device: Device, stages: int):
     return cost
 
 
+def rank_traffic(workload: Workload, plan, pipeline_rank: int) -> Counter:
+    """strategies/traffic.py's bytes by kind for a rank at `pipeline_rank` of this workload."""
+    return step_traffic(plan, workload.layout, pipeline_rank, workload.shape, workload.layers_per_stage,
+                        workload.micro_batch_rows)
+
+
 def predict_step(workload: Workload, device: Device, plan) -> dict:
     """Predicted step: makespan of the simulated plan + the exposed data-parallel reduction, bubble
     fraction, and each pipeline rank's bytes by kind (strategies/traffic.py)."""
     timeline = simulate(plan, step_cost(workload, device, plan.stages))
-    traffic = [step_traffic(plan, workload.layout, rank, workload.shape, workload.layers_per_stage,
-                            workload.micro_batch_rows) for rank in range(plan.pipeline_degree)]
+    traffic = [rank_traffic(workload, plan, rank) for rank in range(plan.pipeline_degree)]
     data_span = workload.tensor_ranks * workload.layout.pipeline
     data_link = link_bandwidth(device, data_span) if workload.layout.data > 1 else float("inf")
     exposed = max(_last_reduction_bytes(workload, plan, rank) for rank in range(plan.pipeline_degree))

@@ -44,15 +44,15 @@ def split_factor(name: str) -> tuple:
 def shard_indices(size: int, blocks: int, fused: int, device=None) -> list:
     """Index sets of the `blocks` shards of a factor of `size`: contiguous chunks, or for a fused
     [Q|K|V] output the chunk of each part (grids.interleave_fused's order)."""
-    part = size // fused
-    return [torch.cat([torch.arange(j * part + t * part // blocks, j * part + (t + 1) * part // blocks,
-                                    device=device) for j in range(fused)]) for t in range(blocks)]
+    part, width = size // fused, size // fused // blocks
+    return [torch.cat([torch.arange(width, device=device) + j * part + t * width for j in range(fused)])
+            for t in range(blocks)]
 
 
 def block_diagonal_inverse(factor: torch.Tensor, index_sets: list, damping: float) -> torch.Tensor:
     """The damped inverse of each diagonal block (rows and columns in `index_sets`), zero elsewhere:
     what the ranks holding the blocks apply, as one matrix for the one-process oracle."""
-    inverse = torch.zeros_like(factor)
+    inverse = torch.zeros_like(factor, device=factor.device)
     for indices in index_sets:
         block = factor[indices][:, indices]
         inverse[indices.unsqueeze(1), indices] = damped_inverse(block, damping)

@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from parallel.layout import Degrees
 from strategies.base import OwnedStepStrategy
-from strategies.checks import divisors, nearest_multiples
+from strategies.checks import divisors, grid_errors, nearest_multiples
 from strategies.buckets import bucket_bytes
 from strategies.precision import activation_dtype
 from strategies.recompute import backward_factor, recompute_errors
@@ -28,7 +28,6 @@ from strategies.stages import Peers, StageWork, keep_local_stages
 from strategies.tensor_parallel import consolidate as consolidate_tensor_grid
 from strategies.tensor_parallel import parallelize
 from strategies.tensor_parallel.grids import DIMENSION, layout_arguments
-from strategies.three_d import grid_errors
 
 # Dropping every gradient message on both ends keeps each pair's issue order matched (NCCL's rule).
 FORWARD_ONLY = (FORWARD, SEND_ACTIVATION, POST_RECV_ACTIVATION, RECV_ACTIVATION)

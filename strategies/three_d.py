@@ -14,12 +14,12 @@ from typing_extensions import override
 from parallel.layout import Degrees
 from strategies.base import LayerwiseStrategy
 from strategies.buckets import sum_over_groups
-from strategies.checks import nearest_multiples
+from strategies.checks import grid_errors
 from strategies.recompute import apply_activation_recompute, recompute_errors
 from strategies.registry import StrategyEntry
 from strategies.tensor_parallel import consolidate as consolidate_form
 from strategies.tensor_parallel import parallelize_1d, parallelize_2d, parallelize_3d
-from strategies.tensor_parallel.grids import DIMENSION, grid_of, layout_arguments
+from strategies.tensor_parallel.grids import DIMENSION, layout_arguments
 
 PARALLELIZE = {"1d": parallelize_1d, "2d": parallelize_2d, "3d": parallelize_3d}
 MODES = {"three_d": "3d", "tp_1d": "1d", "tp_2d": "2d"}
@@ -113,32 +113,6 @@ def check(cfg, world_size: int) -> list:
                                 splitter=f"each of the {data} data-parallel ranks")
 
 
-def grid_errors(cfg, mode: str, q: int, batch_splits: int, splitter: str) -> list:
-    """What a tensor grid needs of the model and the batch, wherever it runs: `batch_splits` pieces of
-    the global batch (data ranks, × micro-batches in a pipeline) must each split over the grid's
-    rows; hidden and heads over its feature and head chunks; a plain untied GPT; whole-tensor-free
-    optimizers. Each error names the field and the fix."""
-    dimension, grid = DIMENSION[mode], grid_of(mode, q ** DIMENSION[mode], 0)
-    batch_parts = grid.input_rows()[1]  # ranks that split a piece's sequences
-    errors = _check_unsupported(cfg)
-    if cfg.data.global_batch_size % (batch_splits * batch_parts):
-        errors.append(
-            f"data.global_batch_size={cfg.data.global_batch_size}: {splitter} must get a multiple of "
-            f"{batch_parts} sequences (q^{dimension - 1} for {mode} with strategy.tensor_grid={q}). Fix: "
-            f"data.global_batch_size={nearest_multiples(cfg.data.global_batch_size, batch_splits * batch_parts)}.")
-    if cfg.model.hidden % grid.feature_parts:
-        errors.append(
-            f"model.hidden={cfg.model.hidden} is not divisible by {grid.feature_parts} (the {mode} grid "
-            f"with strategy.tensor_grid={q} splits weights by that). Fix: model.hidden="
-            f"{nearest_multiples(cfg.model.hidden, grid.feature_parts)}.")
-    if cfg.model.heads % grid.head_parts:
-        errors.append(
-            f"model.heads={cfg.model.heads} is not divisible by strategy.tensor_grid={q} (heads are "
-            f"split over {grid.head_parts} ranks). Fix: model.heads="
-            f"{nearest_multiples(cfg.model.heads, grid.head_parts)}.")
-    return errors
-
-
 def _check_world(cfg, world_size: int, tensor: int, mode: str) -> list:
     data = cfg.strategy.data_degree
     if world_size % tensor == 0 and (data is None or data * tensor == world_size):
@@ -150,19 +124,6 @@ def _check_world(cfg, world_size: int, tensor: int, mode: str) -> list:
             f"{'' if data is None else f', strategy.data_degree={data}'}). Fix: "
             f"hardware.devices_per_node={' or '.join(map(str, fits))}, or another "
             f"strategy.tensor_grid."]
-
-
-def _check_unsupported(cfg) -> list:
-    errors = []
-    for field, value, wanted in (("model.architecture", cfg.model.architecture, "gpt"),
-                                 ("model.tie_embeddings", cfg.model.tie_embeddings, False)):
-        if value != wanted:
-            errors.append(f"{field}={value}: {cfg.strategy.name} supports only {wanted} so far. "
-                          f"Fix: {field}={wanted}.")
-    if cfg.optimizer.name == "lamb":
-        errors.append(f"optimizer.name=lamb: LAMB's per-tensor trust ratio needs whole tensors, "
-                      f"{cfg.strategy.name} holds shards. Fix: optimizer=adamw or optimizer=sgd.")
-    return errors
 
 
 def build(cfg, world_size: int):

@@ -17,6 +17,7 @@ Counts come from the plan (how many sends, gathers, forwards per stage), sizes f
 shape: nothing here runs a model. Volumes use parallel.comm.ring_factor, as the Communicator does.
 """
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -130,18 +131,28 @@ class ComposedLayout:
     zero: bool = False
 
 
+def activation_piece(layout: ComposedLayout, rows: int, shape: GptShape) -> int:
+    """Elements of the residual-stream piece one rank holds between blocks, which is what a stage
+    boundary carries (grids.local_activation_shape; the whole activation without a grid)."""
+    if not layout.tensor_grid:
+        return rows * shape.length * shape.hidden
+    grid = grid_of(layout.tensor_grid, layout.edge ** DIMENSION[layout.tensor_grid], 0)
+    return math.prod(local_activation_shape(grid, rows, shape.length, shape.hidden))
+
+
+def replicated_group(layout: ComposedLayout) -> int:
+    """Ranks holding copies of a piece a 2-D (a column: q) or 3-D grid (a union of two axes: q²)
+    replicates; 1-D replicas see identical gradients, so nothing is summed there."""
+    return layout.edge if layout.tensor_grid == "2d" else layout.edge ** 2
+
+
 def step_traffic(plan, layout: ComposedLayout, pipeline_rank: int, shape: GptShape, layers_per_stage: int,
                  micro_batch_rows: int) -> Counter:
     """Logical bytes by kind (parallel.comm.KINDS) one rank at `pipeline_rank` moves in one step."""
     row = [action for action in plan.ranks[pipeline_rank] if action is not None]
-    grid, q = layout.tensor_grid, layout.edge
     traffic = Counter()
-    piece = micro_batch_rows * shape.length * shape.hidden
-    if grid:
-        piece = _product(local_activation_shape(grid_of(grid, q ** DIMENSION[grid], 0), micro_batch_rows,
-                                                shape.length, shape.hidden))
     sends = sum(action.kind in (SEND_ACTIVATION, SEND_GRADIENT) for action in row)
-    traffic["send_recv"] += sends * piece * BYTES
+    traffic["send_recv"] += sends * activation_piece(layout, micro_batch_rows, shape) * BYTES
     traffic["broadcast"] += BYTES if layout.pipeline > 1 else 0  # the loss, from the last stage
     for stage in sorted({action.stage for action in row if action.kind == FORWARD}):
         traffic += _stage_traffic(row, stage, plan.stages, layout, shape, layers_per_stage, micro_batch_rows)
@@ -161,9 +172,8 @@ def _stage_traffic(row, stage: int, stages: int, layout: ComposedLayout, shape: 
         traffic += Counter({kind: forwards * volume for kind, volume in per_micro_batch.items()})
     if not layout.zero:
         reductions = sum(action.kind == REDUCE_GRADIENT and action.stage == stage for action in row)
-        replicated_group = q if grid == "2d" else q * q
         traffic["all_reduce"] += reductions * (all_reduce(parameters["all"], n)
-                                               + all_reduce(parameters["replicated"], replicated_group))
+                                               + all_reduce(parameters["replicated"], replicated_group(layout)))
         return traffic
     return traffic + _zero_traffic(row, stage, stages, layout, shape, layers_per_stage)
 
@@ -183,12 +193,6 @@ def _zero_traffic(row, stage, stages, layout, shape, layers_per_stage) -> Counte
     count = Counter(action.kind for action in row if action.stage == stage)
     gathers, scatters = count[GATHER_FORWARD] + count[GATHER_BACKWARD], count[REDUCE_SCATTER]
     volume = all_gather(padded, n)
-    replicated = all_reduce(parameters["replicated"], q if grid == "2d" else q * q)
+    replicated = all_reduce(parameters["replicated"], replicated_group(layout))
     return Counter(all_gather=gathers * volume, reduce_scatter=scatters * volume, all_reduce=scatters * replicated)
 
-
-def _product(values) -> int:
-    result = 1
-    for value in values:
-        result *= value
-    return result

@@ -131,32 +131,14 @@ def assert_same_gradients(actual: dict, expected: dict, initial: dict, learning_
 def consolidated_parameters(run_directory, strategy_name: str, checkpoint: str = "last") -> dict:
     """The full model's state dict from a run's `last` (or another named) checkpoint, whatever the strategy.
 
-    A single file is already whole; a per-rank directory is merged by the strategy module's
-    `consolidate(rank_state_dicts, layout) -> state_dict` (pipelines: disjoint keys; shards:
-    concatenated), which is also what a user calls to export a single-device checkpoint.
+    layerwise.export's reading, the one users export with: a single file is already whole; a per-rank
+    directory is merged one pipeline position at a time by the strategy module's
+    `consolidate(rank_state_dicts, layout)` (pipelines: disjoint keys; shards: concatenated).
     """
-    import json
     from pathlib import Path
 
-    import torch
-
-    from strategies import strategy_entry
-
-    path = Path(run_directory) / "checkpoints" / f"{checkpoint}.ckpt"
-    if path.is_file():
-        state = torch.load(path, weights_only=False, map_location="cpu")["state_dict"]
-        return {name.removeprefix("module."): value for name, value in state.items()}
-    if (path / ".metadata").is_file():  # torch.distributed.checkpoint (fsdp2: Lightning's ModelParallelStrategy)
-        import tempfile
-
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-        with tempfile.TemporaryDirectory() as scratch:
-            dcp_to_torch_save(path, Path(scratch) / "whole.pt")
-            return torch.load(Path(scratch) / "whole.pt", weights_only=False)["state_dict"]
-    layout = json.loads((path / "layout.json").read_text())
-    ranks = sorted(path.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
-    states = [torch.load(p, weights_only=False, map_location="cpu")["state_dict"] for p in ranks]
-    return strategy_entry(strategy_name).consolidate(states, layout)
+    from layerwise.export import merged_state
+    return merged_state(Path(run_directory) / "checkpoints" / f"{checkpoint}.ckpt", strategy_name)
 
 
 def cached_references(tmp_path_factory, run):

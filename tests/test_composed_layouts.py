@@ -14,10 +14,9 @@ import pytest
 from layerwise.run import train
 from layerwise.validate import ConfigError, validate
 from parallel.comm import KINDS
-from strategies.modular_pipeline import compute_plan, training_plan
+from layerwise.plan import training_plan_of, workload_of
+from strategies.estimate import rank_traffic
 from strategies.stages import StageWork
-from strategies.traffic import ComposedLayout, GptShape, step_traffic
-from strategies.zero_layered import ZeroLayeredStrategy
 from tests.harness import (EXACT_RTOL, KFAC_SGD, QUICK, SGD_CASES, SgdComparison, assert_same_losses,
                            assert_same_parameters, compare_under_sgd, compose_config, consolidated_parameters,
                            sgd_reference)
@@ -43,17 +42,8 @@ def reference(tmp_path_factory):
 
 def formula_bytes(cfg, summary, vocabulary: int) -> dict:
     """Max over ranks, per kind, of strategies.traffic's sum of parts for this layout."""
-    strategy, layout = cfg.strategy, summary["layout"]
-    zero = strategy.name.startswith("zero")
-    grid = None if strategy.tensor_parallel == "none" else strategy.tensor_parallel
-    composed = ComposedLayout(layout["data"], layout["pipeline"], grid, strategy.tensor_grid, zero)
-    compute = compute_plan(strategy, cfg.model.layers)
-    plan = ZeroLayeredStrategy.complete_plan(compute) if zero else training_plan(strategy, cfg.model.layers)
-    shape = GptShape(cfg.model.hidden, cfg.model.mlp_ratio, vocabulary, cfg.data.sequence_length,
-                     cfg.model.max_sequence_length)
-    rows = cfg.data.global_batch_size // (layout["data"] * strategy.micro_batches)
-    per_rank = [step_traffic(plan, composed, p, shape, strategy.layers_per_stage, rows)
-                for p in range(layout["pipeline"])]
+    workload, plan = workload_of(cfg, summary["world_size"], vocabulary), training_plan_of(cfg)
+    per_rank = [rank_traffic(workload, plan, p) for p in range(workload.layout.pipeline)]
     return {kind: max(traffic[kind] for traffic in per_rank) for kind in KINDS}
 
 

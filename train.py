@@ -5,6 +5,8 @@
     python train.py -m strategy=single,ddp           a sweep: one run directory per point
     python train.py mode=check                       compose and validate only
     python train.py mode=plan hardware=dgx_a100_80g  memory per rank and the predicted step, nothing run
+    python train.py mode=calibrate                   measure this machine: conf/hardware/calibrated.yaml
+    python train.py experiment=repro_training_time   a paper's claim at its scale (plan mode); _small: here
     python train.py --help                           the config groups and their options
     torchrun --nnodes=2 --nproc-per-node=8 ... train.py hardware.nodes=2   ranks started outside
 
@@ -71,6 +73,12 @@ def main(cfg):
     if cfg.mode == "check":
         say("configuration is valid; mode=check starts nothing")
         return 0.0
+    if cfg.mode == "calibrate":  # measure this machine, write a hardware profile; no run
+        from layerwise.calibrate import calibrate
+        return calibrate(cfg)["peak_flops"]["fp32"] if writes_run_files() else None
+    if cfg.mode == "reproduce":  # a paper's headline claim (layerwise/reproduce/): verdicts, tables, plots
+        from layerwise.reproduce import reproduce
+        return len(reproduce(cfg, run_directory).verdicts) if writes_run_files() else None
     if cfg.mode == "plan":  # the analytic plan of this layout; nothing is built or started
         from layerwise.plan import plan
         return plan(cfg, world_size, run_directory)["step_seconds"] if writes_run_files() else None

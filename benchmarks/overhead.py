@@ -22,6 +22,14 @@ The variants alternate within each repeat so they share the machine's load; medi
 are printed with the median of the repeats' ratios framework / hand and the 1-minute load average.
 The first losses are printed too: both sides of a pair compute the same thing. Validation is off
 (limit_val_batches=0); the logger is train.py's default (W&B offline) unless overridden.
+
+Where a step's time goes: each step's timestamps split it into phases, medians (ms) over the
+measured steps of all repeats — `forward` (hand: batch, zero_grad, forward, loss; framework:
+Lightning's training_step and the evidence exchange it issues), `backward`, `update` (optimizer
+step; hand: and the LR schedule; framework: and every callback's step end), `between` (framework
+only: Lightning's loop, LR schedule, the next batch, the step-start hooks). Forward and backward
+are the model's own work, the same on both sides up to the machine's noise; `update` and
+`between` hold the framework's own per-step cost, which this noise hardly touches.
 """
 
 import argparse
@@ -55,13 +63,16 @@ RANKS = 2
 SIDES = ("hand", "framework")
 MEASURES = ("mean", "median", "p10")
 WARM_UP = 2  # first steps left out of the per-step intervals (allocations, optimizer state)
+PHASES = ("forward", "backward", "update", "between")
+STAMPS = ("start", "backward", "update", "end")  # a step's timestamps: each phase ends at the next
 os.environ.setdefault("WANDB_SILENT", "true")  # train.py's default logger is W&B offline: keep its banner quiet
 
 
 # ----- the hand-written side
 
 def hand_loop(cfg, corpus, steps: int, data_rank: int = 0, data_degree: int = 1, wrap=None) -> tuple:
-    """The whole training loop a user would write by hand: (first step's loss, step start times)."""
+    """The whole training loop a user would write by hand: (first step's loss, each step's
+    timestamps {start, backward, update, end})."""
     objective = objective_of(cfg.model)
     model = build_model(cfg.model.architecture,
                         **model_arguments(cfg.model, data_lib.model_vocab_size(corpus, objective), cfg.seed))
@@ -71,17 +82,21 @@ def hand_loop(cfg, corpus, steps: int, data_rank: int = 0, data_degree: int = 1,
     batches = iter(data_lib.TrainBatches(corpus, global_batch_size=cfg.data.global_batch_size,
                                          sequence_length=cfg.data.sequence_length, seed=cfg.seed,
                                          objective=objective, data_rank=data_rank, data_degree=data_degree))
-    first_loss, starts = None, []
+    first_loss, stamps = None, []
     for _ in range(steps):
-        starts.append(time.perf_counter())
+        stamp = {"start": time.perf_counter()}
         batch = next(batches)
         optimizer.zero_grad()
         loss = model.loss(trained(batch["tokens"]), batch["targets"])
+        stamp["backward"] = time.perf_counter()
         loss.backward()
+        stamp["update"] = time.perf_counter()
         optimizer.step()
         scheduler.step()
+        stamp["end"] = time.perf_counter()
+        stamps.append(stamp)
         first_loss = float(loss.detach()) if first_loss is None else first_loss
-    return first_loss, starts
+    return first_loss, stamps
 
 
 def hand_ddp_rank(rank: int, port: int, cfg, corpus, steps: int, results) -> None:
@@ -95,7 +110,7 @@ def hand_ddp_rank(rank: int, port: int, cfg, corpus, steps: int, results) -> Non
 
 
 def hand_ddp(cfg, corpus, steps: int) -> tuple:
-    """2 forked ranks, torch DDP on gloo: (first step's loss averaged over ranks, rank 0's step starts)."""
+    """2 forked ranks, torch DDP on gloo: (first step's loss averaged over ranks, rank 0's step stamps)."""
     context = multiprocessing.get_context("fork")
     results, port = context.Queue(), free_port()
     ranks = [context.Process(target=hand_ddp_rank, args=(rank, port, cfg, corpus, steps, results))
@@ -111,38 +126,48 @@ def hand_ddp(cfg, corpus, steps: int) -> tuple:
 
 # ----- the framework side
 
-class StepStarts(pl.Callback):
-    """Rank 0 writes the wall clock at each training step's start to `step_starts.json`."""
+class StepStamps(pl.Callback):
+    """Rank 0 writes each training step's timestamps (STAMPS) to `step_stamps.json`. Added last,
+    so its step start comes after and its step end after every other callback's."""
 
     def __init__(self, path: Path):
-        self.path, self.starts = path, []
+        self.path, self.stamps = path, []
 
     def on_train_batch_start(self, trainer, module, batch, batch_index):
-        self.starts.append(time.perf_counter())
+        self.stamps.append({"start": time.perf_counter()})
+
+    def on_before_backward(self, trainer, module, loss):
+        self.stamps[-1]["backward"] = time.perf_counter()
+
+    def on_after_backward(self, trainer, module):
+        self.stamps[-1]["update"] = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
+        self.stamps[-1]["end"] = time.perf_counter()
 
     def on_train_end(self, trainer, module):
         if trainer.is_global_zero:
-            self.path.write_text(json.dumps(self.starts))
+            self.path.write_text(json.dumps(self.stamps))
 
 
-def build_trainer_with_step_starts(cfg, run_directory, *arguments):
-    """layerwise.run.build_trainer, plus the StepStarts callback (forked ranks inherit the patch)."""
+def build_trainer_with_step_stamps(cfg, run_directory, *arguments):
+    """layerwise.run.build_trainer, plus the StepStamps callback (forked ranks inherit the patch)."""
     trainer = BUILD_TRAINER(cfg, run_directory, *arguments)
-    trainer.callbacks.append(StepStarts(Path(run_directory) / "step_starts.json"))
+    trainer.callbacks.append(StepStamps(Path(run_directory) / "step_stamps.json"))
     return trainer
 
 
 BUILD_TRAINER = layerwise.run.build_trainer
-layerwise.run.build_trainer = build_trainer_with_step_starts
+layerwise.run.build_trainer = build_trainer_with_step_stamps
 
 
 def framework(cfg, corpus, steps: int) -> tuple:
-    """train.py's run (compose and validate done): (first step's loss, rank 0's step starts)."""
+    """train.py's run (compose and validate done): (first step's loss, rank 0's step stamps)."""
     with tempfile.TemporaryDirectory() as directory:
         summary = layerwise.run.train(cfg, Path(directory), validate(cfg))
-        starts = json.loads((Path(directory) / "step_starts.json").read_text())
+        stamps = json.loads((Path(directory) / "step_stamps.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == steps
-    return summary["losses"][0], starts
+    return summary["losses"][0], stamps
 
 
 # ----- measurement
@@ -159,11 +184,16 @@ def configured(strategy: str, steps: int, overrides: list):
 
 
 def per_step(run, strategy: str, steps: int, overrides: list, corpus) -> tuple:
-    """({"mean", "median", "p10"} seconds per step, the first step's loss): see the module docstring."""
-    loss, starts = run(configured(strategy, WARM_UP + steps + 1, overrides), corpus, WARM_UP + steps + 1)
-    intervals = [later - earlier for earlier, later in zip(starts[WARM_UP:], starts[WARM_UP + 1:])]
+    """({"mean", "median", "p10"} seconds per step, {phase: its seconds in each measured step}, the
+    first step's loss): see the module docstring."""
+    loss, stamps = run(configured(strategy, WARM_UP + steps + 1, overrides), corpus, WARM_UP + steps + 1)
+    measured = stamps[WARM_UP:]
+    intervals = [later["start"] - earlier["start"] for earlier, later in zip(measured, measured[1:])]
+    phases = {phase: [step[end] - step[begin] for step in measured[:-1]]
+              for phase, begin, end in zip(PHASES, STAMPS, STAMPS[1:])}
+    phases["between"] = [later["start"] - earlier["end"] for earlier, later in zip(measured, measured[1:])]
     return {"mean": statistics.fmean(intervals), "median": statistics.median(intervals),
-            "p10": statistics.quantiles(intervals, n=10)[0]}, loss
+            "p10": statistics.quantiles(intervals, n=10)[0]}, phases, loss
 
 
 def main() -> None:
@@ -182,17 +212,22 @@ def main() -> None:
     pairs = {name: sides for name, sides in {"single": (hand_loop, framework), "ddp": (hand_ddp, framework)}.items()
              if name in arguments.pairs.split(",")}
     times = {(pair, side): [] for pair in pairs for side in SIDES}
+    phases = {(pair, side): {phase: [] for phase in PHASES} for pair in pairs for side in SIDES}
     losses, load = {}, [os.getloadavg()[0]]
     for repeat in range(arguments.repeats):
         for pair, runs in pairs.items():
             for side, run in zip(SIDES, runs):
-                seconds, losses[pair, side] = per_step(run, pair, arguments.steps, arguments.overrides, corpus)
+                seconds, split, losses[pair, side] = per_step(run, pair, arguments.steps,
+                                                              arguments.overrides, corpus)
                 times[pair, side].append(seconds)
+                for phase in PHASES:
+                    phases[pair, side][phase] += split[phase]
                 print(f"repeat {repeat + 1} {pair:6s} {side:9s} " + ", ".join(
                     f"{measure} {seconds[measure]:.4f}" for measure in MEASURES)
                     + f" s/step (load {os.getloadavg()[0]:.2f})", flush=True)
         load.append(os.getloadavg()[0])
     report(arguments, pairs, times, losses, load)
+    report_phases(pairs, phases)
 
 
 def report(arguments, pairs, times, losses, load) -> None:
@@ -209,6 +244,16 @@ def report(arguments, pairs, times, losses, load) -> None:
             print(f"{pair:8s} {measure:7s} {statistics.median(hand):12.4f} {statistics.median(ours):17.4f} "
                   f"{statistics.median(ratios):7.3f}  {min(ratios):.3f}-{max(ratios):.3f}")
         print(f"{pair:8s} first step's loss: hand {losses[pair, 'hand']:.5f}, framework {losses[pair, 'framework']:.5f}")
+
+
+def report_phases(pairs, phases) -> None:
+    """Median milliseconds per phase over every measured step of every repeat, both sides."""
+    print("\nwhere a step's time goes: median ms per phase (see the module docstring)")
+    print(f"{'pair':8s} {'side':9s} " + " ".join(f"{phase:>9s}" for phase in PHASES))
+    for pair in pairs:
+        for side in SIDES:
+            print(f"{pair:8s} {side:9s} " + " ".join(
+                f"{1e3 * statistics.median(phases[pair, side][phase]):9.2f}" for phase in PHASES))
 
 
 if __name__ == "__main__":

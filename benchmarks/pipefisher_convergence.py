@@ -1,16 +1,26 @@
-"""K-FAC vs the first-order optimizer: steps to a target validation loss, each tuned by a small sweep.
+"""K-FAC vs the first-order optimizer: steps to a target validation loss, each method tuned fairly.
 
-    .venv/bin/python benchmarks/pipefisher_convergence.py [--steps 60 --every 10 --lrs 3e-3,1e-2]
+    .venv/bin/python benchmarks/pipefisher_convergence.py [--model bert_tiny --steps 150 --every 10]
 
-Runs two Hydra multiruns of train.py on the default corpus (gpt_tiny, one process): `strategy=kfac`
-over outer optimizers {LAMB, SGD} × damping {1e-3, 1e-2} and `strategy=single` over {AdamW, LAMB},
-each over the same learning rates (--lrs) and the same step budget. For each method the best point (lowest final validation loss) is
-kept; the target is the worse of the two best final losses (a level both reach); the ratio is
-K-FAC's steps to the target over the first-order steps (and the same in seconds). Prints the figures and draws both curves.
+Fair by construction (issue 17):
+1. each method is tuned by Hydra multiruns of train.py (one process) over its outer optimizers
+   (K-FAC: LAMB × `--dampings` {1e-3, 1e-2}, curvature refreshed every `--refresh-interval` = k steps,
+   2 by default, PipeFisher's k at the paper's scale; first-order: {AdamW, LAMB}) and a learning-
+   rate grid that is WIDENED along the ladder 1e-4 … 1 while the best point sits at its edge, so
+   every method's best learning rate is interior (or the ladder's end, reported);
+2. the best point of each method runs again with `--seeds` more seeds (3 in all by default);
+3. the target is a loss both methods' mean curves reach by `--target-at` (70%) of the budget —
+   the larger of the two mean losses there — so neither method's steps-to-target is its whole
+   budget by construction; steps to target per seed, their mean and range, and the ratio of the
+   means K-FAC / first-order are reported, with seconds (× each method's median step time).
+Writes `<out>/report.json` and `--figure` (default docs/strategies/pipefisher_convergence.png: mean curves,
+seed range). `compare(args)` is the whole comparison, for layerwise/reproduce/pipefisher.py.
+`--reuse` keeps the points of this very setting an interrupted run completed under `--out`.
 """
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -19,29 +29,118 @@ from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parent.parent
-# Each method is tuned over its outer optimizers, learning rates (--lrs) and, for K-FAC, damping:
-# comparing K-FAC+LAMB with plain AdamW alone would mix the preconditioner with the outer optimizer.
-METHODS = {"kfac": ["strategy=kfac", "optimizer=lamb,sgd", "strategy.damping=1e-3,1e-2",
-                    "strategy.refresh_interval=1"],
+LADDER = ["1e-4", "3e-4", "1e-3", "3e-3", "1e-2", "3e-2", "1e-1", "3e-1", "1"]
+# Each method is tuned over its outer optimizers and, for K-FAC, damping: comparing K-FAC+LAMB with
+# plain AdamW alone would mix the preconditioner with the outer optimizer.
+# K-FAC's outer optimizer is LAMB alone: on this CPU a K-FAC step costs ~5× a first-order one, and a
+# 12-point sweep over {LAMB, momentum SGD} (docs/strategies/pipefisher.md, gpt_tiny) found LAMB best.
+METHODS = {"kfac": ["strategy=kfac", "optimizer=lamb"],
            "first_order": ["strategy=single", "optimizer=adamw,lamb"]}
 
 
-def sweep(method: str, args, directory: Path) -> list:
-    """One Hydra multirun over the learning rates; the summaries of its points."""
-    command = [sys.executable, "train.py", "-m", *METHODS[method], f"optimizer.lr={args.lrs}",
-               f"model={args.model}", f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.every}",
-               "trainer.limit_val_batches=2", "optimizer.warmup_steps=5", "logger=none", "trainer.progress=none",
-               f"hydra.sweep.dir={directory / method}", "resume=false"]
-    subprocess.run(command, cwd=ROOT, check=True)
-    return [json.loads(path.read_text()) | {"point": label(path.parent)}
-            for path in sorted((directory / method).glob("*/summary.json"))]
+def method_overrides(method: str, args) -> list:
+    """The method's tuned overrides; K-FAC refreshes its curvature every `--refresh-interval` steps,
+    PipeFisher's k (2 for GPipe and 1F1B at the paper's scale: the packing needs two steps' bubbles),
+    so the convergence measured is that of the stale preconditioner PipeFisher actually runs."""
+    kfac = [f"strategy.damping={args.dampings}", f"strategy.refresh_interval={args.refresh_interval}"]
+    return METHODS[method] + (kfac if method == "kfac" else [])
 
 
-def label(point_directory: Path) -> str:
+def common(args) -> list:
+    return [f"model={args.model}", f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.every}",
+            "trainer.limit_val_batches=4", "optimizer.warmup_steps=5", "logger=none", "trainer.progress=none",
+            "trainer.checkpoint_every_n_steps=100000", "resume=false"]
+
+
+def multirun(overrides: list, directory: Path) -> list:
+    """One Hydra multirun; the summaries of its points (a failed point is kept with its status)."""
+    subprocess.run([sys.executable, "train.py", "-m", *overrides, f"hydra.sweep.dir={directory}"],
+                   cwd=ROOT, check=False)
+    return [json.loads(path.read_text()) | {"point": point_of(path.parent)}
+            for path in sorted(directory.glob("*/summary.json"))]
+
+
+def point_of(point_directory: Path) -> dict:
     """What was tuned at this point, from its resolved config (directory names may be shortened)."""
     cfg = OmegaConf.load(point_directory / "config.yaml")
-    tuned = f"optimizer={cfg.optimizer.name},optimizer.lr={cfg.optimizer.lr}"
-    return tuned + (f",strategy.damping={cfg.strategy.damping}" if "damping" in cfg.strategy else "")
+    point = {"optimizer": cfg.optimizer.name, "optimizer.lr": str(cfg.optimizer.lr), "seed": cfg.seed}
+    if "damping" in cfg.strategy:
+        point["strategy.damping"] = str(cfg.strategy.damping)
+    return point
+
+
+def reused(method: str, args, directory: Path, lrs: list, failed: bool = False) -> list:
+    """The points of this very setting in a round's directory, one per learning rate × grid value
+    asked: completed ones (with `failed`, a failed one where none completed). Without --reuse only a
+    fresh run's own points are there; with it, a rerun keeps the points an interrupted run completed."""
+    if not args.reuse and not failed:
+        return []
+    found = {}
+    for path in sorted(directory.glob("*/summary.json"), key=lambda path: path.stat().st_mtime):
+        summary = json.loads(path.read_text()) | {"point": point_of(path.parent)}
+        key = (float(summary["point"]["optimizer.lr"]), grid_value(summary["point"], method))
+        wanted = key in {(float(lr), value) for lr in lrs for value in grid(method, args)}
+        if wanted and same_setting(OmegaConf.load(path.parent / "config.yaml"), method, args) and \
+                (usable(summary) or (failed and not usable(found.get(key, summary)))):
+            found[key] = summary
+    return list(found.values())
+
+
+def same_setting(cfg, method: str, args) -> bool:
+    return (cfg.trainer.max_steps == args.steps and cfg.trainer.val_check_interval == args.every
+            and cfg.model.name == args.model and cfg.seed not in args.seeds
+            and cfg.strategy.name == ("kfac" if method == "kfac" else "single")
+            and (method != "kfac" or cfg.strategy.refresh_interval == args.refresh_interval))
+
+
+def grid(method: str, args) -> set:
+    """The values tuned besides the learning rate: K-FAC's damping, the first-order optimizer."""
+    return {float(d) for d in args.dampings.split(",")} if method == "kfac" else {"adamw", "lamb"}
+
+
+def grid_value(point: dict, method: str):
+    return float(point["strategy.damping"]) if method == "kfac" else point["optimizer"]
+
+
+def usable(summary: dict) -> bool:
+    loss = summary.get("final_val_loss")
+    return summary["status"] == "completed" and loss is not None and loss == loss and loss < float("inf")
+
+
+def ladder_index(lr: str) -> int:
+    return min(range(len(LADDER)), key=lambda i: abs(float(LADDER[i]) - float(lr)))
+
+
+def tune(method: str, args, directory: Path) -> tuple:
+    """(best summary, learning rates tried, every summary): widen the grid while the best is at an edge."""
+    lrs, summaries, round_ = [LADDER[ladder_index(lr)] for lr in args.lrs.split(",")], [], 0
+    missing = list(lrs)
+    while missing:
+        round_directory = directory / method / f"round{round_}"
+        done = {lr for lr in missing if len(reused(method, args, round_directory, [lr])) == len(grid(method, args))}
+        to_run = [lr for lr in missing if lr not in done]
+        if to_run:
+            multirun(method_overrides(method, args) + common(args) + [f"optimizer.lr={','.join(to_run)}"],
+                     round_directory)
+        summaries += reused(method, args, round_directory, missing, failed=True)
+        best = min(filter(usable, summaries), key=lambda s: s["final_val_loss"])
+        indices = sorted(ladder_index(lr) for lr in lrs)
+        at = ladder_index(best["point"]["optimizer.lr"])
+        missing = ([LADDER[at - 1]] if at == indices[0] and at > 0 else []) + \
+                  ([LADDER[at + 1]] if at == indices[-1] and at + 1 < len(LADDER) else [])
+        lrs, round_ = lrs + missing, round_ + 1
+        print(f"[pipefisher_convergence] {method}: best {best['point']} at {best['final_val_loss']:.4f}; "
+              f"{'widening with ' + ','.join(missing) if missing else 'interior: done'}", flush=True)
+    return best, sorted(lrs, key=float), summaries
+
+
+def seeds_of(method: str, best: dict, args, directory: Path) -> list:
+    """The best point again with the other seeds; with the tuning run, one summary per seed."""
+    point = {k: v for k, v in best["point"].items() if k != "seed"}
+    fixed = [o for o in method_overrides(method, args) if not o.startswith(tuple(point))]
+    others = multirun(fixed + common(args) + [f"{k}={v}" for k, v in point.items()]
+                      + [f"seed={','.join(str(s) for s in args.seeds)}"], directory / method / "seeds")
+    return [best] + others
 
 
 def curve(summary: dict) -> list:
@@ -50,41 +149,80 @@ def curve(summary: dict) -> list:
     return points + sorted((int(step), loss) for step, loss in summary["val_losses"].items())
 
 
+def mean_curve(runs: list) -> list:
+    return [(step, statistics.fmean(curve(run)[i][1] for run in runs)) for i, (step, _) in enumerate(curve(runs[0]))]
+
+
 def steps_to(points: list, target: float):
     return next((step for step, loss in points if loss <= target), None)
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=60)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--every", type=int, default=10)
-    parser.add_argument("--lrs", default="3e-3,1e-2")
-    parser.add_argument("--model", default="gpt_tiny")
+    parser.add_argument("--lrs", default="3e-3,1e-2,3e-2", help="the starting grid (widened as needed)")
+    parser.add_argument("--seeds", type=int, nargs="*", default=[1, 2], help="more seeds for the best points")
+    parser.add_argument("--target-at", type=float, default=0.7, help="fraction of the budget the target is set at")
+    parser.add_argument("--model", default="bert_tiny")
+    parser.add_argument("--refresh-interval", type=int, default=2, help="K-FAC's k (PipeFisher's, §2)")
+    parser.add_argument("--dampings", default="1e-3,1e-2", help="K-FAC's damping grid (§2: 1e-3 and 1e-2)")
+    parser.add_argument("--reuse", action="store_true", help="reuse the rounds an interrupted run completed")
     parser.add_argument("--out", default=str(ROOT / "runs" / "pipefisher_convergence"))
-    args = parser.parse_args()
-    directory = Path(args.out)
-    best = {m: min(sweep(m, args, directory), key=lambda s: s["final_val_loss"]) for m in METHODS}
-    target = max(s["final_val_loss"] for s in best.values())
-    steps = {m: steps_to(curve(s), target) for m, s in best.items()}
-    report = {m: {"point": s["point"], "final_val_loss": s["final_val_loss"], "steps_to_target": steps[m],
-                  "wall_time_s": s["wall_time_s"], "step_time_s_median": s["step_time_s_median"],
-                  "seconds_to_target": steps[m] * s["step_time_s_median"]}
-              for m, s in best.items()}
-    report["target_val_loss"], report["ratio"] = target, steps["kfac"] / steps["first_order"]
-    report["wall_ratio"] = report["kfac"]["seconds_to_target"] / report["first_order"]["seconds_to_target"]
+    parser.add_argument("--figure", default=str(ROOT / "docs" / "strategies" / "pipefisher_convergence.png"))
+    report = compare(parser.parse_args())
     print(json.dumps(report, indent=1))
+
+
+def compare(args) -> dict:
+    """Tune both methods, rerun their best points with more seeds; write report.json and the figure."""
+    directory = Path(args.out)
+    tuned = {method: tune(method, args, directory) for method in METHODS}
+    runs = {method: [s for s in seeds_of(method, best, args, directory) if usable(s)]
+            for method, (best, _, _) in tuned.items()}
+    report = summarise(args, tuned, runs)
     (directory / "report.json").write_text(json.dumps(report, indent=1))
-    plot(best, target, ROOT / "docs" / "strategies" / "pipefisher_convergence.png")
+    plot(runs, report["target_val_loss"], Path(args.figure))
+    return report
 
 
-def plot(best: dict, target: float, path: Path) -> None:
+def summarise(args, tuned: dict, runs: dict) -> dict:
+    at = args.target_at * args.steps
+    means = {m: mean_curve(r) for m, r in runs.items()}
+    target = max(min(means[m], key=lambda p: abs(p[0] - at))[1] for m in runs)
+    report = {"model": args.model, "refresh_interval": args.refresh_interval, "budget_steps": args.steps,
+              "evaluation_every": args.every, "target_val_loss": target, "target_set_at_step": at}
+    for method, (best, lrs, summaries) in tuned.items():
+        reached = [steps_to(curve(run), target) for run in runs[method]]
+        steps = [args.steps if step is None else step for step in reached]  # not reached: the budget
+        step_time = statistics.median(run["step_time_s_median"] for run in runs[method])
+        report[method] = {"best_point": {k: v for k, v in best["point"].items() if k != "seed"},
+                          "learning_rates_tried": lrs, "points_tuned": len(summaries),
+                          "final_val_loss_by_seed": [run["final_val_loss"] for run in runs[method]],
+                          "steps_to_target_by_seed": reached, "steps_to_target_mean": statistics.fmean(steps),
+                          "step_time_s_median": step_time,
+                          "seconds_to_target_mean": statistics.fmean(steps) * step_time}
+    first_order, kfac = report["first_order"], report["kfac"]
+    report["steps_ratio"] = kfac["steps_to_target_mean"] / first_order["steps_to_target_mean"]
+    budgeted = {m: [args.steps if s is None else s for s in report[m]["steps_to_target_by_seed"]] for m in tuned}
+    report["steps_ratio_range"] = [min(budgeted["kfac"]) / max(budgeted["first_order"]),
+                                   max(budgeted["kfac"]) / min(budgeted["first_order"])]
+    report["seconds_ratio"] = kfac["seconds_to_target_mean"] / first_order["seconds_to_target_mean"]
+    return report
+
+
+def plot(runs: dict, target: float, path: Path) -> None:
     figure = Figure(figsize=(6.5, 4), layout="constrained")
     axes = figure.add_subplot()
-    for method, summary in best.items():
-        steps, losses = zip(*curve(summary))
-        chosen = [part for part in summary["point"].split(",")
-                  if part.startswith(("optimizer", "strategy.damping"))]
-        axes.plot(steps, losses, marker="o", label=f"{method}, " + ", ".join(chosen))
+    for method, method_runs in runs.items():
+        steps, losses = zip(*mean_curve(method_runs))
+        lowest = [min(curve(run)[i][1] for run in method_runs) for i in range(len(steps))]
+        highest = [max(curve(run)[i][1] for run in method_runs) for i in range(len(steps))]
+        point = method_runs[0]["point"]
+        chosen = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in point.items() if k != "seed")
+        axes.plot(steps, losses, marker="o", markersize=3,
+                  label=f"{method} ({chosen}), mean of {len(method_runs)} seeds")
+        axes.fill_between(steps, lowest, highest, alpha=0.2)
     axes.axhline(target, color="0.5", linestyle="--", label=f"target {target:.3f}")
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("validation loss (nats/token)")

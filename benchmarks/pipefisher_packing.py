@@ -26,14 +26,14 @@ SCHEDULES = {"gpipe": 8, "one_f_one_b": 8, "looped_breadth_first": 16}  # schedu
 DRAWN = ("gpipe", "one_f_one_b")
 
 
-def row(schedule: str, stages: int, cost) -> dict:
-    """Pack one schedule's plan; the figures of the docs' table."""
+def row(schedule: str, stages: int, cost, drawn=DRAWN) -> dict:
+    """Pack one schedule's plan; the figures of the docs' table (and its chart if in `drawn`)."""
     plan = add_gradient_reductions(add_communication(build_plan(schedule, pipeline_degree=8, stages=stages,
                                                                 micro_batches=8)))
     cycle = units.pack(plan, cost)
     units.check_cycle(plan, cycle.plans)
     with_kfac = statistics.mean(simulate(step_plan, cost).bubble_fraction for step_plan in cycle.plans)
-    if schedule in DRAWN:
+    if schedule in drawn:
         draw(schedule, cycle, cost)
     return {"schedule": schedule, "bubble": simulate(plan, cost).bubble_fraction, "ratio": cycle.ratio,
             "k": cycle.refresh_interval, "ceil": math.ceil(cycle.ratio), "fill": cycle.fill,

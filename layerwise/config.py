@@ -6,8 +6,9 @@ composition, before any process starts. Cross-group rules live in `layerwise/val
 """
 
 import hashlib
+import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -59,6 +60,8 @@ class HardwareConfig:
     intra_node_bandwidth: float = 0.0  # bytes/s per device inside a node (NVLink, shared memory)
     inter_node_bandwidth: float = 0.0  # bytes/s per device between nodes (InfiniBand, Ethernet)
     host_device_bandwidth: float = 0.0  # bytes/s host <-> device (PCIe)
+    matmul_overhead_s: float = 0.0  # fixed cost of one matrix product (launch, ramp): mode=calibrate measures it
+    collective_latency_s: float = 0.0  # fixed cost of one collective or message: mode=calibrate measures it
 
 
 @dataclass
@@ -217,12 +220,40 @@ class TrainerConfig:
 
 
 @dataclass
+class CalibrateConfig:
+    """mode=calibrate: measure this machine and write a hardware profile (layerwise/calibrate.py)."""
+
+    name: str = "calibrated"  # the profile's name: hardware=<name> afterwards
+    directory: str = "conf/hardware"  # where <name>.yaml and <name>.calibration.json are written
+    world_sizes: List[int] = field(default_factory=lambda: [2])  # gloo ranks the collectives are timed between
+    repeats: int = 5  # timed calls per size (the median is kept), at least 3
+    quick: bool = False  # small sizes only (tests): a rough profile in seconds
+    silent: bool = False  # no progress lines
+
+
+@dataclass
+class ReproduceConfig:
+    """mode=reproduce: one paper's headline claim at its scale or ours (layerwise/reproduce/)."""
+
+    claim: str = "training_time"  # training_time | pipefisher | l2l | three_d (one module each)
+    scale: str = "paper"  # paper: plan mode at the paper's scale | small: trains here, prediction vs measurement
+    # the PipeFisher claim's convergence runs (benchmarks/pipefisher_convergence.py writes it)
+    convergence_report: str = "docs/results/pipefisher_convergence.json"
+
+
+@dataclass
 class PlanConfig:
     """mode=plan: the analytic plan of this layout at full scale (layerwise/plan.py)."""
 
     efficiency: float = 0.5  # achieved / peak FLOP/s of the matrix products (assumed until calibrated)
     flash_attention: bool = True  # attention keeps no s × s scores (GPU kernels); false: the math kernel
     allocator_margin: float = 0.1  # device memory the allocator's fragmentation and caches take beyond tensors
+    # plan.search=true: rank every valid layout for this model, hardware and batch (layerwise/search.py);
+    # the strategy group's own fields are then ignored
+    search: bool = False
+    search_top: int = 10  # layouts printed, fastest first
+    search_replan: int = 3  # of those, re-planned through the full plan path (simulated plan) side by side
+    search_max_tensor_ranks: int = 0  # largest tensor block searched; 0 = hardware.devices_per_node (one node)
 
 
 @dataclass
@@ -237,10 +268,15 @@ class Config:
     logger: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    reproduce: ReproduceConfig = field(default_factory=ReproduceConfig)
     seed: int = 1234  # one seed for weights, data order and dropout
-    mode: str = "fit"  # fit | check (compose and validate only) | plan (predict memory and step time, run nothing)
+    # fit | check (compose and validate only) | plan (predict memory and step time, run nothing)
+    # | calibrate (time this machine) | reproduce (a paper's claim: experiment=repro_<claim>)
+    mode: str = "fit"
     run_name: str = "default"  # the run directory's name
     resume: bool = True  # continue from the run directory's `last` checkpoint if present
+    resume_from: Optional[str] = None  # a portable checkpoint (any strategy, layout, world size): runs/<name>/checkpoints/last
 
 
 SCHEMAS = {
@@ -280,3 +316,18 @@ def register_schemas() -> None:
         for name, node in schemas.items():
             # Root-level names, not a `schema/` group: --help then lists only the real groups.
             store.store(name=f"schema_{group}_{name}", node=node)
+
+
+def compose(overrides: list):
+    """conf/ composed with these overrides, as train.py sees it, from a script or from inside train.py's
+    own Hydra app (there Hydra is initialised with conf/ already and a second initialise would fail)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_schemas()
+    if GlobalHydra.instance().is_initialized():
+        return hydra_compose(config_name="config", overrides=list(overrides))
+    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))

@@ -24,7 +24,7 @@ from parallel.comm import KINDS
 from parallel.memory import ComputeMemoryMeter
 from parallel.timing import StepTimer, allocator_peak_bytes, reset_allocator_peak
 
-COLUMNS = (["step", "loss", "lr", "step_time_s", "tokens_per_s"]
+COLUMNS = (["step", "loss", "lr", "step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu"]
            + [f"comm_bytes_{kind}" for kind in KINDS]
            + ["comm_calls", "memory_measured", "peak_compute_bytes", "allocator_peak_bytes", "val_loss"])
 # The counter's kinds that are collectives (one call of every rank of a group); sends and host<->device
@@ -43,18 +43,49 @@ def is_measured_step(step: int, steps_run_here: int, every: int, last: int) -> b
             or (every > 0 and step % every == 0))
 
 
-def gather_step_numbers(summed: float, maxima: list, device: torch.device) -> tuple:
-    """A step's numbers over all ranks in ONE collective: (the sum of `summed`, the element-wise
-    maxima of `maxima`). Each rank's small float64 vector is all-gathered on its compute device
-    (NCCL reduces only device tensors) and reduced locally. Not counted: evidence, not training."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return summed, list(maxima)
-    mine = torch.tensor([summed, *maxima], dtype=torch.float64, device=device)
-    pieces = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(pieces, mine)  # the list form: independent counters of training traffic skip it
-    by_rank = torch.stack(pieces)
-    totals = torch.cat([by_rank[:, :1].sum(dim=0), by_rank[:, 1:].amax(dim=0)]).tolist()  # one sync
-    return totals[0], totals[1:]
+class StepExchange:
+    """A step's numbers over all ranks in ONE collective, issued asynchronously: `wait()` gives
+    (the sum of the first value, the element-wise maxima of the rest). Each rank's small float64
+    vector is all-gathered on its compute device (NCCL reduces only device tensors) and reduced
+    locally. A tensor first value (the loss) is copied on the device: no host sync until `wait()`.
+    Not counted: evidence, not training traffic."""
+
+    def __init__(self, summed, maxima: list, device: torch.device):
+        self.result = None
+        mine = torch.tensor([0.0, *[float(value) for value in maxima]], dtype=torch.float64, device=device)
+        mine[0] = summed.detach().reshape(()) if isinstance(summed, torch.Tensor) else float(summed)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            self.pieces, self.work = [mine], None
+            return
+        self.pieces = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        # the list form: independent counters of training traffic skip it
+        self.work = dist.all_gather(self.pieces, mine, async_op=True)
+
+    def wait(self) -> tuple:
+        if self.result is None:
+            if self.work is not None:
+                self.work.wait()
+            by_rank = torch.stack(self.pieces)
+            totals = torch.cat([by_rank[:, :1].sum(dim=0), by_rank[:, 1:].amax(dim=0)]).tolist()  # one sync
+            self.result = totals[0], totals[1:]
+        return self.result
+
+
+def model_flops_utilization(flops_per_step: float, step_time_s, peak_flops_per_second: float,
+                            devices: int):
+    """torchtitan's MFU: the model's training FLOPs of a step over what `devices` devices could do
+    at their peak in that time (None where the hardware profile gives no peak for the precision)."""
+    if not peak_flops_per_second or not step_time_s:
+        return None
+    return flops_per_step / (peak_flops_per_second * devices * step_time_s)
+
+
+def model_flops_per_step(cfg, vocab_size: int) -> float:
+    """6·N + 12·L·h·s per token (models.transformer.model_flops_per_token) × tokens per step."""
+    from models.transformer import model_flops_per_token
+    per_token = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
+                                      vocab_size, cfg.model.mlp_ratio)
+    return per_token * cfg.data.global_batch_size * cfg.data.sequence_length
 
 
 def reduce_over_ranks(values: list, op, device: torch.device) -> list:
@@ -105,14 +136,17 @@ class RunEvidence(pl.Callback):
 
     1. step start: reset the communication counter; on a sampled step (`is_measured_step`) start
        the compute-memory meter and tell the strategy to collect its own evidence (timelines);
-    2. step end: one collective carries loss (summed), time, bytes, calls and peaks (maxima) over
-       ranks; rank 0 writes the row;
-    3. validation: mean loss over batches and ranks, attached to the step's row;
-    4. end (or failure): summary.json with the fixed schema of DESIGN.md.
+    2. as soon as the strategy's training_step returns the loss (before Lightning's backward), ONE
+       asynchronous collective carries it (summed) with the step flags and the previous step's
+       time, bytes, calls and peaks (maxima); the non-finite guard and the preemption check read it;
+    3. step end: the previous step's row is complete (rank 0 writes it); this step's own numbers
+       wait for the next exchange, or for a synchronous one before a checkpoint and at the end;
+    4. validation: mean loss over batches and ranks, attached to the step's row;
+    5. end (or failure): summary.json with the fixed schema of DESIGN.md.
     """
 
     def __init__(self, run_directory: Path, cfg, world_size: int, layout: dict,
-                 progress_lines: bool = True, measure_memory: bool = True):
+                 progress_lines: bool = True, measure_memory: bool = True, flags: dict = None):
         self.run_directory = Path(run_directory)
         self.cfg = cfg
         self.world_size = world_size
@@ -126,7 +160,15 @@ class RunEvidence(pl.Callback):
         self.max_steps = cfg.trainer.max_steps
         self.measure_every_n_steps = cfg.trainer.measure_every_n_steps
         self.log_every_n_steps = max(1, cfg.trainer.log_every_n_steps)
-        self._pending_row = None
+        # name -> callable: a rank's yes/no that travels in the step's exchange (maximum over ranks)
+        self.flags = dict(flags or {})
+        self._exchange = None  # this step's StepExchange
+        self._device, self._is_global_zero = None, False  # set at fit start
+        self._flops_per_step, self._peak_flops = 0.0, 0.0  # set at fit start (MFU: none before)
+        self.local_loss = None  # this rank's loss of the current step
+        self._partial = None  # (the last ended step's row without its reduced numbers, its local numbers)
+        self._awaiting = None  # the same, once the current step's exchange carries its numbers
+        self._pending_rows = []  # complete rows, written at the next step's start (after validation)
         self._meter = None
         self._steps_run_here = 0  # since this process started training: a resume measures again
         self._validation_losses = []
@@ -134,6 +176,9 @@ class RunEvidence(pl.Callback):
 
     # ----- checkpointed history
     def state_dict(self):
+        # Lightning asks every rank while saving a checkpoint (a collective point): complete the
+        # last step's row first, so a resumed run's metrics.csv and summary lack no step.
+        self._complete_partial(exchange=True)
         return dict(self.history)
 
     def load_state_dict(self, state):
@@ -143,12 +188,13 @@ class RunEvidence(pl.Callback):
     def on_train_start(self, trainer, module):
         self._started = time.perf_counter()
         self._steps_run_here = 0
+        self._partial = self._awaiting = None
         self._record_setup_memory(trainer)
         if trainer.is_global_zero:
             self._rewrite_csv_up_to(trainer.global_step)
         if self.history["initial_val_loss"] is None and self.cfg.trainer.limit_val_batches > 0:
             self.history["initial_val_loss"] = evaluate(trainer, module)
-            self._say(trainer, f"initial validation loss {self.history['initial_val_loss']:.4f}")
+            self._say(f"initial validation loss {self.history['initial_val_loss']:.4f}")
 
     def _record_setup_memory(self, trainer):
         """What building and placing this process's part of the model took, the maximum over ranks
@@ -160,8 +206,28 @@ class RunEvidence(pl.Callback):
         self.history["setup_peak_bytes"] = maxima[0]
         self.history["setup_allocator_peak_bytes"] = None if allocator is None else maxima[1]
 
+    def on_fit_start(self, trainer, module):
+        # Lightning hands no hook the loss before its backward; the strategy's training_step is the
+        # one place every strategy returns it, so the step's exchange is issued there (overlapped
+        # with the backward, whose gradient reductions keep the ranks together anyway).
+        self._device, self._is_global_zero = trainer.strategy.root_device, trainer.is_global_zero
+        from layerwise.plan import device_of  # the peak of the precision in use, read in one place
+        self._flops_per_step = model_flops_per_step(self.cfg, module.vocab_size)
+        self._peak_flops = device_of(self.cfg).flops_per_second
+        strategy, training_step = trainer.strategy, trainer.strategy.training_step
+
+        def exchanged(*args, **kwargs):
+            output = training_step(*args, **kwargs)
+            self._issue_exchange(trainer, output)
+            return output
+        strategy.training_step = exchanged
+
+    def teardown(self, trainer, module, stage):
+        trainer.strategy.__dict__.pop("training_step", None)
+
     def on_train_batch_start(self, trainer, module, batch, batch_index):
-        self._flush_row(trainer)
+        self._flush_rows(trainer)
+        self._exchange = None
         communicator = trainer.strategy.communicator()
         if communicator is not None:
             communicator.reset()
@@ -176,34 +242,74 @@ class RunEvidence(pl.Callback):
         self._timer = StepTimer(trainer.strategy.root_device)  # CUDA events on a GPU
         self._timer.start()
 
+    def _issue_exchange(self, trainer, output) -> None:
+        """This step's one collective: [loss, *flags, *the previous step's local numbers]."""
+        loss = output["loss"] if isinstance(output, dict) else output
+        self.local_loss = None if loss is None else loss.detach()
+        # the previous step's row now waits for this exchange (its local numbers travel in it)
+        self._awaiting, self._partial = self._partial, None
+        previous = self._awaiting[1] if self._awaiting is not None else [0.0] * (4 + len(KINDS))
+        flags = [float(bool(flag())) for flag in self.flags.values()]
+        self._exchange = StepExchange(0.0 if loss is None else self.local_loss, flags + previous,
+                                      trainer.strategy.root_device)
+
+    def world_loss_sum(self, trainer) -> float:
+        """The sum over ranks of this step's loss (waits for the exchange; completes the last row)."""
+        loss_sum, maxima = self._exchange.wait()
+        if self._awaiting is not None:
+            (row, _), self._awaiting = self._awaiting, None
+            self._complete(row, maxima[len(self.flags):])
+        return loss_sum
+
+    def any_rank(self, trainer, flag: str) -> bool:
+        """Whether `flag` was raised on any rank when this step's loss was exchanged."""
+        self.world_loss_sum(trainer)
+        return bool(self._exchange.wait()[1][list(self.flags).index(flag)])
+
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
         step_time = self._timer.stop()
         allocator = allocator_peak_bytes(trainer.strategy.root_device)  # every step (free); None off CUDA
-        row = self._step_row(trainer, outputs, step_time, self._stop_meter(), allocator)
-        self._steps_run_here += 1
-        self.history["losses"].append(row["loss"])
-        self.history["rows"].append({k: v for k, v in row.items() if k != "val_loss"})
-        self._pending_row = row
-        if trainer.progress_bar_callback is not None:  # only the bar reads it; a module.log costs ~0.8 ms
-            module.log("loss", row["loss"], prog_bar=True, logger=False, rank_zero_only=True)
-        self._progress(trainer, row)
-
-    def _step_row(self, trainer, outputs, step_time: float, peak, allocator) -> dict:
-        """The metrics.csv row of the step that just ended: every rank's numbers in one collective."""
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if self._exchange is None:  # the strategy's training_step was not reached through the wrapper
+            self._issue_exchange(trainer, outputs)
+        loss = self.world_loss_sum(trainer) / self.world_size
+        peak = self._stop_meter()
         communicator = trainer.strategy.communicator()
         comm = communicator.snapshot() if communicator else {kind: 0.0 for kind in KINDS}
         calls = sum(communicator.calls_by_kind.get(k, 0) for k in COLLECTIVE_KINDS) if communicator else 0
-        loss_sum, maxima = gather_step_numbers(
-            float(loss), [step_time, peak or 0.0, allocator or 0.0, calls] + [comm[k] for k in KINDS],
-            trainer.strategy.root_device)
-        return {"step": trainer.global_step, "loss": loss_sum / self.world_size,
-                "lr": trainer.optimizers[0].param_groups[0]["lr"], "step_time_s": maxima[0],
-                "tokens_per_s": self.tokens_per_step / maxima[0], "comm_calls": int(maxima[3]),
-                "memory_measured": int(peak is not None),
-                "peak_compute_bytes": None if peak is None else maxima[1],
-                "allocator_peak_bytes": None if allocator is None else maxima[2],
-                **{f"comm_bytes_{k}": v for k, v in zip(KINDS, maxima[4:])}, "val_loss": None}
+        row = {"step": trainer.global_step, "loss": loss, "lr": trainer.optimizers[0].param_groups[0]["lr"],
+               "memory_measured": int(peak is not None), "val_loss": None,
+               "allocator_measured": allocator is not None}
+        self._partial = row, [step_time, peak or 0.0, allocator or 0.0, calls] + [comm[k] for k in KINDS]
+        self._steps_run_here += 1
+        self.history["losses"].append(loss)
+        if trainer.progress_bar_callback is not None:  # only the bar reads it; a module.log costs ~0.8 ms
+            module.log("loss", loss, prog_bar=True, logger=False, rank_zero_only=True)
+
+    def _complete_partial(self, exchange: bool = False) -> None:
+        """Complete the rows no exchange has completed: by a synchronous exchange of their own
+        (`exchange`: every rank must call), or else with this rank's numbers."""
+        for waiting in (self._awaiting, self._partial):
+            if waiting is not None:
+                row, local = waiting
+                self._complete(row, StepExchange(0.0, local, self._device).wait()[1] if exchange else local)
+        self._awaiting = self._partial = None
+
+    def _complete(self, row: dict, maxima: list) -> None:
+        """Give an ended step's row its numbers over ranks; it is written at the next step's start."""
+        allocator_measured = row.pop("allocator_measured")
+        row.update({"step_time_s": maxima[0], "tokens_per_s": self.tokens_per_step / maxima[0],
+                    "tokens_per_s_per_device": self.tokens_per_step / maxima[0] / self.world_size,
+                    "mfu": self._mfu(maxima[0]),
+                    "comm_calls": int(maxima[3]),
+                    "peak_compute_bytes": maxima[1] if row["memory_measured"] else None,
+                    "allocator_peak_bytes": maxima[2] if allocator_measured else None,
+                    **{f"comm_bytes_{k}": v for k, v in zip(KINDS, maxima[4:])}})
+        self.history["rows"].append({k: v for k, v in row.items() if k != "val_loss"})
+        self._pending_rows.append(row)
+        self._progress(row)
+
+    def _mfu(self, step_time_s):
+        return model_flops_utilization(self._flops_per_step, step_time_s, self._peak_flops, self.world_size)
 
     def _stop_meter(self):
         """This step's compute-side peak (None on an unsampled step); adds its matrix-product dtypes."""
@@ -232,29 +338,35 @@ class RunEvidence(pl.Callback):
 
     def _record_validation(self, trainer, value: float):
         self.history["val_losses"][str(trainer.global_step)] = value
-        if self._pending_row is not None:
-            self._pending_row["val_loss"] = value
-        self._say(trainer, f"step {trainer.global_step}: validation loss {value:.4f}")
+        for row in self._pending_rows + [self._partial and self._partial[0]]:
+            if row and row["step"] == trainer.global_step:
+                row["val_loss"] = value
+        self._say(f"step {trainer.global_step}: validation loss {value:.4f}")
 
     # ----- end of run
     def on_train_end(self, trainer, module):
         last = str(trainer.global_step)
         if self.cfg.trainer.limit_val_batches > 0 and last not in self.history["val_losses"]:
             self._record_validation(trainer, evaluate(trainer, module))
-        self._flush_row(trainer)
-        if trainer.is_global_zero:
-            trainer.strategy.write_evidence(self.run_directory, trainer.loggers)
-        self.write_summary(trainer, "completed")
+        self._complete_partial(exchange=True)
+        self._flush_rows(trainer)
+        images = trainer.strategy.write_evidence(self.run_directory) if trainer.is_global_zero else []
+        summary = self.write_summary(trainer, "completed")
+        if trainer.is_global_zero:  # the charts and the summary, to W&B / TensorBoard (layerwise/report.py)
+            from layerwise.report import log_run_evidence, write_plan_charts
+            images += write_plan_charts(self.cfg, self.world_size, self.run_directory)
+            log_run_evidence(trainer.loggers, images, summary)
 
     def on_exception(self, trainer, module, exception):
         status = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
-        self._flush_row(trainer)
+        self._complete_partial()  # no collective: the other ranks may be elsewhere; this rank's numbers
+        self._flush_rows(trainer)
         self.write_summary(trainer, status, error=f"{type(exception).__name__}: {exception}")
 
     # ----- files
-    def _flush_row(self, trainer):
-        if self._pending_row is None or not trainer.is_global_zero:
-            self._pending_row = None
+    def _flush_rows(self, trainer):
+        rows, self._pending_rows = self._pending_rows, []
+        if not rows or not trainer.is_global_zero:
             return
         path = self.run_directory / "metrics.csv"
         new = not path.exists()
@@ -262,12 +374,11 @@ class RunEvidence(pl.Callback):
             writer = csv.DictWriter(handle, fieldnames=COLUMNS)
             if new:
                 writer.writeheader()
-            writer.writerow(self._pending_row)
-        if self._logs_row(self._pending_row):
-            loggable = {k: v for k, v in self._pending_row.items() if v is not None and k != "step"}
+            writer.writerows(rows)
+        for row in filter(self._logs_row, rows):
+            loggable = {k: v for k, v in row.items() if v is not None and k != "step"}
             for logger in trainer.loggers:
-                logger.log_metrics(loggable, step=self._pending_row["step"])
-        self._pending_row = None
+                logger.log_metrics(loggable, step=row["step"])
 
     def _logs_row(self, row) -> bool:
         """Loggers get every trainer.log_every_n_steps-th row, evaluation rows and the last: a W&B
@@ -288,8 +399,9 @@ class RunEvidence(pl.Callback):
             writer.writerows(rows)
 
     def write_summary(self, trainer, status: str, error: str = None):
+        """Write summary.json on global rank 0 and return what it holds (None on other ranks)."""
         if not trainer.is_global_zero:
-            return
+            return None
         rows = self.history["rows"]
         def median(key):  # rows of a checkpoint written before a column existed lack it
             values = [r[key] for r in rows if r.get(key) is not None]
@@ -309,6 +421,8 @@ class RunEvidence(pl.Callback):
             "skipped_steps": self.history.get("skipped_steps", []),  # non-finite loss, no update (faults.py)
             "step_time_s_median": median("step_time_s"),
             "tokens_per_s_median": median("tokens_per_s"),
+            "tokens_per_s_per_device": median("tokens_per_s_per_device"),
+            "mfu": self._mfu(median("step_time_s")),
             "comm_bytes_per_step": {k: median(f"comm_bytes_{k}") for k in KINDS} if rows else {},
             "comm_calls_per_step": median("comm_calls"),
             "peak_compute_bytes": max((r["peak_compute_bytes"] for r in rows
@@ -325,22 +439,23 @@ class RunEvidence(pl.Callback):
         if bubble is not None:
             summary["bubble_fraction"] = bubble
         write_json_atomically(self.run_directory / "summary.json", summary)
+        return summary
 
     # ----- progress
-    def _say(self, trainer, message: str):
-        if trainer.is_global_zero and self.progress_lines:
+    def _say(self, message: str):
+        if self._is_global_zero and self.progress_lines:
             print(f"[layerwise] {message}", flush=True)
 
-    def _progress(self, trainer, row):
+    def _progress(self, row):
         every = max(1, self.max_steps // 20)
         if row["step"] % every and row["step"] != self.max_steps:
             return
         elapsed = time.perf_counter() - self._started
         done = len(self.history["losses"])
         remaining = elapsed / max(1, done) * (self.max_steps - row["step"])
-        self._say(trainer, f"step {row['step']}/{self.max_steps} loss {row['loss']:.4f} "
-                           f"lr {row['lr']:.2e} {row['step_time_s']:.3f} s/step "
-                           f"{row['tokens_per_s']:.0f} tokens/s eta {remaining:.0f} s")
+        self._say(f"step {row['step']}/{self.max_steps} loss {row['loss']:.4f} "
+                  f"lr {row['lr']:.2e} {row['step_time_s']:.3f} s/step "
+                  f"{row['tokens_per_s']:.0f} tokens/s eta {remaining:.0f} s")
 
 
 class PointToPointOrderCheck(pl.Callback):

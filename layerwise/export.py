@@ -4,8 +4,10 @@
 
 Writes the plain model's state dict — the names and shapes `models.build_model` gives, whatever
 strategy trained it — with the model's config in the file's metadata, so
-`load_exported(path)` (or any safetensors reader) gets the model back. Per-rank checkpoints are
-read one pipeline position at a time (a rank file also holds its optimizer state, 3× its weights
+`load_exported(path)` (or any safetensors reader) gets the model back. The portable checkpoint
+beside `last.ckpt` (`checkpoints/last`, strategies/portable.py) is read when it is there: it
+already holds every tensor under its plain name, so only the model's tensors are read, never the
+optimizer state. Otherwise per-rank checkpoints are read one pipeline position at a time (a rank file also holds its optimizer state, 3× its weights
 under AdamW): only the plain model is ever whole in memory. Merging uses each strategy's own
 `consolidate` (strategies/registry.py), the function the tests hold to `single`.
 """
@@ -20,6 +22,7 @@ from omegaconf import OmegaConf
 
 from strategies import strategy_entry
 from strategies.checkpoint import read_checkpoint_file
+from strategies.portable import is_portable, portable_path, read_portable
 
 PREFIX = "model."
 
@@ -44,6 +47,8 @@ def run_config(run_directory):
 def plain_state(run_directory, checkpoint: str = "last") -> dict:
     """The plain model's state dict (models/ names) from any strategy's checkpoint."""
     path = checkpoint_path(Path(run_directory), checkpoint)
+    if is_portable(portable_path(path)):
+        path = portable_path(path)
     merged = merged_state(path, run_config(run_directory).strategy.name)
     return {name[len(PREFIX):]: value.detach().clone() for name, value in merged.items() if name.startswith(PREFIX)}
 
@@ -52,6 +57,8 @@ def merged_state(path: Path, strategy_name: str) -> dict:
     """The whole LightningModule state dict ("model." names) of one checkpoint, whatever the strategy
     (the tests compare it with `single`'s)."""
     path = Path(path)
+    if is_portable(path):  # any strategy: the plain names already
+        return read_portable(path)
     if path.is_file():  # single, ddp: one Lightning file
         state = read_checkpoint_file(path)["state_dict"]
         return {name.removeprefix("module."): value for name, value in state.items()}

@@ -2,8 +2,9 @@
 
 `NonFiniteGuard` looks at each step's loss just before the optimizer steps (Lightning's
 `on_before_optimizer_step`, which every strategy stepping through its precision plugin reaches:
-`single`, `ddp`, the pipelines, ZeRO, tensor parallel). Every rank decides alike: within a data
-replica all ranks hold the same loss, and replicas vote. Then, by `trainer.skip_nonfinite_steps`:
+`single`, `ddp`, the pipelines, ZeRO, tensor parallel). Every rank decides alike, from the sum of
+all ranks' losses that the evidence's one per-step exchange carries (a sum is non-finite when any
+term is). Then, by `trainer.skip_nonfinite_steps`:
 
 - false (default): the weights are still those the step's forward used, so the step's forward is
   re-run once with a finiteness check on every module's output (nothing is checked on healthy
@@ -16,10 +17,11 @@ replica all ranks hold the same loss, and replicas vote. Then, by `trainer.skip_
 Strategies that update inside their own step (l2l, kfac) never reach that hook: their loss is
 checked after the step, before the checkpoint callback, and they cannot skip.
 
-Cost on a healthy step: one finiteness test of the loss (a device sync on GPU, which the evidence's
-per-step loss read makes anyway); with data replicas, whose losses differ, also one one-element
-all-reduce for the vote. Within one replica every rank holds the same loss, so no vote is needed.
+Cost on a healthy step: one finiteness test of a number the evidence gathers anyway (the wait for
+its exchange, which was issued before the backward); no collective of its own.
 """
+
+import math
 
 import lightning.pytorch as pl
 import torch
@@ -70,11 +72,6 @@ def gather_objects(mine) -> list:
     return gathered
 
 
-def loss_of(output):
-    loss = output["loss"] if isinstance(output, dict) else output
-    return None if loss is None else loss.detach()
-
-
 class NonFiniteGuard(pl.Callback):
     """Checks each step's loss; stops with its origin or skips the update (see the module docstring).
 
@@ -86,35 +83,19 @@ class NonFiniteGuard(pl.Callback):
         self.skip = skip
         self.evidence = evidence  # RunEvidence: its checkpointed history counts skipped steps
         self.checkpoint_path = checkpoint_path
-        self._loss = self._batch = None
+        self._batch = None
         self._checked = False
 
-    # ----- the loss: Lightning hands no hook the step's loss before the optimizer steps, and the
-    # strategy's training_step is the one place every strategy returns it.
-    def on_fit_start(self, trainer, module):
-        strategy, training_step = trainer.strategy, trainer.strategy.training_step
-
-        def recorded(*args, **kwargs):
-            self._loss = output = training_step(*args, **kwargs)
-            return output
-        strategy.training_step = recorded
-
-    def teardown(self, trainer, module, stage):
-        trainer.strategy.__dict__.pop("training_step", None)
-
     def on_train_batch_start(self, trainer, module, batch, batch_index):
-        self._loss, self._batch, self._checked = None, batch, False
+        self._batch, self._checked = batch, False
 
-    # ----- the check
-    def _nonfinite(self, trainer, loss) -> bool:
-        bad = loss is not None and not bool(torch.isfinite(loss).all())
-        if trainer.strategy.data_parallel()[1] == 1:
-            return bad  # one replica: every rank holds its loss (pipelines broadcast it), no collective
-        return trainer.strategy.reduce_boolean_decision(bad, all=False)  # replicas differ: any rank's
+    # ----- the check: the world's loss sum, from the evidence's exchange of this step
+    def _nonfinite(self, trainer) -> bool:
+        return not math.isfinite(self.evidence.world_loss_sum(trainer))
 
     def on_before_optimizer_step(self, trainer, module, optimizer):
         self._checked = True
-        if not self._nonfinite(trainer, loss_of(self._loss)):
+        if not self._nonfinite(trainer):
             return
         step = trainer.global_step + 1
         if self.skip:
@@ -129,7 +110,7 @@ class NonFiniteGuard(pl.Callback):
                              f"{self.evidence.cfg.strategy.name} updates the weights inside its own "
                              f"step, where no update can be skipped. Fix: set "
                              f"trainer.skip_nonfinite_steps=false for this strategy.")
-        if self._nonfinite(trainer, loss_of(outputs)):
+        if self._nonfinite(trainer):
             where = "(not located: this strategy has already updated the weights of the step)"
             raise NonFiniteLoss(self._message(trainer, trainer.global_step, self._origin(None, where),
                                               applied=True))
@@ -191,7 +172,7 @@ class NonFiniteGuard(pl.Callback):
 
     def _value(self):
         """This rank's loss as text if it is non-finite, else None."""
-        loss = loss_of(self._loss)
+        loss = self.evidence.local_loss
         if loss is None or bool(torch.isfinite(loss).all()):
             return None
         return str(float(loss.float().mean()))

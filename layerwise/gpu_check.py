@@ -124,14 +124,9 @@ def point_overrides(strategy: str, ranks: int, steps: int, hardware: str, extra)
 
 
 def compose(overrides: list):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from layerwise.config import compose as compose_config
 
-    from layerwise.config import register_schemas
-
-    register_schemas()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
+    return compose_config(overrides)
 
 
 def hardware_accelerator(hardware: str, extra) -> str:

@@ -35,17 +35,23 @@ def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
                            f"({', '.join(PLANNED)}, with strategy.tensor_parallel and ZeRO). Fix: "
                            f"strategy=modular_pipeline strategy.pipeline_degree=1 plans data parallelism."])
     degrees = strategy_entry(cfg.strategy.name).degrees(cfg, world_size)
-    if vocabulary is None:
-        vocabulary = cfg.data.vocab_size if cfg.data.corpus == "token_bin" else 256
-        vocabulary += 1 if cfg.model.architecture == "bert" else 0
-    shape = GptShape(cfg.model.hidden, cfg.model.mlp_ratio, vocabulary, cfg.data.sequence_length,
-                     cfg.model.max_sequence_length)
+    shape = shape_of(cfg, vocabulary)
     layout = ComposedLayout(degrees.data, degrees.pipeline, tensor_parallel(cfg.strategy),
                             cfg.strategy.tensor_grid, cfg.strategy.name.startswith("zero"))
     return Workload(shape, cfg.model.layers, cfg.model.heads, layout, cfg.strategy.layers_per_stage,
                     cfg.data.global_batch_size // (degrees.data * cfg.strategy.micro_batches),
                     cfg.optimizer.name, cfg.strategy.activation_recompute == "full",
                     2 if cfg.hardware.precision.endswith("mixed") else 4)
+
+
+def shape_of(cfg, vocabulary: int = None) -> GptShape:
+    """The model's widths and lengths; `vocabulary` defaults to the data group's (bytes: 256,
+    token_bin: data.vocab_size; + [MASK] for BERT)."""
+    if vocabulary is None:
+        vocabulary = cfg.data.vocab_size if cfg.data.corpus == "token_bin" else 256
+        vocabulary += 1 if cfg.model.architecture == "bert" else 0
+    return GptShape(cfg.model.hidden, cfg.model.mlp_ratio, vocabulary, cfg.data.sequence_length,
+                    cfg.model.max_sequence_length)
 
 
 def device_of(cfg) -> Device:
@@ -85,7 +91,20 @@ def _label(ranks: list, last: int) -> str:
 
 
 def plan(cfg, world_size: int, run_directory) -> dict:
-    """Compute, print and write the plan; returns what plan.json holds."""
+    """Compute, print and write the plan; returns what plan.json holds. With plan.search=true,
+    rank every valid layout instead (layerwise/search.py)."""
+    if cfg.plan.search:
+        from layerwise.search import search
+        return search(cfg, cfg.hardware.nodes * cfg.hardware.devices_per_node, run_directory)
+    result, timeline = plan_result(cfg, world_size, with_timeline=True)
+    device = device_of(cfg)
+    _write(result, timeline, Path(run_directory), device.memory_bytes)
+    print(table(result, device))
+    return result
+
+
+def plan_result(cfg, world_size: int, with_timeline: bool = False):
+    """What plan.json holds (and the simulated timeline if asked): the full plan path."""
     workload, device, schedule = workload_of(cfg, world_size), device_of(cfg), training_plan_of(cfg)
     step = predict_step(workload, device, schedule)
     per_rank = [memory(workload, schedule, rank, cfg.plan.flash_attention) for rank in range(schedule.pipeline_degree)]
@@ -104,9 +123,7 @@ def plan(cfg, world_size: int, run_directory) -> dict:
                          "total_bytes": sum(breakdown.values()) * (1 + margin),
                          "fits": sum(breakdown.values()) * (1 + margin) <= device.memory_bytes}
                         for label, ranks, breakdown in roles(per_rank)]}
-    _write(result, step["timeline"], Path(run_directory), device.memory_bytes)
-    print(table(result, device))
-    return result
+    return (result, step["timeline"]) if with_timeline else result
 
 
 def table(result: dict, device: Device) -> str:
@@ -180,7 +197,7 @@ def memory_problems(cfg, world_size: int) -> list:
             f"{cfg.hardware.device_memory_bytes:.3g} ({cfg.hardware.device_memory_bytes / GIB:.1f} GiB). Fix: "
             + (" or ".join(fits) + " (planned to fit)" if fits else
                "more pipeline or tensor ranks, more micro-batches, or a smaller data.global_batch_size")
-            + f"; python train.py mode=plan ... shows every role."]
+            + "; python train.py mode=plan ... shows every role."]
 
 
 def _fits_with(cfg, world_size: int, field: str, value) -> bool:

@@ -19,12 +19,13 @@ from layerwise.evidence import PointToPointOrderCheck, RunEvidence, write_json_a
 from layerwise.faults import NonFiniteGuard
 from layerwise.launch import (RankError, global_rank, launched_externally, run_ranks, start_method,
                               writes_run_files)
-from layerwise.slurm import slurm_callbacks, slurm_plugins
+from layerwise.slurm import slurm_callbacks, slurm_plugins, slurm_step_flags
 from layerwise.task import LanguageModelData, LanguageModelTask, objective_of
 from parallel.layout import RANK_ORDER
 from strategies import strategy_entry
 from strategies.checkpoint import (checkpoint_exists, load_first_readable, read_checkpoint_file,
                                    swap_in, write_checkpoint_file)
+from strategies.portable import resolve_portable
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -108,7 +109,7 @@ def build_trainer(cfg, run_directory: Path, world_size: int, strategy, evidence)
     callbacks = [evidence,  # the guard before the checkpoint: a non-finite step is never saved
                  NonFiniteGuard(cfg.trainer.skip_nonfinite_steps, evidence, checkpoint_path(run_directory)),
                  LastCheckpoint(checkpoint_path(run_directory), cfg.trainer.checkpoint_every_n_steps)]
-    callbacks += slurm_callbacks(checkpoint_path(run_directory))  # preemption: save, requeue
+    callbacks += slurm_callbacks(checkpoint_path(run_directory), evidence)  # preemption: save, requeue
     if cfg.trainer.check_point_to_point_order:  # after RunEvidence: its final validation is checked too
         callbacks.append(PointToPointOrderCheck())
     if show_bar(cfg):
@@ -146,12 +147,16 @@ def fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:
     entry = strategy_entry(cfg.strategy.name)
     layout = {**entry.degrees(cfg, world_size).as_dict(), "order": list(RANK_ORDER)}  # tensor innermost
     evidence = RunEvidence(run_directory, cfg, world_size, layout,
-                           progress_lines=not show_bar(cfg) and cfg.trainer.progress != "none")
+                           progress_lines=not show_bar(cfg) and cfg.trainer.progress != "none",
+                           flags=slurm_step_flags())
     trainer = build_trainer(cfg, run_directory, world_size, entry.build(cfg, world_size), evidence)
     for logger in trainer.loggers:  # the resolved config is logged at creation; add the layout
         logger.log_hyperparams({"layout": layout, "world_size": world_size})
     resume_from = checkpoint_path(run_directory)
     resume = cfg.resume and checkpoint_exists(resume_from)
+    if not resume and cfg.get("resume_from"):  # the run's own checkpoint first: a rerun continues it
+        resume_from, resume = resolve_portable(cfg.resume_from), True
+        trainer.strategy.portable_resume = True  # restore after setup, into this layout's pieces
     if resume and trainer.is_global_zero:
         print(f"[layerwise] resuming from {resume_from}", flush=True)
     try:

@@ -430,14 +430,15 @@ class Preempted(KeyboardInterrupt):
     """Ends fit after the checkpoint: Lightning treats it as an interruption (summary: interrupted)."""
 
 
-def requeue_on_preemption_callback(checkpoint_path: Path):
+def requeue_on_preemption_callback(checkpoint_path: Path, evidence):
     import lightning.pytorch as pl
 
     class RequeueOnPreemption(pl.Callback):
-        """At each step boundary all ranks agree on the flag; if set: save, requeue, stop."""
+        """At each step boundary all ranks agree on the flag (it travels in the step's evidence
+        exchange, `slurm_step_flags`); if set on any rank: save, requeue, stop."""
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
-            if not trainer.strategy.reduce_boolean_decision(PREEMPTION.requested, all=False):
+            if not evidence.any_rank(trainer, "preemption"):
                 return
             if trainer.global_step >= trainer.max_steps:
                 return  # the last step: finishing is better than requeueing
@@ -494,5 +495,10 @@ def slurm_plugins(strategy) -> list:
     return [SLURMEnvironment(auto_requeue=False)]
 
 
-def slurm_callbacks(checkpoint_path: Path) -> list:
-    return [requeue_on_preemption_callback(checkpoint_path)] if under_slurm_step() else []
+def slurm_step_flags() -> dict:
+    """What each step's evidence exchange carries for Slurm: whether this rank was told to stop."""
+    return {"preemption": lambda: PREEMPTION.requested} if under_slurm_step() else {}
+
+
+def slurm_callbacks(checkpoint_path: Path, evidence) -> list:
+    return [requeue_on_preemption_callback(checkpoint_path, evidence)] if under_slurm_step() else []

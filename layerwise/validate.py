@@ -17,12 +17,14 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 
 from layerwise.config import Config
 from layerwise.data import TOKEN_BIN_FILES
+from layerwise.reproduce import CLAIMS, SCALES
 from strategies import REGISTRY, strategy_entry
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors, nearest_multiples
 from strategies.schedule.generators import SCHEDULES
 
 CHOICES = {
-    "mode": ("fit", "check", "plan"),
+    "mode": ("fit", "check", "plan", "calibrate", "reproduce"),
+    "reproduce.claim": tuple(CLAIMS), "reproduce.scale": SCALES,
     "model.architecture": ("gpt", "bert"),
     "data.corpus": ("stdlib", "text_files", "token_bin"),
     "hardware.accelerator": ("cpu", "gpu"),
@@ -66,7 +68,12 @@ RANGES = {
     "hardware.peak_flops": ("non_negative", "5e10"),  # each dtype's entry
     "hardware.intra_node_bandwidth": ("non_negative", "5e9"),
     "hardware.inter_node_bandwidth": ("non_negative", "1.25e9"),
+    "hardware.matmul_overhead_s": ("non_negative", "1e-5"),
+    "hardware.collective_latency_s": ("non_negative", "2e-5"),
+    "calibrate.repeats": ("count", 5),
     "plan.efficiency": ("fraction", 0.5), "plan.allocator_margin": ("probability", 0.1),
+    "plan.search_top": ("count", 10), "plan.search_replan": ("non_negative", 3),
+    "plan.search_max_tensor_ranks": ("non_negative", 8),
     "optimizer.lr": ("positive", "3e-4"), "optimizer.weight_decay": ("non_negative", 0.1),
     "optimizer.beta1": ("probability", 0.9), "optimizer.beta2": ("probability", 0.95),
     "optimizer.eps": ("positive", "1e-8"), "optimizer.momentum": ("probability", 0.9),
@@ -285,6 +292,21 @@ def micro_batches(strategy) -> int:
     return strategy.micro_batches if "micro_batches" in strategy else 1
 
 
+def check_resume_from(cfg) -> list:
+    """`resume_from`: an existing portable checkpoint of this model's shape (strategies/portable.py)."""
+    if not cfg.get("resume_from"):
+        return []
+    from layerwise.task import model_arguments
+    from models import build_model
+    from strategies.portable import resume_errors
+
+    def expected_shapes(vocabulary: int) -> dict:
+        model = build_model(cfg.model.architecture, device="meta",
+                            **model_arguments(cfg.model, vocabulary, cfg.seed))
+        return {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
+    return resume_errors(cfg.resume_from, expected_shapes)
+
+
 def check_strategy(cfg, world: int) -> list:
     if cfg.strategy.name not in REGISTRY:
         return []
@@ -312,8 +334,9 @@ def validate(cfg, submitting: bool = False) -> int:
     if errors:  # later checks assume known names, declared keys and values in range
         raise ConfigError(errors)
     world = world_size(cfg)
+    searching = cfg.mode == "plan" and cfg.plan.search  # layerwise/search.py validates each layout it keeps
     errors = (check_model(cfg) + check_hardware(cfg, world, submitting) + check_data(cfg)
-              + check_strategy(cfg, world))
+              + ([] if searching else check_strategy(cfg, world)) + check_resume_from(cfg))
     if errors:
         raise ConfigError(errors)
     if cfg.mode != "plan":  # plan mode reports memory itself, fitting or not

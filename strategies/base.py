@@ -16,15 +16,17 @@ from typing_extensions import override
 from parallel.layout import Degrees, ParallelLayout
 from strategies.checkpoint import PerRankCheckpoints
 from strategies.hooks import RunHooks
+from strategies.portable import PortableCheckpoints
 
 
-class LayerwiseStrategy(RunHooks, PerRankCheckpoints, DDPStrategy):
+class LayerwiseStrategy(RunHooks, PortableCheckpoints, PerRankCheckpoints, DDPStrategy):
     """Process group from Lightning, everything else ours.
 
     1. `setup_environment`: process group, then the layout (groups built once, in one order);
     2. `configure_ddp`: no wrapper; the subclass synchronises gradients itself;
     3. the data module asks `distributed_sampler_kwargs` for the data-parallel rank and degree;
-    4. checkpoints: one file per rank (strategies/checkpoint.py).
+    4. checkpoints: one file per rank (strategies/checkpoint.py), and the portable one beside it
+       (strategies/portable.py).
     """
 
     def __init__(self, degrees: Degrees, process_group_backend: str = "gloo",

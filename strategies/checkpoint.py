@@ -10,9 +10,17 @@ turns out truncated or corrupt (every file's zip CRCs are checked on load) is sk
 naming the file, and the run resumes from `previous`; every rank must agree, so the ranks vote. A
 write that fails (disk full) removes its partial file and leaves `last` as it was.
 
-Why not torch.distributed.checkpoint: DCP treats a plain tensor key present on several ranks as
-replicated and keeps rank 0's copy (ZeRO shards all share their names), and resharding on load is
-not needed while a resume uses the same layout, which `layout.json` enforces with a clear error.
+Two formats, and why. These per-rank files are the same-layout resume: bit-identical, CRC-checked
+per file, voted fall-back to `previous`. Every save also writes a portable checkpoint beside it
+(`last.ckpt` -> `last/`, strategies/portable.py) with torch.distributed.checkpoint (DCP), which any
+strategy at any world size resumes from (`resume_from=`). DCP treats a plain tensor key present on
+several ranks as replicated and keeps one copy (ZeRO shards all share their names), so the portable
+format stores every tensor under its plain name as a ShardedTensor whose local shards are this
+rank's rectangles at their offsets in the full tensor (a ZeRO flat range of a matrix: partial row,
+whole rows, partial row); identical rectangles (data replicas) are written once, by the lowest
+rank. The per-rank files stay because the fault handling above (CRC per zip file, the rank vote,
+the disk-full message) is built on them and DCP's files carry no checksums; one format would need
+that rebuilt on DCP's storage layer first.
 """
 
 import json

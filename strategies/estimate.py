@@ -19,8 +19,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from parallel.comm import KINDS
-from strategies.schedule import BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT, simulate
-from strategies.schedule.zero import REDUCE_SCATTER
+from strategies.schedule import BACKWARD, FORWARD, Action, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT, simulate
+from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, compute_runs
 from strategies.traffic import (BYTES, ComposedLayout, GptShape, activation_piece, all_gather, all_reduce,
                                 block_traffic, head_traffic, local_parameters, step_traffic)
 from strategies.tensor_parallel.grids import DIMENSION
@@ -116,18 +116,24 @@ def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True) -> 
     """Bytes by kind on one rank of pipeline position `pipeline_rank` (the parts it holds)."""
     row = [action for action in plan.ranks[pipeline_rank] if action is not None]
     stages = sorted({action.stage for action in row if action.kind == FORWARD})
+    return stage_memory(workload, stages, plan.stages, in_flight(row), flash)
+
+
+def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int, flash: bool = True) -> dict:
+    """Bytes by kind on a rank holding `stages` (of `total_stages`) with at most `alive` forwards
+    in flight: what `memory` reads off a built plan, and what the search gives in closed form."""
     layout, shape, per_stage = workload.layout, workload.shape, workload.layers_per_stage
     held = sum(local_parameters(layout.tensor_grid, layout.edge, shape, stage == 0, per_stage,
-                                stage == plan.stages - 1)["all"] for stage in stages)
+                                stage == total_stages - 1)["all"] for stage in stages)
     sharded = held / layout.data if layout.zero else held
     tokens = workload.micro_batch_rows * shape.length
     block = block_saved_bytes(workload, tokens, flash)
     kept = workload.piece * BYTES if workload.recompute else per_stage * block  # recompute: stage inputs
-    stash = in_flight(row) * kept  # every stage holds layers_per_stage blocks
+    stash = alive * kept  # every stage holds layers_per_stage blocks
     # Working set on top of the stash: a block's backward materialises gradients about the size of
     # what it saved (with recomputation, also the block's recomputed internals); the last stage also
     # holds the logits and their gradient (fp32, split by vocabulary).
-    logits = 2 * tokens * shape.vocabulary * BYTES / workload.tensor_ranks if plan.stages - 1 in stages else 0
+    logits = 2 * tokens * shape.vocabulary * BYTES / workload.tensor_ranks if total_stages - 1 in stages else 0
     working = block * (2 if workload.recompute else 1) + logits
     largest_stage = held / max(1, len(stages))
     return {"parameters": sharded * BYTES,
@@ -135,6 +141,23 @@ def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True) -> 
             "optimizer": OPTIMIZER_STATE.get(workload.optimizer, 2) * sharded * BYTES,
             "activations": stash + working,
             "buffers": (2 * largest_stage * BYTES if layout.zero else 0) + 2 * workload.piece * BYTES}
+
+
+def closed_form_in_flight(schedule: str, pipeline_degree: int, loops: int, breadth_first: int, rank: int) -> int:
+    """`in_flight` of pipeline rank `rank` without building the plan (strategies/schedule/generators.py;
+    depth-first groups drain before the next, so one breadth-first group's peak is the row's):
+      gpipe                  all bf forwards before the first backward;
+      one_f_one_b            p − 1 − r warm-up forwards, then one more before each backward: min(p − r, bf);
+      looped_breadth_first   every local stage's bf forwards before any backward: v·bf;
+      interleaved_one_f_one_b  2(p − 1 − r) + (v − 1)p warm-up forwards, + 1 in the steady state, ≤ v·bf."""
+    p, v, bf = pipeline_degree, loops, breadth_first
+    if schedule == "gpipe":
+        return bf
+    if schedule == "one_f_one_b":
+        return min(p - rank, bf)
+    if schedule == "interleaved_one_f_one_b":
+        return min(2 * (p - 1 - rank) + (v - 1) * p + 1, v * bf)
+    return v * bf  # looped_breadth_first, layered
 
 
 # ----- time
@@ -149,9 +172,10 @@ def forward_flops(workload: Workload, stage: int, stages: int) -> float:
     return (workload.layers_per_stage * block + head) / workload.tensor_ranks
 
 
-def link_bandwidth(device: Device, span: int) -> float:
-    """Ranks `span` apart in rank order share a node when the span is inside one node."""
-    return device.intra_node_bandwidth if span < device.devices_per_node else device.inter_node_bandwidth
+def link_bandwidth(device: Device, extent: int) -> float:
+    """A group spread over `extent` consecutive ranks (ranks fill nodes in order, the tensor axis
+    innermost) stays inside one node when the extent does; otherwise its slowest link is a node's."""
+    return device.intra_node_bandwidth if extent <= device.devices_per_node else device.inter_node_bandwidth
 
 
 def grid_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
@@ -168,21 +192,65 @@ def grid_seconds(workload: Workload, device: Device, stage: int, stages: int) ->
     return sum(traffic.values()) / link_bandwidth(device, workload.tensor_ranks)
 
 
-def step_cost(workload: Workload, device: Device, stages: int):
-    """The simulator's cost of each action in seconds: F, B = (2 or 3)·F, and receive waits."""
-    rate = device.flops_per_second * device.efficiency
-    pipeline_link = link_bandwidth(device, workload.tensor_ranks * 2)
-    receive = workload.piece * BYTES / pipeline_link
-    backward_factor = 3.0 if workload.recompute else 2.0
+def stage_seconds(workload: Workload, device: Device, stage: int, stages: int) -> tuple:
+    """(forward, backward) seconds of one micro-batch through `stage`: FLOPs at the achieved rate,
+    B = 2F (3F with recomputation: the forward runs again), the grid's collectives half in each."""
+    compute = forward_flops(workload, stage, stages) / (device.flops_per_second * device.efficiency)
+    communication = grid_seconds(workload, device, stage, stages)
+    return compute + communication / 2, (3.0 if workload.recompute else 2.0) * compute + communication / 2
+
+
+def receive_seconds(workload: Workload, device: Device) -> float:
+    """One boundary receive: the activation piece (or its gradient, the same size) over the link
+    pipeline neighbours cross (a tensor block apart; inside a node only if the whole pipeline is)."""
+    return workload.piece * BYTES / link_bandwidth(device, workload.tensor_ranks * workload.layout.pipeline)
+
+
+def gather_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
+    """One ZeRO gather of a stage's shards over the data group ((n − 1)/n of the stage's local
+    parameters; the flat shards' padding to a multiple of n is left out)."""
+    layout = workload.layout
+    if not layout.zero or layout.data == 1:
+        return 0.0
+    held = local_parameters(layout.tensor_grid, layout.edge, workload.shape, stage == 0,
+                            workload.layers_per_stage, stage == stages - 1)["all"]
+    return all_gather(held, layout.data) / link_bandwidth(device, workload.tensor_ranks * layout.pipeline * layout.data)
+
+
+def step_cost(workload: Workload, device: Device, plan):
+    """The simulator's cost of each action in seconds: F, B = (2 or 3)·F, receive waits, and the
+    part of each ZeRO gather its prefetch does not hide (`exposed_gathers`)."""
+    receive = receive_seconds(workload, device)
+    timings = {}
+
+    def compute(action) -> float:
+        if action.stage not in timings:
+            timings[action.stage] = stage_seconds(workload, device, action.stage, plan.stages)
+        return timings[action.stage][action.kind == BACKWARD]
+    gathers = exposed_gathers(plan, compute, lambda stage: gather_seconds(workload, device, stage, plan.stages))
 
     def cost(action) -> float:
         if action.kind in (FORWARD, BACKWARD):
-            compute = forward_flops(workload, action.stage, stages) / rate
-            communication = grid_seconds(workload, device, action.stage, stages)  # half each way
-            factor = 1.0 if action.kind == FORWARD else backward_factor
-            return factor * compute + communication / 2
+            return compute(action)
+        if action.kind in (GATHER_FORWARD, GATHER_BACKWARD):
+            return gathers[action]
         return receive if action.kind in (RECV_ACTIVATION, RECV_GRADIENT) else 0.0
     return cost
+
+
+def exposed_gathers(plan, compute, gather) -> dict:
+    """ZeRO posts each run's gather one run ahead (strategies/schedule/zero.py, double buffering):
+    it overlaps the previous run's compute and only the rest is exposed; the first run's is whole.
+    Reduce-scatters overlap the backward that follows (the last one is `reduction_seconds`)."""
+    exposed = {}
+    for row in plan.ranks:
+        previous = 0.0
+        for run in compute_runs(row):
+            first = run[0][1]
+            kind = GATHER_FORWARD if first.kind == FORWARD else GATHER_BACKWARD
+            exposed[Action(kind, first.stage, first.micro_batch)] = max(0.0, gather(first.stage) - previous)
+            previous = sum(compute(action) for _, action in run)
+    return exposed
 
 
 def rank_traffic(workload: Workload, plan, pipeline_rank: int) -> Counter:
@@ -194,25 +262,177 @@ def rank_traffic(workload: Workload, plan, pipeline_rank: int) -> Counter:
 def predict_step(workload: Workload, device: Device, plan) -> dict:
     """Predicted step: makespan of the simulated plan + the exposed data-parallel reduction, bubble
     fraction, and each pipeline rank's bytes by kind (strategies/traffic.py)."""
-    timeline = simulate(plan, step_cost(workload, device, plan.stages))
+    timeline = simulate(plan, step_cost(workload, device, plan))
     traffic = [rank_traffic(workload, plan, rank) for rank in range(plan.pipeline_degree)]
-    data_span = workload.tensor_ranks * workload.layout.pipeline
-    data_link = link_bandwidth(device, data_span) if workload.layout.data > 1 else float("inf")
-    exposed = max(_last_reduction_bytes(workload, plan, rank) for rank in range(plan.pipeline_degree))
-    return {"step_seconds": timeline.makespan + exposed / data_link,
-            "compute_seconds": timeline.makespan, "exposed_data_seconds": exposed / data_link,
+    exposed = max(_last_reduction_seconds(workload, device, plan, rank) for rank in range(plan.pipeline_degree))
+    return {"step_seconds": timeline.makespan + exposed,
+            "compute_seconds": timeline.makespan, "exposed_data_seconds": exposed,
             "bubble_fraction": timeline.bubble_fraction, "timeline": timeline,
             "bytes_by_rank": [{kind: traffic_rank[kind] for kind in KINDS} for traffic_rank in traffic]}
 
 
-def _last_reduction_bytes(workload: Workload, plan, rank: int) -> float:
-    """The data-parallel bytes of the stage a rank reduces last; earlier stages' reductions overlap
-    the remaining backward (layered accumulation), this one only the optimizer's wait."""
-    layout = workload.layout
+def _last_reduction_seconds(workload: Workload, device: Device, plan, rank: int) -> float:
+    """The data-parallel reduction of the stage a rank reduces last; earlier stages' reductions
+    overlap the remaining backward (layered accumulation), this one only the optimizer's wait."""
     reductions = [a for a in plan.ranks[rank] if a is not None and a.kind in (REDUCE_GRADIENT, REDUCE_SCATTER)]
-    if layout.data == 1 or not reductions:
+    return reduction_seconds(workload, device, reductions[-1].stage, plan.stages) if reductions else 0.0
+
+
+def reduction_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
+    """One stage's gradient over the data-parallel group: all-reduce, or under ZeRO the all-gather-
+    sized reduce-scatter; over the link the whole group crosses (data ranks are the outermost axis)."""
+    layout = workload.layout
+    if layout.data == 1:
         return 0.0
-    stage = reductions[-1].stage
     held = local_parameters(layout.tensor_grid, layout.edge, workload.shape, stage == 0,
-                            workload.layers_per_stage, stage == plan.stages - 1)["all"]
-    return all_gather(held, layout.data) if layout.zero else all_reduce(held, layout.data)
+                            workload.layers_per_stage, stage == stages - 1)["all"]
+    volume = all_gather(held, layout.data) if layout.zero else all_reduce(held, layout.data)
+    return volume / link_bandwidth(device, workload.tensor_ranks * layout.pipeline * layout.data)
+
+
+def zero_gathers(workload: Workload, device: Device, rank: int, loops: int, breadth_first: int,
+                 groups: int) -> tuple:
+    """`exposed_gathers` of one rank of a looped ZeRO plan in closed form, as (at the groups' starts,
+    the rest). Its runs per breadth-first group: bf forwards of each local stage L₀ … L_{v−1}, then
+    bf backwards of L_{v−1} … L₀; a run's gather hides behind the run before it: forward L_j behind
+    forward L_{j−1}, backward L_{v−1} behind its own forwards, backward L_j behind backward L_{j+1},
+    and a group's first forward behind the previous group's last backward (nothing, for the first
+    group). A group's first two gathers are posted together as it starts: on ranks r > 0 after the
+    first receive (the receive's post sits between it and the compute, so zero.py's `_run_start`
+    leaves the gathers behind it), so those stalls add up along the pipeline at every group's fill."""
+    if not workload.layout.zero or workload.layout.data == 1:
+        return 0.0, 0.0
+    p, stages = workload.layout.pipeline, loops * workload.layout.pipeline
+    held = [rank + loop * p for loop in range(loops)]
+    timing = {stage: stage_seconds(workload, device, stage, stages) for stage in {held[0], held[-1], held[min(1, loops - 1)]}}
+    cost = {stage: timing.get(stage, timing[held[min(1, loops - 1)]]) for stage in held}  # middle stages are equal
+    gathered = {stage: gather_seconds(workload, device, stage, stages) for stage in timing}
+    gather = {stage: gathered.get(stage, gathered[held[min(1, loops - 1)]]) for stage in held}
+    forward, backward = (lambda stage: breadth_first * cost[stage][0]), (lambda stage: breadth_first * cost[stage][1])
+    second = max(0.0, gather[held[1 % loops]] - forward(held[0]))  # forward L₁, or at v = 1 backward L₀
+    per_group = sum(max(0.0, gather[held[j]] - forward(held[j - 1])) for j in range(1, loops))
+    per_group += max(0.0, gather[held[-1]] - forward(held[-1]))
+    per_group += sum(max(0.0, gather[held[j]] - backward(held[j + 1])) for j in range(loops - 1))
+    later_first = max(0.0, gather[held[0]] - backward(held[0]))
+    starts = gather[held[0]] + second + (groups - 1) * (later_first + second)
+    return starts, groups * (per_group - second)
+
+
+def closed_form_step(workload: Workload, device: Device, schedule: str, micro_batches: int,
+                     breadth_first: int = None) -> dict:
+    """The simulator's step without the plan, for the search (tests/test_plan_search.py holds the
+    two within 1% on every schedule family, with and without a tensor grid and a heavy head; ZeRO ×
+    pipeline within 15%). Per breadth-first group, a pipeline of p ranks and v loops fills and drains once: (p − 1) hops of a stage's F + B and its two receives, plus bf
+    micro-batches through the busiest rank's stages (every loop of a looped schedule; the last
+    rank's includes the head): bubble (p − 1)/(v·bf + p − 1) on equal stages (TECHNIQUES §1;
+    Narayanan et al. 2021 for the interleaved schedule). Depth-first groups run one after another.
+    The exposed reduction is the slowest rank's last-reduced stage: stage r on rank r for every
+    schedule here (contiguous: its one stage; looping: backwards visit local stages in reverse)."""
+    p, stages = workload.layout.pipeline, workload.layers // workload.layers_per_stage
+    loops, breadth_first = stages // p, breadth_first or micro_batches
+    receive = receive_seconds(workload, device) if p > 1 else 0.0
+    middle = stage_seconds(workload, device, 0, stages)  # stage 0's compute equals a middle stage's
+    last = stage_seconds(workload, device, stages - 1, stages)
+    per_micro_batch = []
+    for rank in {0, min(1, p - 1), p - 1}:  # every rank's stages cost `middle` but the last rank's last stage
+        held = [rank + loop * p for loop in range(loops)]
+        receives = sum((stage > 0) + (stage < stages - 1) for stage in held) * receive
+        per_micro_batch.append(sum(sum(last if stage == stages - 1 else middle) for stage in held) + receives)
+    group = (p - 1) * (sum(middle) + 2 * receive) + breadth_first * max(per_micro_batch)
+    groups = micro_batches // breadth_first
+    # ZeRO: the stalls of each group's first gathers add up along the pipeline (ranks 1 … p − 2 hold
+    # equal stages); the later ones overlap across ranks in the lockstep loop, so the slowest rank's.
+    exposures = {rank: zero_gathers(workload, device, rank, loops, breadth_first, groups)
+                 for rank in {0, min(1, p - 1), p - 1}}
+    starts = exposures[0][0] + (exposures[p - 1][0] if p > 1 else 0) + max(0, p - 2) * exposures[min(1, p - 1)][0]
+    compute = groups * group + starts + max(rest for _, rest in exposures.values())
+    exposed = max(reduction_seconds(workload, device, rank, stages) for rank in {0, 1 % p, p - 1})
+    # The simulator's bubble: idle compute time over makespan × ranks; every stage runs m F and m B.
+    busy = micro_batches * ((stages - 1) * sum(middle) + sum(last))
+    return {"step_seconds": compute + exposed, "compute_seconds": compute, "exposed_data_seconds": exposed,
+            "bubble_fraction": 1 - busy / (compute * p) if compute else 0.0}
+
+
+# ----- L2L: one device relays the layers from the host store (TECHNIQUES §3, Pudipeddi et al. 2020)
+
+def relay_stage_parameters(workload: Workload) -> list:
+    """Elements of each relay stage as strategies/l2l.py moves them: embed, the L blocks, the head
+    (traffic.local_parameters' head: BERT's extra transform, h² + 5h, is left out)."""
+    shape = workload.shape
+    embed = local_parameters(None, 1, shape, True, 0, False)["all"]
+    block = local_parameters(None, 1, shape, False, 1, False)["all"]
+    head = local_parameters(None, 1, shape, False, 0, True)["all"]
+    return [embed] + [block] * workload.layers + [head]
+
+
+def relay_memory(workload: Workload, micro_batches: int, constant_memory: bool, weight_bytes: int,
+                 flash: bool = True) -> dict:
+    """Device bytes at the relay's peak, the backward of some stage s (its recompute with autograd):
+    s's weights and the prefetched s − 1's (two layers in flight) and s's gradient buffer, in the
+    compute dtype (cross mixed precision: fp32 masters and optimizer stay on the host); one
+    micro-batch's working set (a recomputed block's saved tensors and their gradients, 2 ×
+    block_saved_bytes; at the head its logits and their gradient); the stash — standard: the stage
+    inputs of every micro-batch still needed, at most (L + 1)·m pieces; constant variant: on the
+    host, so only the micro-batch's x, dy and dx pieces are on the device. Only the standard stash
+    grows with L or m."""
+    stages, last = relay_stage_parameters(workload), workload.layers + 1
+    piece = workload.piece * workload.activation_bytes
+    tokens = workload.micro_batch_rows * workload.shape.length
+    working = {"block": 2 * block_saved_bytes(workload, tokens, flash),
+               "head": 2 * tokens * workload.shape.vocabulary * BYTES, "embed": 0}
+    peaks = []
+    for stage in range(last + 1):
+        stash = 0 if constant_memory else min(stage + 1, last) * micro_batches * piece
+        in_flight_weights = stages[stage] + (stages[stage - 1] if stage > 0 else 0)
+        part = "embed" if stage == 0 else "head" if stage == last else "block"
+        peaks.append({"parameters": in_flight_weights * weight_bytes, "gradients": stages[stage] * weight_bytes,
+                      "optimizer": 0, "activations": stash + working[part],
+                      "buffers": 3 * piece if constant_memory else 0})
+    return max(peaks, key=lambda peak: sum(peak.values()))
+
+
+def relay_host_memory(workload: Workload, micro_batches: int, constant_memory: bool) -> dict:
+    """Host (eager parameter server) bytes as strategies/l2l.py keeps them: fp32 master weights, fp32
+    gradients of every stage (accumulated into param.grad), the optimizer state (OPTIMIZER_STATE fp32
+    tensors per parameter), and in the constant variant the stash: the L + 1 stage inputs of every
+    micro-batch, plus one stage's input gradients on the way back."""
+    parameters = sum(relay_stage_parameters(workload))
+    stash = (workload.layers + 2) * micro_batches * workload.piece * workload.activation_bytes
+    return {"parameters": parameters * BYTES, "gradients": parameters * BYTES,
+            "optimizer": OPTIMIZER_STATE.get(workload.optimizer, 2) * parameters * BYTES,
+            "activations": stash if constant_memory else 0, "buffers": 0}
+
+
+def relay_step(workload: Workload, device: Device, micro_batches: int, host_device_bandwidth: float,
+               weight_bytes: int, constant_memory: bool, overlap: bool = True) -> dict:
+    """Predicted relay step. Compute per stage and micro-batch: F from FLOPs (forward_flops; the
+    embedding lookup is free), and in the backward the recompute plus the backward, 3F — 4F a step
+    against plain training's 3F. Copies over the host link, in the compute dtype: each stage's
+    weights twice and its gradient once (3·bytes·P, independent of m); the constant variant adds
+    its stash, per micro-batch and stage boundary x out and in (forward), x in, dy in, dx out
+    (backward). With `overlap` (a copy stream prefetching the next stage: the paper's) each stage
+    costs the longer of its compute and the copies issued beside it; without, they add up (the
+    bound offload.transfer_cost gives the simulator). The host's eager update of the last stage
+    reached (the embedding) is not included, nor any host optimizer time."""
+    from dataclasses import replace
+    stages = relay_stage_parameters(workload)
+    rate = device.flops_per_second * device.efficiency
+    block = forward_flops(replace(workload, layers_per_stage=1), 0, 2) / rate
+    head = forward_flops(replace(workload, layers_per_stage=0), 1, 2) / rate
+    forward = [0.0] + [block] * workload.layers + [head]
+    piece = workload.piece * workload.activation_bytes * micro_batches / host_device_bandwidth
+    copy = [parameters * weight_bytes / host_device_bandwidth for parameters in stages]
+    last, combine = len(stages) - 1, (max if overlap else lambda a, b: a + b)
+    seconds = copy[0]  # the first stage's weights: nothing to hide behind
+    for stage in range(last + 1):  # forward sweep: next stage's weights; constant: x in, y out
+        stash = ((stage > 0) + (stage < last)) * piece if constant_memory else 0.0
+        seconds += combine(micro_batches * forward[stage], (copy[stage + 1] if stage < last else 0.0) + stash)
+    seconds += copy[last]  # the backward turns at the head: its weights again
+    for stage in range(last, -1, -1):  # backward sweep: previous weights, this gradient; x in, dy in, dx out
+        stash = (2 * (stage > 0) + (stage < last)) * piece if constant_memory else 0.0
+        seconds += combine(3 * micro_batches * forward[stage], (copy[stage - 1] if stage > 0 else 0.0)
+                           + copy[stage] + stash)
+    compute = 4 * micro_batches * sum(forward)
+    transfer = 3 * sum(copy) + (5 * last * piece if constant_memory else 0.0)
+    return {"step_seconds": seconds, "compute_seconds": compute, "transfer_seconds": transfer,
+            "exposed_transfer_seconds": seconds - compute}

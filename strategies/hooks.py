@@ -91,6 +91,6 @@ class RunHooks:
         """{"simulated": x, "measured": y} where the strategy runs a schedule; None otherwise."""
         return None
 
-    def write_evidence(self, run_directory: Path, loggers) -> list:
+    def write_evidence(self, run_directory: Path) -> list:
         """Write technique-specific files (Gantt charts, schedules) on rank 0; returns their paths."""
         return []

@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from parallel.layout import Degrees, ParallelLayout
 from strategies.hooks import RunHooks
+from strategies.portable import PortableCheckpoints
 from strategies.registry import StrategyEntry
 from strategies.tensor_parallel.layers import MegatronLinear
 from strategies.tensor_parallel.parallelize import BLOCK_PLAN
@@ -217,10 +218,17 @@ class KFACInCheckpoint:
 
     A checkpoint may be read before `setup` builds `self.kfac` (one-process strategies restore
     first) or after it (per-rank strategies): `restore_kfac()` applies it whichever comes second.
+    A portable checkpoint (another layout: strategies/portable.py) carries no K-FAC state; the
+    first resumed step is then a synchronous K-FAC step, like step 0 (`curvature_phase`).
     """
 
     kfac = None
     _restored = None
+    rebuild_step = None  # the step whose curvature rebuilds factors and inverses after a portable resume
+
+    def curvature_phase(self, step: int) -> tuple:
+        """(capture, promote) of optimizer step `step`: refresh_phase, or both when rebuilding."""
+        return (True, True) if step == self.rebuild_step else refresh_phase(step, self.refresh_interval)
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         checkpoint["kfac"] = self.kfac.state_dict()
@@ -229,6 +237,11 @@ class KFACInCheckpoint:
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)
         self._restored = checkpoint.get("kfac")
+        if self._restored is None:  # a portable checkpoint: K-FAC state does not move between layouts
+            self.rebuild_step = checkpoint["global_step"]
+            if self.global_rank == 0:
+                print(f"[layerwise] K-FAC factors and inverses are not carried between layouts: rebuilt "
+                      f"by a synchronous K-FAC step at step {self.rebuild_step}", flush=True)
         self.restore_kfac()
         return checkpoint
 
@@ -237,7 +250,7 @@ class KFACInCheckpoint:
             self.kfac.load_state_dict(self._restored)
 
 
-class KFACStrategy(RunHooks, KFACInCheckpoint, SingleDeviceStrategy):
+class KFACStrategy(RunHooks, KFACInCheckpoint, PortableCheckpoints, SingleDeviceStrategy):
     """K-FAC on one process: the oracle of PipeFisher (same k, staleness and damping).
 
     1. steps that capture (refresh_phase) record a, g and build A, B from m micro-batch chunks;
@@ -262,7 +275,7 @@ class KFACStrategy(RunHooks, KFACInCheckpoint, SingleDeviceStrategy):
 
     @override
     def training_step(self, *args, **kwargs):
-        capture, _ = refresh_phase(self.lightning_module.global_step, self.refresh_interval)
+        capture, _ = self.curvature_phase(self.lightning_module.global_step)
         self.kfac.capturing = capture
         self.tokens = args[0]["tokens"].numel()
         try:
@@ -279,7 +292,7 @@ class KFACStrategy(RunHooks, KFACInCheckpoint, SingleDeviceStrategy):
         return closure_result
 
     def _curvature_and_inversion(self) -> None:
-        capture, promote = refresh_phase(self.lightning_module.global_step, self.refresh_interval)
+        capture, promote = self.curvature_phase(self.lightning_module.global_step)
         names, scales = list(self.kfac.linears), unit_scales(self.tokens, self.tokens)
         if capture:
             self.kfac.reset(names)

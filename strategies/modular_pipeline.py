@@ -242,7 +242,7 @@ class ModularPipelineStrategy(OwnedStepStrategy):
                 "measured": statistics.median(measured) if measured else None}
 
     @override
-    def write_evidence(self, run_directory: Path, loggers) -> list:
+    def write_evidence(self, run_directory: Path) -> list:
         """Gantt charts of the planned and the last executed step, and the executed order."""
         order = {"plan": [[str(a) for a in row if a is not None] for row in self.plan.ranks],
                  "executed_last_step": [[a for a, _, _ in row] for row in self.executed]}
@@ -254,9 +254,6 @@ class ModularPipelineStrategy(OwnedStepStrategy):
                                title=f"planned: {self.plan.name}{grid}", time_unit="forward units"),
                  plot_timeline(measured_timeline(self.executed), Path(run_directory) / "schedule_executed.png",
                                title=f"executed (last step): {self.plan.name}{grid}")]
-        for logger in loggers:
-            if hasattr(logger, "log_image"):
-                logger.log_image(key="schedule", images=[str(p) for p in paths])
         return paths
 
 

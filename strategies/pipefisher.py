@@ -13,7 +13,7 @@ from pathlib import Path
 from typing_extensions import override
 
 from strategies import modular_pipeline
-from strategies.kfac import (KFAC, KFACInCheckpoint, block_linears, kfac_errors, local_trace, refresh_phase,
+from strategies.kfac import (KFAC, KFACInCheckpoint, block_linears, kfac_errors, local_trace,
                             split_factor, unit_scales)
 from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule import FORWARD, plot_timeline, simulate, validate_plan
@@ -76,14 +76,15 @@ class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
     # ----- the step: the pipeline's, with these seams
     @override
     def plan_of_step(self, step: int):
-        """Step 0 is synchronous; later steps run the packed cycle's k plans in turn."""
-        return self.first_plan if step == 0 else self.cycle.plans[(step - 1) % self.refresh_interval]
+        """Step 0 (and a K-FAC rebuild after a portable resume) is synchronous; later steps run the
+        packed cycle's k plans in turn."""
+        return self.first_plan if step in (0, self.rebuild_step) else self.cycle.plans[(step - 1) % self.refresh_interval]
 
     @override
     @contextlib.contextmanager
     def step_context(self, batch, step: int):
         """Capture a and g only in a cycle's first step (refresh_phase), with this step's token scales."""
-        capture, _ = refresh_phase(step, self.refresh_interval)
+        capture, _ = self.curvature_phase(step)
         tokens = batch["tokens"].numel()
         self.scales = unit_scales(tokens, tokens * self.degrees.data)
         if capture:
@@ -126,7 +127,7 @@ class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
     @override
     def before_optimizer_step(self, optimizer) -> None:
         super().before_optimizer_step(optimizer)  # gradients averaged over data-parallel replicas
-        _, promote = refresh_phase(self.lightning_module.global_step, self.refresh_interval)
+        _, promote = self.curvature_phase(self.lightning_module.global_step)
         if promote:
             self.kfac.promote()
         self.kfac.precondition()
@@ -145,11 +146,11 @@ class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
         return {**super().bubble_fraction(), "simulated_with_kfac": with_kfac, **self.cycle.report()}
 
     @override
-    def write_evidence(self, run_directory: Path, loggers) -> list:
+    def write_evidence(self, run_directory: Path) -> list:
         path = plot_timeline(self.cycle_timeline(), Path(run_directory) / "schedule_kfac.png",
                              title=f"PipeFisher: K-FAC units in the bubbles of a {self.refresh_interval}-step cycle",
                              time_unit="FLOP")
-        return super().write_evidence(run_directory, loggers) + [path]
+        return super().write_evidence(run_directory) + [path]
 
 
 # ----- the registry interface (see strategies/__init__.py)

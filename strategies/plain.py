@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from parallel.layout import Degrees, ParallelLayout
 from strategies.hooks import RunHooks
+from strategies.portable import PortableCheckpoints
 from strategies.recompute import apply_activation_recompute, recompute_errors
 from strategies.registry import StrategyEntry
 
@@ -29,7 +30,7 @@ class WholeModelHooks(RunHooks):
         apply_activation_recompute(model, self.activation_recompute)
 
 
-class SingleStrategy(WholeModelHooks, SingleDeviceStrategy):
+class SingleStrategy(WholeModelHooks, PortableCheckpoints, SingleDeviceStrategy):
     """One process, one device: forward and backward over the whole global batch, then step."""
 
     strategy_name = "single"
@@ -52,7 +53,7 @@ def _counted_all_reduce_hook(layout: ParallelLayout, bucket):
     return work.get_future().then(lambda future: future.value()[0])
 
 
-class CountedDDPStrategy(WholeModelHooks, DDPStrategy):
+class CountedDDPStrategy(WholeModelHooks, PortableCheckpoints, DDPStrategy):
     """Data parallel: replicas on every rank, slices of the global batch, averaged gradients.
 
     1. every rank builds the same weights from the seed (DDP also broadcasts rank 0's);

@@ -96,6 +96,9 @@ BAD_INPUTS = [
     ("strategy.name=pipedream", "strategy", "strategy='pipedream' is unknown"),
     # ----- choices
     ("mode=train", "mode", "mode='train' is unknown. Fix: one of fit, check"),
+    ("mode=reproduce reproduce.claim=gpipe", "reproduce.claim",
+     "reproduce.claim='gpipe' is unknown. Fix: one of training_time, pipefisher, l2l, three_d"),
+    ("mode=reproduce reproduce.scale=medium", "reproduce.scale", "Fix: one of paper, small"),
     ("model.architecture=t5", "model.architecture", "is unknown. Fix: one of gpt, bert"),
     ("data.corpus=web", "data.corpus", "data.corpus='web' is unknown"),
     ("hardware.accelerator=tpu", "hardware.accelerator", "hardware.accelerator='tpu' is unknown"),
@@ -116,6 +119,8 @@ BAD_INPUTS = [
     ("data=token_bin data.path={file}", "data.path", "is a file, not a directory"),
     ("data=token_bin data.path={odd_bin}", "data.path", "train.bin holds 3 bytes"),
     ("data=text_files data.path={empty}", "data.path", "holds no non-empty files"),
+    ("resume_from=/nonexistent/run/checkpoints/last", "resume_from", "does not exist"),
+    ("resume_from={empty}", "resume_from", "is not a portable checkpoint"),
     # ----- across groups
     ("model=gpt3_175b mode=check", "hardware.host_memory_bytes", "at least 1391.8 GB per rank"),
     ("model=gpt3_175b mode=check hardware=dgx_a100_80g hardware.nodes=64 strategy.pipeline_degree=16 "

@@ -112,3 +112,34 @@ def test_one_evidence_collective_per_step_and_timelines_on_sampled_steps(tmp_pat
     assert 0 <= summary["bubble_fraction"]["measured"] < 1 and summary["comm_calls_per_step"] == 1
     order = json.loads((tmp_path / "schedule.json").read_text())
     assert order["executed_last_step"] == order["plan"]
+
+
+def test_rows_carry_their_own_step_numbers_however_often_the_exchange_is_read(tmp_path, monkeypatch):
+    """Each row is completed by the NEXT step's exchange; a reader of the current step's exchange
+    after the step's end (the Slurm preemption check, the guard of strategies that update inside
+    their own step) must not complete the row just ended with the previous step's numbers."""
+    import lightning.pytorch as pl
+
+    import layerwise.run
+    reads, build = [], layerwise.run.build_trainer
+
+    class LateReader(pl.Callback):
+        def __init__(self, evidence):
+            self.evidence = evidence
+
+        def on_train_batch_end(self, trainer, *args):
+            reads.append(self.evidence.world_loss_sum(trainer))
+
+    def build_with_reader(cfg, run_directory, world_size, strategy, evidence):
+        trainer = build(cfg, run_directory, world_size, strategy, evidence)
+        trainer.callbacks.append(LateReader(evidence))
+        return trainer
+    monkeypatch.setattr(layerwise.run, "build_trainer", build_with_reader)
+    cfg = compose_config(*overrides(5, 2, "strategy=single"))
+    summary = train(cfg, tmp_path, validate(cfg))
+    rows = metrics(tmp_path)
+    assert [int(row["step"]) for row in rows] == [1, 2, 3, 4, 5] and reads == summary["losses"]
+    # sampled steps (1, 2, 4, 5) carry a measured peak, the others none: a row completed with its
+    # neighbour's numbers would break the pattern
+    assert [row["peak_compute_bytes"] != "" for row in rows] == [True, True, False, True, True]
+    assert all(float(row["step_time_s"]) > 0 for row in rows)

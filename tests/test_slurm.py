@@ -49,8 +49,10 @@ def start_train_py(*arguments, log: Path):
 
 
 def points(sweep: Path) -> list:
-    return sorted((p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")),
-                  key=lambda p: int(p.name.split("_")[0]))
+    # The sweep directory also holds the report's own files (report/, wandb/): points are the
+    # numbered directories Hydra made, one per job.
+    numbered = (p for p in sweep.iterdir() if p.is_dir() and p.name.split("_")[0].isdigit())
+    return sorted(numbered, key=lambda p: int(p.name.split("_")[0]))
 
 
 def summary(point: Path) -> dict:

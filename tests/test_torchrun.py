@@ -27,7 +27,7 @@ RUN = ["strategy=modular_pipeline", "hardware.nodes=2", "hardware.devices_per_no
        "data.global_batch_size=8", "data.max_bytes=2000000", "trainer.max_steps=3",
        "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "logger.name=wandb",
        "trainer.progress=none", "trainer.check_point_to_point_order=true"]
-TIMING_COLUMNS = ("step_time_s", "tokens_per_s")
+TIMING_COLUMNS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu")  # wall-clock: never compared
 
 
 def read_summary(directory: Path) -> dict:
@@ -48,11 +48,15 @@ def run_two_torchrun_nodes(run_directory: Path, audit_directory: Path) -> list:
     rendezvous = [f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={uuid.uuid4().hex[:8]}"]
     command = [TORCHRUN, "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", *rendezvous,
                "tests/audited_train.py", *RUN, f"hydra.run.dir={run_directory}"]
-    nodes = [subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for _ in range(2)]
+    # Each node writes to its own file, not a pipe: waiting on one node's pipe while the other's fills
+    # up (64 KB of warnings) blocks that node mid-run and hangs both.
+    logs = [(audit_directory.parent / f"node{index}.out").open("w+") for index in range(2)]
+    nodes = [subprocess.Popen(command, cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True) for log in logs]
     try:
-        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+        for node in nodes:
+            node.wait(timeout=300)
+        outputs = [Path(log.name).read_text() for log in logs]
         for node, output in zip(nodes, outputs):
             assert node.returncode == 0, output[-4000:]
         return outputs
@@ -63,6 +67,8 @@ def run_two_torchrun_nodes(run_directory: Path, audit_directory: Path) -> list:
             except ProcessLookupError:
                 pass
             node.wait(timeout=30)
+        for log in logs:
+            log.close()
 
 
 def writes_by_rank(audit_directory: Path) -> dict:
@@ -95,9 +101,12 @@ def test_two_torchrun_nodes_train_the_same_run_as_the_fork_launcher(tmp_path):
     written = {Path(path).relative_to(torchrun_directory).as_posix() for _, path in writes["0"]}
     assert {"config.yaml", "metrics.csv", "summary.json", "wandb_run_id", ".hydra/config.yaml",
             "train.log", "checkpoints/last.ckpt.tmp/layout.json"} <= written
-    for rank in set(writes) - {"0"}:  # Hydra makes sure the run directory exists; its own shard file
+    portable = torchrun_directory / "checkpoints" / "last.tmp"  # DCP: each rank writes its own file
+    for rank in set(writes) - {"0"}:  # Hydra makes sure the run directory exists; its own shard files
         own_shard = ("open", str(torchrun_directory / "checkpoints" / "last.ckpt.tmp" / f"rank{rank}.pt"))
-        assert writes[rank] <= {("os.mkdir", str(torchrun_directory)), own_shard}, (rank, writes[rank])
+        own_pieces = ("open", str(portable / f"__{rank}_0.distcp"))
+        allowed = {("os.mkdir", str(torchrun_directory)), own_shard, own_pieces, ("os.mkdir", str(portable))}
+        assert writes[rank] <= allowed, (rank, writes[rank])
         assert ("os.mkdir", str(torchrun_directory)) in writes[rank]
     assert sorted(p.name for p in (torchrun_directory / "checkpoints" / "last.ckpt").iterdir()) == [
         "layout.json", "rank0.pt", "rank1.pt", "rank2.pt", "rank3.pt"]  # each rank its own shard

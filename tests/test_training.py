@@ -72,7 +72,8 @@ def test_evidence_files_follow_the_schema(reference):
     for key in ("status", "strategy", "model", "hardware", "data", "world_size", "layout", "steps",
                 "tokens_per_step", "losses", "initial_val_loss", "final_val_loss",
                 "final_train_loss", "step_time_s_median", "tokens_per_s_median",
-                "comm_bytes_per_step", "peak_compute_bytes", "versions", "git_sha"):
+                "comm_bytes_per_step", "peak_compute_bytes", "versions", "git_sha", "mfu",
+                "tokens_per_s_per_device"):
         assert key in summary, key
     assert summary["steps"] == STEPS and len(summary["losses"]) == STEPS
     assert summary["final_val_loss"] < summary["initial_val_loss"]

@@ -1,0 +1,204 @@
+"""mode=calibrate: measure this machine and write the hardware profile plan mode prices with.
+
+    python train.py mode=calibrate [calibrate.name=calibrated calibrate.directory=conf/hardware]
+
+Three measurements, each fitted with the α–β model plan mode uses (time = fixed cost + work / rate):
+1. matrix products: square fp32 (and bf16) products of edge 128 … 1024 in ONE thread, as every
+   rank runs: time = `matmul_overhead_s` + 2n³ / `peak_flops` (least squares on relative error);
+2. collectives: gloo all-reduce between `calibrate.world_sizes` forked ranks at 4 KB … 16 MB:
+   time = `collective_latency_s` + 2(n−1)/n · bytes / `intra_node_bandwidth` (ring all-reduce's
+   bytes per rank), and send/recv pairs: time = latency + bytes / bandwidth;
+3. host copies (`copy_` between two buffers, 1 … 64 MB): `host_device_bandwidth`.
+The profile (`<directory>/<name>.yaml`, a `hardware=` option) keeps cpu.yaml's other fields;
+`<name>.calibration.json` beside it holds every measurement and each fit's worst residual.
+"""
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from layerwise.launch import run_ranks
+
+MATMUL_EDGES = (128, 256, 384, 512, 768, 1024)
+QUICK_MATMUL_EDGES = (64, 128, 256)
+COLLECTIVE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
+QUICK_COLLECTIVE_BYTES = (4 << 10, 64 << 10, 256 << 10)
+COPY_BYTES = (1 << 20, 8 << 20, 64 << 20)
+QUICK_COPY_BYTES = (1 << 20, 4 << 20)
+
+
+def median_seconds(work, repeats: int) -> float:
+    """The median wall time of `work()` over `repeats` calls after one warm-up call."""
+    work()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def fit_fixed_plus_rate(work: list, seconds: list) -> tuple:
+    """(fixed seconds, work per second) of time = fixed + work / rate, least squares on the
+    relative error (each point weighted by 1/time², so small sizes count as much as large ones).
+    A negative fixed cost (noise at small sizes) is clamped to 0 and the rate refitted."""
+    weights = [1.0 / t ** 2 for t in seconds]
+    sw = sum(weights)
+    sx = sum(w * x for w, x in zip(weights, work))
+    sy = sum(w * y for w, y in zip(weights, seconds))
+    sxx = sum(w * x * x for w, x in zip(weights, work))
+    sxy = sum(w * x * y for w, x, y in zip(weights, work, seconds))
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    fixed = (sy - slope * sx) / sw
+    if fixed < 0 or slope <= 0:
+        fixed, slope = 0.0, sxy / sxx
+    return fixed, 1.0 / slope
+
+
+def worst_residual(work: list, seconds: list, fixed: float, rate: float) -> float:
+    """The largest |predicted / measured − 1| of a fit over its own points."""
+    return max(abs((fixed + x / rate) / t - 1) for x, t in zip(work, seconds))
+
+
+# ----- 1. matrix products
+
+def measure_matmuls(dtype: torch.dtype, edges, repeats: int) -> list:
+    """[(edge, FLOPs, seconds)] of one square product per edge, in one thread."""
+    rows = []
+    for edge in edges:
+        # host: calibrate times this machine's CPU, where every rank of hardware=cpu computes
+        a, b = torch.randn(edge, edge, dtype=dtype), torch.randn(edge, edge, dtype=dtype)
+        rows.append((edge, 2.0 * edge ** 3, median_seconds(lambda: torch.mm(a, b), repeats)))
+    return rows
+
+
+# ----- 2. collectives between forked ranks
+
+def _collective_rank(rank: int, world: int, sizes, repeats: int) -> list:
+    """One rank's timings (the launcher set the rendezvous and one thread, as for every run)."""
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = []
+    for size in sizes:
+        buffer = torch.zeros(size // 4)  # host: gloo all-reduces host tensors
+        dist.barrier()
+        reduce_seconds = median_seconds(lambda: dist.all_reduce(buffer), repeats)
+        dist.barrier()
+        pair_seconds = median_seconds(lambda: _send_receive(buffer, rank), repeats) if world == 2 else None
+        rows.append((size, reduce_seconds, pair_seconds))
+    return rows
+
+
+def _send_receive(buffer: torch.Tensor, rank: int) -> None:
+    """One message from rank 0 to rank 1 and one back: a round trip is two one-way sends."""
+    if rank == 0:
+        dist.send(buffer, 1)
+        dist.recv(buffer, 1)
+    else:
+        dist.recv(buffer, 0)
+        dist.send(buffer, 0)
+
+
+def measure_collectives(world: int, sizes, repeats: int) -> list:
+    """[(bytes, all-reduce seconds, round-trip seconds or None)] measured by rank 0 of `world`
+    gloo ranks forked by the run's own launcher (which leaves no rank behind)."""
+    return run_ranks(_collective_rank, world, world, sizes, repeats, timeout=600)[0]
+
+
+# ----- 3. host copies
+
+def measure_copies(sizes, repeats: int) -> list:
+    """[(bytes, seconds)] of copy_ between two host buffers."""
+    rows = []
+    for size in sizes:
+        source, target = torch.ones(size // 4), torch.empty(size // 4)  # host: host-to-host copies
+        rows.append((size, median_seconds(lambda: target.copy_(source), repeats)))
+    return rows
+
+
+# ----- the profile
+
+def calibrate(cfg) -> dict:
+    """Measure, fit, write `<directory>/<name>.yaml` and `<name>.calibration.json`; returns the profile."""
+    settings = cfg.calibrate
+    repeats = max(3, settings.repeats)
+
+    def say(message: str) -> None:
+        if not settings.silent:
+            print(f"[layerwise] {message}", flush=True)
+    measurements = {f"matmul_{name}": calibrate_matmuls(dtype, settings.quick, repeats, say)
+                    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    for world in settings.world_sizes:
+        measurements[f"collectives_world_{world}"] = calibrate_collectives(world, settings.quick, repeats, say)
+    measurements["host_copies"] = calibrate_copies(settings.quick, repeats, say)
+    profile = profile_from(cfg.hardware, settings.name, measurements,
+                           measurements[f"collectives_world_{settings.world_sizes[0]}"])
+    return write_profile(Path(settings.directory), settings.name, profile, measurements, say)
+
+
+def calibrate_matmuls(dtype: torch.dtype, quick: bool, repeats: int, say) -> dict:
+    torch.set_num_threads(1)  # as every rank of a run
+    rows = measure_matmuls(dtype, QUICK_MATMUL_EDGES if quick else MATMUL_EDGES, repeats)
+    work, seconds = [r[1] for r in rows], [r[2] for r in rows]
+    overhead, rate = fit_fixed_plus_rate(work, seconds)
+    residual = worst_residual(work, seconds, overhead, rate)
+    say(f"matrix products {dtype}: {rate / 1e9:.1f} GFLOP/s + {overhead * 1e6:.0f} µs each "
+        f"(worst fit residual {residual:.0%})")
+    return {"rows": rows, "overhead_s": overhead, "flops_per_second": rate, "worst_residual": residual}
+
+
+def calibrate_collectives(world: int, quick: bool, repeats: int, say) -> dict:
+    rows = measure_collectives(world, QUICK_COLLECTIVE_BYTES if quick else COLLECTIVE_BYTES, repeats)
+    work = [2 * (world - 1) / world * r[0] for r in rows]  # ring all-reduce: bytes each rank sends
+    latency, bandwidth = fit_fixed_plus_rate(work, [r[1] for r in rows])
+    entry = {"rows": rows, "all_reduce_latency_s": latency, "all_reduce_bandwidth": bandwidth,
+             "worst_residual": worst_residual(work, [r[1] for r in rows], latency, bandwidth)}
+    if world == 2:  # a round trip is two one-way messages
+        entry["send_latency_s"], entry["send_bandwidth"] = fit_fixed_plus_rate(
+            [r[0] for r in rows], [r[2] / 2 for r in rows])
+    say(f"gloo all-reduce, {world} ranks: {bandwidth / 1e9:.2f} GB/s per rank + {latency * 1e6:.0f} µs "
+        f"(worst fit residual {entry['worst_residual']:.0%})")
+    return entry
+
+
+def calibrate_copies(quick: bool, repeats: int, say) -> dict:
+    rows = measure_copies(QUICK_COPY_BYTES if quick else COPY_BYTES, repeats)
+    overhead, bandwidth = fit_fixed_plus_rate([r[0] for r in rows], [r[1] for r in rows])
+    say(f"host copies: {bandwidth / 1e9:.1f} GB/s")
+    return {"rows": rows, "overhead_s": overhead, "bandwidth": bandwidth}
+
+
+def profile_from(hardware, name: str, measurements: dict, collectives: dict) -> dict:
+    """The hardware profile: the measured rates over the base profile's other fields. Gloo's
+    loopback is the only link here, so intra- and inter-node bandwidths are both its measure."""
+    base = OmegaConf.to_container(hardware, resolve=True)
+    base.update(name=name, peak_flops={dtype: measurements[f"matmul_{dtype}"]["flops_per_second"]
+                                       for dtype in ("fp32", "bf16")},
+                matmul_overhead_s=measurements["matmul_fp32"]["overhead_s"],
+                collective_latency_s=collectives["all_reduce_latency_s"],
+                intra_node_bandwidth=collectives["all_reduce_bandwidth"],
+                inter_node_bandwidth=collectives["all_reduce_bandwidth"],
+                host_device_bandwidth=measurements["host_copies"]["bandwidth"])
+    return base
+
+
+def write_profile(directory: Path, name: str, profile: dict, measurements: dict, say) -> dict:
+    """Write the profile YAML (with the schema default the hardware group uses) and the raw JSON,
+    each atomically (a temporary file renamed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    body = OmegaConf.to_yaml(OmegaConf.create(profile))
+    text = ("# Written by `python train.py mode=calibrate`: measured on this machine "
+            f"({time.strftime('%Y-%m-%d %H:%M')}, load {os.getloadavg()[0]:.2f}); see {name}.calibration.json\n"
+            "defaults:\n  - /schema_hardware_hardware@_here_\n  - _self_\n" + body)
+    for path, content in ((directory / f"{name}.yaml", text),
+                          (directory / f"{name}.calibration.json", json.dumps(measurements, indent=2))):
+        temporary = path.with_suffix(path.suffix + ".tmp")
+        temporary.write_text(content)
+        os.replace(temporary, path)
+    say(f"hardware profile written to {directory / (name + '.yaml')}: use hardware={name}")
+    return profile

@@ -1,0 +1,342 @@
+"""mode=plan plan.search=true: every valid layout for a model, hardware and global batch, ranked.
+
+    python train.py mode=plan plan.search=true model=gpt3_175b hardware=dgx_a100_80g hardware.nodes=128 \
+        data.global_batch_size=1536 data.sequence_length=2048
+
+1. enumerate: strategy family (the pipeline schedules, ZeRO-layered and depth-first ZeRO), tensor
+   grid (none, 1-D q, 2-D q², 3-D q³ ranks, at most plan.search_max_tensor_ranks), pipeline degree,
+   layers per stage, micro-batches and recomputation; data = world / (pipeline × tensor). Placement
+   follows the schedule (contiguous or looping, the tensor axis innermost). Only what validation
+   accepts is produced: the same divisibility rules, the schedules' own `_check_combination`, the
+   grids' splits and the strategies' precision/optimizer rules;
+2. evaluate each in closed form from strategies/estimate.py's formulas (`stage_memory` with
+   `closed_form_in_flight`, `closed_form_step`): no plan is built, no config composed;
+3. keep those whose largest role fits the device after the allocator margin, rank by step time,
+   print the top plan.search_top with memory and MFU, write plan_search.csv (every fitting layout);
+4. re-plan the first plan.search_replan through the full path (validate, the strategy's plan, the
+   simulator) and print both predictions side by side; print the `python train.py -m` line that
+   launches them as a sweep.
+"""
+
+import csv
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from layerwise.plan import device_of, plan_result, shape_of
+from models.transformer import model_flops_per_token
+from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
+from strategies.estimate import (Workload, closed_form_in_flight, closed_form_step, stage_memory)
+from strategies.schedule.generators import _check_combination
+from strategies.tensor_parallel.grids import DIMENSION, grid_of
+from strategies.traffic import ComposedLayout
+
+GIB = 2 ** 30
+# family -> (schedule, ZeRO, breadth_first_micro_batches); conf/strategy/<family>.yaml sets the same
+FAMILIES = {"modular_pipeline": ("looped_breadth_first", False, None),
+            "gpipe": ("gpipe", False, None),
+            "one_f_one_b": ("one_f_one_b", False, None),
+            "interleaved_1f1b": ("interleaved_one_f_one_b", False, None),
+            "zero_layered": ("looped_breadth_first", True, None),
+            "zero_depth_first": ("looped_breadth_first", True, 1)}
+ONE_STAGE_PER_RANK = ("gpipe", "one_f_one_b")  # their schedules need layers_per_stage = layers / p
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search space, in the strategy group's own fields."""
+
+    family: str
+    pipeline_degree: int
+    tensor_parallel: str  # none | 1d | 2d | 3d
+    tensor_grid: int  # q (1 without a grid)
+    layers_per_stage: int
+    micro_batches: int
+    activation_recompute: str  # none | full
+    data_degree: int
+
+    @property
+    def schedule(self) -> str:
+        return FAMILIES[self.family][0]
+
+    @property
+    def breadth_first_micro_batches(self):
+        return FAMILIES[self.family][2]
+
+    @property
+    def tensor_ranks(self) -> int:
+        return self.tensor_grid ** DIMENSION[self.tensor_parallel] if self.tensor_parallel != "none" else 1
+
+    def strategy_fields(self) -> dict:
+        """What the point's `strategy` node holds (the family's yaml plus these)."""
+        return {"name": self.family, "schedule": self.schedule, "pipeline_degree": self.pipeline_degree,
+                "layers_per_stage": self.layers_per_stage, "micro_batches": self.micro_batches,
+                "breadth_first_micro_batches": self.breadth_first_micro_batches,
+                "activation_recompute": self.activation_recompute, "tensor_parallel": self.tensor_parallel,
+                "tensor_grid": self.tensor_grid if self.tensor_parallel != "none" else 2}
+
+    def describe(self) -> str:
+        grid = f"{self.tensor_parallel} q{self.tensor_grid}" if self.tensor_parallel != "none" else "-"
+        return (f"{self.family} d{self.data_degree} p{self.pipeline_degree} {grid} k{self.layers_per_stage} "
+                f"m{self.micro_batches}{' recompute' if self.activation_recompute == 'full' else ''}")
+
+
+# ----- 1. enumeration: only layouts validation accepts
+
+def tensor_options(cfg, world: int) -> list:
+    """(mode, q) of every grid whose block fits the bound and divides the world and the model."""
+    bound = cfg.plan.search_max_tensor_ranks or cfg.hardware.devices_per_node
+    options = [("none", 1)]
+    if cfg.model.architecture != "gpt" or cfg.model.tie_embeddings or cfg.optimizer.name == "lamb":
+        return options  # strategies/checks.py unsupported_model_errors: grids need a plain untied GPT
+    for mode, dimension in DIMENSION.items():
+        for q in range(2, int(round(bound ** (1 / dimension))) + 1):
+            ranks = q ** dimension
+            grid = grid_of(mode, ranks, 0)
+            if ranks <= bound and world % ranks == 0 and cfg.model.hidden % grid.feature_parts == 0 \
+                    and cfg.model.heads % grid.head_parts == 0:
+                options.append((mode, q))
+    return options
+
+
+def families(cfg) -> list:
+    """The families whose strategy-level checks (precision, clipping, optimizer) pass for this config."""
+    kept = []
+    for family, (_, zero, _) in FAMILIES.items():
+        if fp16_errors(family, cfg.hardware.precision) or gradient_clipping_errors(family, cfg.trainer.gradient_clip_val):
+            continue
+        if zero and (cfg.optimizer.name == "lamb" or cfg.model.tie_embeddings):
+            continue
+        kept.append(family)
+    return kept
+
+
+def layouts(cfg, world: int):
+    """Every valid layout (generator): the checks of strategies/modular_pipeline.py `check`,
+    zero_layered.py `check`, layerwise/validate.py `check_strategy` and the schedules' own."""
+    layers, batch = cfg.model.layers, cfg.data.global_batch_size
+    for family in families(cfg):
+        schedule, _, breadth_first = FAMILIES[family]
+        for mode, q in tensor_options(cfg, world):
+            tensor = q ** DIMENSION[mode] if mode != "none" else 1
+            rows_split = grid_of(mode, tensor, 0).input_rows()[1] if mode != "none" else 1
+            for pipeline in divisors(world // tensor):
+                if pipeline > 1 and cfg.model.tie_embeddings:
+                    continue
+                data = world // (tensor * pipeline)
+                for per_stage in stage_sizes(family, layers, pipeline):
+                    for micro in divisors(batch // data) if batch % data == 0 else ():
+                        if (batch // (data * micro)) % rows_split or not _schedule_accepts(
+                                schedule, pipeline, layers // per_stage, micro, breadth_first):
+                            continue
+                        for recompute in ("none", "full"):
+                            yield Layout(family, pipeline, mode, q, per_stage, micro, recompute, data)
+
+
+def stage_sizes(family: str, layers: int, pipeline: int) -> list:
+    """layers_per_stage k: stages = layers / k a multiple of p; one stage per rank for GPipe/1F1B;
+    at least two loops for interleaved 1F1B (one loop is plain 1F1B, searched already)."""
+    if layers % pipeline:
+        return []
+    if family in ONE_STAGE_PER_RANK:
+        return [layers // pipeline]
+    sizes = [k for k in divisors(layers) if (layers // k) % pipeline == 0]
+    return [k for k in sizes if layers // k >= 2 * pipeline] if family == "interleaved_1f1b" else sizes
+
+
+def _schedule_accepts(schedule: str, pipeline: int, stages: int, micro: int, breadth_first) -> bool:
+    try:
+        _check_combination(schedule, pipeline, stages, micro, breadth_first)
+    except ValueError:
+        return False
+    return True
+
+
+# ----- 2. the closed-form evaluation
+
+class Evaluator:
+    """Evaluates layouts of one config: model, hardware and batch fixed, the layout varying."""
+
+    def __init__(self, cfg, world: int):
+        self.cfg, self.world = cfg, world
+        self.shape, self.device = shape_of(cfg), device_of(cfg)
+        self.tokens = cfg.data.global_batch_size * cfg.data.sequence_length
+        self.model_flops = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
+                                                 self.shape.vocabulary, cfg.model.mlp_ratio) * self.tokens
+        self.activation_bytes = 2 if cfg.hardware.precision.endswith("mixed") else 4
+
+    def workload(self, layout: Layout) -> Workload:
+        zero = FAMILIES[layout.family][1]
+        grid = None if layout.tensor_parallel == "none" else layout.tensor_parallel
+        composed = ComposedLayout(layout.data_degree, layout.pipeline_degree, grid, layout.tensor_grid, zero)
+        rows = self.cfg.data.global_batch_size // (layout.data_degree * layout.micro_batches)
+        return Workload(self.shape, self.cfg.model.layers, self.cfg.model.heads, composed, layout.layers_per_stage,
+                        rows, self.cfg.optimizer.name, layout.activation_recompute == "full", self.activation_bytes)
+
+    def __call__(self, layout: Layout) -> dict:
+        """One csv row: the layout's fields, the step, MFU and the largest role's bytes."""
+        workload = self.workload(layout)
+        p, stages = layout.pipeline_degree, self.cfg.model.layers // layout.layers_per_stage
+        breadth_first = layout.breadth_first_micro_batches or layout.micro_batches
+        step = closed_form_step(workload, self.device, layout.schedule, layout.micro_batches,
+                                layout.breadth_first_micro_batches)
+        # Ranks 0 (embedding, most in flight), 1 (a middle one) and p − 1 (head) bound every role:
+        # middle ranks hold equal parts and in-flight counts never grow with the rank.
+        flash = self.cfg.plan.flash_attention
+        worst_rank, worst = max(((rank, role_bytes(workload, layout, rank, stages, breadth_first, flash))
+                                 for rank in {0, min(1, p - 1), p - 1}), key=lambda pair: sum(pair[1].values()))
+        total = sum(worst.values()) * (1 + self.cfg.plan.allocator_margin)
+        seconds = step["step_seconds"]
+        return {**asdict(layout), "step_seconds": seconds, "tokens_per_s": self.tokens / seconds,
+                "mfu": self.model_flops / (self.device.flops_per_second * self.world * seconds),
+                "bubble_fraction": step["bubble_fraction"], "exposed_data_seconds": step["exposed_data_seconds"],
+                "worst_pipeline_rank": worst_rank, "worst_role_bytes": total,
+                "fits": total <= self.device.memory_bytes}
+
+
+
+def role_bytes(workload: Workload, layout: Layout, rank: int, stages: int, breadth_first: int, flash: bool) -> dict:
+    """`estimate.memory` of pipeline rank `rank` without its plan row: the stages it holds (looping
+    r, r + p, …; at v = 1 the contiguous placement's one stage r) and the closed-form in-flight count."""
+    loops = stages // layout.pipeline_degree
+    held = [rank + loop * layout.pipeline_degree for loop in range(loops)]
+    alive = closed_form_in_flight(layout.schedule, layout.pipeline_degree, loops, breadth_first, rank)
+    return stage_memory(workload, held, stages, alive, flash)
+
+
+# ----- 3. and 4. rank, print, write, re-plan, and the sweep line
+
+def search(cfg, world: int, run_directory) -> dict:
+    """Enumerate, evaluate, rank; print the top layouts, write plan_search.csv, re-plan the first few."""
+    started = time.perf_counter()
+    evaluate = Evaluator(cfg, world)
+    rows = [evaluate(layout) for layout in layouts(cfg, world)]
+    seconds = time.perf_counter() - started
+    fitting = sorted((row for row in rows if row["fits"]), key=lambda row: row["step_seconds"])
+    directory = Path(run_directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_csv(fitting, directory / "plan_search.csv")
+    top = fitting[:cfg.plan.search_top]
+    print(f"search: {cfg.model.name} × {cfg.hardware.name} × {world} devices, global batch "
+          f"{cfg.data.global_batch_size} × {cfg.data.sequence_length} tokens: {len(rows)} valid layouts, "
+          f"{len(fitting)} fit (efficiency {cfg.plan.efficiency:.0%} assumed, not calibrated)")
+    print(top_table(top))
+    replanned = [replan(cfg, world, row) for row in top[:cfg.plan.search_replan]]
+    if replanned:
+        print(replan_table(replanned))
+    if top:
+        print("launch the top layouts as a sweep (GPU profiles: add hydra/launcher=slurm; add mode=check or "
+              "mode=plan to check or plan each point here):\n  " + sweep_line(cfg, [layout_of(row) for row in top[:3]]))
+    rate = len(rows) / seconds * 60 if seconds else float("inf")
+    print(f"searched {len(rows)} layouts in {seconds:.2f} s: {rate:,.0f} layouts per minute "
+          f"(plan_search.csv in {directory})")
+    return {"step_seconds": top[0]["step_seconds"] if top else float("nan"), "layouts": len(rows),
+            "fitting": len(fitting), "search_seconds": seconds, "layouts_per_minute": rate, "top": top,
+            "replanned": replanned}
+
+
+def write_csv(rows: list, path: Path) -> None:
+    fields = list(rows[0]) if rows else list(Layout.__dataclass_fields__)
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def layout_of(row: dict) -> Layout:
+    return Layout(**{name: row[name] for name in Layout.__dataclass_fields__})
+
+
+def top_table(rows: list) -> str:
+    lines = [f"{'#':>3s} {'layout':58s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>6s} {'bubble':>7s} "
+             f"{'largest role GiB':>17s}"]
+    for number, row in enumerate(rows, 1):
+        lines.append(f"{number:3d} {layout_of(row).describe():58s} {row['step_seconds']:8.4g} "
+                     f"{row['tokens_per_s']:10.0f} {row['mfu']:6.1%} {row['bubble_fraction']:7.1%} "
+                     f"{row['worst_role_bytes'] / GIB:17.3g}")
+    return "\n".join(lines)
+
+
+def point_config(cfg, layout: Layout):
+    """The config of one searched layout: the user's, with the strategy node replaced by the
+    family's fields (an untyped copy: the families' schemas differ) and plan.search off."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    container["strategy"] = {**layout.strategy_fields(), "data_degree": None}
+    if not FAMILIES[layout.family][1]:
+        container["strategy"]["bucket_mb"] = 25.0
+    container["plan"]["search"] = False
+    return OmegaConf.create(container)
+
+
+def replan(cfg, world: int, row: dict) -> dict:
+    """The full plan path for one searched layout: validation's strategy checks, the strategy's
+    own plan and the simulator; returns both predictions."""
+    from layerwise.validate import check_strategy, ConfigError
+    point = point_config(cfg, layout_of(row))
+    problems = check_strategy(point, world)
+    if problems:
+        raise ConfigError([f"search produced a layout validation refuses ({layout_of(row).describe()}): "
+                           + "; ".join(problems)])
+    full = plan_result(point, world)
+    worst = max(role["total_bytes"] for role in full["roles"])
+    return {"layout": layout_of(row).describe(), "closed_form_step_seconds": row["step_seconds"],
+            "simulated_step_seconds": full["step_seconds"], "closed_form_worst_role_bytes": row["worst_role_bytes"],
+            "planned_worst_role_bytes": worst, "closed_form_mfu": row["mfu"], "simulated_mfu": full["mfu"]}
+
+
+def replan_table(replanned: list) -> str:
+    lines = ["re-planned through the full plan path (closed form | simulated plan):",
+             f"{'layout':58s} {'step s':>19s} {'largest role GiB':>21s}"]
+    for entry in replanned:
+        lines.append(f"{entry['layout']:58s} {entry['closed_form_step_seconds']:8.4g} | "
+                     f"{entry['simulated_step_seconds']:8.4g} {entry['closed_form_worst_role_bytes'] / GIB:9.3g} | "
+                     f"{entry['planned_worst_role_bytes'] / GIB:9.3g}")
+    return "\n".join(lines)
+
+
+# ----- the sweep line
+
+SEARCH_KEYS = ("strategy", "mode", "plan.search", "hydra")
+
+
+def common_overrides(cfg) -> list:
+    """What fixes the search's model, hardware and batch: the user's own overrides where Hydra has
+    them (all but the strategy's and the search's), and the fields the search read otherwise."""
+    explicit = {"model": cfg.model.name, "hardware": cfg.hardware.name, "hardware.nodes": cfg.hardware.nodes,
+                "hardware.devices_per_node": cfg.hardware.devices_per_node, "data": cfg.data.name,
+                "data.global_batch_size": cfg.data.global_batch_size,
+                "data.sequence_length": cfg.data.sequence_length, "optimizer": cfg.optimizer.name}
+    given = []
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        given = [item for item in HydraConfig.get().overrides.task
+                 if not item.lstrip("+~").startswith(SEARCH_KEYS)]
+    except ValueError:  # composed outside a Hydra app (tests, benchmarks)
+        pass
+    keys = {item.lstrip("+~").split("=", 1)[0] for item in given}
+    return given + [f"{key}={value}" for key, value in explicit.items() if key not in keys]
+
+
+def sweep_line(cfg, chosen: list) -> str:
+    """`python train.py -m ...` running exactly these layouts: Hydra's basic sweeper takes a
+    product of lists, so the points are one list of dictionaries merged into the strategy node
+    (`'strategy={...},{...}'`), on the first point's family (its schema: the pipeline families
+    share one, the ZeRO families another). Layouts of both schemas need two lines."""
+    lines = []
+    for zero in (False, True):
+        points = [layout for layout in chosen if FAMILIES[layout.family][1] == zero]
+        if points:
+            lines.append(" ".join(["python train.py -m", *common_overrides(cfg), *strategy_overrides(points)]))
+    return "\n  ".join(lines)
+
+
+def strategy_overrides(points: list) -> list:
+    dictionaries = ",".join("{" + ",".join(f"{key}:{_hydra_value(value)}" for key, value in
+                                           point.strategy_fields().items()) + "}" for point in points)
+    return [f"strategy={points[0].family}", f"'strategy={dictionaries}'"]
+
+
+def _hydra_value(value) -> str:
+    return "null" if value is None else str(value)

@@ -1,0 +1,44 @@
+"""mode=calibrate (layerwise/calibrate.py): the fit recovers what it is given, and the written
+profile is the fit of the recorded measurements and composes as a `hardware=` option."""
+
+import json
+
+import pytest
+
+from layerwise.calibrate import calibrate, fit_fixed_plus_rate, worst_residual
+from layerwise.validate import validate
+from tests.harness import compose_config
+
+
+def test_fit_recovers_a_fixed_cost_and_a_rate():
+    work = [1e3, 1e5, 1e7]
+    seconds = [2e-5 + w / 4e9 for w in work]
+    fixed, rate = fit_fixed_plus_rate(work, seconds)
+    assert fixed == pytest.approx(2e-5, rel=1e-9) and rate == pytest.approx(4e9, rel=1e-9)
+    assert worst_residual(work, seconds, fixed, rate) < 1e-9
+    # noise that would make the fixed cost negative: clamped to 0, the rate refitted through the
+    # origin with the same 1/t² weights: rate = Σw·x² / Σw·x·t
+    fixed, rate = fit_fixed_plus_rate([1.0, 2.0], [0.9, 2.0])
+    weights = [1 / 0.81, 1 / 4.0]
+    assert fixed == 0.0 and rate == pytest.approx((weights[0] + 4 * weights[1]) / (0.9 * weights[0] + 4 * weights[1]))
+
+
+def test_quick_calibration_writes_a_profile_that_composes(tmp_path):
+    directory = tmp_path / "hardware"
+    cfg = compose_config("mode=calibrate", "calibrate.quick=true", "calibrate.silent=true",
+                         "calibrate.repeats=3", f"calibrate.directory={directory}")
+    profile = calibrate(cfg)
+    measured = json.loads((directory / "calibrated.calibration.json").read_text())
+    # the profile is the fit of the recorded rows, nothing else
+    rows = measured["matmul_fp32"]["rows"]
+    overhead, flops = fit_fixed_plus_rate([r[1] for r in rows], [r[2] for r in rows])
+    assert profile["peak_flops"]["fp32"] == pytest.approx(flops) and profile["matmul_overhead_s"] == pytest.approx(overhead)
+    reduce_rows = measured["collectives_world_2"]["rows"]
+    latency, bandwidth = fit_fixed_plus_rate([r[0] for r in reduce_rows], [r[1] for r in reduce_rows])
+    assert profile["intra_node_bandwidth"] == pytest.approx(bandwidth)  # 2(n-1)/n = 1 at n = 2
+    assert profile["collective_latency_s"] == pytest.approx(latency)
+    assert all(r[1] > 0 and r[2] > 0 for r in reduce_rows)  # both all-reduce and round trip were timed
+    composed = compose_config("hardware=calibrated", f"hydra.searchpath=[file://{tmp_path}]")
+    assert composed.hardware.peak_flops.fp32 == pytest.approx(flops)
+    assert composed.hardware.host_device_bandwidth == pytest.approx(profile["host_device_bandwidth"])
+    assert validate(composed) == 2  # a valid profile: the default experiment runs on it

@@ -24,16 +24,33 @@ from strategies.schedule import plot_timeline
 from strategies.traffic import ComposedLayout, GptShape
 
 PLANNED = ("modular_pipeline", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_layered", "zero_depth_first")
+TENSOR_ONLY = ("tp_1d", "tp_2d", "three_d")  # planned as the one-stage pipeline they equal (as_planned)
 GIB = 2 ** 30
+
+
+def as_planned(cfg):
+    """A tensor-parallel strategy (tp_1d, tp_2d, three_d) as the pipeline plan mode prices: one stage
+    holding every layer, one micro-batch, the same grid and data replicas — a step of the same
+    products and the same collectives. Other strategies are returned as they are."""
+    if cfg.strategy.name not in TENSOR_ONLY:
+        return cfg
+    from layerwise.config import PipelineStrategyConfig
+    planned = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    planned.strategy = OmegaConf.merge(OmegaConf.structured(PipelineStrategyConfig), {
+        "name": "modular_pipeline", "pipeline_degree": 1, "data_degree": cfg.strategy.data_degree,
+        "layers_per_stage": cfg.model.layers, "micro_batches": 1, "tensor_parallel": cfg.strategy.tensor_parallel,
+        "tensor_grid": cfg.strategy.tensor_grid, "activation_recompute": cfg.strategy.activation_recompute})
+    return planned
 
 
 def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
     """The model, layout and batch of a validated config, as the estimators see them; `vocabulary`
     defaults to the data group's (bytes: 256, token_bin: data.vocab_size; + [MASK] for BERT)."""
-    if cfg.strategy.name not in PLANNED:
-        raise ConfigError([f"strategy={cfg.strategy.name}: mode=plan covers the pipeline strategies so far "
-                           f"({', '.join(PLANNED)}, with strategy.tensor_parallel and ZeRO). Fix: "
+    if cfg.strategy.name not in PLANNED + TENSOR_ONLY:
+        raise ConfigError([f"strategy={cfg.strategy.name}: mode=plan covers the pipeline and tensor-parallel "
+                           f"strategies so far ({', '.join(PLANNED + TENSOR_ONLY)}, with ZeRO). Fix: "
                            f"strategy=modular_pipeline strategy.pipeline_degree=1 plans data parallelism."])
+    cfg = as_planned(cfg)
     degrees = strategy_entry(cfg.strategy.name).degrees(cfg, world_size)
     shape = shape_of(cfg, vocabulary)
     layout = ComposedLayout(degrees.data, degrees.pipeline, tensor_parallel(cfg.strategy),
@@ -67,6 +84,7 @@ def training_plan_of(cfg):
     `complete_plan` the strategy calls (which validates it)."""
     from strategies.modular_pipeline import ModularPipelineStrategy
     from strategies.zero_layered import ZeroLayeredStrategy
+    cfg = as_planned(cfg)
     compute = compute_plan(cfg.strategy, cfg.model.layers)
     owner = ZeroLayeredStrategy if cfg.strategy.name.startswith("zero") else ModularPipelineStrategy
     return owner.complete_plan(compute)

@@ -101,3 +101,18 @@ def test_train_py_mode_plan_prints_the_table(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "pipeline rank 0 (embedding)" in result.stdout and "MFU" in result.stdout
     assert (tmp_path / "plan.json").is_file()
+
+
+@pytest.mark.parametrize("strategy, grid, edge", [("tp_1d", "1d", 4), ("tp_2d", "2d", 2), ("three_d", "3d", 2)])
+def test_a_tensor_strategy_is_planned_as_the_one_stage_pipeline_it_equals(strategy, grid, edge):
+    from layerwise.plan import plan_result
+    shape = ["mode=plan", "model=gpt_small", "model.heads=8", "hardware=dgx_a100_80g", "data.global_batch_size=16"]
+    tensor = compose_config(*shape, f"strategy={strategy}", f"strategy.tensor_grid={edge}")
+    pipeline = compose_config(*shape, "strategy=modular_pipeline", "strategy.pipeline_degree=1",
+                              f"strategy.layers_per_stage={tensor.model.layers}", "strategy.micro_batches=1",
+                              f"strategy.tensor_parallel={grid}", f"strategy.tensor_grid={edge}")
+    ours, theirs = plan_result(tensor, validate(tensor)), plan_result(pipeline, validate(pipeline))
+    assert ours["strategy"] == strategy and ours["layout"] == theirs["layout"]
+    assert ours["step_seconds"] == theirs["step_seconds"] and ours["roles"] == theirs["roles"]
+    wider = compose_config(*shape, f"strategy={strategy}", f"strategy.tensor_grid={edge * 2}", "hardware.nodes=8")
+    assert plan_result(wider, validate(wider))["bytes_by_pipeline_rank"] != ours["bytes_by_pipeline_rank"]

@@ -46,7 +46,7 @@ def as_planned(cfg):
 def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
     """The model, layout and batch of a validated config, as the estimators see them; `vocabulary`
     defaults to the data group's (bytes: 256, token_bin: data.vocab_size; + [MASK] for BERT)."""
-    if cfg.strategy.name not in PLANNED + TENSOR_ONLY:
+    if cfg.strategy.name not in PLANNED + TENSOR_ONLY:  # l2l: relay_plan_result
         raise ConfigError([f"strategy={cfg.strategy.name}: mode=plan covers the pipeline and tensor-parallel "
                            f"strategies so far ({', '.join(PLANNED + TENSOR_ONLY)}, with ZeRO). Fix: "
                            f"strategy=modular_pipeline strategy.pipeline_degree=1 plans data parallelism."])
@@ -118,11 +118,46 @@ def plan(cfg, world_size: int, run_directory) -> dict:
     device = device_of(cfg)
     _write(result, timeline, Path(run_directory), device.memory_bytes)
     print(table(result, device))
+    if "host_bytes" in result:
+        print(f"host store per data rank: {sum(result['host_bytes'].values()) / GIB:.2f} GiB of "
+              f"{cfg.hardware.host_memory_bytes / GIB:.0f} ({'fits' if result['host_fits'] else 'does NOT fit'})")
     return result
+
+
+def relay_plan_result(cfg, world_size: int) -> dict:
+    """L2L's plan (strategies/estimate.py's relay terms): one device per data replica relays the layers
+    from its host store. Not priced: the data replicas' gradient all-reduce and the host's optimizer."""
+    from strategies.estimate import relay_host_memory, relay_memory, relay_step
+    strategy, margin, device = cfg.strategy, cfg.plan.allocator_margin, device_of(cfg)
+    weight_bytes = 2 if cfg.hardware.precision.endswith("mixed") else 4
+    workload = Workload(shape_of(cfg), cfg.model.layers, cfg.model.heads, ComposedLayout(world_size, 1), cfg.model.layers,
+                        cfg.data.global_batch_size // (world_size * strategy.micro_batches), cfg.optimizer.name,
+                        False, weight_bytes)
+    step = relay_step(workload, device, strategy.micro_batches, cfg.hardware.host_device_bandwidth, weight_bytes,
+                      strategy.constant_memory, overlap=strategy.prefetch)
+    device_bytes = relay_memory(workload, strategy.micro_batches, strategy.constant_memory, weight_bytes,
+                                cfg.plan.flash_attention)
+    host_bytes = relay_host_memory(workload, strategy.micro_batches, strategy.constant_memory)
+    tokens = cfg.data.global_batch_size * cfg.data.sequence_length
+    flops = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
+                                  workload.shape.vocabulary, cfg.model.mlp_ratio) * tokens
+    return {"strategy": cfg.strategy.name, "model": cfg.model.name, "hardware": cfg.hardware.name,
+            "world_size": world_size, "layout": workload.layout.__dict__, "step_seconds": step["step_seconds"],
+            "tokens_per_s": tokens / step["step_seconds"],
+            "mfu": flops / (device.flops_per_second * world_size * step["step_seconds"]),
+            "bubble_fraction": 0.0, "exposed_transfer_seconds": step["exposed_transfer_seconds"],
+            "allocator_margin": margin, "efficiency_assumed": device.efficiency,
+            "host_bytes": host_bytes, "host_fits": sum(host_bytes.values()) <= cfg.hardware.host_memory_bytes,
+            "roles": [{"role": "every data rank (device)", "pipeline_ranks": [0], "bytes": device_bytes,
+                       "total_bytes": sum(device_bytes.values()) * (1 + margin),
+                       "fits": sum(device_bytes.values()) * (1 + margin) <= device.memory_bytes}]}
 
 
 def plan_result(cfg, world_size: int, with_timeline: bool = False):
     """What plan.json holds (and the simulated timeline if asked): the full plan path."""
+    if cfg.strategy.name == "l2l":
+        result = relay_plan_result(cfg, world_size)
+        return (result, None) if with_timeline else result
     workload, device, schedule = workload_of(cfg, world_size), device_of(cfg), training_plan_of(cfg)
     step = predict_step(workload, device, schedule)
     per_rank = [memory(workload, schedule, rank, cfg.plan.flash_attention) for rank in range(schedule.pipeline_degree)]
@@ -163,7 +198,8 @@ def table(result: dict, device: Device) -> str:
 def _write(result: dict, timeline, directory: Path, device_memory_bytes: float) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "plan.json").write_text(json.dumps(result, indent=1))
-    plot_timeline(timeline, directory / "plan.png", title=f"predicted step: {result['strategy']}", time_unit="s")
+    if timeline is not None:  # L2L's relay is priced in closed form: no simulated timeline
+        plot_timeline(timeline, directory / "plan.png", title=f"predicted step: {result['strategy']}", time_unit="s")
     _plot_memory(result, directory / "plan_memory.png", device_memory_bytes)
 
 

@@ -16,7 +16,7 @@ kernel launch latency, the embedding's gather, and any overlap of the grid's col
 """
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from parallel.comm import KINDS
 from strategies.schedule import BACKWARD, FORWARD, Action, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT, simulate
@@ -414,7 +414,6 @@ def relay_step(workload: Workload, device: Device, micro_batches: int, host_devi
     costs the longer of its compute and the copies issued beside it; without, they add up (the
     bound offload.transfer_cost gives the simulator). The host's eager update of the last stage
     reached (the embedding) is not included, nor any host optimizer time."""
-    from dataclasses import replace
     stages = relay_stage_parameters(workload)
     rate = device.flops_per_second * device.efficiency
     block = forward_flops(replace(workload, layers_per_stage=1), 0, 2) / rate

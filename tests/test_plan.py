@@ -116,3 +116,25 @@ def test_a_tensor_strategy_is_planned_as_the_one_stage_pipeline_it_equals(strate
     assert ours["step_seconds"] == theirs["step_seconds"] and ours["roles"] == theirs["roles"]
     wider = compose_config(*shape, f"strategy={strategy}", f"strategy.tensor_grid={edge * 2}", "hardware.nodes=8")
     assert plan_result(wider, validate(wider))["bytes_by_pipeline_rank"] != ours["bytes_by_pipeline_rank"]
+
+
+def test_l2l_is_planned_with_its_host_store_and_constant_device_memory_in_depth():
+    from layerwise.plan import plan_result
+    from layerwise.task import model_arguments
+    from models import build_model
+
+    def planned(layers, constant):
+        cfg = compose_config("mode=plan", "strategy=l2l", f"strategy.constant_memory={constant}",
+                             "model=gpt_tiny", f"model.layers={layers}", "strategy.micro_batches=4")
+        return plan_result(cfg, validate(cfg)), cfg
+
+    shallow, cfg = planned(4, True)
+    deep, standard_deep = planned(16, True)[0], planned(16, False)[0]
+    device = [result["roles"][0]["total_bytes"] for result in (shallow, deep, planned(4, False)[0], standard_deep)]
+    assert device[0] == device[1] and device[3] > device[2]  # constant: flat in depth; standard: grows
+    model = build_model("gpt", device="meta", **model_arguments(cfg.model, 256, cfg.seed))
+    parameters = sum(p.numel() for p in model.parameters())
+    # the host keeps fp32 masters, gradients and AdamW's two moments: 16 bytes per parameter
+    host = shallow["host_bytes"]
+    assert host["parameters"] == host["gradients"] == 4 * parameters and host["optimizer"] == 8 * parameters
+    assert shallow["step_seconds"] < deep["step_seconds"]

@@ -76,7 +76,8 @@ def device_of(cfg) -> Device:
     dtype = "bf16" if hardware.precision.startswith("bf16") else "fp16" if hardware.precision.startswith("16") \
         else "fp32"
     return Device(hardware.peak_flops.get(dtype, 0.0), cfg.plan.efficiency, hardware.device_memory_bytes,
-                  hardware.intra_node_bandwidth, hardware.inter_node_bandwidth, hardware.devices_per_node)
+                  hardware.intra_node_bandwidth, hardware.inter_node_bandwidth, hardware.devices_per_node,
+                  hardware.matmul_overhead_s, hardware.collective_latency_s)
 
 
 def training_plan_of(cfg):

@@ -38,6 +38,13 @@ class Device:
     intra_node_bandwidth: float
     inter_node_bandwidth: float
     devices_per_node: int
+    # Fixed costs mode=calibrate measures (0 in the spec-sheet profiles): a matrix product's launch and
+    # ramp, and a collective's or a message's latency — what dominates small models' steps.
+    matmul_overhead_s: float = 0.0
+    collective_latency_s: float = 0.0
+
+
+PRODUCTS_PER_BLOCK = 6  # per micro-batch forward: QKV, Q·Kᵀ, scores·V, the projection, the MLP's two
 
 
 @dataclass(frozen=True)
@@ -196,6 +203,8 @@ def stage_seconds(workload: Workload, device: Device, stage: int, stages: int) -
     """(forward, backward) seconds of one micro-batch through `stage`: FLOPs at the achieved rate,
     B = 2F (3F with recomputation: the forward runs again), the grid's collectives half in each."""
     compute = forward_flops(workload, stage, stages) / (device.flops_per_second * device.efficiency)
+    products = workload.layers_per_stage * PRODUCTS_PER_BLOCK + (stage == stages - 1)  # + the head's
+    compute += products * device.matmul_overhead_s  # the backward's 2 (or 3) × F carries 2 (3) × as many
     communication = grid_seconds(workload, device, stage, stages)
     return compute + communication / 2, (3.0 if workload.recompute else 2.0) * compute + communication / 2
 
@@ -203,7 +212,8 @@ def stage_seconds(workload: Workload, device: Device, stage: int, stages: int) -
 def receive_seconds(workload: Workload, device: Device) -> float:
     """One boundary receive: the activation piece (or its gradient, the same size) over the link
     pipeline neighbours cross (a tensor block apart; inside a node only if the whole pipeline is)."""
-    return workload.piece * BYTES / link_bandwidth(device, workload.tensor_ranks * workload.layout.pipeline)
+    return (device.collective_latency_s
+            + workload.piece * BYTES / link_bandwidth(device, workload.tensor_ranks * workload.layout.pipeline))
 
 
 def gather_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
@@ -214,7 +224,8 @@ def gather_seconds(workload: Workload, device: Device, stage: int, stages: int) 
         return 0.0
     held = local_parameters(layout.tensor_grid, layout.edge, workload.shape, stage == 0,
                             workload.layers_per_stage, stage == stages - 1)["all"]
-    return all_gather(held, layout.data) / link_bandwidth(device, workload.tensor_ranks * layout.pipeline * layout.data)
+    return (device.collective_latency_s
+            + all_gather(held, layout.data) / link_bandwidth(device, workload.tensor_ranks * layout.pipeline * layout.data))
 
 
 def step_cost(workload: Workload, device: Device, plan):
@@ -287,7 +298,7 @@ def reduction_seconds(workload: Workload, device: Device, stage: int, stages: in
     held = local_parameters(layout.tensor_grid, layout.edge, workload.shape, stage == 0,
                             workload.layers_per_stage, stage == stages - 1)["all"]
     volume = all_gather(held, layout.data) if layout.zero else all_reduce(held, layout.data)
-    return volume / link_bandwidth(device, workload.tensor_ranks * layout.pipeline * layout.data)
+    return device.collective_latency_s + volume / link_bandwidth(device, workload.tensor_ranks * layout.pipeline * layout.data)
 
 
 def zero_gathers(workload: Workload, device: Device, rank: int, loops: int, breadth_first: int,

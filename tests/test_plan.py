@@ -88,10 +88,11 @@ def test_predicted_peak_memory_is_within_5_percent_of_the_measured_one(overrides
 
 
 def test_plan_refuses_a_strategy_it_does_not_cover():
-    cfg = compose_config("mode=plan", "strategy=l2l", "logger=none")
+    cfg = compose_config("mode=plan", "strategy=ddp", "logger=none")
     with pytest.raises(ConfigError) as error:
         workload_of(cfg, validate(cfg))
-    assert "mode=plan covers the pipeline strategies" in str(error.value) and "Fix:" in str(error.value)
+    assert "mode=plan covers the pipeline and tensor-parallel strategies" in str(error.value)
+    assert "Fix:" in str(error.value)
 
 
 def test_train_py_mode_plan_prints_the_table(tmp_path):
@@ -138,3 +139,24 @@ def test_l2l_is_planned_with_its_host_store_and_constant_device_memory_in_depth(
     host = shallow["host_bytes"]
     assert host["parameters"] == host["gradients"] == 4 * parameters and host["optimizer"] == 8 * parameters
     assert shallow["step_seconds"] < deep["step_seconds"]
+
+
+def test_calibrated_fixed_costs_add_one_overhead_per_product_and_one_latency_per_message():
+    from dataclasses import replace
+
+    from layerwise.plan import device_of
+    from strategies.estimate import predict_step
+    cfg = compose_config("mode=plan", "strategy=gpipe", "strategy.pipeline_degree=2", "strategy.micro_batches=2",
+                         "model.layers=2", "strategy.layers_per_stage=1")
+    workload, schedule = workload_of(cfg, validate(cfg)), training_plan_of(cfg)
+    device = device_of(cfg)
+    base = predict_step(workload, device, schedule)["step_seconds"]
+    # GPipe p2 m2, one block per stage; products per micro-batch: F0 = 6, F1 = 7 (+ the head), B = 2F.
+    # The critical path (overheads alone): F0(0) → F1(0) → F1(1) → B1(1) → B1(0) → B0(0), since stage 1
+    # is the slower: 6 + 2·7 + 2·14 + 12 = 60 overheads.
+    overhead = predict_step(workload, replace(device, matmul_overhead_s=1e-3), schedule)["step_seconds"] - base
+    assert overhead == pytest.approx(60e-3, rel=1e-9)
+    latency = predict_step(workload, replace(device, collective_latency_s=1e-3), schedule)["step_seconds"] - base
+    # A receive is an action on the receiving rank's own timeline: stage 1's two activation receives
+    # (before F1(0) and F1(1)) and stage 0's last gradient receive (before B0(0)) are on the path.
+    assert latency == pytest.approx(3e-3, rel=1e-9)

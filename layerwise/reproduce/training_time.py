@@ -1,0 +1,673 @@
+"""Lamy-Poirier 2021: the shortest training time of dense GPT models, and what shortens it.
+
+    python train.py experiment=repro_training_time          plan mode, 1B–1T parameters (a few minutes)
+    python train.py experiment=repro_training_time_small    2 CPU ranks: predicted vs measured step ratios
+
+The paper's analysis (seed 000; its equations were not at hand, TECHNIQUES §1 gives the
+reconstruction used here, and each choice below says where it departs):
+1. the scaling laws of Kaplan et al. 2020 give each model its converged loss, its critical batch
+   B_crit (the batch beyond which more data parallelism buys no fewer steps) and the steps to train;
+2. the batch bounds the GPU count: B = data × micro-batches × rows, GPUs = data × pipeline × tensor;
+   for each configuration and GPU count, plan mode's closed forms (layerwise/search.py's Evaluator,
+   strategies/estimate.py) give the fastest step whose largest rank fits the device;
+3. shortest training time = steps × the fastest step over every GPU count (powers of two up to
+   MAXIMUM_GPUS) among the layouts that keep the GPUs busy (UTILISATION_FLOOR, our choice):
+   contiguous 1F1B (depth-first accumulation) against the looping pipeline with layered
+   accumulation, each with and without ZeRO, on A100 and H100 InfiniBand and A100 Ethernet.
+At small scale: 1F1B, modular_pipeline and zero_layered train on hardware.devices_per_node CPU ranks
+(train.py as a user runs it); plan mode's predicted ratio of their step times is set against the
+measured one.
+"""
+
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from layerwise.reproduce import Finding, Verdict
+from layerwise.search import FAMILIES, Evaluator, layout_of, layouts, role_bytes
+from strategies.estimate import link_bandwidth, receive_seconds, stage_seconds
+from strategies.traffic import all_gather, all_reduce, local_parameters
+
+ROOT = Path(__file__).resolve().parents[2]
+GIB = 2 ** 30
+
+# ----- 1. the scaling laws (Kaplan et al. 2020, eqs. 1.1, 5.1–5.6; the constants of TECHNIQUES §1)
+
+CRITICAL_BATCH_TOKENS = 2.0e8  # B*
+CRITICAL_BATCH_EXPONENT = 0.21  # α_B: B_crit(L) = B* / L^(1/α_B)
+PARAMETER_SCALE = 8.8e13  # N_c (non-embedding parameters)
+PARAMETER_EXPONENT = 0.076  # α_N: L(N) = (N_c / N)^α_N
+STEP_SCALE = 2.1e3  # S_c
+STEP_EXPONENT = 0.76  # α_S: L(N, S_min) = (N_c / N)^α_N + (S_c / S_min)^α_S
+SEQUENCE_LENGTH = 2048  # GPT-3's context
+BATCH_DIGITS = 4  # the batch in sequences is rounded down to 4 significant binary digits (8…15 × 2^k,
+# less than 12.5% below B_crit) so that many data-parallel degrees 2^j divide it
+
+
+def non_embedding_parameters(layers: int, hidden: int, mlp_ratio: int = 4) -> float:
+    """Kaplan's N: the blocks' weights, (4 + 2r)·h² per layer (12·L·h² at r = 4)."""
+    return layers * (4 + 2 * mlp_ratio) * hidden ** 2
+
+
+def converged_loss(parameters: float) -> float:
+    """L(N) in nats per token: the loss a model of N parameters reaches with unlimited data."""
+    return (PARAMETER_SCALE / parameters) ** PARAMETER_EXPONENT
+
+
+def critical_batch_tokens(loss: float) -> float:
+    """B_crit(L): training at it costs 2·S_min steps and 2·E_min tokens (Kaplan eq. 5.4)."""
+    return CRITICAL_BATCH_TOKENS / loss ** (1 / CRITICAL_BATCH_EXPONENT)
+
+
+def minimum_steps(parameters: float) -> float:
+    """S_min at the compute-efficient stopping point (Kaplan §6.1: the step term of L(N, S_min) is
+    α_N/α_S of the parameter term, i.e. training stops 10% above the converged loss). Our choice:
+    the paper's own step budget was not at hand."""
+    gap = PARAMETER_EXPONENT / STEP_EXPONENT * converged_loss(parameters)
+    return STEP_SCALE / gap ** (1 / STEP_EXPONENT)
+
+
+def round_batch(sequences: int) -> int:
+    """Down to BATCH_DIGITS significant binary digits: 19 500 → 18 432 = 9 × 2^11."""
+    unit = 2 ** max(0, sequences.bit_length() - BATCH_DIGITS)
+    return sequences // unit * unit
+
+
+def training_budget(parameters: float) -> dict:
+    """The batch (B_crit at the converged loss, TECHNIQUES §1), rounded to whole sequences, and the
+    tokens of training at it, 2·E_min = 2·S_min·B_crit; steps = tokens / the rounded batch."""
+    loss = converged_loss(parameters)
+    batch_tokens = critical_batch_tokens(loss)
+    sequences = round_batch(int(batch_tokens / SEQUENCE_LENGTH))
+    tokens = 2 * minimum_steps(parameters) * batch_tokens
+    return {"loss": loss, "critical_batch_tokens": batch_tokens, "batch_sequences": sequences,
+            "tokens": tokens, "steps": tokens / (sequences * SEQUENCE_LENGTH)}
+
+
+# ----- 2. the models, the hardware and the four configurations
+
+# name → (layers, hidden, heads): GPT-3 (Brown et al. 2020, table 2.1) and Narayanan et al. 2021
+# (table 1); gpt3_175b and gpt_1t are conf/model's own.
+SHAPES = {"gpt_1.3b": (24, 2048, 16), "gpt_6.7b": (32, 4096, 32), "gpt_13b": (40, 5120, 40),
+          "gpt_39b": (48, 8192, 64), "gpt3_175b": "conf/model/gpt3_175b.yaml", "gpt_310b": (96, 16384, 128),
+          "gpt_1t": "conf/model/gpt_1t.yaml"}
+HARDWARE = ("dgx_a100_80g", "dgx_h100", "a100_ethernet")
+VOCABULARY = 51200  # GPT-2's 50 257 tokens padded (Megatron-LM)
+MAXIMUM_GPUS = 2 ** 17  # the GPU counts scanned: 8, 16, …, 131 072 ("tens of thousands", and beyond)
+PATIENCE = 2  # halvings of the GPU count without a faster step before a configuration's scan stops
+# The batch "allows" a GPU count when some layout still uses at least this share of the compute rate
+# plan mode assumes (MFU ≥ floor × plan.efficiency). Without a floor the cost model, whose efficiency
+# does not fall with smaller micro-batches, keeps shortening the step down to one sequence per
+# replica at ever lower utilisation; the paper's analysis asks for the GPUs the batch keeps busy.
+UTILISATION_FLOOR = 0.5
+TENSOR_GRIDS = ("none", "1d")  # Megatron's tensor parallelism inside a node, as the paper considered
+
+# configuration → (search family, label): (a) contiguous stages with depth-first accumulation,
+# (b) looping stages with layered accumulation, each plain and with ZeRO-3 data parallelism.
+# interleaved_1f1b (looping, depth-first; Narayanan et al. 2021) is shown for reference only.
+CONFIGURATIONS = {
+    "depth_first": ("one_f_one_b", "contiguous 1F1B, depth-first"),
+    "depth_first_zero": ("zero_depth_first", "contiguous, depth-first + ZeRO"),
+    "layered": ("modular_pipeline", "modular pipeline, layered"),
+    "layered_zero": ("zero_layered", "modular pipeline, layered + ZeRO"),
+    "interleaved": ("interleaved_1f1b", "interleaved 1F1B (reference)"),
+}
+BASELINES, IMPROVED = ("depth_first", "depth_first_zero"), ("layered", "layered_zero")
+
+
+def configuration_of(layout, layers: int):
+    """The configuration a searched layout belongs to, or None: ZeRO depth-first only with
+    contiguous stages (one stage per rank), tensor grids only Megatron's."""
+    if layout.tensor_parallel not in TENSOR_GRIDS:
+        return None
+    if layout.family == "zero_depth_first" and layout.layers_per_stage * layout.pipeline_degree != layers:
+        return None
+    for name, (family, _) in CONFIGURATIONS.items():
+        if family == layout.family:
+            return name
+    return None
+
+
+def model_fields(name: str) -> dict:
+    """The model node of a ladder shape (conf/model's yaml, or the SHAPES row)."""
+    shape = SHAPES[name]
+    if isinstance(shape, str):
+        fields = OmegaConf.to_container(OmegaConf.load(ROOT / shape))
+        fields.pop("defaults", None)
+        return fields
+    layers, hidden, heads = shape
+    return {"name": name, "architecture": "gpt", "layers": layers, "hidden": hidden, "heads": heads,
+            "max_sequence_length": SEQUENCE_LENGTH, "planning_only": True}
+
+
+def hardware_fields(name: str) -> dict:
+    fields = OmegaConf.to_container(OmegaConf.load(ROOT / f"conf/hardware/{name}.yaml"))
+    fields.pop("defaults", None)
+    return fields
+
+
+def point_config(cfg, model: str, hardware: str, batch_sequences: int):
+    """An untyped copy of `cfg` with the model, hardware and batch replaced (what the Evaluator reads)."""
+    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    container["model"] = {**container["model"], "tie_embeddings": False, "mlp_ratio": 4, **model_fields(model)}
+    container["hardware"] = {**container["hardware"], **hardware_fields(hardware)}
+    container["data"] = {**container["data"], "corpus": "token_bin", "vocab_size": VOCABULARY,
+                         "global_batch_size": batch_sequences, "sequence_length": SEQUENCE_LENGTH}
+    return OmegaConf.create(container)
+
+
+# ----- 3. the fastest step of each configuration at each GPU count
+
+def evaluated(evaluate: Evaluator, layout) -> dict:
+    """The Evaluator's row, crediting contiguous 1F1B with what DDP's gradient buckets overlap: the
+    closed form exposes a 1F1B stage's whole all-reduce (one stage per rank), but depth-first
+    accumulation still overlaps it with the last micro-batch's backward (TECHNIQUES §1), which at
+    m = 1 is the whole backward, as under layered accumulation."""
+    row = evaluate(layout)
+    if layout.family != "one_f_one_b" or layout.data_degree == 1:
+        return {**row, "overlap_credit_seconds": 0.0}
+    stages = evaluate.cfg.model.layers // layout.layers_per_stage
+    backward = stage_seconds(evaluate.workload(layout), evaluate.device, 0, stages)[1]
+    credit = min(row["exposed_data_seconds"], backward)
+    step = row["step_seconds"] - credit
+    return {**row, "step_seconds": step, "tokens_per_s": row["tokens_per_s"] * row["step_seconds"] / step,
+            "mfu": row["mfu"] * row["step_seconds"] / step, "overlap_credit_seconds": credit}
+
+
+def efficient(point, row: dict) -> bool:
+    """Whether a layout uses at least UTILISATION_FLOOR of the compute rate plan mode assumes: MFU /
+    plan.efficiency (bubble, exposed communication and recomputation are what it loses)."""
+    return row["mfu"] >= UTILISATION_FLOOR * point.plan.efficiency
+
+
+def fastest_per_configuration(point, gpus: int, configurations) -> dict:
+    """configuration → (fastest efficient row that fits, fastest efficient row ignoring memory)
+    among `configurations` at this GPU count."""
+    evaluate = Evaluator(point, gpus)
+    best = {}
+    for layout in layouts(point, gpus):
+        name = configuration_of(layout, point.model.layers)
+        if name not in configurations:
+            continue
+        row = evaluated(evaluate, layout)
+        if not efficient(point, row):
+            continue
+        fitting, unconstrained = best.get(name, (None, None))
+        if row["fits"] and (fitting is None or row["step_seconds"] < fitting["step_seconds"]):
+            fitting = row
+        if unconstrained is None or row["step_seconds"] < unconstrained["step_seconds"]:
+            unconstrained = row
+        best[name] = (fitting, unconstrained)
+    return best
+
+
+def fewest_gpus(point) -> int:
+    """No layout fits on fewer GPUs than hold the fp32 weights, gradients and two Adam moments
+    (16 bytes per parameter) sharded over all of them (ZeRO-3 over the whole world)."""
+    parameters = non_embedding_parameters(point.model.layers, point.model.hidden)
+    return math.ceil(16 * parameters / point.hardware.device_memory_bytes)
+
+
+def scan(point) -> dict:
+    """GPU counts from MAXIMUM_GPUS down by halves: each configuration's fastest efficient layout that
+    fits, and the fastest efficient one ignoring memory. Past the largest count the batch allows
+    efficiently, fewer GPUs only take longer: a configuration stops PATIENCE halvings after its
+    fastest. (Going down is also cheap first: many data ranks leave few micro-batch choices.)
+    Returns configuration → {"fitting", "unconstrained", "curve": [(gpus, step or nan)]}."""
+    found = {name: {"fitting": None, "unconstrained": None, "curve": [], "stale": 0} for name in CONFIGURATIONS}
+    gpus = MAXIMUM_GPUS
+    while gpus >= max(point.hardware.devices_per_node, fewest_gpus(point)):
+        active = [name for name, entry in found.items() if entry["stale"] < PATIENCE]
+        if not active:
+            break
+        best = fastest_per_configuration(point, gpus, active)
+        for name in active:
+            entry, (fitting, unconstrained) = found[name], best.get(name, (None, None))
+            entry["curve"].append((gpus, fitting["step_seconds"] if fitting else math.nan))
+            if unconstrained and (entry["unconstrained"] is None
+                                  or unconstrained["step_seconds"] < entry["unconstrained"]["step_seconds"]):
+                entry["unconstrained"] = {**unconstrained, "gpus": gpus}
+            if fitting and (entry["fitting"] is None or fitting["step_seconds"] < entry["fitting"]["step_seconds"]):
+                entry["fitting"], entry["stale"] = {**fitting, "gpus": gpus}, 0
+            elif entry["fitting"] is not None:
+                entry["stale"] += 1
+        gpus //= 2
+    return found
+
+
+# ----- 4. what the fastest layout needs: memory, network
+
+def memory_breakdown(point, row: dict) -> dict:
+    """The largest pipeline rank's bytes by kind (ranks 0, 1, p − 1 bound every role, as in the search)."""
+    evaluate, layout = Evaluator(point, row["gpus"]), layout_of(row)
+    workload, p = evaluate.workload(layout), layout.pipeline_degree
+    stages = point.model.layers // layout.layers_per_stage
+    breadth_first = layout.breadth_first_micro_batches or layout.micro_batches
+    return max((role_bytes(workload, layout, rank, stages, breadth_first, point.plan.flash_attention)
+                for rank in {0, min(1, p - 1), p - 1}), key=lambda breakdown: sum(breakdown.values()))
+
+
+def bandwidth_needed(point, row: dict) -> float:
+    """Bytes per second per GPU the data-parallel traffic of pipeline rank 0 needs to hide behind the
+    compute it can overlap (TECHNIQUES §1, "Network"): layered accumulation reduces each stage once,
+    during the backward of all micro-batches (with ZeRO: 2 gathers + 1 reduce-scatter during the
+    forward and backward of all micro-batches); depth-first accumulation only has the last
+    micro-batch's backward (with ZeRO: the 3 collectives again for every micro-batch)."""
+    layout = layout_of(row)
+    if layout.data_degree == 1:
+        return 0.0
+    evaluate = Evaluator(point, row["gpus"])
+    workload, device = evaluate.workload(layout), evaluate.device
+    stages, p, m = point.model.layers // layout.layers_per_stage, layout.pipeline_degree, layout.micro_batches
+    held = range(0, stages, p)  # rank 0's stages (looping r, r + p, …; contiguous: stage 0)
+    grid = None if layout.tensor_parallel == "none" else layout.tensor_parallel
+    parameters = sum(local_parameters(grid, layout.tensor_grid, workload.shape, stage == 0, layout.layers_per_stage,
+                                      stage == stages - 1)["all"] for stage in held)
+    forward = sum(stage_seconds(workload, device, stage, stages)[0] for stage in held)
+    backward = sum(stage_seconds(workload, device, stage, stages)[1] for stage in held)
+    zero, layered = FAMILIES[layout.family][1], layout.family in ("modular_pipeline", "zero_layered")
+    if zero:
+        volume = 3 * all_gather(parameters, layout.data_degree) * (1 if layered else m)
+        return volume / (m * (forward + backward))
+    return all_reduce(parameters, layout.data_degree) / (m * backward if layered else backward)
+
+
+def pipeline_transfer_share(point, row: dict) -> float:
+    """Share of the step a rank spends receiving activations and their gradients: 2 receives per
+    local stage and micro-batch (v·m each way, TECHNIQUES §1), of the activation piece."""
+    layout = layout_of(row)
+    if layout.pipeline_degree == 1:
+        return 0.0
+    evaluate = Evaluator(point, row["gpus"])
+    loops = point.model.layers // (layout.layers_per_stage * layout.pipeline_degree)
+    receives = 2 * loops * layout.micro_batches
+    return receives * receive_seconds(evaluate.workload(layout), evaluate.device) / row["step_seconds"]
+
+
+def network_free_step(point, row: dict) -> float:
+    """The same layout's step with infinitely fast links: the compute-bound step."""
+    evaluate = Evaluator(point, row["gpus"])
+    evaluate.device = replace(evaluate.device, intra_node_bandwidth=math.inf, inter_node_bandwidth=math.inf)
+    return evaluated(evaluate, layout_of(row))["step_seconds"]
+
+
+def missing_row(point, budget: dict, configuration: str, entry: dict) -> dict:
+    """Why a configuration has no shortest time for this model and hardware."""
+    reason = (f"no layout reaches {UTILISATION_FLOOR:.0%} utilisation at any GPU count"
+              if entry["unconstrained"] is None else "layouts reach the utilisation floor but none fits the device")
+    free = entry["unconstrained"]
+    return {"model": point.model.name, "hardware": point.hardware.name, "configuration": configuration,
+            "reason": reason,
+            "unconstrained_days": budget["steps"] * free["step_seconds"] / 86400 if free else math.nan,
+            "unconstrained_layout": layout_of(free).describe() if free else ""}
+
+
+def summary_row(point, budget: dict, configuration: str, entry: dict) -> dict:
+    """One row of the results table: the shortest training time of one configuration and what it needs."""
+    row, layout = entry["fitting"], layout_of(entry["fitting"])
+    breakdown = memory_breakdown(point, row)
+    evaluate = Evaluator(point, row["gpus"])
+    state = breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer"]
+    memory = point.hardware.device_memory_bytes
+    return {"model": point.model.name,
+            "parameters": non_embedding_parameters(point.model.layers, point.model.hidden),
+            "hardware": point.hardware.name, "configuration": configuration,
+            "batch_sequences": budget["batch_sequences"], "steps": budget["steps"], "gpus": row["gpus"],
+            "at_gpu_cap": row["gpus"] == MAXIMUM_GPUS,  # more GPUs might still shorten it
+            "layout": layout.describe(),
+            "loops": point.model.layers // (layout.layers_per_stage * layout.pipeline_degree),
+            "step_seconds": row["step_seconds"], "days": budget["steps"] * row["step_seconds"] / 86400,
+            "overlap_credit_seconds": row["overlap_credit_seconds"],
+            "mfu": row["mfu"], "bubble_fraction": row["bubble_fraction"],
+            "network_overhead": 1 - network_free_step(point, row) / row["step_seconds"],
+            "pipeline_transfer_share": pipeline_transfer_share(point, row),
+            "bandwidth_needed_gb_s": bandwidth_needed(point, row) / 1e9,
+            "bandwidth_achieved_gb_s": link_bandwidth(evaluate.device, row["gpus"]) / 1e9,
+            "memory_gib": row["worst_role_bytes"] / GIB, "memory_fraction": row["worst_role_bytes"] / memory,
+            "state_fraction": state / memory,
+            "unconstrained_days": budget["steps"] * entry["unconstrained"]["step_seconds"] / 86400,
+            "unconstrained_step_ratio": row["step_seconds"] / entry["unconstrained"]["step_seconds"]}
+
+
+# ----- 5. at the paper's scale
+
+def at_paper_scale(cfg, directory: Path) -> Finding:
+    """Every model × hardware: scan the GPU counts, keep each configuration's shortest training time."""
+    started, rows, curves, budgets, missing = time.perf_counter(), [], [], [], []
+    for model in SHAPES:
+        fields = model_fields(model)
+        budget = training_budget(non_embedding_parameters(fields["layers"], fields["hidden"]))
+        budgets.append({"model": model, **budget})
+        for hardware in HARDWARE:
+            point = point_config(cfg, model, hardware, budget["batch_sequences"])
+            found = scan(point)
+            for name, entry in found.items():
+                curves += [{"model": model, "hardware": hardware, "configuration": name, "gpus": gpus,
+                            "days": budget["steps"] * step / 86400} for gpus, step in entry["curve"]]
+                if entry["fitting"] is not None:
+                    rows.append(summary_row(point, budget, name, entry))
+                else:
+                    missing.append(missing_row(point, budget, name, entry))
+            print(f"[training_time] {model} on {hardware}: batch {budget['batch_sequences']} × {SEQUENCE_LENGTH}, "
+                  f"{budget['steps']:,.0f} steps; shortest days "
+                  + ", ".join(f"{row['configuration']} {row['days']:.3g} ({row['gpus']} GPUs)"
+                              for row in rows if row["model"] == model and row["hardware"] == hardware)
+                  + f" [{time.perf_counter() - started:.0f} s]", flush=True)
+    figures = [plot_training_time(rows, directory), plot_bandwidth(rows, directory)]
+    return Finding(verdicts=paper_verdicts(rows, missing),
+                   tables={"budget": budgets, "shortest_training_time": rows, "ratios": ratio_rows(rows),
+                           "no_shortest_time": missing, "scan": curves}, figures=figures)
+
+
+def shortest(rows: list, model: str, hardware: str, configurations) -> dict:
+    """The row of the fastest of `configurations` for this model and hardware (None if none fits)."""
+    candidates = [row for row in rows if row["model"] == model and row["hardware"] == hardware
+                  and row["configuration"] in configurations]
+    return min(candidates, key=lambda row: row["days"]) if candidates else None
+
+
+def ratio_rows(rows: list) -> list:
+    """Per model and hardware: layered / depth-first shortest times (the best of plain and ZeRO each,
+    and each pair), and the best layered one against interleaved 1F1B (the reference)."""
+    table = []
+    for model in SHAPES:
+        for hardware in HARDWARE:
+            baseline, improved = shortest(rows, model, hardware, BASELINES), shortest(rows, model, hardware, IMPROVED)
+            pairs = {f"{a}/{b}": _ratio(shortest(rows, model, hardware, (a,)), shortest(rows, model, hardware, (b,)))
+                     for a, b in (("layered", "depth_first"), ("layered_zero", "depth_first_zero"))}
+            table.append({"model": model, "hardware": hardware, "improved/baseline": _ratio(improved, baseline),
+                          **pairs, "improved/interleaved": _ratio(improved, shortest(rows, model, hardware,
+                                                                                     ("interleaved",))),
+                          "baseline": baseline["configuration"] if baseline else "",
+                          "improved": improved["configuration"] if improved else ""})
+    return table
+
+
+def _ratio(numerator, denominator) -> float:
+    return numerator["days"] / denominator["days"] if numerator and denominator else math.nan
+
+
+def _span(values: list) -> str:
+    values = [value for value in values if not math.isnan(value)]
+    return f"{min(values):.2f}–{max(values):.2f} (median {sorted(values)[len(values) // 2]:.2f})" if values else "n/a"
+
+
+def paper_verdicts(rows: list, missing: list) -> list:
+    return [halving_verdict(rows), infiniband_verdict(rows), zero_memory_verdict(rows),
+            memory_wall_verdict(rows, missing)]
+
+
+def halving_verdict(rows: list) -> Verdict:
+    """Layered + modular against contiguous depth-first, each the better of plain and ZeRO, on InfiniBand."""
+    ratios = [row["improved/baseline"] for row in ratio_rows(rows) if row["hardware"] != "a100_ethernet"]
+    finite = sorted(value for value in ratios if not math.isnan(value))
+    median = finite[len(finite) // 2] if finite else math.nan
+    verdict = "reproduced" if median <= 0.6 else "partly" if median <= 0.85 else "refuted"
+    return Verdict("layered gradient accumulation + modular pipeline cut the shortest training time by half",
+                   f"shortest time, layered+modular / contiguous depth-first (best of plain and ZeRO each), "
+                   f"{len(finite)} model × hardware points (1.2B–1T, A100 and H100 InfiniBand): {_span(finite)}",
+                   "", verdict,
+                   f"plan mode's closed forms at the critical batch (Kaplan et al. 2020); the GPU count the batch "
+                   f"allows = the most GPUs a layout keeps ≥ {UTILISATION_FLOOR:.0%} busy; efficiency "
+                   f"50% of peak assumed, not calibrated")
+
+
+def infiniband_verdict(rows: list) -> Verdict:
+    """The best improved configuration on 1.56 GB/s Ethernet per GPU against 25 GB/s InfiniBand."""
+    improved = [_ratio(shortest(rows, m, "a100_ethernet", IMPROVED), shortest(rows, m, "dgx_a100_80g", IMPROVED))
+                for m in SHAPES]
+    baseline = [_ratio(shortest(rows, m, "a100_ethernet", BASELINES), shortest(rows, m, "dgx_a100_80g", BASELINES))
+                for m in SHAPES]
+    against_baseline = [_ratio(shortest(rows, m, "a100_ethernet", IMPROVED),
+                               shortest(rows, m, "dgx_a100_80g", BASELINES)) for m in SHAPES]
+    worst = max((value for value in against_baseline if not math.isnan(value)), default=math.nan)
+    verdict = "reproduced" if worst <= 1.0 else "partly" if worst <= 1.5 else "refuted"
+    return Verdict("fast InfiniBand is not necessary (layered accumulation lowers the network requirement)",
+                   f"shortest time on A100 Ethernet (1.56 GB/s per GPU) / on InfiniBand (25 GB/s): layered+modular "
+                   f"{_span(improved)}, contiguous depth-first {_span(baseline)}; layered+modular on Ethernet / "
+                   f"depth-first on InfiniBand {_span(against_baseline)}", "", verdict,
+                   "reproduced when the new methods on Ethernet are at least as fast as the old ones on "
+                   "InfiniBand for every model; Ethernet caps the data-parallel degree whose traffic still hides "
+                   "(bandwidth figure)")
+
+
+def zero_memory_verdict(rows: list) -> Verdict:
+    """Parameters + gradients + optimizer state per GPU of the ZeRO-layered fastest layouts."""
+    zero = [row for row in rows if row["configuration"] == "layered_zero"]
+    infiniband = [row["state_fraction"] for row in zero if row["hardware"] != "a100_ethernet"]
+    ethernet = [row["state_fraction"] for row in zero if row["hardware"] == "a100_ethernet"]
+    totals = [row["memory_fraction"] for row in zero]
+    worst = max(zero, key=lambda row: row["state_fraction"], default=None)
+    verdict = ("not tested" if worst is None else "reproduced" if worst["state_fraction"] <= 0.05
+               else "partly" if worst["state_fraction"] <= 0.2 else "refuted")
+    return Verdict("with ZeRO + layered accumulation the training state is a tiny fraction of the GPU memory",
+                   f"weights + gradients + Adam state per GPU at the fastest ZeRO-layered layouts, share of 80 GB: "
+                   f"InfiniBand {_span(infiniband)}, Ethernet {_span(ethernet)}; all memory incl. activations "
+                   f"and buffers {_span(totals)}", "", verdict,
+                   "the state is sharded over the data-parallel group (÷ n) but one stage's whole gradient is kept "
+                   "while it is reduced: tiny (≤ 5%) except for the largest stages"
+                   + (f" ({worst['model']} on {worst['hardware']}, {worst['layout']}: {worst['state_fraction']:.1%})"
+                      if worst else ""))
+
+
+def memory_wall_verdict(rows: list, missing: list) -> Verdict:
+    """Whether memory stops or slows training: per model and hardware, is there a layout that fits
+    at all, and the shortest time of the four configurations among layouts that fit over the
+    shortest ignoring memory."""
+    configurations = BASELINES + IMPROVED
+    ratios, walls = {"infiniband": [], "ethernet": []}, []
+    for model in SHAPES:
+        for hardware in HARDWARE:
+            point = [row for row in rows + missing if (row["model"], row["hardware"]) == (model, hardware)
+                     and row["configuration"] in configurations]
+            fitting = [row["days"] for row in point if "days" in row]
+            free = [row["unconstrained_days"] for row in point if not math.isnan(row["unconstrained_days"])]
+            network = "ethernet" if hardware == "a100_ethernet" else "infiniband"
+            if fitting and free:
+                ratios[network].append(min(fitting) / min(free))
+            elif free:
+                walls.append(f"{model} on {hardware}")
+    largest = shortest(rows, list(SHAPES)[-1], "dgx_a100_80g", configurations) or {}
+    worst = max(ratios["infiniband"], default=math.nan)
+    stopped = [wall for wall in walls if "ethernet" not in wall]
+    verdict = "reproduced" if not stopped and worst <= 1.05 else "partly" if not stopped else "refuted"
+    return Verdict("no memory wall: memory does not stop training up to 1T parameters",
+                   f"every model has a fitting layout at ≥ {UTILISATION_FLOOR:.0%} utilisation on InfiniBand"
+                   + (f" except {', '.join(stopped)}" if stopped else "")
+                   + f" (1T on A100: {largest.get('layout', '')}, "
+                     f"{largest.get('memory_gib', math.nan):.0f} GiB of 80); "
+                   f"shortest time fitting / ignoring memory (best of the four configurations): InfiniBand "
+                   f"{_span(ratios['infiniband'])}, Ethernet {_span(ratios['ethernet'])}; no fitting efficient "
+                   f"layout at all: {', '.join(walls) or 'none'}", "", verdict,
+                   "the state shards away (ZeRO), but layered accumulation keeps every micro-batch's checkpoints: "
+                   "where they do not fit, a slower layout is left"
+                   + (" (on InfiniBand memory slows training, it does not stop it)" if not stopped else ""))
+
+
+# ----- 6. figures
+
+def plot_training_time(rows: list, directory: Path) -> str:
+    """Shortest training time (days) vs parameters, one panel per hardware, one line per configuration."""
+    from matplotlib.figure import Figure
+    figure = Figure(figsize=(13, 4.2), layout="constrained")
+    for column, hardware in enumerate(HARDWARE):
+        axes = figure.add_subplot(1, len(HARDWARE), column + 1)
+        for colour, (name, (_, label)) in enumerate(CONFIGURATIONS.items()):
+            points = sorted((row["parameters"], row["days"]) for row in rows
+                            if row["hardware"] == hardware and row["configuration"] == name)
+            if points:
+                axes.plot(*zip(*points), marker="o", color=f"C{colour}", label=label,
+                          linestyle=":" if name == "interleaved" else "-")
+        axes.set(xscale="log", yscale="log", xlabel="non-embedding parameters", title=hardware)
+        axes.grid(True, which="both", alpha=0.3)
+        if column == 0:
+            axes.set_ylabel("shortest training time (days)")
+            axes.legend(fontsize=7)
+    figure.suptitle("Shortest training time at the critical batch (plan mode, 50% of peak assumed)", fontsize=10)
+    figure.savefig(directory / "training_time.png", dpi=110)
+    return "training_time.png"
+
+
+def plot_bandwidth(rows: list, directory: Path) -> str:
+    """Network bandwidth per GPU each configuration's fastest layout needs to hide its data-parallel
+    traffic, against the profile's (dashed)."""
+    from matplotlib.figure import Figure
+    figure = Figure(figsize=(13, 4.2), layout="constrained")
+    for column, hardware in enumerate(HARDWARE):
+        axes = figure.add_subplot(1, len(HARDWARE), column + 1)
+        for colour, (name, (_, label)) in enumerate(CONFIGURATIONS.items()):
+            points = sorted((row["parameters"], row["bandwidth_needed_gb_s"]) for row in rows
+                            if row["hardware"] == hardware and row["configuration"] == name
+                            and row["bandwidth_needed_gb_s"] > 0)
+            if points:
+                axes.plot(*zip(*points), marker="o", color=f"C{colour}", label=label)
+        achieved = [row["bandwidth_achieved_gb_s"] for row in rows if row["hardware"] == hardware]
+        if achieved:
+            axes.axhline(min(achieved), color="black", linestyle="--", label="achieved (profile, between nodes)")
+        axes.set(xscale="log", yscale="log", xlabel="non-embedding parameters", title=hardware)
+        axes.grid(True, which="both", alpha=0.3)
+        if column == 0:
+            axes.set_ylabel("data-parallel bandwidth needed per GPU (GB/s)")
+            axes.legend(fontsize=7)
+    figure.suptitle("Network bandwidth needed (at each configuration's fastest layout) vs achieved", fontsize=10)
+    figure.savefig(directory / "bandwidth.png", dpi=110)
+    return "bandwidth.png"
+
+
+# ----- 7. at small scale: three configurations trained here, plan mode's ratios against the measured
+
+# An 8-block gpt_tiny on `ranks` CPU processes (the experiment's hardware.devices_per_node, 2 by default:
+# this machine has 2 cores, and with more ranks than cores an idle rank frees its core for a busy one,
+# so a bubble no longer costs time): contiguous 1F1B with one stage per rank, the modular pipeline with
+# one block per stage (8 / ranks loops, layered), and ZeRO-layered data parallelism over all ranks; the
+# same batch of 32 × 128 tokens and 4 micro-batches.
+SMALL_COMMON = ("hardware=cpu", "hardware.nodes=1", "hardware.precision=32-true", "model=gpt_tiny", "model.layers=8",
+                "data.global_batch_size=32", "data.sequence_length=128", "data.max_bytes=4000000",
+                "trainer.val_check_interval=1000", "trainer.limit_val_batches=1",
+                "trainer.checkpoint_every_n_steps=1000", "logger=none", "trainer.progress=none", "resume=false")
+
+
+def small_variants(ranks: int) -> dict:
+    """variant → its overrides on `ranks` CPU processes."""
+    common = (*SMALL_COMMON, f"hardware.devices_per_node={ranks}", "strategy.micro_batches=4")
+    return {"one_f_one_b": (*common, "strategy=one_f_one_b", f"strategy.pipeline_degree={ranks}",
+                            f"strategy.layers_per_stage={8 // ranks}"),
+            "modular_pipeline": (*common, "strategy=modular_pipeline", f"strategy.pipeline_degree={ranks}",
+                                 "strategy.layers_per_stage=1"),
+            "zero_layered": (*common, "strategy=zero_layered", "strategy.pipeline_degree=1",
+                             "strategy.layers_per_stage=1")}
+
+
+SMALL_STEPS = 30
+SMALL_ROUNDS = 2  # each variant runs once per round, rounds in turn: slow phases of a shared machine hit all
+SMALL_NOISE = 0.05  # a measured step ratio within 5% of 1 is no difference on this shared machine
+SMALL_AGREEMENT = 0.1  # a predicted step ratio agrees with the measured one within ± 0.1
+
+
+def predicted_steps(ranks: int) -> dict:
+    """Plan mode's step seconds for each small variant (the full plan path: the strategy's plan, the
+    simulator) with the hardware=cpu profile."""
+    from layerwise.config import compose
+    from layerwise.plan import plan_result
+    return {name: plan_result(compose([*overrides, "mode=plan"]), ranks)["step_seconds"]
+            for name, overrides in small_variants(ranks).items()}
+
+
+def measured_steps(directory: Path, ranks: int, run=None) -> tuple:
+    """Each variant trained SMALL_ROUNDS times by train.py (`run`: gpu_check.run_train_py); returns the
+    mean over rounds of each run's median step seconds, and every run's summary row."""
+    from layerwise.gpu_check import run_train_py
+    run, runs, variants = run or run_train_py, [], small_variants(ranks)
+    for round_number in range(SMALL_ROUNDS):
+        for name, overrides in variants.items():
+            run_directory = directory / f"{name}_{round_number}"
+            run_directory.mkdir(parents=True, exist_ok=True)
+            summary = run([*overrides, f"trainer.max_steps={SMALL_STEPS}"], run_directory)
+            if summary.get("status") != "completed":
+                raise RuntimeError(f"{name} failed: {summary.get('error')} (log in {run_directory})")
+            runs.append({"variant": name, "round": round_number, "step_seconds": summary["step_time_s_median"],
+                         "bubble_measured": (summary.get("bubble_fraction") or {}).get("measured", math.nan),
+                         "bubble_simulated": (summary.get("bubble_fraction") or {}).get("simulated", math.nan),
+                         "final_train_loss": summary.get("final_train_loss")})
+            print(f"[training_time] {name} round {round_number}: median step {runs[-1]['step_seconds']:.3f} s",
+                  flush=True)
+    means = {name: sum(r["step_seconds"] for r in runs if r["variant"] == name) / SMALL_ROUNDS for name in variants}
+    return means, runs
+
+
+def compare(predicted: dict, measured: dict, reference: str = "one_f_one_b") -> list:
+    """Per variant: predicted and measured step over the reference's, and each one's rank (1 = fastest)."""
+    order = {kind: sorted(values, key=values.get)
+             for kind, values in (("predicted", predicted), ("measured", measured))}
+    return [{"variant": name, "predicted_step_s": predicted[name], "measured_step_s": measured[name],
+             "predicted_ratio": predicted[name] / predicted[reference],
+             "measured_ratio": measured[name] / measured[reference],
+             "predicted_rank": order["predicted"].index(name) + 1, "measured_rank": order["measured"].index(name) + 1}
+            for name in predicted]
+
+
+def small_verdicts(rows: list, ranks: int) -> list:
+    by_name = {row["variant"]: row for row in rows}
+    modular = by_name["modular_pipeline"]
+    ranked = all(row["predicted_rank"] == row["measured_rank"] for row in rows)
+    faster = modular["measured_ratio"] <= 1 - SMALL_NOISE
+    agree = all(abs(row["predicted_ratio"] - row["measured_ratio"]) <= SMALL_AGREEMENT for row in rows)
+    pair_ordered = (modular["predicted_ratio"] < 1) == (modular["measured_ratio"] < 1)  # the paper's pair
+    others = [row for row in rows if row["variant"] != "one_f_one_b"]
+    pairs = "; ".join(f"{row['variant']} {row['predicted_ratio']:.2f}" for row in others)
+    measured = "; ".join(f"{row['variant']} {row['measured_ratio']:.2f}" for row in others)
+    return [
+        Verdict("the looping pipeline with layered accumulation has a shorter step than contiguous 1F1B "
+                "(smaller bubble at equal micro-batches)",
+                f"plan mode (hardware=cpu), step / 1F1B's: {pairs}",
+                f"{ranks} CPU ranks, gpt_tiny × 8 blocks, step / 1F1B's: {measured}",
+                "reproduced" if faster and modular["predicted_ratio"] < 1
+                else "partly" if modular["measured_ratio"] < 1 else "refuted",
+                f"p = {ranks}, m = 4: bubble (p−1)/(v·m+p−1) = {bubble(ranks, 8 // ranks, 4):.0%} at v = {8 // ranks} "
+                f"against {bubble(ranks, 1, 4):.0%} for 1F1B (TECHNIQUES §1); a measured ratio within "
+                f"{SMALL_NOISE:.0%} of 1 counts as no difference"),
+        Verdict("plan mode ranks the configurations as they measure",
+                "ranks (fastest first): " + ", ".join(sorted(by_name, key=lambda n: by_name[n]["predicted_rank"])),
+                "ranks (fastest first): " + ", ".join(sorted(by_name, key=lambda n: by_name[n]["measured_rank"])),
+                "reproduced" if ranked and agree else "partly" if ranked or pair_ordered else "refuted",
+                f"every ratio within {SMALL_AGREEMENT} of the measured one" if agree else
+                "the cpu profile is rough and uncalibrated: the cost model has no per-operator or per-collective "
+                "fixed cost, which dominate a tiny model (docs/plan.md, calibration)"),
+    ]
+
+
+def bubble(pipeline: int, loops: int, micro_batches: int) -> float:
+    """Idle fraction of a pipeline flush, (p − 1)/(v·m + p − 1) (TECHNIQUES §1)."""
+    return (pipeline - 1) / (loops * micro_batches + pipeline - 1)
+
+
+def at_small_scale(cfg, directory: Path) -> Finding:
+    """Train the three variants on hardware.devices_per_node CPU ranks; plan mode's ratios against them."""
+    ranks = cfg.hardware.devices_per_node
+    predicted = predicted_steps(ranks)
+    print("[training_time] predicted step seconds (plan mode, hardware=cpu): "
+          + ", ".join(f"{name} {seconds:.3f}" for name, seconds in predicted.items()), flush=True)
+    measured, runs = measured_steps(Path(directory), ranks)
+    rows = compare(predicted, measured)
+    return Finding(verdicts=small_verdicts(rows, ranks), tables={"small_scale": rows, "small_runs": runs},
+                   figures=[plot_small(rows, ranks, Path(directory))])
+
+
+def plot_small(rows: list, ranks: int, directory: Path) -> str:
+    """Predicted and measured step time relative to 1F1B, side by side per variant."""
+    from matplotlib.figure import Figure
+    figure = Figure(figsize=(6, 3.5), layout="constrained")
+    axes = figure.add_subplot()
+    positions = range(len(rows))
+    axes.bar([x - 0.2 for x in positions], [row["predicted_ratio"] for row in rows], 0.4, label="predicted (plan mode)")
+    axes.bar([x + 0.2 for x in positions], [row["measured_ratio"] for row in rows], 0.4,
+             label=f"measured ({ranks} CPU ranks)")
+    axes.set_xticks(list(positions), [row["variant"] for row in rows])
+    axes.axhline(1, color="black", linewidth=0.8)
+    axes.set_ylabel("step time / 1F1B's")
+    axes.legend(fontsize=8)
+    figure.savefig(directory / "small_scale.png", dpi=110)
+    return "small_scale.png"

@@ -38,12 +38,14 @@ METHODS = {"kfac": ["strategy=kfac", "optimizer=lamb"],
            "first_order": ["strategy=single", "optimizer=adamw,lamb"]}
 
 
-def method_overrides(method: str, args) -> list:
+def method_overrides(method: str, args, values: list = None) -> list:
     """The method's tuned overrides; K-FAC refreshes its curvature every `--refresh-interval` steps,
     PipeFisher's k (2 for GPipe and 1F1B at the paper's scale: the packing needs two steps' bubbles),
     so the convergence measured is that of the stale preconditioner PipeFisher actually runs."""
-    kfac = [f"strategy.damping={args.dampings}", f"strategy.refresh_interval={args.refresh_interval}"]
-    return METHODS[method] + (kfac if method == "kfac" else [])
+    if method == "kfac":
+        dampings = ",".join(f"{v:g}" for v in values) if values else args.dampings
+        return METHODS["kfac"] + [f"strategy.damping={dampings}", f"strategy.refresh_interval={args.refresh_interval}"]
+    return METHODS["first_order"][:1] + [f"optimizer={','.join(values)}"] if values else METHODS["first_order"]
 
 
 def common(args) -> list:
@@ -71,7 +73,7 @@ def point_of(point_directory: Path) -> dict:
 
 def reused(method: str, args, directory: Path, lrs: list, failed: bool = False) -> list:
     """The points of this very setting in a round's directory, one per learning rate × grid value
-    asked: completed ones (with `failed`, a failed one where none completed). Without --reuse only a
+    asked: finished ones (with `failed`, an interrupted one where none finished). Without --reuse only a
     fresh run's own points are there; with it, a rerun keeps the points an interrupted run completed."""
     if not args.reuse and not failed:
         return []
@@ -81,9 +83,14 @@ def reused(method: str, args, directory: Path, lrs: list, failed: bool = False) 
         key = (float(summary["point"]["optimizer.lr"]), grid_value(summary["point"], method))
         wanted = key in {(float(lr), value) for lr in lrs for value in grid(method, args)}
         if wanted and same_setting(OmegaConf.load(path.parent / "config.yaml"), method, args) and \
-                (usable(summary) or (failed and not usable(found.get(key, summary)))):
+                (finished(summary) or (failed and not finished(found.get(key, summary)))):
             found[key] = summary
     return list(found.values())
+
+
+def finished(summary: dict) -> bool:
+    """Completed, or failed on its own (e.g. K-FAC diverging at a high learning rate): not interrupted."""
+    return usable(summary) or (summary["status"] == "failed" and "SIGTERM" not in str(summary.get("error")))
 
 
 def same_setting(cfg, method: str, args) -> bool:
@@ -117,11 +124,14 @@ def tune(method: str, args, directory: Path) -> tuple:
     missing = list(lrs)
     while missing:
         round_directory = directory / method / f"round{round_}"
-        done = {lr for lr in missing if len(reused(method, args, round_directory, [lr])) == len(grid(method, args))}
-        to_run = [lr for lr in missing if lr not in done]
-        if to_run:
-            multirun(method_overrides(method, args) + common(args) + [f"optimizer.lr={','.join(to_run)}"],
-                     round_directory)
+        have = {(float(s["point"]["optimizer.lr"]), grid_value(s["point"], method))
+                for s in reused(method, args, round_directory, missing)}
+        lacking = [(lr, value) for lr in missing for value in sorted(grid(method, args))
+                   if (float(lr), value) not in have]
+        if lacking:  # the learning rates and grid values some point lacks (all of them on a fresh run)
+            values = sorted({value for _, value in lacking})
+            multirun(method_overrides(method, args, values) + common(args) +
+                     [f"optimizer.lr={','.join(dict.fromkeys(lr for lr, _ in lacking))}"], round_directory)
         summaries += reused(method, args, round_directory, missing, failed=True)
         best = min(filter(usable, summaries), key=lambda s: s["final_val_loss"])
         indices = sorted(ladder_index(lr) for lr in lrs)

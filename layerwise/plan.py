@@ -28,6 +28,19 @@ TENSOR_ONLY = ("tp_1d", "tp_2d", "three_d")  # planned as the one-stage pipeline
 GIB = 2 ** 30
 
 
+def plan_problems(cfg) -> list:
+    """For validate in mode=plan: a strategy plan mode cannot price, or a price it lacks."""
+    name = cfg.strategy.name
+    if name not in PLANNED + TENSOR_ONLY + ("l2l",):
+        return [f"strategy={name}: mode=plan covers the pipeline and tensor-parallel strategies and l2l so far "
+                f"({', '.join(PLANNED + TENSOR_ONLY)}, l2l, with ZeRO). Fix: strategy=modular_pipeline "
+                f"strategy.pipeline_degree=1 plans data parallelism."]
+    if name == "l2l" and not cfg.hardware.host_device_bandwidth:
+        return [f"hardware={cfg.hardware.name} has no hardware.host_device_bandwidth: L2L's relay cannot be "
+                f"priced. Fix: hardware.host_device_bandwidth=1.6e10 (PCIe 3 × 16)."]
+    return []
+
+
 def as_planned(cfg):
     """A tensor-parallel strategy (tp_1d, tp_2d, three_d) as the pipeline plan mode prices: one stage
     holding every layer, one micro-batch, the same grid and data replicas — a step of the same
@@ -47,9 +60,7 @@ def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
     """The model, layout and batch of a validated config, as the estimators see them; `vocabulary`
     defaults to the data group's (bytes: 256, token_bin: data.vocab_size; + [MASK] for BERT)."""
     if cfg.strategy.name not in PLANNED + TENSOR_ONLY:  # l2l: relay_plan_result
-        raise ConfigError([f"strategy={cfg.strategy.name}: mode=plan covers the pipeline and tensor-parallel "
-                           f"strategies so far ({', '.join(PLANNED + TENSOR_ONLY)}, with ZeRO). Fix: "
-                           f"strategy=modular_pipeline strategy.pipeline_degree=1 plans data parallelism."])
+        raise ConfigError(plan_problems(cfg))
     cfg = as_planned(cfg)
     degrees = strategy_entry(cfg.strategy.name).degrees(cfg, world_size)
     shape = shape_of(cfg, vocabulary)

@@ -62,7 +62,7 @@ RANGES = {
     "data.vocab_size": ("count", 50304), "data.max_bytes": ("count", 16777216),
     "data.validation_fraction": ("share", 0.05),
     "hardware.devices_per_node": ("count", 2), "hardware.nodes": ("count", 1),
-    # 0 = unknown. The host <-> device price joins this table when code reads it (tests/test_config.py).
+    # 0 = unknown (plan mode then cannot price that part).
     "hardware.device_memory_bytes": ("non_negative", "8e9"),
     "hardware.host_memory_bytes": ("non_negative", "2.4e10"),
     "hardware.peak_flops": ("non_negative", "5e10"),  # each dtype's entry
@@ -70,6 +70,7 @@ RANGES = {
     "hardware.inter_node_bandwidth": ("non_negative", "1.25e9"),
     "hardware.matmul_overhead_s": ("non_negative", "1e-5"),
     "hardware.collective_latency_s": ("non_negative", "2e-5"),
+    "hardware.host_device_bandwidth": ("non_negative", "1.6e10"),
     "calibrate.repeats": ("count", 5),
     "plan.efficiency": ("fraction", 0.5), "plan.allocator_margin": ("probability", 0.1),
     "plan.search_top": ("count", 10), "plan.search_replan": ("non_negative", 3),
@@ -342,6 +343,9 @@ def validate(cfg, submitting: bool = False) -> int:
     if cfg.mode != "plan":  # plan mode reports memory itself, fitting or not
         from layerwise.plan import memory_problems  # the layout is sound: its plan can be built
         errors = memory_problems(cfg, world)
+    elif not searching:
+        from layerwise.plan import plan_problems
+        errors = plan_problems(cfg)
     if errors:
         raise ConfigError(errors)
     OmegaConf.set_readonly(cfg, True)

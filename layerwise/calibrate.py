@@ -33,15 +33,16 @@ COPY_BYTES = (1 << 20, 8 << 20, 64 << 20)
 QUICK_COPY_BYTES = (1 << 20, 4 << 20)
 
 
-def median_seconds(work, repeats: int) -> float:
-    """The median wall time of `work()` over `repeats` calls after one warm-up call."""
+def median_seconds(work, repeats: int, statistic=statistics.median) -> float:
+    """The median (or `statistic`, e.g. min on a shared machine) wall time of `work()` over `repeats`
+    calls after one warm-up call."""
     work()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         work()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistic(times)
 
 
 def fit_fixed_plus_rate(work: list, seconds: list) -> tuple:

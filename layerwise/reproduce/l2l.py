@@ -15,7 +15,6 @@ of the same code, against the same terms for the same shapes.
 """
 
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -346,13 +345,8 @@ def measure(layers: int, hidden: int, heads: int, strategy: str, repeats: int = 
 def timed(step, repeats: int) -> float:
     """The fastest of `repeats` steps after a warm-up (the optimizer state, the allocator): on a
     machine shared with other jobs the minimum is the step's own time, the rest is waiting."""
-    step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    from layerwise.calibrate import median_seconds
+    return median_seconds(step, repeats, statistic=min)
 
 
 def predicted(cfg, layers: int, strategy: str) -> tuple:

@@ -489,52 +489,46 @@ def memory_wall_verdict(rows: list, missing: list) -> Verdict:
 
 # ----- 6. figures
 
-def plot_training_time(rows: list, directory: Path) -> str:
-    """Shortest training time (days) vs parameters, one panel per hardware, one line per configuration."""
+def plot_panels(rows: list, value: str, ylabel: str, title: str, path: Path, reference=None) -> str:
+    """One log-log panel per hardware, `value` against parameters, one line per configuration;
+    `reference(rows of a hardware)` draws a dashed level (or None)."""
     from matplotlib.figure import Figure
     figure = Figure(figsize=(13, 4.2), layout="constrained")
     for column, hardware in enumerate(HARDWARE):
         axes = figure.add_subplot(1, len(HARDWARE), column + 1)
+        here = [row for row in rows if row["hardware"] == hardware]
         for colour, (name, (_, label)) in enumerate(CONFIGURATIONS.items()):
-            points = sorted((row["parameters"], row["days"]) for row in rows
-                            if row["hardware"] == hardware and row["configuration"] == name)
+            points = sorted((row["parameters"], row[value]) for row in here
+                            if row["configuration"] == name and row[value] > 0)
             if points:
                 axes.plot(*zip(*points), marker="o", color=f"C{colour}", label=label,
                           linestyle=":" if name == "interleaved" else "-")
+        if reference is not None and here:
+            axes.axhline(reference(here), color="black", linestyle="--", label="achieved (profile, between nodes)")
         axes.set(xscale="log", yscale="log", xlabel="non-embedding parameters", title=hardware)
         axes.grid(True, which="both", alpha=0.3)
         if column == 0:
-            axes.set_ylabel("shortest training time (days)")
+            axes.set_ylabel(ylabel)
             axes.legend(fontsize=7)
-    figure.suptitle("Shortest training time at the critical batch (plan mode, 50% of peak assumed)", fontsize=10)
-    figure.savefig(directory / "training_time.png", dpi=110)
-    return "training_time.png"
+    figure.suptitle(title, fontsize=10)
+    figure.savefig(path, dpi=110)
+    return path.name
+
+
+def plot_training_time(rows: list, directory: Path) -> str:
+    """Shortest training time (days) vs parameters, one panel per hardware, one line per configuration."""
+    return plot_panels(rows, "days", "shortest training time (days)",
+                       "Shortest training time at the critical batch (plan mode, 50% of peak assumed)",
+                       directory / "training_time.png")
 
 
 def plot_bandwidth(rows: list, directory: Path) -> str:
     """Network bandwidth per GPU each configuration's fastest layout needs to hide its data-parallel
     traffic, against the profile's (dashed)."""
-    from matplotlib.figure import Figure
-    figure = Figure(figsize=(13, 4.2), layout="constrained")
-    for column, hardware in enumerate(HARDWARE):
-        axes = figure.add_subplot(1, len(HARDWARE), column + 1)
-        for colour, (name, (_, label)) in enumerate(CONFIGURATIONS.items()):
-            points = sorted((row["parameters"], row["bandwidth_needed_gb_s"]) for row in rows
-                            if row["hardware"] == hardware and row["configuration"] == name
-                            and row["bandwidth_needed_gb_s"] > 0)
-            if points:
-                axes.plot(*zip(*points), marker="o", color=f"C{colour}", label=label)
-        achieved = [row["bandwidth_achieved_gb_s"] for row in rows if row["hardware"] == hardware]
-        if achieved:
-            axes.axhline(min(achieved), color="black", linestyle="--", label="achieved (profile, between nodes)")
-        axes.set(xscale="log", yscale="log", xlabel="non-embedding parameters", title=hardware)
-        axes.grid(True, which="both", alpha=0.3)
-        if column == 0:
-            axes.set_ylabel("data-parallel bandwidth needed per GPU (GB/s)")
-            axes.legend(fontsize=7)
-    figure.suptitle("Network bandwidth needed (at each configuration's fastest layout) vs achieved", fontsize=10)
-    figure.savefig(directory / "bandwidth.png", dpi=110)
-    return "bandwidth.png"
+    return plot_panels(rows, "bandwidth_needed_gb_s", "data-parallel bandwidth needed per GPU (GB/s)",
+                       "Network bandwidth needed (at each configuration's fastest layout) vs achieved",
+                       directory / "bandwidth.png",
+                       reference=lambda here: min(row["bandwidth_achieved_gb_s"] for row in here))
 
 
 # ----- 7. at small scale: three configurations trained here, plan mode's ratios against the measured

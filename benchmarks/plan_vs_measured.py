@@ -1,12 +1,18 @@
 """Plan mode's predicted memory (and step time) against measured runs, side by side, on this machine.
 
     .venv/bin/python benchmarks/plan_vs_measured.py [--steps 4] [--only NAME ...]
+    .venv/bin/python benchmarks/plan_vs_measured.py --time [--steps 12]   step times (after mode=calibrate)
 
 For each configuration: `layerwise.plan.plan` (nothing run), then the same config trained for a few
 steps with the compute-memory meter on every step (`trainer.measure_every_n_steps=1`); the measured
 peak is the maximum over ranks and steps (summary.json `peak_compute_bytes`), the predicted one the
-largest role's bytes before the allocator margin. Memory is exact accounting on both sides; step
-times are printed for reference only: the time model is not calibrated yet (issue 16 item 4).
+largest role's bytes before the allocator margin. Memory is exact accounting on both sides.
+
+`--time`: the predicted step against the measured median, for the configurations that run one rank
+per core here (2 ranks: more ranks than cores would time the cores' sharing, which no plan models),
+with `hardware=calibrated` (run `python train.py mode=calibrate` first) and `plan.efficiency=1`
+(the calibrated peak is already the achieved rate); the meter runs on the first 2 steps and the
+last only, so the median of 12 steps is an unmetered step.
 """
 
 import argparse
@@ -57,11 +63,36 @@ def compare(name: str, overrides: list, steps: int) -> dict:
             "predicted_s": predicted["step_seconds"], "measured_s": measured["step_time_s_median"]}
 
 
+def compare_time(name: str, overrides: list, steps: int) -> dict:
+    calibrated = [*COMMON, *overrides, "hardware=calibrated", "plan.efficiency=1.0"]
+    with tempfile.TemporaryDirectory() as directory:
+        cfg = compose_config(*calibrated, "mode=plan")
+        predicted = plan(cfg, validate(cfg), Path(directory) / "plan")
+        cfg = compose_config(*calibrated, f"trainer.max_steps={steps}", f"trainer.measure_every_n_steps={steps}")
+        measured = train(cfg, Path(directory) / "run", validate(cfg))
+    return {"name": name, "predicted_s": predicted["step_seconds"], "measured_s": measured["step_time_s_median"]}
+
+
+def time_table(steps: int) -> None:
+    rows = [compare_time(name, overrides, steps) for name, overrides in CONFIGS.items()
+            if not any(override.startswith("hardware.devices_per_node") for override in overrides)]
+    print(f"\n{'configuration':32s} {'predicted s':>12s} {'measured s':>11s} {'measured / predicted':>21s}")
+    for row in rows:
+        print(f"{row['name']:32s} {row['predicted_s']:12.4f} {row['measured_s']:11.4f} "
+              f"{row['measured_s'] / row['predicted_s']:21.2f}")
+    order = [row["name"] for row in sorted(rows, key=lambda row: row["predicted_s"])]
+    measured_order = [row["name"] for row in sorted(rows, key=lambda row: row["measured_s"])]
+    print(f"fastest first, predicted: {order}\nfastest first, measured:  {measured_order}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--time", action="store_true", help="step times with hardware=calibrated (see above)")
     arguments = parser.parse_args()
+    if arguments.time:
+        return time_table(max(arguments.steps, 12))
     rows = []
     for name, overrides in CONFIGS.items():
         if arguments.only is None or name in arguments.only:

@@ -167,9 +167,28 @@ def _collect(processes, results, world_size: int, timeout: float) -> list:
                 _raise_reported_error(results, processes, outputs)
             continue
         if status == "error":
+            if any(name in value for name in INTERRUPTIONS):
+                _let_the_others_report(processes, results, world_size, outputs, rank)
             raise RankError(rank, value)
         outputs[rank] = value
     return [outputs[rank] for rank in range(world_size)]
+
+
+# An interruption every rank agreed on (SIGTERM, Slurm preemption) ends each rank in its own time:
+# give the others a moment to finish their on_exception (rank 0 writes the run's files) before the
+# launcher kills what is left.
+INTERRUPTIONS = ("evidence.Terminated", "slurm.Preempted", "KeyboardInterrupt")  # as a traceback names them
+GRACE_SECONDS = 30.0
+
+
+def _let_the_others_report(processes, results, world_size: int, outputs: dict, first: int) -> None:
+    reported, deadline = {first}, time.monotonic() + GRACE_SECONDS
+    while len(reported | set(outputs)) < world_size and time.monotonic() < deadline:
+        try:
+            reported.add(results.get(timeout=0.2)[0])
+        except queue.Empty:
+            if all(process.exitcode is not None for process in processes):
+                return
 
 
 def _dead_rank(processes, outputs):

@@ -198,10 +198,11 @@ def train(cfg, run_directory: Path, world_size: int):
 
 
 def record_failure(run_directory: Path, cfg, world_size: int, error: RankError) -> None:
-    """Keep rank 0's own failed summary if it wrote one; otherwise write a minimal one."""
+    """Keep rank 0's own summary if it wrote one for this ending (failed, or interrupted by a signal
+    every rank agreed on); otherwise write a minimal failed one."""
     path = run_directory / "summary.json"
     import json
-    if path.exists() and json.loads(path.read_text()).get("status") == "failed":
+    if path.exists() and json.loads(path.read_text()).get("status") in ("failed", "interrupted"):
         return
     write_json_atomically(path, {"status": "failed", "error": str(error).splitlines()[-1],
                                  "failed_rank": error.rank, "strategy": cfg.strategy.name,

@@ -329,3 +329,32 @@ def test_max_requeues_is_read_from_the_launcher_config_and_checked():
     assert instantiate(launcher, max_requeues=None).max_requeues is None  # no limit
     with pytest.raises(InstantiationException, match=r"hydra.launcher.max_requeues=-1.*Fix: a whole number"):
         instantiate(launcher, max_requeues=-1)
+
+
+# ============================================================ SIGTERM on any rank (no Slurm)
+
+class Terminate(pl.Callback):
+    """SIGTERM to this process at the end of step `step` on rank `rank` (as `kill` or a scheduler would)."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank = step, rank
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_on_a_rank_other_than_zero_stops_every_rank_and_the_rerun_resumes(tmp_path, monkeypatch,
+                                                                                  reference, capfd):
+    # The flag travels in the step's evidence exchange (Lightning's own check broadcasts rank 0's
+    # only): rank 1's SIGTERM after step 3 rides in step 4's exchange, both ranks stop before step 5,
+    # rank 0 writes every finished step's row and an "interrupted" summary, and the rerun resumes.
+    add_callbacks(monkeypatch, Terminate(step=3, rank=1))
+    with pytest.raises(RankError, match="Terminated: SIGTERM received by a rank; stopped before step 5"):
+        run(tmp_path, "modular_pipeline")
+    monkeypatch.undo()
+    assert saved_step(tmp_path) == 4  # the checkpoint interval: nothing finished is lost
+    assert summary_of(tmp_path)["status"] == "interrupted"
+    steps = [int(row.split(",")[0]) for row in (tmp_path / "metrics.csv").read_text().splitlines()[1:]]
+    assert steps == [1, 2, 3, 4]
+    assert_resumes_like_reference(tmp_path, "modular_pipeline", reference, capfd)

@@ -73,8 +73,9 @@ def measure_matmuls(dtype: torch.dtype, edges, repeats: int) -> list:
     """[(edge, FLOPs, seconds)] of one square product per edge, in one thread."""
     rows = []
     for edge in edges:
-        # host: calibrate times this machine's CPU, where every rank of hardware=cpu computes
-        a, b = torch.randn(edge, edge, dtype=dtype), torch.randn(edge, edge, dtype=dtype)
+        # The products run on this machine's CPU, where every rank of hardware=cpu computes.
+        a = torch.randn(edge, edge, dtype=dtype)  # host: the CPU being timed
+        b = torch.randn(edge, edge, dtype=dtype)  # host: the CPU being timed
         rows.append((edge, 2.0 * edge ** 3, median_seconds(lambda: torch.mm(a, b), repeats)))
     return rows
 

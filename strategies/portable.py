@@ -140,8 +140,8 @@ def local_pieces(model, layout) -> dict:
     for name, parameter in model.named_parameters():
         if not name.startswith("zero_shards."):
             shape, indices = plain_indices(name, parameter.shape, grid)
-            # host: index bookkeeping for the checkpoint writer, never on the device
-            pieces[name] = [Piece(name, shape, torch.arange(indices.numel()), indices)]
+            positions = torch.arange(indices.numel())  # host: index bookkeeping, never on the device
+            pieces[name] = [Piece(name, shape, positions, indices)]
     if getattr(model, "zero_shards", None) is not None:
         pieces.update(_zero_pieces(model.zero_shards, layout.index("data"), grid))
     return pieces
@@ -156,8 +156,8 @@ def _zero_pieces(container, data_rank: int, grid) -> dict:
             first, last = max(start, entry.offset), min(end, entry.offset + entry.numel)
             if first < last:
                 shape, indices = plain_indices(entry.name, entry.shape, grid)
-                # host: index bookkeeping, as above
-                found.append(Piece(entry.name, shape, torch.arange(first - start, last - start),
+                positions = torch.arange(first - start, last - start)  # host: index bookkeeping
+                found.append(Piece(entry.name, shape, positions,
                                    indices[first - entry.offset:last - entry.offset]))
         pieces[f"zero_shards.flat.{key}"] = found
     return pieces

@@ -9,6 +9,7 @@ import pytest
 
 from layerwise.config import compose
 from layerwise.reproduce import training_time as tt
+from layerwise.reproduce import training_time_small as small
 from layerwise.search import Evaluator, Layout
 
 
@@ -157,28 +158,28 @@ def test_memory_wall_compares_the_best_fitting_with_the_best_ignoring_memory():
 # ----- small scale: predicted against measured
 
 def test_compare_ranks_and_ratios():
-    rows = tt.compare({"one_f_one_b": 1.0, "modular_pipeline": 0.8, "zero_layered": 0.5},
+    rows = small.compare({"one_f_one_b": 1.0, "modular_pipeline": 0.8, "zero_layered": 0.5},
                       {"one_f_one_b": 2.0, "modular_pipeline": 1.8, "zero_layered": 2.4})
     by_name = {row["variant"]: row for row in rows}
     assert by_name["modular_pipeline"]["measured_ratio"] == pytest.approx(0.9)
     assert by_name["zero_layered"]["predicted_ratio"] == pytest.approx(0.5)
     assert [by_name[n]["predicted_rank"] for n in ("zero_layered", "modular_pipeline", "one_f_one_b")] == [1, 2, 3]
     assert [by_name[n]["measured_rank"] for n in ("modular_pipeline", "one_f_one_b", "zero_layered")] == [1, 2, 3]
-    faster, ranking = tt.small_verdicts(rows, 2)
+    faster, ranking = small.small_verdicts(rows, 2)
     assert faster.verdict == "reproduced" and ranking.verdict == "partly"
 
 
 def test_a_difference_within_the_noise_is_only_partly_reproduced():
-    rows = tt.compare({"one_f_one_b": 1.0, "modular_pipeline": 0.8, "zero_layered": 0.9},
+    rows = small.compare({"one_f_one_b": 1.0, "modular_pipeline": 0.8, "zero_layered": 0.9},
                       {"one_f_one_b": 1.0, "modular_pipeline": 0.98, "zero_layered": 0.99})
-    faster, ranking = tt.small_verdicts(rows, 2)
+    faster, ranking = small.small_verdicts(rows, 2)
     assert faster.verdict == "partly"
     assert ranking.verdict == "partly"  # ranked right, but 0.8 predicted against 0.98 measured
-    assert tt.bubble(4, 1, 4) == pytest.approx(3 / 7) and tt.bubble(4, 2, 4) == pytest.approx(3 / 11)
+    assert small.bubble(4, 1, 4) == pytest.approx(3 / 7) and small.bubble(4, 2, 4) == pytest.approx(3 / 11)
 
 
 def test_small_variants_split_eight_blocks_over_the_ranks():
-    variants = tt.small_variants(4)
+    variants = small.small_variants(4)
     assert "strategy.layers_per_stage=2" in variants["one_f_one_b"]
     assert "strategy.pipeline_degree=1" in variants["zero_layered"]
     assert all("hardware.devices_per_node=4" in overrides for overrides in variants.values())

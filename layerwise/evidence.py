@@ -10,10 +10,8 @@ import csv
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -133,34 +131,6 @@ def write_json_atomically(path: Path, payload: dict) -> None:
     os.replace(temporary, path)
 
 
-class Terminated(KeyboardInterrupt):
-    """Every rank stops together after a SIGTERM (Lightning then runs on_exception: "interrupted")."""
-
-
-class _Sigterm:
-    received = False  # set by flag_sigterm_only's handler, read into the step's exchange
-
-
-SIGTERM = _Sigterm()
-
-
-def flag_sigterm_only(connector) -> None:
-    """Replace Lightning's SIGTERM handler (`connector`: the trainer's signal connector, which restores
-    the handlers it found at teardown) with one that sets our flag and chains the handler Lightning
-    found: no collective inside a signal handler."""
-    if threading.current_thread() is not threading.main_thread():
-        return  # handlers can only be set from the main thread (Lightning's own rule)
-    previous = connector._original_handlers.get(signal.SIGTERM)
-    SIGTERM.received = False
-
-    def handler(signum, frame):
-        SIGTERM.received = True
-        os.write(2, b"[layerwise] received SIGTERM: every rank stops at the next step boundary\n")
-        if callable(previous):
-            previous(signum, frame)
-    signal.signal(signal.SIGTERM, handler)
-
-
 class RunEvidence(pl.Callback):
     """Measures each step, writes metrics.csv and summary.json, prints progress on rank 0.
 
@@ -216,8 +186,6 @@ class RunEvidence(pl.Callback):
 
     # ----- steps
     def on_train_start(self, trainer, module):
-        if trainer.world_size > 1:
-            flag_sigterm_only(trainer._signal_connector)
         self._started = time.perf_counter()
         self._steps_run_here = 0
         self._partial = self._awaiting = None
@@ -253,26 +221,9 @@ class RunEvidence(pl.Callback):
             self._issue_exchange(trainer, output)
             return output
         strategy.training_step = exchanged
-        # Lightning broadcasts rank 0's SIGTERM flag before every step, a blocking collective that
-        # waits for the slowest rank (1.2–1.3 ms a step, issue 15), and its SIGTERM handler issues one
-        # more broadcast from inside the handler that only the next step's matches (a SIGTERM on a
-        # rank other than 0 then shifts every later collective by one). Here the handler only sets
-        # our flag (`flag_sigterm_only`, from on_train_start: Lightning installs its handler after
-        # on_fit_start; not Lightning's `received_sigterm`, which stops that rank alone at the step's
-        # end), the flag rides in the step's exchange, and this check replaces the broadcast.
-        self.flags.setdefault("sigterm", lambda: SIGTERM.received)
-        if trainer.world_size > 1:
-            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: self._stop_on_sigterm(trainer)
-
-    def _stop_on_sigterm(self, trainer) -> None:
-        """Before a step: if any rank had been sent SIGTERM when the last step's exchange was issued,
-        every rank stops here together (the run is then "interrupted" and resumes from its checkpoint)."""
-        if self._exchange is not None and self.any_rank(trainer, "sigterm"):
-            raise Terminated(f"SIGTERM received by a rank; stopped before step {trainer.global_step + 1}")
 
     def teardown(self, trainer, module, stage):
         trainer.strategy.__dict__.pop("training_step", None)
-        trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
 
     def on_train_batch_start(self, trainer, module, batch, batch_index):
         self._flush_rows(trainer)
@@ -309,6 +260,10 @@ class RunEvidence(pl.Callback):
             (row, _), self._awaiting = self._awaiting, None
             self._complete(row, maxima[len(self.flags):])
         return loss_sum
+
+    def exchanged(self) -> bool:
+        """Whether a step's exchange has been issued since the last step started."""
+        return self._exchange is not None
 
     def any_rank(self, trainer, flag: str) -> bool:
         """Whether `flag` was raised on any rank when this step's loss was exchanged."""

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from layerwise.config import compose
+
 ROOT = Path(__file__).resolve().parent.parent
 RANK_COUNTS = (1, 2, 4, 8)
 CPU_RANKS = 2  # --hardware cpu: 1 and 2 processes unless --ranks says otherwise
@@ -121,12 +123,6 @@ def point_overrides(strategy: str, ranks: int, steps: int, hardware: str, extra)
            f"strategy={strategy}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
     keys = {override.split("=", 1)[0] for override in extra}
     return [override for override in own if override.split("=", 1)[0] not in keys] + list(extra)
-
-
-def compose(overrides: list):
-    from layerwise.config import compose as compose_config
-
-    return compose_config(overrides)
 
 
 def hardware_accelerator(hardware: str, extra) -> str:

@@ -117,8 +117,11 @@ def _rank_entry(function, rank, world_size, ranks_per_node, port, results, argum
     code = 0
     try:
         results.put((rank, "ok", function(rank, *arguments)))
-    except BaseException:  # report everything, including KeyboardInterrupt, to the parent
-        results.put((rank, "error", traceback.format_exc()))
+    except BaseException as error:  # report everything, including KeyboardInterrupt, to the parent
+        # An interruption the ranks agreed on (faults.Terminated, slurm.Preempted) reaches here
+        # as Lightning's sys.exit(1) raised while handling it.
+        interrupted = any(isinstance(e, KeyboardInterrupt) for e in (error, error.__context__))
+        results.put((rank, "interrupted" if interrupted else "error", traceback.format_exc()))
         code = 1
     finally:
         if torch.distributed.is_initialized():
@@ -166,9 +169,9 @@ def _collect(processes, results, world_size: int, timeout: float) -> list:
             if _dead_rank(processes, outputs) is not None:
                 _raise_reported_error(results, processes, outputs)
             continue
-        if status == "error":
-            if any(name in value for name in INTERRUPTIONS):
-                _let_the_others_report(processes, results, world_size, outputs, rank)
+        if status == "interrupted":
+            _let_the_others_report(processes, results, world_size, outputs, rank)
+        if status != "ok":
             raise RankError(rank, value)
         outputs[rank] = value
     return [outputs[rank] for rank in range(world_size)]
@@ -177,7 +180,6 @@ def _collect(processes, results, world_size: int, timeout: float) -> list:
 # An interruption every rank agreed on (SIGTERM, Slurm preemption) ends each rank in its own time:
 # give the others a moment to finish their on_exception (rank 0 writes the run's files) before the
 # launcher kills what is left.
-INTERRUPTIONS = ("evidence.Terminated", "slurm.Preempted", "KeyboardInterrupt")  # as a traceback names them
 GRACE_SECONDS = 30.0
 
 
@@ -202,7 +204,7 @@ def _raise_reported_error(results, processes, outputs):
     """A rank died: prefer the traceback it managed to report over its bare exit code."""
     try:
         rank, status, value = results.get(timeout=2.0)
-        if status == "error":
+        if status != "ok":
             raise RankError(rank, value)
         outputs[rank] = value
         return

@@ -47,12 +47,20 @@ def as_planned(cfg):
     products and the same collectives. Other strategies are returned as they are."""
     if cfg.strategy.name not in TENSOR_ONLY:
         return cfg
+    strategy = cfg.strategy
+    return one_stage_pipeline(cfg, strategy.tensor_parallel, strategy.tensor_grid, strategy.data_degree,
+                              strategy.activation_recompute)
+
+
+def one_stage_pipeline(cfg, grid: str, edge: int, data_degree=None, activation_recompute: str = "none"):
+    """`cfg` with a modular_pipeline strategy of one stage holding every layer and one micro-batch,
+    the tensor grid `grid` of edge `edge` inside it (what a tensor-parallel strategy computes)."""
     from layerwise.config import PipelineStrategyConfig
     planned = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     planned.strategy = OmegaConf.merge(OmegaConf.structured(PipelineStrategyConfig), {
-        "name": "modular_pipeline", "pipeline_degree": 1, "data_degree": cfg.strategy.data_degree,
-        "layers_per_stage": cfg.model.layers, "micro_batches": 1, "tensor_parallel": cfg.strategy.tensor_parallel,
-        "tensor_grid": cfg.strategy.tensor_grid, "activation_recompute": cfg.strategy.activation_recompute})
+        "name": "modular_pipeline", "pipeline_degree": 1, "data_degree": data_degree,
+        "layers_per_stage": cfg.model.layers, "micro_batches": 1, "tensor_parallel": grid,
+        "tensor_grid": edge, "activation_recompute": activation_recompute})
     return planned
 
 
@@ -69,7 +77,12 @@ def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
     return Workload(shape, cfg.model.layers, cfg.model.heads, layout, cfg.strategy.layers_per_stage,
                     cfg.data.global_batch_size // (degrees.data * cfg.strategy.micro_batches),
                     cfg.optimizer.name, cfg.strategy.activation_recompute == "full",
-                    2 if cfg.hardware.precision.endswith("mixed") else 4)
+                    compute_bytes(cfg))
+
+
+def compute_bytes(cfg) -> int:
+    """Bytes per element of the compute dtype: 2 under bf16/fp16 autocast, else 4."""
+    return 2 if cfg.hardware.precision.endswith("mixed") else 4
 
 
 def shape_of(cfg, vocabulary: int = None) -> GptShape:
@@ -141,7 +154,7 @@ def relay_plan_result(cfg, world_size: int) -> dict:
     from its host store. Not priced: the data replicas' gradient all-reduce and the host's optimizer."""
     from strategies.estimate import relay_host_memory, relay_memory, relay_step
     strategy, margin, device = cfg.strategy, cfg.plan.allocator_margin, device_of(cfg)
-    weight_bytes = 2 if cfg.hardware.precision.endswith("mixed") else 4
+    weight_bytes = compute_bytes(cfg)
     workload = Workload(shape_of(cfg), cfg.model.layers, cfg.model.heads, ComposedLayout(world_size, 1), cfg.model.layers,
                         cfg.data.global_batch_size // (world_size * strategy.micro_batches), cfg.optimizer.name,
                         False, weight_bytes)
@@ -150,19 +163,27 @@ def relay_plan_result(cfg, world_size: int) -> dict:
     device_bytes = relay_memory(workload, strategy.micro_batches, strategy.constant_memory, weight_bytes,
                                 cfg.plan.flash_attention)
     host_bytes = relay_host_memory(workload, strategy.micro_batches, strategy.constant_memory)
+    return {**_result_header(cfg, world_size, workload, device, step["step_seconds"]),
+            "bubble_fraction": 0.0, "exposed_transfer_seconds": step["exposed_transfer_seconds"],
+            "host_bytes": host_bytes, "host_fits": sum(host_bytes.values()) <= cfg.hardware.host_memory_bytes,
+            "roles": [_role("every data rank (device)", [0], device_bytes, margin, device)]}
+
+
+def _result_header(cfg, world_size: int, workload: Workload, device: Device, step_seconds: float) -> dict:
+    """What every plan.json starts with: the point, the step, tokens/s and MFU."""
     tokens = cfg.data.global_batch_size * cfg.data.sequence_length
     flops = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
                                   workload.shape.vocabulary, cfg.model.mlp_ratio) * tokens
     return {"strategy": cfg.strategy.name, "model": cfg.model.name, "hardware": cfg.hardware.name,
-            "world_size": world_size, "layout": workload.layout.__dict__, "step_seconds": step["step_seconds"],
-            "tokens_per_s": tokens / step["step_seconds"],
-            "mfu": flops / (device.flops_per_second * world_size * step["step_seconds"]),
-            "bubble_fraction": 0.0, "exposed_transfer_seconds": step["exposed_transfer_seconds"],
-            "allocator_margin": margin, "efficiency_assumed": device.efficiency,
-            "host_bytes": host_bytes, "host_fits": sum(host_bytes.values()) <= cfg.hardware.host_memory_bytes,
-            "roles": [{"role": "every data rank (device)", "pipeline_ranks": [0], "bytes": device_bytes,
-                       "total_bytes": sum(device_bytes.values()) * (1 + margin),
-                       "fits": sum(device_bytes.values()) * (1 + margin) <= device.memory_bytes}]}
+            "world_size": world_size, "layout": workload.layout.__dict__, "step_seconds": step_seconds,
+            "tokens_per_s": tokens / step_seconds, "mfu": flops / (device.flops_per_second * world_size * step_seconds),
+            "allocator_margin": cfg.plan.allocator_margin, "efficiency_assumed": device.efficiency}
+
+
+def _role(label: str, ranks: list, breakdown: dict, margin: float, device: Device) -> dict:
+    total = sum(breakdown.values()) * (1 + margin)
+    return {"role": label, "pipeline_ranks": ranks, "bytes": breakdown, "total_bytes": total,
+            "fits": total <= device.memory_bytes}
 
 
 def plan_result(cfg, world_size: int, with_timeline: bool = False):
@@ -174,20 +195,10 @@ def plan_result(cfg, world_size: int, with_timeline: bool = False):
     step = predict_step(workload, device, schedule)
     per_rank = [memory(workload, schedule, rank, cfg.plan.flash_attention) for rank in range(schedule.pipeline_degree)]
     margin = cfg.plan.allocator_margin
-    tokens = cfg.data.global_batch_size * cfg.data.sequence_length
-    flops = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
-                                  workload.shape.vocabulary, cfg.model.mlp_ratio) * tokens
-    result = {"strategy": cfg.strategy.name, "model": cfg.model.name, "hardware": cfg.hardware.name,
-              "world_size": world_size, "layout": workload.layout.__dict__,
-              "step_seconds": step["step_seconds"], "tokens_per_s": tokens / step["step_seconds"],
-              "mfu": flops / (device.flops_per_second * world_size * step["step_seconds"]),
+    result = {**_result_header(cfg, world_size, workload, device, step["step_seconds"]),
               "bubble_fraction": step["bubble_fraction"], "exposed_data_seconds": step["exposed_data_seconds"],
-              "bytes_by_pipeline_rank": step["bytes_by_rank"], "allocator_margin": margin,
-              "efficiency_assumed": device.efficiency,
-              "roles": [{"role": label, "pipeline_ranks": ranks, "bytes": breakdown,
-                         "total_bytes": sum(breakdown.values()) * (1 + margin),
-                         "fits": sum(breakdown.values()) * (1 + margin) <= device.memory_bytes}
-                        for label, ranks, breakdown in roles(per_rank)]}
+              "bytes_by_pipeline_rank": step["bytes_by_rank"],
+              "roles": [_role(label, ranks, breakdown, margin, device) for label, ranks, breakdown in roles(per_rank)]}
     return (result, step["timeline"]) if with_timeline else result
 
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from layerwise import data as data_lib
 from layerwise.evidence import PointToPointOrderCheck, RunEvidence, write_json_atomically
-from layerwise.faults import NonFiniteGuard
+from layerwise.faults import NonFiniteGuard, StopOnSigterm
 from layerwise.launch import (RankError, global_rank, launched_externally, run_ranks, start_method,
                               writes_run_files)
 from layerwise.slurm import slurm_callbacks, slurm_plugins, slurm_step_flags
@@ -108,7 +108,8 @@ def show_bar(cfg) -> bool:
 def build_trainer(cfg, run_directory: Path, world_size: int, strategy, evidence) -> pl.Trainer:
     callbacks = [evidence,  # the guard before the checkpoint: a non-finite step is never saved
                  NonFiniteGuard(cfg.trainer.skip_nonfinite_steps, evidence, checkpoint_path(run_directory)),
-                 LastCheckpoint(checkpoint_path(run_directory), cfg.trainer.checkpoint_every_n_steps)]
+                 LastCheckpoint(checkpoint_path(run_directory), cfg.trainer.checkpoint_every_n_steps),
+                 StopOnSigterm(evidence)]  # its flag rides in the evidence's exchange
     callbacks += slurm_callbacks(checkpoint_path(run_directory), evidence)  # preemption: save, requeue
     if cfg.trainer.check_point_to_point_order:  # after RunEvidence: its final validation is checked too
         callbacks.append(PointToPointOrderCheck())

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from layerwise.plan import device_of, plan_result, shape_of
+from layerwise.plan import compute_bytes, device_of, plan_result, shape_of
 from models.transformer import model_flops_per_token
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
 from strategies.estimate import (Workload, closed_form_in_flight, closed_form_step, stage_memory)
@@ -165,7 +165,7 @@ class Evaluator:
         self.tokens = cfg.data.global_batch_size * cfg.data.sequence_length
         self.model_flops = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
                                                  self.shape.vocabulary, cfg.model.mlp_ratio) * self.tokens
-        self.activation_bytes = 2 if cfg.hardware.precision.endswith("mixed") else 4
+        self.activation_bytes = compute_bytes(cfg)
 
     def workload(self, layout: Layout) -> Workload:
         zero = FAMILIES[layout.family][1]

@@ -104,7 +104,7 @@ def test_host_schemes_for_fifty_billion():
 
 
 def paper_cfg():
-    from layerwise.gpu_check import compose
+    from layerwise.config import compose
     return compose(["experiment=repro_l2l"])
 
 

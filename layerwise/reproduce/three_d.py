@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from layerwise.plan import device_of, plan_result, workload_of
+from layerwise.plan import device_of, one_stage_pipeline, plan_result, workload_of
 from layerwise.reproduce import Finding, Verdict
 from strategies.checks import grid_errors
 from strategies.estimate import grid_seconds
@@ -56,12 +56,8 @@ def planned_config(cfg, grid: str, ranks: int, batch: int, **hardware):
     stage holding every layer, one micro-batch, the tensor grid innermost (so data and pipeline are 1).
     `hardware` overrides profile fields (the sensitivity table). Refuses a shape the grid cannot split."""
     nodes = math.ceil(ranks / cfg.hardware.devices_per_node)
-    planned = OmegaConf.merge(cfg, {
-        "strategy": {"name": "modular_pipeline", "schedule": "looped_breadth_first", "pipeline_degree": 1,
-                     "data_degree": None, "layers_per_stage": cfg.model.layers, "micro_batches": 1,
-                     "breadth_first_micro_batches": None, "tensor_parallel": grid,
-                     "tensor_grid": edge(grid, ranks), "activation_recompute": "none"},
-        "hardware": {"nodes": nodes, **hardware}, "data": {"global_batch_size": batch}})
+    placed = OmegaConf.merge(cfg, {"hardware": {"nodes": nodes, **hardware}, "data": {"global_batch_size": batch}})
+    planned = one_stage_pipeline(placed, grid, edge(grid, ranks))
     errors = grid_errors(planned, grid, edge(grid, ranks), 1, "the batch")
     if errors:
         raise ValueError(f"{LABEL[grid]} on {ranks} GPUs: " + " ".join(errors))

@@ -8,15 +8,18 @@ steps with the compute-memory meter on every step (`trainer.measure_every_n_step
 peak is the maximum over ranks and steps (summary.json `peak_compute_bytes`), the predicted one the
 largest role's bytes before the allocator margin. Memory is exact accounting on both sides.
 
-`--time`: the predicted step against the measured median, for the configurations that run one rank
-per core here (2 ranks: more ranks than cores would time the cores' sharing, which no plan models),
-with `hardware=calibrated` (run `python train.py mode=calibrate` first) and `plan.efficiency=1`
-(the calibrated peak is already the achieved rate); the meter runs on the first 2 steps and the
-last only, so the median of 12 steps is an unmetered step.
+`--time`: the predicted step against the measured median step (`TIME_CONFIGS`: every strategy plan
+mode prices, and the compositions), with `hardware=calibrated` (run `python train.py mode=calibrate`
+first) and `plan.efficiency=1` (the calibrated peak is already the achieved rate); the meter runs on
+the first 2 steps and the last only, so the median of 12 steps is an unmetered step. Each
+configuration is measured `--repeats` times (3) in interleaved passes and compared with its median
+run. Layouts of more ranks than this machine's cores are included: the plan models their sharing
+of the cores (layerwise.plan.device_of), and their runs vary most from pass to pass.
 """
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -52,6 +55,33 @@ CONFIGS = {
 }
 
 
+# Step time (--time): every strategy plan mode prices, and the compositions, on this machine. Layouts of
+# more ranks than cores run with `hardware.compute_units_per_node` = the cores (the calibrated profile's).
+TIME_CONFIGS = {
+    **{name: overrides for name, overrides in CONFIGS.items() if not any("devices_per_node" in o for o in overrides)},
+    "zero_depth_first d2": ["strategy=zero_depth_first"],
+    "zero_layered p2": ["strategy=zero_layered", "strategy.pipeline_degree=2"],
+    "single": ["strategy=single", "hardware.devices_per_node=1"],
+    "ddp d2": ["strategy=ddp"],
+    "tp_1d q2": ["strategy=tp_1d", "strategy.tensor_grid=2"],
+    "l2l": ["strategy=l2l", "hardware.devices_per_node=1"],
+    "l2l constant memory": ["strategy=l2l", "strategy.constant_memory=true", "hardware.devices_per_node=1"],
+    "pipefisher p2": ["strategy=pipefisher", "strategy.layers_per_stage=4"],
+    **{name: CONFIGS[name] for name in ("modular_pipeline p2 × d2", "modular_pipeline p2 × 1d2", "zero_layered p2 × d2")},
+    "tp_2d q2": ["strategy=tp_2d", "strategy.tensor_grid=2", "hardware.devices_per_node=4"],
+    "three_d q2": ["strategy=three_d", "strategy.tensor_grid=2", "hardware.devices_per_node=8"],
+}
+
+# PipeFisher's memory (its K-FAC factors, inverses and captures beside the pipeline's; a run must reach
+# its cycle's second step, 4 steps do); its step time is the "pipefisher p2" row above.
+CONFIGS.update({
+    "pipefisher p2 (GPipe)": ["strategy=pipefisher", "strategy.layers_per_stage=4"],
+    "pipefisher p2 (1F1B)": ["strategy=pipefisher", "strategy.layers_per_stage=4", "strategy.schedule=one_f_one_b"],
+    "pipefisher p2 × 1d2": ["strategy=pipefisher", "strategy.layers_per_stage=4", "strategy.tensor_parallel=1d",
+                            "hardware.devices_per_node=4"],
+})
+
+
 def compare(name: str, overrides: list, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         cfg = compose_config(*COMMON, *overrides, "mode=plan")
@@ -73,16 +103,28 @@ def compare_time(name: str, overrides: list, steps: int) -> dict:
     return {"name": name, "predicted_s": predicted["step_seconds"], "measured_s": measured["step_time_s_median"]}
 
 
-def time_table(steps: int) -> None:
-    rows = [compare_time(name, overrides, steps) for name, overrides in CONFIGS.items()
-            if not any(override.startswith("hardware.devices_per_node") for override in overrides)]
-    print(f"\n{'configuration':32s} {'predicted s':>12s} {'measured s':>11s} {'measured / predicted':>21s}")
-    for row in rows:
-        print(f"{row['name']:32s} {row['predicted_s']:12.4f} {row['measured_s']:11.4f} "
-              f"{row['measured_s'] / row['predicted_s']:21.2f}")
-    order = [row["name"] for row in sorted(rows, key=lambda row: row["predicted_s"])]
-    measured_order = [row["name"] for row in sorted(rows, key=lambda row: row["measured_s"])]
-    print(f"fastest first, predicted: {order}\nfastest first, measured:  {measured_order}")
+def time_table(steps: int, only=None, repeats: int = 3) -> None:
+    """Each configuration planned once and measured `repeats` times, the passes interleaved (every
+    configuration, then again) so a burst of noise hits one run of many, not every run of one;
+    the ratio is the prediction over the median run."""
+    names = [name for name in TIME_CONFIGS if only is None or name in only]
+    runs = {name: [] for name in names}
+    predicted = {}
+    for attempt in range(repeats):
+        for name in names:
+            row = compare_time(name, TIME_CONFIGS[name], steps)
+            predicted[name] = row["predicted_s"]
+            runs[name].append(row["measured_s"])
+            print(f"pass {attempt + 1}: {name}: predicted {row['predicted_s']:.4f} s, measured {row['measured_s']:.4f} s",
+                  flush=True)
+    print("\n| configuration | predicted s | measured s (each pass) | median | predicted / median |\n|---|---|---|---|---|")
+    for name in names:
+        median = statistics.median(runs[name])
+        print(f"| {name} | {predicted[name]:.4f} | {', '.join(f'{t:.4f}' for t in runs[name])} | {median:.4f} | "
+              f"{predicted[name] / median:.2f} |")
+    errors = sorted(abs(predicted[name] / statistics.median(runs[name]) - 1) for name in names)
+    print(f"|predicted / measured − 1|: median {statistics.median(errors):.1%}, worst {errors[-1]:.1%} "
+          f"over {len(names)} configurations")
 
 
 def main() -> None:
@@ -90,9 +132,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--time", action="store_true", help="step times with hardware=calibrated (see above)")
+    parser.add_argument("--repeats", type=int, default=3, help="--time: measured passes per configuration")
     arguments = parser.parse_args()
     if arguments.time:
-        return time_table(max(arguments.steps, 12))
+        return time_table(max(arguments.steps, 12), arguments.only, arguments.repeats)
     rows = []
     for name, overrides in CONFIGS.items():
         if arguments.only is None or name in arguments.only:

@@ -5,10 +5,15 @@
 Three measurements, each fitted with the α–β model plan mode uses (time = fixed cost + work / rate):
 1. matrix products: square fp32 (and bf16) products of edge 128 … 1024 in ONE thread, as every
    rank runs: time = `matmul_overhead_s` + 2n³ / `peak_flops` (least squares on relative error);
-2. collectives: gloo all-reduce between `calibrate.world_sizes` forked ranks at 4 KB … 16 MB:
+2. collectives: gloo all-reduce between `calibrate.world_sizes` forked ranks at 4 KB … 16 MB, each
+   after a few ms of products as runs issue them (`between_compute`):
    time = `collective_latency_s` + 2(n−1)/n · bytes / `intra_node_bandwidth` (ring all-reduce's
    bytes per rank), and send/recv pairs: time = latency + bytes / bandwidth;
-3. host copies (`copy_` between two buffers, 1 … 64 MB): `host_device_bandwidth`.
+3. host copies (`copy_` between two buffers, 1 … 64 MB): `host_device_bandwidth`;
+4. the model group's own block (default gpt_tiny), forward and backward at 1 … 8 sequences: what the
+   products above do not explain, per forward (÷ 3), is `block_overhead_s` + activation elements ×
+   `activation_seconds_per_element` (norms, softmax, GELU, dropout, additions; on a CPU their dispatch);
+   and the configured optimizer's step over 1 … 8 blocks: `optimizer_seconds_per_parameter`.
 The profile (`<directory>/<name>.yaml`, a `hardware=` option) keeps cpu.yaml's other fields;
 `<name>.calibration.json` beside it holds every measurement and each fit's worst residual.
 """
@@ -24,10 +29,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from layerwise.launch import run_ranks
+from layerwise.optim import build_optimizer
+from models.transformer import build_block
+from strategies.traffic import ComposedLayout, GptShape
 
 MATMUL_EDGES = (128, 256, 384, 512, 768, 1024)
 QUICK_MATMUL_EDGES = (64, 128, 256)
-COLLECTIVE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
+COLLECTIVE_BYTES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 QUICK_COLLECTIVE_BYTES = (4 << 10, 64 << 10, 256 << 10)
 COPY_BYTES = (1 << 20, 8 << 20, 64 << 20)
 QUICK_COPY_BYTES = (1 << 20, 4 << 20)
@@ -89,11 +97,25 @@ def _collective_rank(rank: int, world: int, sizes, repeats: int) -> list:
     for size in sizes:
         buffer = torch.zeros(size // 4)  # host: gloo all-reduces host tensors
         dist.barrier()
-        reduce_seconds = median_seconds(lambda: dist.all_reduce(buffer), repeats)
+        reduce_seconds = between_compute(lambda: dist.all_reduce(buffer), 4 * repeats)
         dist.barrier()
         pair_seconds = median_seconds(lambda: _send_receive(buffer, rank), repeats) if world == 2 else None
         rows.append((size, reduce_seconds, pair_seconds))
     return rows
+
+
+def between_compute(collective, repeats: int) -> float:
+    """Mean seconds a collective adds after ~2 ms of matrix products, as a run issues them: back to
+    back, gloo here is bimodal (~0.4 ms, or 3–5 ms when a waiting thread wakes late); after compute
+    it costs ~2 ms even for 4 KB, which is what a tensor-parallel block pays. The mean, since a step
+    pays the sum of many."""
+    matrix = torch.randn(384, 384)  # host: the CPU being timed
+
+    def compute() -> None:
+        for _ in range(2):
+            torch.mm(matrix, matrix)
+    alone = median_seconds(compute, repeats, statistics.mean)
+    return max(median_seconds(lambda: (compute(), collective()), repeats, statistics.mean) - alone, 1e-7)
 
 
 def _send_receive(buffer: torch.Tensor, rank: int) -> None:
@@ -123,6 +145,59 @@ def measure_copies(sizes, repeats: int) -> list:
     return rows
 
 
+# ----- 4. a block's non-product work, and the optimizer step
+
+def block_rows(cfg, products: dict, rows_per_micro_batch, repeats: int, blocks: int = 2) -> list:
+    """[(activation elements, seconds)] of a stage of `blocks` of the model's blocks (a stage, so caches
+    hold what they hold between blocks in a run): (forward + backward − the products' modelled time)
+    / 3 / blocks, the backward charged 2× like the products (strategies/estimate.py)."""
+    from strategies.estimate import PRODUCTS_PER_BLOCK, Workload, block_saved_bytes, forward_flops
+    model, length = cfg.model, min(cfg.data.sequence_length, cfg.model.max_sequence_length)
+    stage = torch.nn.Sequential(*[build_block(
+        hidden=model.hidden, heads=model.heads, mlp_ratio=model.mlp_ratio, dropout=model.dropout,
+        causal=model.architecture == "gpt", seed=0, index=index, layers=blocks, device="cpu") for index in range(blocks)])
+    measured = []
+    for rows in rows_per_micro_batch:
+        workload = Workload(GptShape(model.hidden, model.mlp_ratio, 1, length, length), 1, model.heads,
+                            ComposedLayout(1, 1), 1, rows)
+        x = torch.randn(rows, length, model.hidden, requires_grad=True)  # host: the CPU being timed
+        seconds = median_seconds(lambda: stage.train()(x).sum().backward(), repeats) / blocks
+        modelled = forward_flops(workload, 0, 2) / products["flops_per_second"] + \
+            PRODUCTS_PER_BLOCK * products["overhead_s"]
+        elements = block_saved_bytes(workload, rows * length, flash=True) / workload.activation_bytes  # as priced
+        measured.append((elements, max(seconds / 3 - modelled, 1e-7)))
+    return measured
+
+
+def optimizer_rows(cfg, block_counts, repeats: int) -> list:
+    """[(parameters, seconds)] of the configured optimizer's step over 1 … n of the model's blocks."""
+    model, measured = cfg.model, []
+    for count in block_counts:
+        blocks = [build_block(hidden=model.hidden, heads=model.heads, mlp_ratio=model.mlp_ratio, dropout=0.0,
+                              causal=True, seed=0, index=index, layers=count, device="cpu") for index in range(count)]
+        named = [(f"{i}.{name}", p) for i, b in enumerate(blocks) for name, p in b.named_parameters()]
+        for _, parameter in named:
+            parameter.grad = torch.randn_like(parameter)  # host: the CPU being timed
+        optimizer = build_optimizer(cfg.optimizer, named)
+        measured.append((sum(p.numel() for _, p in named), median_seconds(optimizer.step, repeats)))
+    return measured
+
+
+# ----- every core at once, as runs compute
+
+def _measure_rank(rank: int, measure, *arguments) -> list:
+    return measure(*arguments)
+
+
+def on_every_core(measure, *arguments) -> list:
+    """`measure(*arguments)`'s rows measured on every core at once (one forked rank each, one thread,
+    as runs place their ranks), each row's seconds averaged over the ranks: ranks that compute side by
+    side share the memory bandwidth and caches, which a lone process does not see (element-wise work
+    measured alone was ~15% faster than inside a 2-rank run)."""
+    by_rank = run_ranks(_measure_rank, os.cpu_count() or 1, measure, *arguments, timeout=600)
+    return [(*row[:-1], statistics.mean(rows[index][-1] for rows in by_rank)) for index, row in enumerate(by_rank[0])]
+
+
 # ----- the profile
 
 def calibrate(cfg) -> dict:
@@ -138,6 +213,8 @@ def calibrate(cfg) -> dict:
     for world in settings.world_sizes:
         measurements[f"collectives_world_{world}"] = calibrate_collectives(world, settings.quick, repeats, say)
     measurements["host_copies"] = calibrate_copies(settings.quick, repeats, say)
+    measurements["blocks"] = calibrate_blocks(cfg, measurements["matmul_fp32"], settings.quick, repeats, say)
+    measurements["optimizer"] = calibrate_optimizer(cfg, settings.quick, repeats, say)
     profile = profile_from(cfg.hardware, settings.name, measurements,
                            measurements[f"collectives_world_{settings.world_sizes[0]}"])
     return write_profile(Path(settings.directory), settings.name, profile, measurements, say)
@@ -145,7 +222,7 @@ def calibrate(cfg) -> dict:
 
 def calibrate_matmuls(dtype: torch.dtype, quick: bool, repeats: int, say) -> dict:
     torch.set_num_threads(1)  # as every rank of a run
-    rows = measure_matmuls(dtype, QUICK_MATMUL_EDGES if quick else MATMUL_EDGES, repeats)
+    rows = on_every_core(measure_matmuls, dtype, QUICK_MATMUL_EDGES if quick else MATMUL_EDGES, repeats)
     work, seconds = [r[1] for r in rows], [r[2] for r in rows]
     overhead, rate = fit_fixed_plus_rate(work, seconds)
     residual = worst_residual(work, seconds, overhead, rate)
@@ -175,6 +252,21 @@ def calibrate_copies(quick: bool, repeats: int, say) -> dict:
     return {"rows": rows, "overhead_s": overhead, "bandwidth": bandwidth}
 
 
+def calibrate_blocks(cfg, products: dict, quick: bool, repeats: int, say) -> dict:
+    rows = on_every_core(block_rows, cfg, products, (1, 2) if quick else (1, 2, 4, 8), repeats * (1 if quick else 4))
+    overhead, rate = fit_fixed_plus_rate([r[0] for r in rows], [r[1] for r in rows])
+    say(f"{cfg.model.name} block besides its products: {overhead * 1e6:.0f} µs + {1e9 / rate:.1f} ns per "
+        f"activation element, per forward (worst fit residual {worst_residual([r[0] for r in rows], [r[1] for r in rows], overhead, rate):.0%})")
+    return {"rows": rows, "overhead_s": overhead, "elements_per_second": rate}
+
+
+def calibrate_optimizer(cfg, quick: bool, repeats: int, say) -> dict:
+    rows = on_every_core(optimizer_rows, cfg, (1, 2) if quick else (1, 2, 4, 8), repeats)
+    overhead, rate = fit_fixed_plus_rate([r[0] for r in rows], [r[1] for r in rows])
+    say(f"{cfg.optimizer.name} step: {1e9 / rate:.2f} ns per parameter + {overhead * 1e6:.0f} µs")
+    return {"rows": rows, "overhead_s": overhead, "parameters_per_second": rate}
+
+
 def profile_from(hardware, name: str, measurements: dict, collectives: dict) -> dict:
     """The hardware profile: the measured rates over the base profile's other fields. Gloo's
     loopback is the only link here, so intra- and inter-node bandwidths are both its measure."""
@@ -185,7 +277,12 @@ def profile_from(hardware, name: str, measurements: dict, collectives: dict) -> 
                 collective_latency_s=collectives["all_reduce_latency_s"],
                 intra_node_bandwidth=collectives["all_reduce_bandwidth"],
                 inter_node_bandwidth=collectives["all_reduce_bandwidth"],
-                host_device_bandwidth=measurements["host_copies"]["bandwidth"])
+                host_device_bandwidth=measurements["host_copies"]["bandwidth"],
+                block_overhead_s=measurements["blocks"]["overhead_s"],
+                activation_seconds_per_element=1.0 / measurements["blocks"]["elements_per_second"],
+                optimizer_seconds_per_parameter=1.0 / measurements["optimizer"]["parameters_per_second"],
+                compute_units_per_node=os.cpu_count(), overlaps_communication=False,  # gloo uses the cores
+                point_to_point_latency_s=max(collectives.get("send_latency_s", 0.0), 1e-6))  # 0 would mean "unset"
     return base
 
 
@@ -202,5 +299,6 @@ def write_profile(directory: Path, name: str, profile: dict, measurements: dict,
         temporary = path.with_suffix(path.suffix + ".tmp")
         temporary.write_text(content)
         os.replace(temporary, path)
-    say(f"hardware profile written to {directory / (name + '.yaml')}: use hardware={name}")
+    say(f"hardware profile written to {directory / (name + '.yaml')}: use hardware={name} plan.efficiency=1 "
+        "(its peak is the achieved rate)")
     return profile

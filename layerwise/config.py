@@ -62,6 +62,15 @@ class HardwareConfig:
     host_device_bandwidth: float = 0.0  # bytes/s host <-> device (PCIe)
     matmul_overhead_s: float = 0.0  # fixed cost of one matrix product (launch, ramp): mode=calibrate measures it
     collective_latency_s: float = 0.0  # fixed cost of one collective or message: mode=calibrate measures it
+    # A block's work besides its matrix products (norms, softmax, GELU, dropout, additions): a fixed cost
+    # per block forward plus a cost per activation element it saves; and the optimizer's step per
+    # parameter. mode=calibrate measures them on the model's own block; 0 in the spec-sheet profiles.
+    block_overhead_s: float = 0.0
+    activation_seconds_per_element: float = 0.0
+    optimizer_seconds_per_parameter: float = 0.0
+    point_to_point_latency_s: float = 0.0  # fixed cost of one pipeline message; 0 = collective_latency_s
+    overlaps_communication: bool = True  # communication beside compute (GPUs); false: CPU ranks use every core
+    compute_units_per_node: int = 0  # cores the node's ranks share (calibrated CPU profiles); 0 = one device each
 
 
 @dataclass
@@ -254,6 +263,9 @@ class PlanConfig:
     search_top: int = 10  # layouts printed, fastest first
     search_replan: int = 3  # of those, re-planned through the full plan path (simulated plan) side by side
     search_max_tensor_ranks: int = 0  # largest tensor block searched; 0 = hardware.devices_per_node (one node)
+    # plan.dry_run=true: also dry-run one rank of each role with the real code under a fake process group
+    # and compare its step's peak memory and collective bytes with the analytic plan (layerwise/cross_check.py)
+    dry_run: bool = False
 
 
 @dataclass

@@ -1,7 +1,8 @@
-"""Dry run (prototype): one rank's real setup and training step at the full world size, in this process.
+"""Dry run: one rank's real setup and training steps at the full world size, in this process.
 
-Issue 16 item 2. The rank runs the same code as in `fit` (the strategy from the registry, the task,
-the data module, a Lightning Trainer) against torch's fake process group
+Issue 16 item 2: plan mode's second estimator (layerwise/cross_check.py compares it with the plan).
+The rank runs the same code as in `fit` (the strategy from the registry, the task, the data module,
+a Lightning Trainer) against torch's fake process group
 (`torch.testing._internal.distributed.fake_pg.FakeStore`, backend "fake"): every collective and
 point-to-point call returns at once and leaves its buffers as they were, so receives deliver
 uninitialised memory. Losses are therefore meaningless (NaN is fine); what is real is what the rank
@@ -9,7 +10,8 @@ uninitialised memory. Losses are therefore meaningless (NaN is fine); what is re
 
 1. `collectives`: every call the rank's counted Communicator makes (parallel/comm.py), with kind,
    group family, group size, elements, element size and logical bytes, split by phase
-   ("setup": materialising, synchronising replicas, first contacts; "step": one training step);
+   ("setup": materialising, synchronising replicas, first contacts; "warm-up": the first step;
+   "step": the measured second step, DryRunProbe says why);
 2. `raw_calls`: every c10d operator the rank issued, seen by a dispatch mode below the
    Communicator (an independent record: what the Communicator does not count shows up here,
    e.g. the pipeline's evidence `all_gather_object`);
@@ -46,11 +48,14 @@ from parallel.memory import ComputeMemoryMeter
 from strategies import strategy_entry
 
 
+MEASURED_STEP = 1  # the step measured (0-based): the first with gradients and optimizer state (DryRunProbe)
+
+
 @dataclass(frozen=True)
 class Collective:
     """One counted call of the Communicator, as this rank issued it."""
 
-    phase: str  # "setup" | "step"
+    phase: str  # "setup" | "warm-up" | "step" (the measured one)
     kind: str  # parallel.comm.KINDS
     group: str  # the group's family name (data, pipeline, tensor, a grid family, ...)
     group_size: int
@@ -89,7 +94,11 @@ class RawCollectiveLog(TorchDispatchMode):
 
 
 class DryRunProbe(pl.Callback):
-    """Records the Communicator's calls by phase and measures the step as RunEvidence does."""
+    """Records the Communicator's calls by phase and measures the last step as RunEvidence does.
+
+    The measured step is the second (`MEASURED_STEP`): on the first, gradients and the optimizer's
+    state do not exist yet (Adam creates its moments in its first update), so its peak is not a
+    training step's; from the second on they are resident, as in every step a real run measures."""
 
     def __init__(self, sampled: bool = True):
         self.sampled = sampled  # what measure_this_step tells the strategy (its evidence gathers)
@@ -115,6 +124,10 @@ class DryRunProbe(pl.Callback):
         communicator.count = recording_count  # this instance only; every counted call passes here
 
     def on_train_batch_start(self, trainer, module, batch, batch_index):
+        if trainer.global_step < MEASURED_STEP:  # the warm-up step: counted apart, not measured
+            self.phase["name"] = "warm-up"
+            trainer.strategy.measure_this_step(False)
+            return
         self.phase["name"] = "step"
         communicator = trainer.strategy.communicator()
         if communicator is not None:
@@ -126,6 +139,8 @@ class DryRunProbe(pl.Callback):
         self._started = time.perf_counter()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
+        if self._meter is None:  # the warm-up step
+            return
         self.step_seconds = time.perf_counter() - self._started
         self._meter.__exit__(None, None, None)
         self.peak_compute_bytes = float(self._meter.peak_bytes)
@@ -170,7 +185,7 @@ def dry_trainer(cfg, strategy, probe, nodes: int, per_node: int) -> pl.Trainer:
     """layerwise/run.py build_trainer's arguments, without loggers, checkpoints, guard, validation."""
     return pl.Trainer(
         accelerator="cpu", devices=per_node, num_nodes=nodes, strategy=strategy,
-        precision=cfg.hardware.precision, max_steps=1, limit_val_batches=0, num_sanity_val_steps=0,
+        precision=cfg.hardware.precision, max_steps=MEASURED_STEP + 1, limit_val_batches=0, num_sanity_val_steps=0,
         check_val_every_n_epoch=None, val_check_interval=None, logger=False, callbacks=[probe],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, gradient_clip_val=cfg.trainer.gradient_clip_val or None,
@@ -178,8 +193,8 @@ def dry_trainer(cfg, strategy, probe, nodes: int, per_node: int) -> pl.Trainer:
 
 
 def dry_run(cfg, rank: int, world_size: int, fake_tensors: bool = False) -> dict:
-    """Set up `rank` of `world_size` for cfg's strategy and run one training step under the fake
-    process group; return what it issued and held (module docstring).
+    """Set up `rank` of `world_size` for cfg's strategy and run two training steps under the fake
+    process group; return what it issued and held in the second (module docstring).
 
     fake_tensors: materialise and step under FakeTensorMode (shapes, dtypes and storages' sizes,
     no data): for models that do not fit this machine. The batch stays real (it is small: token
@@ -196,7 +211,7 @@ def dry_run(cfg, rank: int, world_size: int, fake_tensors: bool = False) -> dict
 
 def one_rank_step(cfg, world_size: int, emulate_object_broadcast: bool = False,
                   fake_tensors: bool = False) -> dict:
-    """This process's rank (from the rendezvous variables): build, set up and run one step,
+    """This process's rank (from the rendezvous variables): build, set up and run two steps,
     recording as the module docstring says. Under the fake group (dry_run) or a real one (a rank
     started by layerwise.launch.run_ranks: the per-rank reference a dry run is checked against)."""
     nodes, per_node = node_split(cfg, world_size)
@@ -217,15 +232,6 @@ def one_rank_step(cfg, world_size: int, emulate_object_broadcast: bool = False,
     if emulate_object_broadcast:
         strategy.broadcast = _local_object_broadcast(strategy, emulated)
     if fake_tensors:
-        from strategies.zero_layered import ZeroLayeredStrategy
-        if isinstance(strategy, ZeroLayeredStrategy):
-            # Measured: the step completes on a first stage but its peak is 1/3 of the real one.
-            raise NotImplementedError(
-                "dry run with fake_tensors=True of a ZeRO strategy: ShardedStageWork keys its saved-tensor "
-                "hooks by untyped_storage().data_ptr(), which is 0 for every fake tensor, so every saved "
-                "activation would be taken for a piece of the gathered stage (peak under-counted, or a "
-                "crash on the last stage). Fix (strategies/zero_layered.py): key by the storage object "
-                "(a WeakIdKeyDictionary of untyped_storage()), not its address. Use fake_tensors=False.")
         _under_fake_tensors(strategy, emulated)
         # Lightning moves the module to the root device after setup and to the CPU at teardown:
         # FakeTensor parameters cannot be swapped by nn.Module._apply (the mode holds weak

@@ -21,20 +21,22 @@ from strategies import strategy_entry
 from strategies.estimate import Device, Workload, memory, predict_step
 from strategies.modular_pipeline import compute_plan, tensor_parallel
 from strategies.schedule import plot_timeline
-from strategies.traffic import ComposedLayout, GptShape
+from strategies.traffic import ComposedLayout, GptShape, all_reduce
 
 PLANNED = ("modular_pipeline", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_layered", "zero_depth_first")
 TENSOR_ONLY = ("tp_1d", "tp_2d", "three_d")  # planned as the one-stage pipeline they equal (as_planned)
+WHOLE_MODEL = ("single", "ddp")  # likewise: one stage, no grid, one micro-batch, every rank a data replica
+ONE_STAGE = TENSOR_ONLY + WHOLE_MODEL
 GIB = 2 ** 30
 
 
 def plan_problems(cfg) -> list:
     """For validate in mode=plan: a strategy plan mode cannot price, or a price it lacks."""
     name = cfg.strategy.name
-    if name not in PLANNED + TENSOR_ONLY + ("l2l",):
-        return [f"strategy={name}: mode=plan covers the pipeline and tensor-parallel strategies and l2l so far "
-                f"({', '.join(PLANNED + TENSOR_ONLY)}, l2l, with ZeRO). Fix: strategy=modular_pipeline "
-                f"strategy.pipeline_degree=1 plans data parallelism."]
+    if name not in PLANNED + ONE_STAGE + ("l2l", "pipefisher"):
+        return [f"strategy={name}: mode=plan covers {', '.join(PLANNED + ONE_STAGE)}, pipefisher and l2l, not "
+                f"{name} yet. Fix: strategy=zero_layered plans ZeRO-3 sharding (fsdp2's), strategy=ddp data "
+                f"parallelism."]
     if name == "l2l" and not cfg.hardware.host_device_bandwidth:
         return [f"hardware={cfg.hardware.name} has no hardware.host_device_bandwidth: L2L's relay cannot be "
                 f"priced. Fix: hardware.host_device_bandwidth=1.6e10 (PCIe 3 × 16)."]
@@ -42,12 +44,15 @@ def plan_problems(cfg) -> list:
 
 
 def as_planned(cfg):
-    """A tensor-parallel strategy (tp_1d, tp_2d, three_d) as the pipeline plan mode prices: one stage
-    holding every layer, one micro-batch, the same grid and data replicas — a step of the same
-    products and the same collectives. Other strategies are returned as they are."""
-    if cfg.strategy.name not in TENSOR_ONLY:
-        return cfg
+    """A tensor-parallel strategy (tp_1d, tp_2d, three_d), `single` or `ddp` as the pipeline plan mode
+    prices: one stage holding every layer, one micro-batch, the same grid (none for single/ddp) and
+    data replicas — a step of the same products and the same collectives (ddp's one bucketed
+    all-reduce is the one stage's reduction). Other strategies are returned as they are."""
     strategy = cfg.strategy
+    if strategy.name in WHOLE_MODEL:
+        return one_stage_pipeline(cfg, "none", 1, None, strategy.activation_recompute)
+    if strategy.name not in TENSOR_ONLY:
+        return cfg
     return one_stage_pipeline(cfg, strategy.tensor_parallel, strategy.tensor_grid, strategy.data_degree,
                               strategy.activation_recompute)
 
@@ -67,8 +72,9 @@ def one_stage_pipeline(cfg, grid: str, edge: int, data_degree=None, activation_r
 def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
     """The model, layout and batch of a validated config, as the estimators see them; `vocabulary`
     defaults to the data group's (bytes: 256, token_bin: data.vocab_size; + [MASK] for BERT)."""
-    if cfg.strategy.name not in PLANNED + TENSOR_ONLY:  # l2l: relay_plan_result
+    if cfg.strategy.name not in PLANNED + ONE_STAGE:  # l2l: relay_plan_result
         raise ConfigError(plan_problems(cfg))
+    through_forward = cfg.strategy.name in ONE_STAGE  # Lightning's closure zeroes gradients after the forward
     cfg = as_planned(cfg)
     degrees = strategy_entry(cfg.strategy.name).degrees(cfg, world_size)
     shape = shape_of(cfg, vocabulary)
@@ -77,7 +83,7 @@ def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
     return Workload(shape, cfg.model.layers, cfg.model.heads, layout, cfg.strategy.layers_per_stage,
                     cfg.data.global_batch_size // (degrees.data * cfg.strategy.micro_batches),
                     cfg.optimizer.name, cfg.strategy.activation_recompute == "full",
-                    compute_bytes(cfg))
+                    compute_bytes(cfg), through_forward, cfg.hardware.process_group_backend == "gloo")
 
 
 def compute_bytes(cfg) -> int:
@@ -95,13 +101,25 @@ def shape_of(cfg, vocabulary: int = None) -> GptShape:
                     cfg.model.max_sequence_length)
 
 
-def device_of(cfg) -> Device:
+def device_of(cfg, world_size: int = None) -> Device:
+    """The hardware profile as the cost model reads it. On a profile with `compute_units_per_node`
+    (a CPU: its cores) the ranks of a node share the cores. With fewer ranks than cores a rank's
+    threads speed up its matrix products (small element-wise operators do not split); with more,
+    each rank computes at cores ÷ ranks of the one-thread rate, and a pipeline message waits for its
+    descheduled peer like a collective does (measured: a 256 KB send took ~3 ms with 4 ranks on 2
+    cores, 0.2 ms with 2)."""
     hardware = cfg.hardware
     dtype = "bf16" if hardware.precision.startswith("bf16") else "fp16" if hardware.precision.startswith("16") \
         else "fp32"
-    return Device(hardware.peak_flops.get(dtype, 0.0), cfg.plan.efficiency, hardware.device_memory_bytes,
+    ranks = min(hardware.devices_per_node, world_size or hardware.devices_per_node)
+    share = hardware.compute_units_per_node / ranks if hardware.compute_units_per_node else 1.0
+    slow = min(share, 1.0)  # time-sharing stretches every compute cost; extra threads help the products only
+    return Device(hardware.peak_flops.get(dtype, 0.0) * share, cfg.plan.efficiency, hardware.device_memory_bytes,
                   hardware.intra_node_bandwidth, hardware.inter_node_bandwidth, hardware.devices_per_node,
-                  hardware.matmul_overhead_s, hardware.collective_latency_s)
+                  hardware.matmul_overhead_s / slow, hardware.collective_latency_s, hardware.block_overhead_s / slow,
+                  hardware.activation_seconds_per_element / slow, hardware.optimizer_seconds_per_parameter / slow,
+                  (hardware.point_to_point_latency_s if share >= 1 else hardware.collective_latency_s) or None,
+                  hardware.overlaps_communication)
 
 
 def training_plan_of(cfg):
@@ -141,6 +159,11 @@ def plan(cfg, world_size: int, run_directory) -> dict:
         return search(cfg, cfg.hardware.nodes * cfg.hardware.devices_per_node, run_directory)
     result, timeline = plan_result(cfg, world_size, with_timeline=True)
     device = device_of(cfg)
+    if cfg.plan.dry_run:  # the second estimator, one dry-run rank per role (layerwise/cross_check.py)
+        from layerwise.cross_check import cross_check, describe
+        for role, entry in zip(result["roles"], cross_check(cfg, world_size, result)):
+            role["dry_run"] = entry
+            print(describe(entry))
     _write(result, timeline, Path(run_directory), device.memory_bytes)
     print(table(result, device))
     if "host_bytes" in result:
@@ -153,7 +176,7 @@ def relay_plan_result(cfg, world_size: int) -> dict:
     """L2L's plan (strategies/estimate.py's relay terms): one device per data replica relays the layers
     from its host store. Not priced: the data replicas' gradient all-reduce and the host's optimizer."""
     from strategies.estimate import relay_host_memory, relay_memory, relay_step
-    strategy, margin, device = cfg.strategy, cfg.plan.allocator_margin, device_of(cfg)
+    strategy, margin, device = cfg.strategy, cfg.plan.allocator_margin, device_of(cfg, world_size)
     weight_bytes = compute_bytes(cfg)
     workload = Workload(shape_of(cfg), cfg.model.layers, cfg.model.heads, ComposedLayout(world_size, 1), cfg.model.layers,
                         cfg.data.global_batch_size // (world_size * strategy.micro_batches), cfg.optimizer.name,
@@ -191,8 +214,15 @@ def plan_result(cfg, world_size: int, with_timeline: bool = False):
     if cfg.strategy.name == "l2l":
         result = relay_plan_result(cfg, world_size)
         return (result, None) if with_timeline else result
-    workload, device, schedule = workload_of(cfg, world_size), device_of(cfg), training_plan_of(cfg)
+    if cfg.strategy.name == "pipefisher":  # K-FAC in the bubbles: layerwise/plan_pipefisher.py
+        from layerwise.plan_pipefisher import pipefisher_plan_result
+        result, timeline = pipefisher_plan_result(cfg, world_size)
+        return (result, timeline) if with_timeline else result
+    workload, device, schedule = workload_of(cfg, world_size), device_of(cfg, world_size), training_plan_of(cfg)
     step = predict_step(workload, device, schedule)
+    if cfg.strategy.name in TENSOR_ONLY:  # their loss also sums its token count and total over data
+        for traffic in step["bytes_by_rank"]:  # (parallelize's loss_over_data): two scalars all-reduced
+            traffic["all_reduce"] += 2 * all_reduce(1, workload.layout.data)
     per_rank = [memory(workload, schedule, rank, cfg.plan.flash_attention) for rank in range(schedule.pipeline_degree)]
     margin = cfg.plan.allocator_margin
     result = {**_result_header(cfg, world_size, workload, device, step["step_seconds"]),
@@ -206,16 +236,27 @@ def table(result: dict, device: Device) -> str:
     lines = [f"plan: {result['strategy']} × {result['model']} × {result['hardware']} on {result['world_size']} "
              f"devices; predicted step {result['step_seconds']:.3f} s, {result['tokens_per_s']:.0f} tokens/s, "
              f"MFU {result['mfu']:.1%}, bubble {result['bubble_fraction']:.1%} (efficiency "
-             f"{result['efficiency_assumed']:.0%} assumed, not calibrated)",
+             f"{result['efficiency_assumed']:.0%} assumed, "
+             f"{'hardware measured by mode=calibrate' if device.activation_seconds_per_element else 'not calibrated'})",
              f"{'role':40s} {'params':>8s} {'grads':>8s} {'optim':>8s} {'activ':>8s} {'buffers':>8s} "
-             f"{'total GiB':>10s} {'device':>7s} fits"]
+             + "".join(f"{kind:>8s} " for kind in _extra_kinds(result)) + f"{'total GiB':>10s} {'device':>7s} fits"]
     for role in result["roles"]:
         b = role["bytes"]
         lines.append(f"{role['role']:40s} " + " ".join(f"{b[k] / GIB:8.2f}" for k in
-                     ("parameters", "gradients", "optimizer", "activations", "buffers"))
+                     ("parameters", "gradients", "optimizer", "activations", "buffers", *_extra_kinds(result)))
                      + f" {role['total_bytes'] / GIB:10.2f} {device.memory_bytes / GIB:7.1f} "
                      f"{'yes' if role['fits'] else 'NO'}")
+    if "refresh_interval" in result:  # PipeFisher (layerwise/plan_pipefisher.py)
+        lines.append(f"PipeFisher: first-order step {result['step_first_order_seconds']:.3f} s, bubble "
+                     f"{result['bubble_first_order']:.1%} → {result['bubble_fraction']:.1%} with K-FAC packed into "
+                     f"a {result['refresh_interval']}-step cycle (K-FAC work / bubble {result['kfac_work_per_bubble']:.2f})")
     return "\n".join(lines)
+
+
+def _extra_kinds(result: dict) -> list:
+    """Kinds of bytes beyond the five every plan has (PipeFisher's "kfac"), as the roles list them."""
+    return [kind for kind in result["roles"][0]["bytes"]
+            if kind not in ("parameters", "gradients", "optimizer", "activations", "buffers")]
 
 
 def _write(result: dict, timeline, directory: Path, device_memory_bytes: float) -> None:
@@ -253,8 +294,13 @@ ALTERNATIVES = (("strategy.activation_recompute", "full"), ("strategy.schedule",
 
 def worst_role(cfg, world_size: int) -> tuple:
     """(label, bytes by kind, total with the allocator margin) of the rank role needing the most."""
-    workload, schedule = workload_of(cfg, world_size), training_plan_of(cfg)
-    per_rank = [memory(workload, schedule, rank, cfg.plan.flash_attention) for rank in range(schedule.pipeline_degree)]
+    if cfg.strategy.name == "pipefisher":  # the pipeline's bytes + K-FAC's (layerwise/plan_pipefisher.py)
+        from layerwise.plan_pipefisher import pipefisher_rank_memory
+        per_rank = [breakdown for breakdown, _ in pipefisher_rank_memory(cfg, world_size)[0]]
+    else:
+        workload, schedule = workload_of(cfg, world_size), training_plan_of(cfg)
+        per_rank = [memory(workload, schedule, rank, cfg.plan.flash_attention)
+                    for rank in range(schedule.pipeline_degree)]
     label, _, breakdown = max(roles(per_rank), key=lambda role: sum(role[2].values()))
     return label, breakdown, sum(breakdown.values()) * (1 + cfg.plan.allocator_margin)
 
@@ -262,7 +308,7 @@ def worst_role(cfg, world_size: int) -> tuple:
 def memory_problems(cfg, world_size: int) -> list:
     """For validate: refuse a pipeline layout whose plan does not fit hardware.device_memory_bytes,
     naming the role, its breakdown and the single changes that would fit (each planned too)."""
-    if cfg.strategy.name not in PLANNED or not cfg.hardware.device_memory_bytes:
+    if cfg.strategy.name not in PLANNED + ("pipefisher",) or not cfg.hardware.device_memory_bytes:
         return []
     label, breakdown, total = worst_role(cfg, world_size)
     if total <= cfg.hardware.device_memory_bytes:
@@ -280,8 +326,8 @@ def memory_problems(cfg, world_size: int) -> list:
 def _fits_with(cfg, world_size: int, field: str, value) -> bool:
     """Whether the layout fits with one field changed (False if that change is itself invalid)."""
     changed = OmegaConf.merge(cfg, {})  # a writable copy
-    OmegaConf.update(changed, field, value)
     try:
+        OmegaConf.update(changed, field, value)  # pipefisher has no activation_recompute: not a change
         return worst_role(changed, world_size)[2] <= cfg.hardware.device_memory_bytes
     except Exception:  # noqa: BLE001 - a change the schedule rejects simply does not fit
         return False

@@ -28,7 +28,8 @@ from omegaconf import OmegaConf
 from layerwise.plan import compute_bytes, device_of, plan_result, shape_of
 from models.transformer import model_flops_per_token
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
-from strategies.estimate import (Workload, closed_form_in_flight, closed_form_step, stage_memory)
+from strategies.estimate import (Workload, closed_form_in_flight, closed_form_moments, closed_form_step,
+                                 stage_memory)
 from strategies.schedule.generators import _check_combination
 from strategies.tensor_parallel.grids import DIMENSION, grid_of
 from strategies.traffic import ComposedLayout
@@ -173,7 +174,8 @@ class Evaluator:
         composed = ComposedLayout(layout.data_degree, layout.pipeline_degree, grid, layout.tensor_grid, zero)
         rows = self.cfg.data.global_batch_size // (layout.data_degree * layout.micro_batches)
         return Workload(self.shape, self.cfg.model.layers, self.cfg.model.heads, composed, layout.layers_per_stage,
-                        rows, self.cfg.optimizer.name, layout.activation_recompute == "full", self.activation_bytes)
+                        rows, self.cfg.optimizer.name, layout.activation_recompute == "full", self.activation_bytes,
+                        gloo=self.cfg.hardware.process_group_backend == "gloo")
 
     def __call__(self, layout: Layout) -> dict:
         """One csv row: the layout's fields, the step, MFU and the largest role's bytes."""
@@ -199,11 +201,13 @@ class Evaluator:
 
 def role_bytes(workload: Workload, layout: Layout, rank: int, stages: int, breadth_first: int, flash: bool) -> dict:
     """`estimate.memory` of pipeline rank `rank` without its plan row: the stages it holds (looping
-    r, r + p, …; at v = 1 the contiguous placement's one stage r) and the closed-form in-flight count."""
+    r, r + p, …; at v = 1 the contiguous placement's one stage r) and the closed-form in-flight counts."""
     loops = stages // layout.pipeline_degree
     held = [rank + loop * layout.pipeline_degree for loop in range(loops)]
     alive = closed_form_in_flight(layout.schedule, layout.pipeline_degree, loops, breadth_first, rank)
-    return stage_memory(workload, held, stages, alive, flash)
+    last_alive, later, posted = closed_form_moments(layout.schedule, layout.pipeline_degree, loops, breadth_first,
+                                                    layout.micro_batches, rank)
+    return stage_memory(workload, held, stages, alive, flash, later, layout.micro_batches, last_alive, posted)
 
 
 # ----- 3. and 4. rank, print, write, re-plan, and the sweep line

@@ -7,25 +7,29 @@ Nothing here builds a model or a process group; it is what plan mode answers at 
             times the blocks' saved bytes — a working set (one block's backward, the head's logits),
             and communication buffers;
   time      the one simulator (strategies/schedule/simulate.py) times the plan with F and B from
-            FLOPs at the device's dense rate × an efficiency, plus the tensor grid's collectives
-            inside them, and receives from the activation piece over the link the pipeline
-            crosses; the data-parallel reduction of the stage finished last is exposed, the others
-            overlap the remaining backward (layered accumulation, TECHNIQUES §1).
-What it leaves out (said in docs/plan.md): allocator fragmentation, the optimizer step's time,
-kernel launch latency, the embedding's gather, and any overlap of the grid's collectives with compute.
+            FLOPs at the device's dense rate × an efficiency, a fixed cost per product, the blocks'
+            non-product work (calibrated per activation element), the tensor grid's collectives
+            inside them (latency × count + bytes), and receives from the activation piece over the
+            link the pipeline crosses; the data-parallel reduction of the stage finished last is
+            exposed, the others overlap the remaining backward (layered accumulation, TECHNIQUES §1),
+            unless the device does not overlap communication (a CPU whose ranks use every core); then
+            the slowest rank's optimizer step.
+What it leaves out (said in docs/plan.md): allocator fragmentation, the framework's own cost per
+action, collectives' waits for descheduled peers when ranks outnumber cores, and any overlap of the
+grid's collectives with compute.
 """
 
 from collections import Counter
 from dataclasses import dataclass, replace
 
 from parallel.comm import KINDS
-from strategies.schedule import BACKWARD, FORWARD, Action, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT, simulate
+from strategies.schedule import (BACKWARD, FORWARD, Action, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT,
+                                 SEND_ACTIVATION, SEND_GRADIENT, simulate)
 from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, compute_runs
 from strategies.traffic import (BYTES, ComposedLayout, GptShape, activation_piece, all_gather, all_reduce,
-                                block_traffic, head_traffic, local_parameters, step_traffic)
+                                block_traffic, grid_collectives, head_traffic, local_parameters, step_traffic)
 from strategies.tensor_parallel.grids import DIMENSION
 
-OPTIMIZER_STATE = {"adamw": 2, "lamb": 2, "sgd": 1}  # fp32 tensors per parameter (SGD: momentum)
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,16 @@ class Device:
     # ramp, and a collective's or a message's latency — what dominates small models' steps.
     matmul_overhead_s: float = 0.0
     collective_latency_s: float = 0.0
+    # A block's non-product work (norms, softmax, GELU, dropout, additions: memory-bound operators, and
+    # on a CPU their dispatch) per block forward and per activation element it saves, and the
+    # optimizer's step per parameter: also measured by mode=calibrate, 0 in spec-sheet profiles.
+    block_overhead_s: float = 0.0
+    activation_seconds_per_element: float = 0.0
+    optimizer_seconds_per_parameter: float = 0.0
+    point_to_point_latency_s: float = None  # a pipeline message's; None = collective_latency_s
+    # Whether communication runs beside compute (NCCL on its own stream, copy engines). False on a CPU
+    # whose ranks use every core: gloo's copies and sums then take the cores, and nothing overlaps.
+    overlaps_communication: bool = True
 
 
 PRODUCTS_PER_BLOCK = 6  # per micro-batch forward: QKV, Q·Kᵀ, scores·V, the projection, the MLP's two
@@ -60,6 +74,12 @@ class Workload:
     optimizer: str = "adamw"
     recompute: bool = False
     activation_bytes: int = BYTES  # 2 under bf16/fp16 autocast: matrix-product inputs are kept in it
+    # Lightning's own closure (tensor-parallel strategies, single, ddp) zeroes gradients after the
+    # forward, not before it as the pipeline strategies do: last step's gradients see the whole stash.
+    gradients_through_forward: bool = False
+    # gloo's reduce-scatter (the 2-D/3-D grids') makes two full-size temporaries on the calling thread,
+    # which the meter counts; NCCL's buffers are not PyTorch's (estimate_memory.gloo_temporaries).
+    gloo: bool = False
 
     @property
     def piece(self) -> int:
@@ -72,99 +92,11 @@ class Workload:
         return self.layout.edge ** DIMENSION[grid] if grid else 1
 
 
-# ----- memory
-
-def block_saved_bytes(workload: "Workload", tokens: float, flash: bool) -> float:
-    """Bytes a block keeps for its backward, per micro-batch, as autograd saves them: on the
-    residual stream the two norms' inputs and outputs (x, LN₁(x), x₂, LN₂(x₂): 4h per token; the
-    sub-layers' outputs feed only additions, which save nothing), split by the grid q/k/v, the
-    attention context and the MLP's two wide activations (4h + 2rh), and with the math attention
-    kernel the softmax probabilities (heads × s per token). A 1-D grid keeps the residual stream
-    whole on every rank; 2-D/3-D grids split everything. (Dropout masks, 1 byte each, are left out.)"""
-    shape, ranks = workload.shape, workload.tensor_ranks
-    h, r = shape.hidden, shape.mlp_ratio
-    scores = 0 if flash else workload.heads * shape.length
-    if workload.layout.tensor_grid in ("2d", "3d"):
-        return grid_block_saved_elements(workload, tokens, scores) * workload.activation_bytes
-    residual = 4 * h / (1 if workload.layout.tensor_grid == "1d" else ranks)
-    split = (4 * h + 2 * r * h + scores) / ranks
-    return (residual + split) * tokens * workload.activation_bytes
-
-
-def grid_block_saved_elements(workload: "Workload", tokens: float, scores: float) -> float:
-    """A 2-D/3-D block: each GridLinear saves the *gathered* X and W its product used
-    (collectives.GatherMatmulScatter: X gathered over q ranks to tokens·in/q (2-D) or tokens·in/q²
-    (3-D), W to in·out/q or in·out/q²), per micro-batch; the split LayerNorms save their centred and
-    normalised pieces (2 each), attention its q, k, v and output pieces, GELU its input piece.
-    A piece is 1/(grid ranks) of the full activation."""
-    shape, q, ranks = workload.shape, workload.layout.edge, workload.tensor_ranks
-    h, r = shape.hidden, shape.mlp_ratio
-    gather = q if workload.layout.tensor_grid == "2d" else q * q
-    linears = sum(tokens * fan_in / gather + fan_in * fan_out / gather for fan_in, fan_out, _, _ in shape.linears())
-    pieces = tokens * (2 * 2 * h + 3 * h + h + r * h + scores) / ranks
-    return linears + pieces
-
-
-def in_flight(row, stages=None) -> int:
-    """Most forwards (of `stages`, default all) alive at once in a plan row: run, backward not yet.
-    Counted over time on the whole row, since different stages' peaks need not coincide
-    (interleaved 1F1B)."""
-    alive = peak = 0
-    for action in row:
-        if action is None or (stages is not None and action.stage not in stages):
-            continue
-        alive += action.kind == FORWARD
-        alive -= action.kind == BACKWARD
-        peak = max(peak, alive)
-    return peak
-
-
-def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True) -> dict:
-    """Bytes by kind on one rank of pipeline position `pipeline_rank` (the parts it holds)."""
-    row = [action for action in plan.ranks[pipeline_rank] if action is not None]
-    stages = sorted({action.stage for action in row if action.kind == FORWARD})
-    return stage_memory(workload, stages, plan.stages, in_flight(row), flash)
-
-
-def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int, flash: bool = True) -> dict:
-    """Bytes by kind on a rank holding `stages` (of `total_stages`) with at most `alive` forwards
-    in flight: what `memory` reads off a built plan, and what the search gives in closed form."""
-    layout, shape, per_stage = workload.layout, workload.shape, workload.layers_per_stage
-    held = sum(local_parameters(layout.tensor_grid, layout.edge, shape, stage == 0, per_stage,
-                                stage == total_stages - 1)["all"] for stage in stages)
-    sharded = held / layout.data if layout.zero else held
-    tokens = workload.micro_batch_rows * shape.length
-    block = block_saved_bytes(workload, tokens, flash)
-    kept = workload.piece * BYTES if workload.recompute else per_stage * block  # recompute: stage inputs
-    stash = alive * kept  # every stage holds layers_per_stage blocks
-    # Working set on top of the stash: a block's backward materialises gradients about the size of
-    # what it saved (with recomputation, also the block's recomputed internals); the last stage also
-    # holds the logits and their gradient (fp32, split by vocabulary).
-    logits = 2 * tokens * shape.vocabulary * BYTES / workload.tensor_ranks if total_stages - 1 in stages else 0
-    working = block * (2 if workload.recompute else 1) + logits
-    largest_stage = held / max(1, len(stages))
-    return {"parameters": sharded * BYTES,
-            "gradients": sharded * BYTES + (largest_stage * BYTES if layout.zero else 0),
-            "optimizer": OPTIMIZER_STATE.get(workload.optimizer, 2) * sharded * BYTES,
-            "activations": stash + working,
-            "buffers": (2 * largest_stage * BYTES if layout.zero else 0) + 2 * workload.piece * BYTES}
-
-
-def closed_form_in_flight(schedule: str, pipeline_degree: int, loops: int, breadth_first: int, rank: int) -> int:
-    """`in_flight` of pipeline rank `rank` without building the plan (strategies/schedule/generators.py;
-    depth-first groups drain before the next, so one breadth-first group's peak is the row's):
-      gpipe                  all bf forwards before the first backward;
-      one_f_one_b            p − 1 − r warm-up forwards, then one more before each backward: min(p − r, bf);
-      looped_breadth_first   every local stage's bf forwards before any backward: v·bf;
-      interleaved_one_f_one_b  2(p − 1 − r) + (v − 1)p warm-up forwards, + 1 in the steady state, ≤ v·bf."""
-    p, v, bf = pipeline_degree, loops, breadth_first
-    if schedule == "gpipe":
-        return bf
-    if schedule == "one_f_one_b":
-        return min(p - rank, bf)
-    if schedule == "interleaved_one_f_one_b":
-        return min(2 * (p - 1 - rank) + (v - 1) * p + 1, v * bf)
-    return v * bf  # looped_breadth_first, layered
+# The memory half (block_saved_bytes is also the time model's element count): strategies/estimate_memory.py
+from strategies.estimate_memory import (OPTIMIZER_STATE, backward_working_bytes, block_extra_bytes,  # noqa: F401
+                                        block_saved_bytes, closed_form_in_flight, closed_form_moments,
+                                        grid_block_saved_elements, head_saved_bytes, in_flight, in_flight_moments,
+                                        memory, stage_memory)
 
 
 # ----- time
@@ -196,24 +128,52 @@ def grid_seconds(workload: Workload, device: Device, stage: int, stages: int) ->
                                      workload.shape).items()})
     if stage == stages - 1:
         traffic += head_traffic(layout.tensor_grid, layout.edge, workload.micro_batch_rows, workload.shape)
-    return sum(traffic.values()) / link_bandwidth(device, workload.tensor_ranks)
+    count = grid_collectives(layout.tensor_grid, workload.layers_per_stage, stage == stages - 1)
+    return count * device.collective_latency_s + sum(traffic.values()) / link_bandwidth(device, workload.tensor_ranks)
 
 
 def stage_seconds(workload: Workload, device: Device, stage: int, stages: int) -> tuple:
-    """(forward, backward) seconds of one micro-batch through `stage`: FLOPs at the achieved rate,
+    """(forward, backward) seconds of one micro-batch through `stage`: FLOPs at the achieved rate
+    plus each product's fixed cost and the non-product work (`elementwise_seconds`),
     B = 2F (3F with recomputation: the forward runs again), the grid's collectives half in each."""
     compute = forward_flops(workload, stage, stages) / (device.flops_per_second * device.efficiency)
     products = workload.layers_per_stage * PRODUCTS_PER_BLOCK + (stage == stages - 1)  # + the head's
     compute += products * device.matmul_overhead_s  # the backward's 2 (or 3) × F carries 2 (3) × as many
+    compute += elementwise_seconds(workload, device, stage == 0, stage == stages - 1)
     communication = grid_seconds(workload, device, stage, stages)
     return compute + communication / 2, (3.0 if workload.recompute else 2.0) * compute + communication / 2
+
+
+def elementwise_seconds(workload: Workload, device: Device, embedding: bool = False, head: bool = False) -> float:
+    """A stage's forward work besides its products, on one grid rank: per block a fixed cost plus a
+    cost per activation element it saves (`block_saved_bytes`' count: the norms, softmax, GELU,
+    dropout and additions between products touch those tensors, whole or split by the grid as the
+    block keeps them); the embedding (lookup, position add, dropout: 2 elements per token and hidden
+    unit) and the head (its norm, 2h, and the logits' softmax and loss, 2 per vocabulary entry, split
+    by the grid) are charged alike. The backward carries 2× like the products (mode=calibrate fits the
+    two constants on the model's own blocks, forward and backward together)."""
+    tokens, shape = workload.micro_batch_rows * workload.shape.length, workload.shape
+    elements = workload.layers_per_stage * block_saved_bytes(workload, tokens, flash=True) / workload.activation_bytes
+    elements += embedding * 2 * tokens * shape.hidden + head * tokens * (2 * shape.hidden + 2 * shape.vocabulary
+                                                                       / workload.tensor_ranks)
+    operators = workload.layers_per_stage + embedding + head
+    return operators * device.block_overhead_s + elements * device.activation_seconds_per_element
+
+
+def optimizer_seconds(workload: Workload, device: Device, stages: list, total_stages: int) -> float:
+    """The optimizer step of a rank holding `stages`: its local parameters (ZeRO: its 1/n shard)
+    × the calibrated seconds per parameter (0 in spec-sheet profiles)."""
+    layout = workload.layout
+    held = sum(local_parameters(layout.tensor_grid, layout.edge, workload.shape, stage == 0,
+                                workload.layers_per_stage, stage == total_stages - 1)["all"] for stage in stages)
+    return (held / layout.data if layout.zero else held) * device.optimizer_seconds_per_parameter
 
 
 def receive_seconds(workload: Workload, device: Device) -> float:
     """One boundary receive: the activation piece (or its gradient, the same size) over the link
     pipeline neighbours cross (a tensor block apart; inside a node only if the whole pipeline is)."""
-    return (device.collective_latency_s
-            + workload.piece * BYTES / link_bandwidth(device, workload.tensor_ranks * workload.layout.pipeline))
+    latency = device.collective_latency_s if device.point_to_point_latency_s is None else device.point_to_point_latency_s
+    return latency + workload.piece * BYTES / link_bandwidth(device, workload.tensor_ranks * workload.layout.pipeline)
 
 
 def gather_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
@@ -230,21 +190,29 @@ def gather_seconds(workload: Workload, device: Device, stage: int, stages: int) 
 
 def step_cost(workload: Workload, device: Device, plan):
     """The simulator's cost of each action in seconds: F, B = (2 or 3)·F, receive waits, and the
-    part of each ZeRO gather its prefetch does not hide (`exposed_gathers`)."""
-    receive = receive_seconds(workload, device)
+    part of each ZeRO gather its prefetch does not hide (`exposed_gathers`). Without overlap
+    (`Device.overlaps_communication`), gathers are whole, every reduction is paid where it is issued
+    and a send costs its sender the copy."""
+    receive, overlap = receive_seconds(workload, device), device.overlaps_communication
     timings = {}
 
     def compute(action) -> float:
         if action.stage not in timings:
             timings[action.stage] = stage_seconds(workload, device, action.stage, plan.stages)
         return timings[action.stage][action.kind == BACKWARD]
-    gathers = exposed_gathers(plan, compute, lambda stage: gather_seconds(workload, device, stage, plan.stages))
+    gathers = exposed_gathers(plan, compute if overlap else lambda action: 0.0,
+                              lambda stage: gather_seconds(workload, device, stage, plan.stages))
+    send = 0.0 if overlap else receive  # gloo's send writes the message on the sender's core
 
     def cost(action) -> float:
         if action.kind in (FORWARD, BACKWARD):
             return compute(action)
         if action.kind in (GATHER_FORWARD, GATHER_BACKWARD):
             return gathers[action]
+        if action.kind in (REDUCE_GRADIENT, REDUCE_SCATTER) and not overlap:
+            return reduction_seconds(workload, device, action.stage, plan.stages)
+        if action.kind in (SEND_ACTIVATION, SEND_GRADIENT):
+            return send
         return receive if action.kind in (RECV_ACTIVATION, RECV_GRADIENT) else 0.0
     return cost
 
@@ -271,13 +239,17 @@ def rank_traffic(workload: Workload, plan, pipeline_rank: int) -> Counter:
 
 
 def predict_step(workload: Workload, device: Device, plan) -> dict:
-    """Predicted step: makespan of the simulated plan + the exposed data-parallel reduction, bubble
-    fraction, and each pipeline rank's bytes by kind (strategies/traffic.py)."""
+    """Predicted step: makespan of the simulated plan + the exposed data-parallel reduction + the
+    slowest rank's optimizer step, bubble fraction, and each pipeline rank's bytes by kind
+    (strategies/traffic.py)."""
     timeline = simulate(plan, step_cost(workload, device, plan))
     traffic = [rank_traffic(workload, plan, rank) for rank in range(plan.pipeline_degree)]
-    exposed = max(_last_reduction_seconds(workload, device, plan, rank) for rank in range(plan.pipeline_degree))
-    return {"step_seconds": timeline.makespan + exposed,
-            "compute_seconds": timeline.makespan, "exposed_data_seconds": exposed,
+    exposed = max(_last_reduction_seconds(workload, device, plan, rank) for rank in range(plan.pipeline_degree)) \
+        if device.overlaps_communication else 0.0  # else inside the timeline, where each reduction is issued
+    update = max(optimizer_seconds(workload, device, sorted({a.stage for a in row if a is not None and a.kind == FORWARD}),
+                                   plan.stages) for row in plan.ranks)
+    return {"step_seconds": timeline.makespan + exposed + update,
+            "compute_seconds": timeline.makespan, "exposed_data_seconds": exposed, "optimizer_seconds": update,
             "bubble_fraction": timeline.bubble_fraction, "timeline": timeline,
             "bytes_by_rank": [{kind: traffic_rank[kind] for kind in KINDS} for traffic_rank in traffic]}
 
@@ -358,9 +330,12 @@ def closed_form_step(workload: Workload, device: Device, schedule: str, micro_ba
     starts = exposures[0][0] + (exposures[p - 1][0] if p > 1 else 0) + max(0, p - 2) * exposures[min(1, p - 1)][0]
     compute = groups * group + starts + max(rest for _, rest in exposures.values())
     exposed = max(reduction_seconds(workload, device, rank, stages) for rank in {0, 1 % p, p - 1})
+    update = max(optimizer_seconds(workload, device, [rank + loop * p for loop in range(loops)], stages)
+                 for rank in {0, 1 % p, p - 1})
     # The simulator's bubble: idle compute time over makespan × ranks; every stage runs m F and m B.
     busy = micro_batches * ((stages - 1) * sum(middle) + sum(last))
-    return {"step_seconds": compute + exposed, "compute_seconds": compute, "exposed_data_seconds": exposed,
+    return {"step_seconds": compute + exposed + update, "compute_seconds": compute, "exposed_data_seconds": exposed,
+            "optimizer_seconds": update,
             "bubble_fraction": 1 - busy / (compute * p) if compute else 0.0}
 
 
@@ -424,14 +399,15 @@ def relay_step(workload: Workload, device: Device, micro_batches: int, host_devi
     (backward). With `overlap` (a copy stream prefetching the next stage: the paper's) each stage
     costs the longer of its compute and the copies issued beside it; without, they add up (the
     bound offload.transfer_cost gives the simulator). The host's eager update of the last stage
-    reached (the embedding) is not included, nor any host optimizer time."""
+    reached (the embedding) is the only update exposed: the worker thread updates every other stage
+    while the device runs the earlier ones."""
     stages = relay_stage_parameters(workload)
-    rate = device.flops_per_second * device.efficiency
-    block = forward_flops(replace(workload, layers_per_stage=1), 0, 2) / rate
-    head = forward_flops(replace(workload, layers_per_stage=0), 1, 2) / rate
+    block = stage_seconds(replace(workload, layers_per_stage=1, recompute=False), device, 0, 2)[0]
+    head = stage_seconds(replace(workload, layers_per_stage=0, recompute=False), device, 1, 2)[0]
     forward = [0.0] + [block] * workload.layers + [head]
     piece = workload.piece * workload.activation_bytes * micro_batches / host_device_bandwidth
     copy = [parameters * weight_bytes / host_device_bandwidth for parameters in stages]
+    overlap = overlap and device.overlaps_communication  # a CPU's copies take the cores the compute uses
     last, combine = len(stages) - 1, (max if overlap else lambda a, b: a + b)
     seconds = copy[0]  # the first stage's weights: nothing to hide behind
     for stage in range(last + 1):  # forward sweep: next stage's weights; constant: x in, y out
@@ -444,5 +420,6 @@ def relay_step(workload: Workload, device: Device, micro_batches: int, host_devi
                            + copy[stage] + stash)
     compute = 4 * micro_batches * sum(forward)
     transfer = 3 * sum(copy) + (5 * last * piece if constant_memory else 0.0)
+    seconds += stages[0] * device.optimizer_seconds_per_parameter  # the embedding's eager update, last
     return {"step_seconds": seconds, "compute_seconds": compute, "transfer_seconds": transfer,
             "exposed_transfer_seconds": seconds - compute}

@@ -6,6 +6,7 @@ rank's list of actions to the one executor.
 """
 
 import contextlib
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -35,11 +36,17 @@ FORWARD_ONLY = (FORWARD, SEND_ACTIVATION, POST_RECV_ACTIVATION, RECV_ACTIVATION)
 
 def compute_plan(strategy_config, layers: int) -> Plan:
     """The schedule's compute and point-to-point transfers, before any data-parallel pass."""
-    return add_communication(build_plan(
-        strategy_config.schedule, pipeline_degree=strategy_config.pipeline_degree,
-        stages=layers // strategy_config.layers_per_stage,
-        micro_batches=strategy_config.micro_batches,
-        breadth_first_micro_batches=strategy_config.breadth_first_micro_batches))
+    return _compute_plan(strategy_config.schedule, strategy_config.pipeline_degree,
+                         layers // strategy_config.layers_per_stage, strategy_config.micro_batches,
+                         strategy_config.breadth_first_micro_batches)
+
+
+@functools.lru_cache(maxsize=8)
+def _compute_plan(schedule: str, pipeline_degree: int, stages: int, micro_batches: int, breadth_first) -> Plan:
+    # Cached (plans are frozen): validation and plan mode build the same plan, and at 1T scale
+    # (64 ranks × 768 micro-batches) one build takes ~25 s.
+    return add_communication(build_plan(schedule, pipeline_degree=pipeline_degree, stages=stages,
+                                        micro_batches=micro_batches, breadth_first_micro_batches=breadth_first))
 
 
 def training_plan(strategy_config, layers: int) -> Plan:
@@ -89,6 +96,7 @@ class ModularPipelineStrategy(OwnedStepStrategy):
 
     # ----- seams
     @staticmethod
+    @functools.lru_cache(maxsize=8)  # validation and plan mode complete the same (frozen) plan
     def complete_plan(compute: Plan) -> Plan:
         """One optimizer step: compute and transfers, then the data-parallel reductions; validated."""
         return validate_plan(add_gradient_reductions(compute))
@@ -245,7 +253,10 @@ class ModularPipelineStrategy(OwnedStepStrategy):
     def write_evidence(self, run_directory: Path) -> list:
         """Gantt charts of the planned and the last executed step, and the executed order."""
         order = {"plan": [[str(a) for a in row if a is not None] for row in self.plan.ranks],
-                 "executed_last_step": [[a for a, _, _ in row] for row in self.executed]}
+                 "executed_last_step": [[a for a, _, _ in row] for row in self.executed],
+                 # seconds from the step's start: what plan mode's per-action prediction is checked against
+                 "executed_last_step_seconds": [[(a, s - row[0][1], e - row[0][1]) for a, s, e in row]
+                                                for row in self.executed if row]}
         (Path(run_directory) / "schedule.json").write_text(json.dumps(order, indent=1))
         # One row per pipeline rank: a tensor grid's collectives run inside each F and B bar.
         grid = f" × {self.tensor_parallel} grid of {self.degrees.tensor} (collectives inside F, B)" \

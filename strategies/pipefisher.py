@@ -133,6 +133,14 @@ class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
         self.kfac.precondition()
 
     # ----- evidence
+    @override
+    def compute_resident_tensors(self) -> list:
+        """Also K-FAC's factors, inverses (in use and fresh) and the captures a later step's units
+        still read: they live on the compute side between steps (the memory meter's floor)."""
+        kept = [matrix for state in (self.kfac.factors, self.kfac.inverses, self.kfac.fresh)
+                for pair in state.values() for matrix in pair.values()]
+        return super().compute_resident_tensors() + kept + list(self.kfac.captured.values())
+
     def cycle_timeline(self):
         return units.cycle_timeline(self.cycle.plans, self.cost)
 

@@ -85,6 +85,22 @@ def block_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
     return traffic + norm_traffic(grid, q, rows, shape) + norm_traffic(grid, q, rows, shape)
 
 
+def grid_collectives(grid: str, blocks: int, head: bool) -> int:
+    """Collectives one micro-batch's forward and backward issue on a grid rank (each pays a latency):
+    1-D: per block the attention's and the MLP's all-reduce, forward and backward (4); 2-D: per
+    linear X and W gathered forward, dX and dW reduce-scattered backward (4), 3-D: also Y scattered
+    forward and dY gathered backward (6); 2-D/3-D split norms sum mean and variance both ways (4 per
+    norm, 2 norms). The head: its linear (1-D: the input gradient's all-reduce) and norm as above,
+    plus the vocabulary-parallel loss's 3 all-reduces and, on 2-D/3-D, the loss's sum over batch splits."""
+    if not grid:
+        return 0
+    per_linear = {"1d": 0, "2d": 4, "3d": 6}[grid]
+    norm = 0 if grid == "1d" else 4
+    block = 4 if grid == "1d" else 4 * per_linear + 2 * norm
+    head_count = (1 if grid == "1d" else per_linear + norm + 1) + 3
+    return blocks * block + (head_count if head else 0)
+
+
 def head_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
     """The head (norm, vocabulary-split linear) and the vocabulary-parallel loss on one micro-batch:
     3 all-reduces of the rows' max, Σexp and target logit, and the loss's sum over batch splits."""

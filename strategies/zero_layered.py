@@ -7,10 +7,12 @@ rank whatever m; `breadth_first_micro_batches=1` is depth-first ZeRO-3, 3m(n−1
 With `pipeline_degree > 1` it is Breadth-First Pipeline Parallelism: looping + layered + sharded.
 """
 
+import functools
 from collections import deque
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
 from strategies import modular_pipeline
@@ -58,7 +60,9 @@ class ShardedStageWork(StageWork):
         self.gathers = deque()  # (stage, kind, [(work, buffer) per shard]) in plan order
         self.installed = None  # (stage, kind) whose weights the leaves point at
         self.scatters = []  # (shard, work, piece, gradient) in flight
-        self.buffers = {}  # storage pointer of an installed buffer -> (stage, shard index)
+        # storage of an installed buffer -> (stage, shard index); keyed by the storage object, not its
+        # address: fake tensors (the dry run) all have address 0, and a view shares its base's storage object
+        self.buffers = WeakIdKeyDictionary()
 
     def handlers(self) -> dict:
         return {**super().handlers(), GATHER_FORWARD: self.gather, GATHER_BACKWARD: self.gather,
@@ -82,7 +86,7 @@ class ShardedStageWork(StageWork):
             if work is not None:
                 work.wait()
             shard.install(buffer)
-            self.buffers[buffer.untyped_storage().data_ptr()] = (stage, index)
+            self.buffers[buffer.untyped_storage()] = (stage, index)
             if kind == BACKWARD:
                 shard.attach_gradients()
         self.installed = (stage, kind)
@@ -95,7 +99,7 @@ class ShardedStageWork(StageWork):
             self.installed = None
 
     def _pack(self, tensor):
-        key = self.buffers.get(tensor.untyped_storage().data_ptr())
+        key = self.buffers.get(tensor.untyped_storage())
         if key is None:
             return tensor
         return key, tensor.storage_offset(), tensor.size(), tensor.stride()
@@ -164,6 +168,7 @@ class ZeroLayeredStrategy(ModularPipelineStrategy):
 
     @staticmethod
     @override
+    @functools.lru_cache(maxsize=8)  # as ModularPipelineStrategy's: plans are frozen
     def complete_plan(compute):
         """Compute and transfers, then the ZeRO-3 gathers and reduce-scatters; validated."""
         return validate_plan(add_zero(compute))

@@ -26,9 +26,9 @@ def test_fit_recovers_a_fixed_cost_and_a_rate():
 def test_quick_calibration_writes_a_profile_that_composes(tmp_path):
     directory = tmp_path / "hardware"
     cfg = compose_config("mode=calibrate", "calibrate.quick=true", "calibrate.silent=true",
-                         "calibrate.repeats=3", f"calibrate.directory={directory}")
-    profile = calibrate(cfg)
-    measured = json.loads((directory / "calibrated.calibration.json").read_text())
+                         "calibrate.repeats=3", f"calibrate.directory={directory}", "calibrate.name=probe_profile")
+    profile = calibrate(cfg)  # a name of its own: this checkout may hold a calibrated.yaml of its machine
+    measured = json.loads((directory / "probe_profile.calibration.json").read_text())
     # the profile is the fit of the recorded rows, nothing else
     rows = measured["matmul_fp32"]["rows"]
     overhead, flops = fit_fixed_plus_rate([r[1] for r in rows], [r[2] for r in rows])
@@ -38,7 +38,16 @@ def test_quick_calibration_writes_a_profile_that_composes(tmp_path):
     assert profile["intra_node_bandwidth"] == pytest.approx(bandwidth)  # 2(n-1)/n = 1 at n = 2
     assert profile["collective_latency_s"] == pytest.approx(latency)
     assert all(r[1] > 0 and r[2] > 0 for r in reduce_rows)  # both all-reduce and round trip were timed
-    composed = compose_config("hardware=calibrated", f"hydra.searchpath=[file://{tmp_path}]")
+    one_way = fit_fixed_plus_rate([r[0] for r in reduce_rows], [r[2] / 2 for r in reduce_rows])[0]
+    assert profile["point_to_point_latency_s"] == pytest.approx(max(one_way, 1e-6))
+    blocks = measured["blocks"]["rows"]  # (elements, seconds of non-product work per block forward)
+    fixed, rate = fit_fixed_plus_rate([r[0] for r in blocks], [r[1] for r in blocks])
+    assert profile["block_overhead_s"] == pytest.approx(fixed)
+    assert profile["activation_seconds_per_element"] == pytest.approx(1 / rate) and rate > 0
+    steps = measured["optimizer"]["rows"]  # (parameters, seconds of one optimizer step)
+    assert profile["optimizer_seconds_per_parameter"] == pytest.approx(1 / fit_fixed_plus_rate(
+        [r[0] for r in steps], [r[1] for r in steps])[1])
+    composed = compose_config("hardware=probe_profile", f"hydra.searchpath=[file://{tmp_path}]")
     assert composed.hardware.peak_flops.fp32 == pytest.approx(flops)
     assert composed.hardware.host_device_bandwidth == pytest.approx(profile["host_device_bandwidth"])
     assert validate(composed) == 2  # a valid profile: the default experiment runs on it

@@ -1,10 +1,15 @@
-"""Dry run (prototype, issue 16 item 2): one rank's real setup and step at world 64 in this process.
+"""Dry run (issue 16 item 2): plan mode's second estimator, one rank per role at world 64, in this process.
 
-Each case runs the registry's strategy through a Lightning Trainer against torch's fake process
-group, as one rank of 64, and checks what that rank issued: its step's logical bytes per kind equal
-strategies/traffic.py's formula for its pipeline position, exactly. No process is forked. Ids:
-pp{p} pipeline ranks, dp{n} data replicas, p{t} 1-D tensor ranks, 3d_q{q} a 3-D grid of edge q.
-(Against real gloo runs at 8 ranks the same numbers agree per rank: docs/plan.md "Dry run".)
+Each case plans a layout analytically (layerwise/plan.py), then layerwise/cross_check.py runs one
+rank of every role through the registry's strategy and a Lightning Trainer against torch's fake
+process group, measures its second step (parallel/memory.py's meter, parallel/comm.py's counts)
+and compares: peak within 5% of the role's analytic bytes, collective bytes per kind equal to the
+plan's: every role of every case (strategies/estimate.py `stage_memory` counts what the code
+allocates at its peak moment: autocast's weight copies, fp32 norm inputs, the head's softmax per
+micro-batch in flight, sends kept until the step's end, posted receives, gradients growing in the
+first backward; docs/plan.md "Dry run").
+No process is forked. Ids: pp{p} pipeline ranks, dp{n} data replicas, p{t} 1-D tensor ranks,
+3d_q{q} a 3-D grid of edge q.
 """
 
 import os
@@ -12,51 +17,80 @@ import os
 import pytest
 import torch.distributed as dist
 
+from layerwise.cross_check import MEMORY_TOLERANCE, cross_check, describe
 from layerwise.dry_run import dry_run, formula_bytes
+from layerwise.plan import plan_result
 from parallel.comm import KINDS
 from tests.harness import QUICK, compose_config
 
 WORLD = 64
 CASES = {  # id: (overrides, a rank whose role is not rank 0's)
-    "zero_layered_pp2_dp32": (["strategy=zero_layered", "strategy.pipeline_degree=2", "model.layers=4"], 63),
+    "modular_pipeline_pp2_dp32": (["strategy=modular_pipeline", "strategy.pipeline_degree=2"], 1),
     "one_f_one_b_pp2_p2_dp16": (["strategy=one_f_one_b", "strategy.tensor_parallel=1d", "strategy.tensor_grid=2",
                                  "model.layers=4"], 37),
+    "zero_layered_pp2_dp32": (["strategy=zero_layered", "strategy.pipeline_degree=2", "model.layers=4"], 63),
     "three_d_3d_q2_dp8": (["strategy=three_d", "strategy.tensor_grid=2"], 45),
+    "tp_1d_p2_dp32": (["strategy=tp_1d", "strategy.tensor_grid=2"], 33),
+    "one_f_one_b_pp2_dp32_bf16": (["strategy=one_f_one_b", "strategy.pipeline_degree=2", "model.layers=4",
+                                   "hardware.precision=bf16-mixed"], 32),
 }
 
 
 def config(overrides):
-    return compose_config(*QUICK, f"data.global_batch_size={4 * WORLD}", "trainer.max_steps=1", *overrides)
+    return compose_config(*QUICK, f"data.global_batch_size={4 * WORLD}", "mode=plan", *overrides)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_one_rank_at_world_64_issues_the_formulas_bytes(case):
+def test_every_roles_dry_run_agrees_with_the_analytic_plan(case):
+    cfg = config(CASES[case][0])
+    result = plan_result(cfg, WORLD)
+    entries = cross_check(cfg, WORLD, result)
+    assert len(entries) == len(result["roles"]) >= 1
+    assert not dist.is_initialized() and "WORLD_SIZE" not in os.environ  # nothing leaks into the caller
+    for entry in entries:
+        print(case, describe(entry))
+        assert entry["memory_agrees"] and abs(entry["ratio"] - 1) <= MEMORY_TOLERANCE, entry["ratio"]
+        assert sum(entry["dry_run_bytes_by_kind"].values()) > 0
+        # Tensor-parallel strategies included: their loss's two scalars summed over data are in the plan.
+        assert entry["collective_bytes_equal"] and entry["kinds_differing"] == []
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_another_rank_of_the_role_issues_the_formulas_bytes(case):
+    """A rank other than the role's first (other data and tensor indices) issues the same bytes
+    per kind as strategies/traffic.py's formula for its pipeline position, exactly."""
     overrides, rank = CASES[case]
     cfg = config(overrides)
     result = dry_run(cfg, rank, WORLD)
-    assert result["steps"] == 1 and result["world_size"] == WORLD
-    assert not dist.is_initialized() and "WORLD_SIZE" not in os.environ  # nothing leaks into the caller
+    assert result["steps"] == 2 and result["world_size"] == WORLD
     expected = formula_bytes(cfg, WORLD, result["coordinates"]["pipeline"], result["vocabulary"])
-    print(f"{case} rank {rank} {result['coordinates']}: {result['bytes_by_kind']} in {result['seconds']:.2f} s")
     assert result["bytes_by_kind"] == {kind: pytest.approx(expected[kind], rel=1e-12, abs=0) for kind in KINDS}
-    assert sum(result["bytes_by_kind"].values()) > 0
     step = [c for c in result["collectives"] if c["phase"] == "step"]
     assert sum(c["bytes"] for c in step) == pytest.approx(sum(expected.values()), rel=1e-12)
     assert result["peak_compute_bytes"] > result["setup_peak_bytes"] > 0
 
 
-def test_fake_tensors_hold_the_same_bytes_and_memory_as_real_ones():
-    """FakeTensorMode (no storage allocated) gives the same collectives, step peak and setup peak."""
-    cfg = config(["strategy=modular_pipeline", "strategy.pipeline_degree=4", "model.layers=4"])
-    real, fake = dry_run(cfg, 5, WORLD), dry_run(cfg, 5, WORLD, fake_tensors=True)
-    assert fake["bytes_by_kind"] == real["bytes_by_kind"]
-    assert fake["peak_compute_bytes"] == real["peak_compute_bytes"]
-    assert fake["setup_peak_bytes"] == real["setup_peak_bytes"]
+@pytest.mark.parametrize("case", ["modular_pipeline_pp2_dp32", "zero_layered_pp2_dp32"])
+def test_fake_tensors_hold_the_same_bytes_and_memory_as_real_ones(case):
+    """FakeTensorMode (no storage allocated) gives the same collectives, step peak and setup peak;
+    ZeRO too, now that its saved-tensor hooks key gathered buffers by storage, not address."""
+    cfg = config(CASES[case][0])
+    for rank in (0, CASES[case][1]):
+        real, fake = dry_run(cfg, rank, WORLD), dry_run(cfg, rank, WORLD, fake_tensors=True)
+        assert fake["bytes_by_kind"] == real["bytes_by_kind"]
+        assert fake["peak_compute_bytes"] == real["peak_compute_bytes"]
+        assert fake["setup_peak_bytes"] == real["setup_peak_bytes"]
 
 
-def test_zero_under_fake_tensors_is_refused_with_the_blocker_named():
-    """Fake storages all have address 0; ZeRO's saved-tensor hooks key by address (docs/plan.md)."""
-    cfg = config(CASES["zero_layered_pp2_dp32"][0])
-    with pytest.raises(NotImplementedError, match="data_ptr"):
-        dry_run(cfg, 0, WORLD, fake_tensors=True)
-    assert not dist.is_initialized() and "WORLD_SIZE" not in os.environ
+def test_a_rank_on_the_last_of_64_nodes_issues_the_formulas_bytes():
+    """The multi-node path at world 512 (64 nodes × 8): the last data replica's rank of a middle
+    pipeline stage (node 63, its own NODE_RANK and LOCAL_RANK) issues the formula's bytes exactly."""
+    world = 512
+    cfg = compose_config(*QUICK, f"data.global_batch_size={2 * world}", "hardware.nodes=64", "hardware.devices_per_node=8",
+                         "strategy=one_f_one_b", "strategy.pipeline_degree=4", "strategy.tensor_parallel=1d",
+                         "strategy.tensor_grid=2", "model.layers=4", "strategy.layers_per_stage=1")
+    result = dry_run(cfg, 509, world)
+    assert result["coordinates"] == {"data": 63, "pipeline": 2, "tensor": 1}
+    expected = formula_bytes(cfg, world, 2, result["vocabulary"])
+    assert result["bytes_by_kind"] == {kind: pytest.approx(expected[kind], rel=1e-12, abs=0) for kind in KINDS}
+    assert result["bytes_by_kind"]["all_reduce"] > 0 and result["bytes_by_kind"]["send_recv"] > 0

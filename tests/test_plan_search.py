@@ -18,7 +18,8 @@ from layerwise.plan import plan_result
 from layerwise.search import (FAMILIES, Evaluator, Layout, layout_of, layouts, point_config, role_bytes, search,
                               strategy_overrides)
 from layerwise.validate import validate
-from strategies.estimate import Device, Workload, closed_form_in_flight, closed_form_step, in_flight, memory, predict_step
+from strategies.estimate import (Device, Workload, closed_form_in_flight, closed_form_moments, closed_form_step, in_flight,
+                                 in_flight_moments, memory, predict_step)
 from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule.generators import build_plan
 from strategies.schedule.passes import add_communication
@@ -73,6 +74,9 @@ def test_closed_form_agrees_with_the_simulated_plan(case, grid, vocabulary):
     loops = plan.stages // pipeline
     for rank in range(pipeline):
         assert closed_form_in_flight(schedule, pipeline, loops, breadth_first or micro, rank) == in_flight(plan.ranks[rank])
+        last_alive, later, posted = closed_form_moments(schedule, pipeline, loops, breadth_first or micro, micro, rank)
+        assert (later, posted) == in_flight_moments(plan.ranks[rank])[1:]
+        assert rank < pipeline - 1 or last_alive == in_flight_moments(plan.ranks[rank])[0]  # read on the head's rank only
     layout = Layout(next(f for f, (s, z, b) in FAMILIES.items() if (s, z) == (schedule, zero)), pipeline,
                     grid or "none", 2 if grid else 1, per_stage, micro, "none", data)
     searched = max(sum(role_bytes(load, layout, rank, plan.stages, breadth_first or micro, True).values())

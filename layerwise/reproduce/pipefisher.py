@@ -19,15 +19,14 @@ against the prediction of its bubble.
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 from layerwise.config import compose
 from layerwise.plan import device_of, training_plan_of, workload_of
 from layerwise.reproduce import Finding, Verdict
-from strategies.estimate import predict_step, step_cost
-from strategies.schedule import plot_timeline, simulate
+from strategies.estimate_kfac import kfac_cost, pipefisher_step, preconditioning_flops  # noqa: F401 (kfac_cost, preconditioning_flops: tests/test_reproduce_pipefisher.py reads them here)
+from strategies.schedule import plot_timeline
 from strategies.schedule import curvature as units
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,54 +59,24 @@ def paper_overrides(model: str, strategy: str, blocks: int, blocks_per_stage: in
             f"data.sequence_length={SEQUENCE}", "optimizer=lamb", "logger=none"]
 
 
-def block_shape(workload) -> units.BlockShape:
-    shape = workload.shape
-    return units.BlockShape(shape.hidden, shape.mlp_ratio, shape.length, workload.micro_batch_rows * shape.length,
-                            workload.layers_per_stage)
-
-
-def kfac_cost(workload, device, plan):
-    """Plan mode's cost of F, B and receives, and the K-FAC units' FLOPs at the same achieved rate
-    (one data replica per stage: the factor syncs move nothing)."""
-    base = step_cost(workload, device, plan)
-    rate = device.flops_per_second * device.efficiency
-    seconds = {kind: flops / rate for kind, flops in units.unit_flops(block_shape(workload)).items()}
-    return lambda action: seconds[action.kind] if action.kind in seconds else base(action)
-
-
-def preconditioning_flops(shape: units.BlockShape) -> float:
-    """ΔW = B⁻¹·∇W·A⁻¹ for every Linear of a stage: 2·out²·in + 2·out·in² (Δb = B⁻¹∇b is negligible)."""
-    return shape.layers_per_stage * sum(2 * out * out * fan_in + 2 * out * fan_in * fan_in
-                                        for fan_in, out in units.linear_shapes(shape).values())
-
-
 def schedule_row(cfg, world_size: int, refresh_interval: int = None, chart: Path = None) -> dict:
     """First-order step, PipeFisher's step with its refresh forced to the convergence run's k (None:
-    the k the packing needs), and K-FAC's step without bubbles, for one composed layout; `chart`:
-    draw the packed cycle there."""
-    workload, device, plan = workload_of(cfg, world_size), device_of(cfg), training_plan_of(cfg)
-    first_order = predict_step(workload, device, plan)
-    cost = kfac_cost(workload, device, plan)
-    needed = units.pack(plan, cost)  # k the work needs, and how well it packs
-    k = refresh_interval or needed.refresh_interval
-    cycle = needed if needed.refresh_interval == k else units.pack(plan, cost, k)
-    extra = first_order["exposed_data_seconds"] + \
-        preconditioning_flops(block_shape(workload)) / (device.flops_per_second * device.efficiency)
-    pipefisher = statistics.mean(simulate(step, cost).makespan for step in cycle.plans) + extra
+    the k the packing needs), and K-FAC's step without bubbles, for one composed layout, as plan mode
+    prices them (strategies/estimate_kfac.py `pipefisher_step`); `chart`: draw the packed cycle there."""
+    workload, device, plan = workload_of(cfg, world_size), device_of(cfg, world_size), training_plan_of(cfg)
+    step = pipefisher_step(workload, device, plan, refresh_interval)
+    first_order, needed, cycle = step["first_order"], step["needed"], step["cycle"]
     if chart is not None:
-        plot_timeline(units.cycle_timeline(cycle.plans, cost), chart, time_unit="s (plan mode)",
+        plot_timeline(units.cycle_timeline(cycle.plans, step["cost"]), chart, time_unit="s (plan mode)",
                       title=f"PipeFisher {cfg.strategy.schedule}, {cfg.model.name}, plan mode's cost: a "
                             f"{cycle.refresh_interval}-step cycle (magenta: K-FAC units)")
-    synchronous = simulate(units.synchronous_plan(plan), cost).makespan  # every unit on the critical path
-    no_bubbles = (synchronous + (k - 1) * first_order["compute_seconds"]) / k + extra
     return {"model": cfg.model.name, "schedule": cfg.strategy.schedule, "blocks": cfg.model.layers,
             "stages": plan.stages, "bubble_closed_form": closed_form_bubble(plan.pipeline_degree, plan.stages),
             "bubble_plan": first_order["bubble_fraction"], "kfac_work_per_bubble": needed.ratio,
-            "k_needed": needed.refresh_interval, "k_used": k, "fill": needed.fill,
-            "packing": needed.packing,
-            "bubble_with_kfac": statistics.mean(simulate(step, cost).bubble_fraction for step in needed.plans),
+            "k_needed": needed.refresh_interval, "k_used": cycle.refresh_interval, "fill": needed.fill,
+            "packing": needed.packing, "bubble_with_kfac": step["bubble_with_kfac_needed"],
             "spilled_units": cycle.spilled_to_critical_path, "step_first_order_s": first_order["step_seconds"],
-            "step_pipefisher_s": pipefisher, "step_kfac_no_bubbles_s": no_bubbles}
+            "step_pipefisher_s": step["step_seconds"], "step_kfac_no_bubbles_s": step["no_bubbles_seconds"]}
 
 
 def closed_form_bubble(pipeline: int, stages: int, micro_batches: int = MICRO_BATCHES) -> float:

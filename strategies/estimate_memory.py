@@ -1,0 +1,317 @@
+"""The analytic memory of a pipeline-family rank (strategies/estimate.py's memory half).
+
+Per rank role, the largest of four moments of a training step (`stage_memory`): its start, its
+first backward, the steady state and the data-parallel reduction, each with what the real code
+holds then — parameters, gradients, optimizer state, the stash of the forwards in flight (the
+blocks' saved tensors as autograd keeps them, autocast's weight copies, the head's softmax), a
+backward's working set, the point-to-point buffers `StageWork` keeps, ZeRO's gathered stages —
+traced against the meter action by action (docs/plan.md "Dry run"). `memory` reads the counts off a
+built plan row; the search gives them in closed form (`closed_form_in_flight`, `closed_form_moments`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from strategies.schedule import BACKWARD, FORWARD, RECV_GRADIENT
+from strategies.schedule.ir import POST_RECV_GRADIENT
+from strategies.traffic import BYTES, local_parameters
+
+if TYPE_CHECKING:
+    from strategies.estimate import Workload
+
+OPTIMIZER_STATE = {"adamw": 2, "lamb": 2, "sgd": 1}  # fp32 tensors per parameter (SGD: momentum)
+
+
+def block_saved_bytes(workload: "Workload", tokens: float, flash: bool) -> float:
+    """Bytes a block keeps for its backward, per micro-batch, as autograd saves them: on the
+    residual stream the two norms' inputs and outputs (x, LN₁(x), x₂, LN₂(x₂): 4h per token; the
+    sub-layers' outputs feed only additions, which save nothing), split by the grid q/k/v, the
+    attention context and the MLP's two wide activations (4h + 2rh), and with the math attention
+    kernel the softmax probabilities (heads × s per token). A 1-D grid keeps the residual stream
+    whole on every rank; 2-D/3-D grids split everything. (Dropout masks, 1 byte each, are left out.)"""
+    shape, ranks = workload.shape, workload.tensor_ranks
+    h, r = shape.hidden, shape.mlp_ratio
+    scores = 0 if flash else workload.heads * shape.length
+    if workload.layout.tensor_grid in ("2d", "3d"):
+        return grid_block_saved_elements(workload, tokens, scores) * workload.activation_bytes
+    residual = 4 * h / (1 if workload.layout.tensor_grid == "1d" else ranks)
+    split = (4 * h + 2 * r * h + scores) / ranks
+    return (residual + split) * tokens * workload.activation_bytes
+
+
+def grid_block_saved_elements(workload: "Workload", tokens: float, scores: float) -> float:
+    """A 2-D/3-D block: each GridLinear saves the *gathered* X and W its product used
+    (collectives.GatherMatmulScatter: X gathered over q ranks to tokens·in/q (2-D) or tokens·in/q²
+    (3-D), W to in·out/q or in·out/q²), per micro-batch; the split LayerNorms save their centred and
+    normalised pieces (2 each), attention its q, k, v and output pieces, GELU its input piece.
+    A piece is 1/(grid ranks) of the full activation."""
+    shape, q, ranks = workload.shape, workload.layout.edge, workload.tensor_ranks
+    h, r = shape.hidden, shape.mlp_ratio
+    gather = q if workload.layout.tensor_grid == "2d" else q * q
+    linears = sum(tokens * fan_in / gather + fan_in * fan_out / gather for fan_in, fan_out, _, _ in shape.linears())
+    pieces = tokens * (2 * 2 * h + 3 * h + h + r * h + scores) / ranks
+    return linears + pieces
+
+
+def block_extra_bytes(workload: "Workload", tokens: float) -> float:
+    """Bytes a block keeps per micro-batch besides `block_saved_bytes`' activations in the compute
+    dtype (that count stays the elements the time model prices), traced with the meter:
+    each LayerNorm's mean and reciprocal deviation and flash attention's log-sum-exp (fp32, 2·2 +
+    heads per token); and under autocast (activation_bytes 2) the norms' inputs x and x₂, which
+    stay fp32 (2h per token, 2 bytes more each), and the matrices: Lightning's autocast runs with
+    cache_enabled=False, so every forward casts each weight to the compute dtype and autograd keeps
+    that copy until the micro-batch's backward ((4 + 2r)h²/t per block). 2-D/3-D grids save the
+    gathered weights already (`grid_block_saved_elements`); their split norms are left as counted."""
+    if workload.layout.tensor_grid in ("2d", "3d"):
+        return 0.0
+    shape, ranks = workload.shape, workload.tensor_ranks
+    h, r = shape.hidden, shape.mlp_ratio
+    statistics = tokens * (4 + workload.heads / ranks) * BYTES
+    if workload.activation_bytes >= BYTES:
+        return statistics
+    residual = 2 * h * tokens / (1 if workload.layout.tensor_grid == "1d" else ranks)
+    weights = (4 + 2 * r) * h * h / ranks
+    return statistics + residual * (BYTES - workload.activation_bytes) + weights * workload.activation_bytes
+
+
+def head_saved_bytes(workload: "Workload", tokens: float) -> float:
+    """Bytes the last stage's head keeps per micro-batch until its backward: the final norm's fp32
+    input and statistics and its output in the compute dtype (the head product's input), the cast
+    output matrix under autocast, and the loss's softmax (log-probabilities, or the vocabulary-
+    parallel softmax: fp32, split by vocabulary) — one per micro-batch in flight, not one per step."""
+    shape, ranks = workload.shape, workload.tensor_ranks
+    whole = 1 if workload.layout.tensor_grid in (None, "1d") else ranks
+    norm = tokens * (shape.hidden / whole * (BYTES + workload.activation_bytes) + 2 * BYTES)
+    cast = shape.vocabulary * shape.hidden / ranks * workload.activation_bytes if workload.activation_bytes < BYTES else 0
+    if workload.layout.tensor_grid in ("2d", "3d"):  # the head's GridLinear saves its gathered X and W
+        cast = (tokens + shape.vocabulary) * shape.hidden / _gathered(workload) * workload.activation_bytes
+    return norm + cast + tokens * shape.vocabulary / ranks * BYTES
+
+
+def _gathered(workload: "Workload") -> int:
+    """What a 2-D (q) or 3-D (q²) grid's GatherMatmulScatter divides a gathered operand by."""
+    return workload.layout.edge ** (1 if workload.layout.tensor_grid == "2d" else 2)
+
+
+def backward_working_bytes(workload: "Workload", tokens: float, head: bool) -> float:
+    """The peak a backward adds on top of what it starts with (traced): in a block, at the MLP's
+    output product — the wide activation's gradient, fc_out's weight gradient (compute dtype) and,
+    under autocast, the incoming gradient's cast; on the last stage the larger of that and the
+    loss's gradient and the logits' (2 × tokens × vocabulary fp32, split by vocabulary). A 2-D/3-D grid's product gathers the
+    output gradient and computes the gathered input and weight gradients before reduce-scattering
+    them (collectives.GatherMatmulScatter). With recomputation the block's forward runs again
+    first, so its saved tensors are there too."""
+    shape, ranks, a = workload.shape, workload.tensor_ranks, workload.activation_bytes
+    grid = workload.layout.tensor_grid in ("2d", "3d")
+    if head:  # the larger of the loss's forward (logits, their fp32 copy, and a grid's shifted logits and
+        logits = tokens * shape.vocabulary / ranks  # exponentials beside the kept softmax) and its backward
+        forward = a + (BYTES if a < BYTES else 0) + (2 * BYTES if workload.layout.tensor_grid else 0)
+        product = _gathered_gradients(workload, tokens, shape.hidden, shape.vocabulary) if grid else 0
+        return max(logits * max(forward, 2 * BYTES), product, backward_working_bytes(workload, tokens, False))
+    if grid:  # GatherMatmulScatter's backward of the MLP's product
+        block = _gathered_gradients(workload, tokens, shape.mlp_ratio * shape.hidden, shape.hidden)
+    else:
+        block = (tokens * shape.mlp_ratio * shape.hidden + shape.mlp_ratio * shape.hidden ** 2) * a / ranks
+        block += tokens * shape.hidden * a / (1 if workload.layout.tensor_grid == "1d" else ranks) if a < BYTES else 0
+    if workload.recompute:
+        block += block_saved_bytes(workload, tokens, True) + block_extra_bytes(workload, tokens)
+    return block
+
+
+def _gathered_gradients(workload: "Workload", tokens: float, fan_in: int, fan_out: int) -> float:
+    """A 2-D/3-D GridLinear's backward at its peak: the gathered output gradient, input gradient
+    and weight gradient, then their reduce-scattered pieces (collectives.GatherMatmulScatter)."""
+    gathered = (tokens * (fan_in + fan_out) + fan_in * fan_out) / _gathered(workload)
+    return (gathered + (tokens + fan_out) * fan_in / workload.tensor_ranks) * workload.activation_bytes
+
+
+def in_flight(row, stages=None) -> int:
+    """Most forwards (of `stages`, default all) alive at once in a plan row: run, backward not yet.
+    Counted over time on the whole row, since different stages' peaks need not coincide
+    (interleaved 1F1B)."""
+    alive = peak = 0
+    for action in row:
+        if action is None or (stages is not None and action.stage not in stages):
+            continue
+        alive += action.kind == FORWARD
+        alive -= action.kind == BACKWARD
+        peak = max(peak, alive)
+    return peak
+
+
+def in_flight_moments(row) -> tuple:
+    """(forwards of the last stage held here in flight at the row's first backward — the head's
+    log-probabilities then; most forwards in flight at a backward once every stage of the row has
+    run one — the stash beside all the row's gradients, 0 if there is none; gradient receives
+    issued before the first backward — their buffers, strategies/schedule/point_to_point.py)."""
+    computed = [a for a in row if a is not None and a.kind in (FORWARD, BACKWARD)]
+    stages, started, alive, first, later = {a.stage for a in computed}, set(), Counter(), None, 0
+    for action in computed:
+        if action.kind == BACKWARD:
+            if first is None:
+                first = alive[max(stages)]
+            if started == stages:
+                later = max(later, sum(alive.values()))
+            started.add(action.stage)
+        alive[action.stage] += 1 if action.kind == FORWARD else -1
+    issued = next((index for index, a in enumerate(row) if a is not None and a.kind == BACKWARD), len(row))
+    posted = sum(a is not None and a.kind in (RECV_GRADIENT, POST_RECV_GRADIENT) for a in row[:issued])
+    return first or 0, later, posted
+
+
+def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True) -> dict:
+    """Bytes by kind on one rank of pipeline position `pipeline_rank` (the parts it holds)."""
+    row = [action for action in plan.ranks[pipeline_rank] if action is not None]
+    stages = sorted({action.stage for action in row if action.kind == FORWARD})
+    last_alive, later, posted = in_flight_moments(row)
+    return stage_memory(workload, stages, plan.stages, in_flight(row), flash, later, plan.micro_batches, last_alive,
+                        posted)
+
+
+def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int, flash: bool = True,
+                 later: int = None, micro_batches: int = None, last_alive: int = None, posted: int = None) -> dict:
+    """Bytes by kind on a rank holding `stages` (of `total_stages`) at its peak: what `memory` reads
+    off a built plan, and what the search gives in closed form (`closed_form_in_flight`,
+    `closed_form_moments`). Parameters and optimizer state stay; the step starts with
+    `zero_grad(set_to_none=True)`, so gradients are created by the backward. The largest of:
+      start       last step's gradients (with `gradients_through_forward`, also beside the whole
+                  forward's stash and the loss's working set);
+      first backward  `alive` forwards' stash (`last_alive` of the last stage with the head's
+                  saved tensors), the sent outputs (kept until the step's end), the `posted`
+                  gradient receives, and the backward creating its stage's gradients block by
+                  block as it frees that micro-batch's saved tensors;
+      later       every gradient, `later` forwards' stash, all m sent outputs, the gradients sent
+                  so far, the receives posted for the forwards in flight, a backward's working set;
+      reduction   every gradient, every send, and the data-parallel reduction's flat copy of a
+                  stage. ZeRO adds its gathered stages to each moment (below).
+    `later`, `micro_batches`, `last_alive`, `posted` default to one group of `alive` micro-batches
+    on one stage: alive − 1, alive, alive, one receive per sent output."""
+    layout, shape, per_stage = workload.layout, workload.shape, workload.layers_per_stage
+    later = max(alive - 1, 0) if later is None else later
+    m, last_alive = micro_batches or alive, alive if last_alive is None else last_alive
+    part = {stage: local_parameters(layout.tensor_grid, layout.edge, shape, stage == 0, per_stage,
+                                    stage == total_stages - 1)["all"] * BYTES for stage in stages}
+    held, largest = sum(part.values()), max(part.values())
+    sharded = held / layout.data if layout.zero else held
+    # ZeRO (strategies/zero_layered.py): a stage's weights are gathered whole for each run, the next
+    # run's gather posted one ahead (two stages; the same one twice when a rank holds one), and its
+    # backward installs a whole flat gradient at once, in flight until the next stage's reduce-
+    # scatter settles it (a looping rank's current and previous stage).
+    two = largest + sorted(part.values())[-2] if len(stages) > 1 else 2 * largest
+    full = (two - largest if len(stages) > 1 else largest) if layout.zero else 0
+    gradients = sharded + full
+    tokens = workload.micro_batch_rows * shape.length
+    block = block_saved_bytes(workload, tokens, flash) + block_extra_bytes(workload, tokens)
+    piece = workload.piece * BYTES  # the residual stream crosses boundaries in fp32 (StageWork.activation_dtype)
+    kept = piece if workload.recompute else per_stage * block  # recompute: stage inputs
+    loops, first, last = len(stages), 0 in stages, total_stages - 1 in stages
+    head = head_saved_bytes(workload, tokens) if last else 0.0
+    working = backward_working_bytes(workload, tokens, last)
+    pipelined = layout.pipeline > 1  # sends are kept until FINISH, receives from their post
+    sent_first = (alive - (last_alive if last else 0)) * pipelined
+    growth = part[max(stages)] + working if layout.zero else _first_backward_growth(
+        workload, tokens, stages, total_stages, block, working)
+    posted = sent_first if posted is None else posted
+    first_backward = alive * kept + last_alive * head + (sent_first + posted) * piece + growth
+    senders, gradient_senders = (loops - last) * pipelined, (loops - first) * pipelined
+    later_buffers = (m * senders + max(0, m * loops - later) * gradient_senders / loops
+                     + later * senders / loops) * piece
+    later_peak = gradients + later * kept + later / loops * head + later_buffers + working
+    every_send = m * (senders + gradient_senders) * piece
+    flat = largest if layout.data > 1 and not layout.zero else 0  # ZeRO's gathered buffers are counted below
+    forward = alive * kept + last_alive * head + working if workload.gradients_through_forward else 0
+    moments = {"start": (gradients, 0, 0), "first backward": (0, first_backward, 0), "forward": (gradients, forward, 0),
+               "later": (gradients, later_peak - gradients - later_buffers, later_buffers),
+               "reduction": (gradients, 0, every_send + flat)}
+    kept_gradients, activations, buffers = max(moments.values(), key=sum)
+    return {"parameters": sharded, "gradients": kept_gradients,
+            "optimizer": OPTIMIZER_STATE.get(workload.optimizer, 2) * sharded,
+            "activations": activations,
+            "buffers": buffers + (two if layout.zero else 0) + gloo_temporaries(workload, tokens)}
+
+
+def gloo_temporaries(workload: Workload, tokens: float) -> float:
+    """On gloo, a 2-D/3-D grid's reduce-scatter of a backward partial (dX or dW, fp32) makes two
+    full-size temporaries inside `wait()` on the calling thread (found by the dry run: NCCL and the
+    fake group have none): two of the largest such partial, which a backward holds at its peak. The
+    plan of a gloo run (this machine's) counts them; a GPU plan does not."""
+    if not workload.gloo or workload.layout.tensor_grid not in ("2d", "3d"):
+        return 0.0
+    q = workload.layout.edge
+    gather = q if workload.layout.tensor_grid == "2d" else q * q
+    largest = max(max(tokens * fan_in, fan_in * fan_out) / gather for fan_in, fan_out, _, _ in workload.shape.linears())
+    return 2 * largest * BYTES
+
+
+def _first_backward_growth(workload: Workload, tokens: float, stages: list, total_stages: int, block: float,
+                           working: float) -> float:
+    """What the rank's first backward (its last local stage's) adds at its peak, as it creates that
+    stage's gradients (full size) and frees the micro-batch's saved tensors: the working set at its
+    start (the head's, on the last stage); its last block's working set beside the other blocks'
+    gradients (and the head's) less what they freed; or, at its end, every gradient of the stage,
+    the embedding's last, less everything the micro-batch kept."""
+    stage, per_stage = max(stages), workload.layers_per_stage
+    shape, layout, last = workload.shape, workload.layout, max(stages) == total_stages - 1
+    block_gradients = local_parameters(layout.tensor_grid, layout.edge, shape, False, 1, False)["all"] * BYTES
+    head = (local_parameters(layout.tensor_grid, layout.edge, shape, False, 0, True)["all"] * BYTES
+            - head_saved_bytes(workload, tokens)) if last else 0
+    embedding = local_parameters(layout.tensor_grid, layout.edge, shape, True, 0, False)["all"] * BYTES if stage == 0 else 0
+    freed = 0 if workload.recompute else block  # recomputation: the block's tensors are its working set
+    others = (per_stage - 1) * (block_gradients - freed) + head
+    during = others + backward_working_bytes(workload, tokens, False)
+    end = others + block_gradients - freed + embedding - (workload.piece * BYTES if workload.recompute else 0)
+    return max(working, during, end)
+
+
+def closed_form_in_flight(schedule: str, pipeline_degree: int, loops: int, breadth_first: int, rank: int) -> int:
+    """`in_flight` of pipeline rank `rank` without building the plan (strategies/schedule/generators.py;
+    depth-first groups drain before the next, so one breadth-first group's peak is the row's):
+      gpipe                  all bf forwards before the first backward;
+      one_f_one_b            p − 1 − r warm-up forwards, then one more before each backward: min(p − r, bf);
+      looped_breadth_first   every local stage's bf forwards before any backward: v·bf;
+      interleaved_one_f_one_b  2(p − 1 − r) + (v − 1)p warm-up forwards, + 1 in the steady state, ≤ v·bf."""
+    p, v, bf = pipeline_degree, loops, breadth_first
+    if schedule == "gpipe":
+        return bf
+    if schedule == "one_f_one_b":
+        return min(p - rank, bf)
+    if schedule == "interleaved_one_f_one_b":
+        return min(2 * (p - 1 - rank) + (v - 1) * p + 1, v * bf)
+    return v * bf  # looped_breadth_first, layered
+
+
+def closed_form_moments(schedule: str, pipeline_degree: int, loops: int, breadth_first: int, micro_batches: int,
+                        rank: int) -> tuple:
+    """`in_flight_moments` of pipeline rank `rank` without the plan (the last stage's value is
+    read only on the rank holding it, p − 1): the head's forwards in flight at the first backward
+    are a breadth-first group's bf under GPipe and looped schedules, 1 under the 1F1B ones (a
+    backward follows each forward there). The stash is back at its peak beside every gradient when
+    a steady state of one forward per backward follows (1F1B: bf > p − r; interleaved: bf > p) or
+    a later group refills it (m > bf); else the second backward of a single group sees bf − 1."""
+    p, bf = pipeline_degree, breadth_first
+    alive = closed_form_in_flight(schedule, p, loops, bf, rank)
+    steady = micro_batches > bf or (schedule == "one_f_one_b" and bf > p - rank) \
+        or (schedule == "interleaved_one_f_one_b" and bf > p)
+    breadth = schedule in ("gpipe", "looped_breadth_first")
+    return (bf if breadth else 1), (alive if steady else bf - 1), _posted_receives(schedule, p, loops, bf, rank)
+
+
+def _posted_receives(schedule: str, p: int, loops: int, bf: int, rank: int) -> int:
+    """Gradient receives a rank has issued at its first backward (point_to_point.add_receive_posts:
+    as early as each pair's one issue order allows). None on the last rank of a one-stage-per-rank
+    schedule; a breadth-first rank posts one per forward in flight of its stages that send forward
+    (GPipe, looped: v·bf, (v − 1)·bf on rank p − 1); but at p = 2 a looping rank's one peer also takes
+    its gradient sends, which hold the posts back to min(2, bf − 1); a 1F1B rank in its steady state
+    has posted one. Interleaved 1F1B with bf = p (one group of p) is irregular; its fill's count
+    v·bf is used there (an upper bound; measured 3 on some ranks)."""
+    if p == 1 or (rank == p - 1 and loops == 1):
+        return 0
+    if p == 2 and loops > 1:
+        return 0 if rank == 1 else min(2, bf - 1)
+    if schedule == "one_f_one_b":
+        return 1 if bf > p - rank else bf
+    if schedule == "interleaved_one_f_one_b" and bf > p:
+        return 3 if rank < p - 1 else 2
+    return (loops - (rank == p - 1)) * bf

@@ -75,6 +75,12 @@ def worst_residual(work: list, seconds: list, fixed: float, rate: float) -> floa
     return max(abs((fixed + x / rate) / t - 1) for x, t in zip(work, seconds))
 
 
+def fitted(work: list, seconds: list) -> tuple:
+    """(fixed seconds, work per second, worst residual) of `fit_fixed_plus_rate` on these points."""
+    fixed, rate = fit_fixed_plus_rate(work, seconds)
+    return fixed, rate, worst_residual(work, seconds, fixed, rate)
+
+
 # ----- 1. matrix products
 
 def measure_matmuls(dtype: torch.dtype, edges, repeats: int) -> list:
@@ -147,15 +153,22 @@ def measure_copies(sizes, repeats: int) -> list:
 
 # ----- 4. a block's non-product work, and the optimizer step
 
+def model_blocks(cfg, count: int) -> list:
+    """`count` of the model group's blocks, built as the model builds them, on this CPU."""
+    model = cfg.model
+    return [build_block(hidden=model.hidden, heads=model.heads, mlp_ratio=model.mlp_ratio, dropout=model.dropout,
+                        causal=model.architecture == "gpt", seed=0, index=index, layers=count, device="cpu")
+            for index in range(count)]
+
+
 def block_rows(cfg, products: dict, rows_per_micro_batch, repeats: int, blocks: int = 2) -> list:
     """[(activation elements, seconds)] of a stage of `blocks` of the model's blocks (a stage, so caches
     hold what they hold between blocks in a run): (forward + backward − the products' modelled time)
     / 3 / blocks, the backward charged 2× like the products (strategies/estimate.py)."""
-    from strategies.estimate import PRODUCTS_PER_BLOCK, Workload, block_saved_bytes, forward_flops
+    from strategies.estimate import PRODUCTS_PER_BLOCK, Workload, forward_flops
+    from strategies.estimate_memory import block_saved_bytes
     model, length = cfg.model, min(cfg.data.sequence_length, cfg.model.max_sequence_length)
-    stage = torch.nn.Sequential(*[build_block(
-        hidden=model.hidden, heads=model.heads, mlp_ratio=model.mlp_ratio, dropout=model.dropout,
-        causal=model.architecture == "gpt", seed=0, index=index, layers=blocks, device="cpu") for index in range(blocks)])
+    stage = torch.nn.Sequential(*model_blocks(cfg, blocks))
     measured = []
     for rows in rows_per_micro_batch:
         workload = Workload(GptShape(model.hidden, model.mlp_ratio, 1, length, length), 1, model.heads,
@@ -171,11 +184,9 @@ def block_rows(cfg, products: dict, rows_per_micro_batch, repeats: int, blocks: 
 
 def optimizer_rows(cfg, block_counts, repeats: int) -> list:
     """[(parameters, seconds)] of the configured optimizer's step over 1 … n of the model's blocks."""
-    model, measured = cfg.model, []
+    measured = []
     for count in block_counts:
-        blocks = [build_block(hidden=model.hidden, heads=model.heads, mlp_ratio=model.mlp_ratio, dropout=0.0,
-                              causal=True, seed=0, index=index, layers=count, device="cpu") for index in range(count)]
-        named = [(f"{i}.{name}", p) for i, b in enumerate(blocks) for name, p in b.named_parameters()]
+        named = [(f"{i}.{name}", p) for i, b in enumerate(model_blocks(cfg, count)) for name, p in b.named_parameters()]
         for _, parameter in named:
             parameter.grad = torch.randn_like(parameter)  # host: the CPU being timed
         optimizer = build_optimizer(cfg.optimizer, named)
@@ -223,9 +234,7 @@ def calibrate(cfg) -> dict:
 def calibrate_matmuls(dtype: torch.dtype, quick: bool, repeats: int, say) -> dict:
     torch.set_num_threads(1)  # as every rank of a run
     rows = on_every_core(measure_matmuls, dtype, QUICK_MATMUL_EDGES if quick else MATMUL_EDGES, repeats)
-    work, seconds = [r[1] for r in rows], [r[2] for r in rows]
-    overhead, rate = fit_fixed_plus_rate(work, seconds)
-    residual = worst_residual(work, seconds, overhead, rate)
+    overhead, rate, residual = fitted([r[1] for r in rows], [r[2] for r in rows])
     say(f"matrix products {dtype}: {rate / 1e9:.1f} GFLOP/s + {overhead * 1e6:.0f} µs each "
         f"(worst fit residual {residual:.0%})")
     return {"rows": rows, "overhead_s": overhead, "flops_per_second": rate, "worst_residual": residual}
@@ -234,9 +243,9 @@ def calibrate_matmuls(dtype: torch.dtype, quick: bool, repeats: int, say) -> dic
 def calibrate_collectives(world: int, quick: bool, repeats: int, say) -> dict:
     rows = measure_collectives(world, QUICK_COLLECTIVE_BYTES if quick else COLLECTIVE_BYTES, repeats)
     work = [2 * (world - 1) / world * r[0] for r in rows]  # ring all-reduce: bytes each rank sends
-    latency, bandwidth = fit_fixed_plus_rate(work, [r[1] for r in rows])
+    latency, bandwidth, residual = fitted(work, [r[1] for r in rows])
     entry = {"rows": rows, "all_reduce_latency_s": latency, "all_reduce_bandwidth": bandwidth,
-             "worst_residual": worst_residual(work, [r[1] for r in rows], latency, bandwidth)}
+             "worst_residual": residual}
     if world == 2:  # a round trip is two one-way messages
         entry["send_latency_s"], entry["send_bandwidth"] = fit_fixed_plus_rate(
             [r[0] for r in rows], [r[2] / 2 for r in rows])
@@ -254,9 +263,9 @@ def calibrate_copies(quick: bool, repeats: int, say) -> dict:
 
 def calibrate_blocks(cfg, products: dict, quick: bool, repeats: int, say) -> dict:
     rows = on_every_core(block_rows, cfg, products, (1, 2) if quick else (1, 2, 4, 8), repeats * (1 if quick else 4))
-    overhead, rate = fit_fixed_plus_rate([r[0] for r in rows], [r[1] for r in rows])
+    overhead, rate, residual = fitted([r[0] for r in rows], [r[1] for r in rows])
     say(f"{cfg.model.name} block besides its products: {overhead * 1e6:.0f} µs + {1e9 / rate:.1f} ns per "
-        f"activation element, per forward (worst fit residual {worst_residual([r[0] for r in rows], [r[1] for r in rows], overhead, rate):.0%})")
+        f"activation element, per forward (worst fit residual {residual:.0%})")
     return {"rows": rows, "overhead_s": overhead, "elements_per_second": rate}
 
 

@@ -236,8 +236,8 @@ def _batch_seed(seed: int, split: str, index: int) -> int:
 def _sample_windows(tokens: torch.Tensor, batch: int, sequence_length: int,
                     generator: torch.Generator) -> torch.Tensor:
     """B random windows of sequence_length + 1 tokens, as int64 [B, s + 1]."""
-    # host: batches are cut on the host, as a DataLoader does; the strategy moves them to its device
-    offsets = torch.randint(0, tokens.numel() - sequence_length, (batch,), generator=generator)
+    # Batches are cut on the host, as a DataLoader does; the strategy moves them to its device.
+    offsets = torch.randint(0, tokens.numel() - sequence_length, (batch,), generator=generator)  # host: a loader's draw
     return torch.stack([tokens[o : o + sequence_length + 1] for o in offsets.tolist()]).long()
 
 

@@ -109,6 +109,15 @@ def local_gpu_count() -> int:
     return int(probe.stdout.strip() or 0) if probe.returncode == 0 else 0
 
 
+def close_process_group() -> None:
+    """Destroy this process's group before it exits, as every rank must (a forked one here, one
+    torchrun or Slurm started in layerwise.run.train): left to the interpreter's exit, gloo's threads
+    were sometimes destroyed still joinable — "terminate called without an active exception", a
+    SIGABRT after a completed run that torchrun reports as a failed job (1 of ~8 two-node runs)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _rank_entry(function, rank, world_size, ranks_per_node, port, results, arguments):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                       RANK=str(rank), LOCAL_RANK=str(rank % ranks_per_node),
@@ -124,8 +133,7 @@ def _rank_entry(function, rank, world_size, ranks_per_node, port, results, argum
         results.put((rank, "interrupted" if interrupted else "error", traceback.format_exc()))
         code = 1
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        close_process_group()
         results.close()
         results.join_thread()
         sys.stdout.flush()

@@ -18,7 +18,8 @@ from omegaconf import OmegaConf
 from layerwise.validate import ConfigError
 from models.transformer import model_flops_per_token
 from strategies import strategy_entry
-from strategies.estimate import Device, Workload, memory, predict_step
+from strategies.estimate import Device, Workload, predict_step
+from strategies.estimate_memory import memory
 from strategies.modular_pipeline import compute_plan, tensor_parallel
 from strategies.schedule import plot_timeline
 from strategies.traffic import ComposedLayout, GptShape, all_reduce

@@ -12,7 +12,7 @@ timeline for plan.png. layerwise/reproduce/pipefisher.py prices the paper's layo
 from omegaconf import OmegaConf
 
 from layerwise.plan import _result_header, _role, device_of, roles, training_plan_of, workload_of
-from strategies.estimate import memory
+from strategies.estimate_memory import memory
 from strategies.estimate_kfac import kfac_memory, pipefisher_step, stage_factor_elements, working_set
 from strategies.schedule import FORWARD
 from strategies.schedule import curvature as units

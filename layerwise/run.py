@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 from layerwise import data as data_lib
 from layerwise.evidence import PointToPointOrderCheck, RunEvidence, write_json_atomically
 from layerwise.faults import NonFiniteGuard, StopOnSigterm
-from layerwise.launch import (RankError, global_rank, launched_externally, run_ranks, start_method,
-                              writes_run_files)
+from layerwise.launch import (RankError, close_process_group, global_rank, launched_externally, run_ranks,
+                              start_method, writes_run_files)
 from layerwise.slurm import slurm_callbacks, slurm_plugins, slurm_step_flags
 from layerwise.task import LanguageModelData, LanguageModelTask, objective_of
 from parallel.layout import RANK_ORDER
@@ -199,16 +199,6 @@ def train(cfg, run_directory: Path, world_size: int):
         return None
     import json
     return json.loads((run_directory / "summary.json").read_text())
-
-
-def close_process_group() -> None:
-    """Destroy this process's group before the interpreter exits (the forked ranks do it in
-    launch._rank_entry): left to exit, gloo's threads were sometimes destroyed still joinable —
-    "terminate called without an active exception", SIGABRT after a completed run, which torchrun
-    then reports as a failed job (seen in 1 of ~8 two-node runs here)."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def record_failure(run_directory: Path, cfg, world_size: int, error: RankError) -> None:

@@ -28,8 +28,8 @@ from omegaconf import OmegaConf
 from layerwise.plan import compute_bytes, device_of, plan_result, shape_of
 from models.transformer import model_flops_per_token
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
-from strategies.estimate import (Workload, closed_form_in_flight, closed_form_moments, closed_form_step,
-                                 stage_memory)
+from strategies.estimate import Workload, closed_form_step
+from strategies.estimate_memory import closed_form_in_flight, closed_form_moments, stage_memory
 from strategies.schedule.generators import _check_combination
 from strategies.tensor_parallel.grids import DIMENSION, grid_of
 from strategies.traffic import ComposedLayout

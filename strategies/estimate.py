@@ -1,11 +1,7 @@
 """The analytic plan of a pipeline-family layout: memory per pipeline rank and a predicted step.
 
 Nothing here builds a model or a process group; it is what plan mode answers at full scale.
-  memory    per pipeline rank: parameters, gradients and optimizer state of the parts it holds
-            (strategies/traffic.py's local_parameters: tensor-grid shards, ZeRO's 1/n), the
-            activation stash — the most (stage, micro-batch) forwards alive at once in its plan row,
-            times the blocks' saved bytes — a working set (one block's backward, the head's logits),
-            and communication buffers;
+  memory    per pipeline rank: strategies/estimate_memory.py (this file keeps L2L's relay memory);
   time      the one simulator (strategies/schedule/simulate.py) times the plan with F and B from
             FLOPs at the device's dense rate × an efficiency, a fixed cost per product, the blocks'
             non-product work (calibrated per activation element), the tensor grid's collectives
@@ -23,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from parallel.comm import KINDS
+from strategies.estimate_memory import OPTIMIZER_STATE, block_saved_bytes, stage_parameters  # the memory half
 from strategies.schedule import (BACKWARD, FORWARD, Action, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT,
                                  SEND_ACTIVATION, SEND_GRADIENT, simulate)
 from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, compute_runs
@@ -92,13 +89,6 @@ class Workload:
         return self.layout.edge ** DIMENSION[grid] if grid else 1
 
 
-# The memory half (block_saved_bytes is also the time model's element count): strategies/estimate_memory.py
-from strategies.estimate_memory import (OPTIMIZER_STATE, backward_working_bytes, block_extra_bytes,  # noqa: F401
-                                        block_saved_bytes, closed_form_in_flight, closed_form_moments,
-                                        grid_block_saved_elements, head_saved_bytes, in_flight, in_flight_moments,
-                                        memory, stage_memory)
-
-
 # ----- time
 
 def forward_flops(workload: Workload, stage: int, stages: int) -> float:
@@ -163,10 +153,8 @@ def elementwise_seconds(workload: Workload, device: Device, embedding: bool = Fa
 def optimizer_seconds(workload: Workload, device: Device, stages: list, total_stages: int) -> float:
     """The optimizer step of a rank holding `stages`: its local parameters (ZeRO: its 1/n shard)
     × the calibrated seconds per parameter (0 in spec-sheet profiles)."""
-    layout = workload.layout
-    held = sum(local_parameters(layout.tensor_grid, layout.edge, workload.shape, stage == 0,
-                                workload.layers_per_stage, stage == total_stages - 1)["all"] for stage in stages)
-    return (held / layout.data if layout.zero else held) * device.optimizer_seconds_per_parameter
+    held = sum(stage_parameters(workload, stage, total_stages) for stage in stages)
+    return (held / workload.layout.data if workload.layout.zero else held) * device.optimizer_seconds_per_parameter
 
 
 def receive_seconds(workload: Workload, device: Device) -> float:
@@ -182,8 +170,7 @@ def gather_seconds(workload: Workload, device: Device, stage: int, stages: int) 
     layout = workload.layout
     if not layout.zero or layout.data == 1:
         return 0.0
-    held = local_parameters(layout.tensor_grid, layout.edge, workload.shape, stage == 0,
-                            workload.layers_per_stage, stage == stages - 1)["all"]
+    held = stage_parameters(workload, stage, stages)
     return (device.collective_latency_s
             + all_gather(held, layout.data) / link_bandwidth(device, workload.tensor_ranks * layout.pipeline * layout.data))
 
@@ -267,8 +254,7 @@ def reduction_seconds(workload: Workload, device: Device, stage: int, stages: in
     layout = workload.layout
     if layout.data == 1:
         return 0.0
-    held = local_parameters(layout.tensor_grid, layout.edge, workload.shape, stage == 0,
-                            workload.layers_per_stage, stage == stages - 1)["all"]
+    held = stage_parameters(workload, stage, stages)
     volume = all_gather(held, layout.data) if layout.zero else all_reduce(held, layout.data)
     return device.collective_latency_s + volume / link_bandwidth(device, workload.tensor_ranks * layout.pipeline * layout.data)
 

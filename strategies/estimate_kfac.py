@@ -20,7 +20,8 @@ model and packed into the first-order plan's bubbles, and the bytes strategies/k
 
 import statistics
 
-from strategies.estimate import Device, Workload, block_saved_bytes, in_flight, link_bandwidth, predict_step, step_cost
+from strategies.estimate import Device, Workload, link_bandwidth, predict_step, step_cost
+from strategies.estimate_memory import block_saved_bytes, in_flight
 from strategies.schedule import BACKWARD, FORWARD, simulate
 from strategies.schedule import curvature as units
 from strategies.traffic import BYTES, all_reduce

@@ -24,6 +24,14 @@ if TYPE_CHECKING:
 OPTIMIZER_STATE = {"adamw": 2, "lamb": 2, "sgd": 1}  # fp32 tensors per parameter (SGD: momentum)
 
 
+def stage_parameters(workload: "Workload", stage: int, stages: int) -> float:
+    """Elements of stage `stage` (of `stages`) on one grid rank: its blocks, the embedding on the
+    first, the head on the last (traffic.local_parameters)."""
+    layout = workload.layout
+    return local_parameters(layout.tensor_grid, layout.edge, workload.shape, stage == 0, workload.layers_per_stage,
+                            stage == stages - 1)["all"]
+
+
 def block_saved_bytes(workload: "Workload", tokens: float, flash: bool) -> float:
     """Bytes a block keeps for its backward, per micro-batch, as autograd saves them: on the
     residual stream the two norms' inputs and outputs (x, LN₁(x), x₂, LN₂(x₂): 4h per token; the
@@ -191,8 +199,7 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     layout, shape, per_stage = workload.layout, workload.shape, workload.layers_per_stage
     later = max(alive - 1, 0) if later is None else later
     m, last_alive = micro_batches or alive, alive if last_alive is None else last_alive
-    part = {stage: local_parameters(layout.tensor_grid, layout.edge, shape, stage == 0, per_stage,
-                                    stage == total_stages - 1)["all"] * BYTES for stage in stages}
+    part = {stage: stage_parameters(workload, stage, total_stages) * BYTES for stage in stages}
     held, largest = sum(part.values()), max(part.values())
     sharded = held / layout.data if layout.zero else held
     # ZeRO (strategies/zero_layered.py): a stage's weights are gathered whole for each run, the next

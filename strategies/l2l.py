@@ -125,8 +125,9 @@ class DropoutReplay:
                 self.masks[stage] = self._masks(stage)
 
     def _masks(self, stage):
-        # host: drawn from the CPU generator, in single's order, so the masks equal single's
-        return [torch.empty(self.batch_shape).bernoulli_(1 - m.p).div_(1 - m.p) for m in self.modules[stage]]
+        # Drawn from the CPU generator, in single's order, so the masks equal single's.
+        return [torch.empty(self.batch_shape).bernoulli_(1 - m.p).div_(1 - m.p)  # host: the CPU generator's draw
+                for m in self.modules[stage]]
 
     def applied(self, stage: int, rows: slice, copier: DeviceCopier):
         """Context: the stage's dropouts multiply by rows `rows` of the drawn masks."""

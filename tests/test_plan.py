@@ -15,7 +15,8 @@ import pytest
 from layerwise.plan import plan, training_plan_of, workload_of
 from layerwise.run import train
 from layerwise.validate import ConfigError, validate
-from strategies.estimate import backward_working_bytes, block_extra_bytes, block_saved_bytes, head_saved_bytes, in_flight
+from strategies.estimate_memory import (backward_working_bytes, block_extra_bytes, block_saved_bytes, head_saved_bytes,
+                                       in_flight)
 from tests.harness import QUICK, compose_config
 
 ROOT = Path(__file__).resolve().parent.parent

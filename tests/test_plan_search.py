@@ -18,8 +18,8 @@ from layerwise.plan import plan_result
 from layerwise.search import (FAMILIES, Evaluator, Layout, layout_of, layouts, point_config, role_bytes, search,
                               strategy_overrides)
 from layerwise.validate import validate
-from strategies.estimate import (Device, Workload, closed_form_in_flight, closed_form_moments, closed_form_step, in_flight,
-                                 in_flight_moments, memory, predict_step)
+from strategies.estimate import Device, Workload, closed_form_step, predict_step
+from strategies.estimate_memory import closed_form_in_flight, closed_form_moments, in_flight, in_flight_moments, memory
 from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule.generators import build_plan
 from strategies.schedule.passes import add_communication

@@ -23,7 +23,8 @@ import torch
 from layerwise.plan import device_of
 from layerwise.reproduce import Finding, Verdict
 from strategies.estimate import (Workload, relay_host_memory, relay_memory, relay_stage_parameters, relay_step,
-                                 stage_memory, stage_seconds)
+                                 stage_seconds)
+from strategies.estimate_memory import stage_memory
 from strategies.traffic import ComposedLayout, GptShape
 
 GIB = 2 ** 30

@@ -141,12 +141,15 @@ def _rank_entry(function, rank, world_size, ranks_per_node, port, results, argum
         os._exit(code)  # skip the parent's atexit handlers (pytest's, Hydra's) in the child
 
 
-def run_ranks(function, world_size: int, *arguments, timeout: float = 900.0,
+def run_ranks(function, world_size: int, *arguments, timeout: Optional[float] = None,
               method: str = "fork", ranks_per_node: Optional[int] = None) -> list:
     """Run `function(rank, *arguments)` on `world_size` local ranks; return results by rank.
 
     method: the start method (`start_method(accelerator)` chooses); with spawn, `function` and
     `arguments` must pickle. ranks_per_node: emulated node size (default: one node).
+    timeout: a deadline on the whole call, for bounded work only (calibration, tests). Training
+    passes none: a run lasts as long as it trains. A rank that dies is reported at once; a rank
+    that hangs alive is caught by the collective timeout (docs/faults.md), never by a wall clock.
     """
     context = multiprocessing.get_context(method)
     results = context.Queue()
@@ -166,10 +169,10 @@ def run_ranks(function, world_size: int, *arguments, timeout: float = 900.0,
             process.join(timeout=10)
 
 
-def _collect(processes, results, world_size: int, timeout: float) -> list:
-    outputs, deadline = {}, time.monotonic() + timeout
+def _collect(processes, results, world_size: int, timeout: Optional[float]) -> list:
+    outputs, deadline = {}, None if timeout is None else time.monotonic() + timeout
     while len(outputs) < world_size:
-        if time.monotonic() > deadline:
+        if deadline is not None and time.monotonic() > deadline:
             raise RankError(min(set(range(world_size)) - set(outputs)), f"no result in {timeout:.0f} s")
         try:
             rank, status, value = results.get(timeout=0.2)

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from layerwise import launch
 from layerwise.validate import ConfigError, validate
 from tests.fake_gpu import pretend_gpus
-from tests.harness import compose_config, run_on_ranks
+from tests.harness import QUICK, compose_config, run_on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_RUN = ["strategy=ddp", "hardware=dgx_a100_80g", "hardware.devices_per_node=2",
@@ -112,3 +113,48 @@ def test_when_nvml_cannot_count_a_separate_process_does(monkeypatch):
     monkeypatch.setattr(launch.subprocess, "run", probe)
     assert launch.local_gpu_count() == 3
     assert commands[0][0] == sys.executable and "device_count()" in commands[0][-1]
+
+
+# ----- No wall-clock deadline on training (issue 28 item 0) ----------------------------------------
+
+class DayPerReading:
+    """A clock on which every reading is a day later than the last: any deadline the launcher kept
+    would pass on its first check, so a run that still completes under it keeps none."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 86_400.0
+        return self.now
+
+    def __getattr__(self, name):  # sleep, perf_counter, ... stay real
+        return getattr(time, name)
+
+
+def sleep_then_name_the_rank(rank):
+    time.sleep(1.0)  # a few of the launcher's polls, each a day on its clock
+    return rank
+
+
+def test_ranks_run_as_long_as_they_work_when_no_deadline_is_asked(monkeypatch):
+    monkeypatch.setattr(launch, "time", DayPerReading())
+    assert launch.run_ranks(sleep_then_name_the_rank, 2) == [0, 1]
+
+
+def test_a_deadline_asked_for_bounded_work_still_ends_it(monkeypatch):
+    # The same clock fails a call that does ask for a deadline: the test above can fail.
+    monkeypatch.setattr(launch, "time", DayPerReading())
+    with pytest.raises(launch.RankError, match="no result in 60 s"):
+        launch.run_ranks(sleep_then_name_the_rank, 2, timeout=60.0)
+
+
+def test_a_training_run_outlives_days_on_the_launchers_clock(monkeypatch, tmp_path):
+    """train() through the real local launcher, ten steps of two ranks, each launcher clock
+    reading a day later: it completes (before the fix it died at the first reading past 900 s,
+    blaming a healthy rank)."""
+    from layerwise.run import train
+    monkeypatch.setattr(launch, "time", DayPerReading())
+    cfg = compose_config(*QUICK, "strategy=ddp", "trainer.max_steps=10", "trainer.val_check_interval=10")
+    summary = train(cfg, tmp_path / "run", validate(cfg))
+    assert summary["status"] == "completed" and summary["steps"] == 10

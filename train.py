@@ -10,7 +10,7 @@
     python train.py --help                           the config groups and their options
     torchrun --nnodes=2 --nproc-per-node=8 ... train.py hardware.nodes=2   ranks started outside
 
-Nothing here initialises CUDA: local GPU ranks are started afterwards (layerwise/launch.py).
+Nothing here initialises CUDA: local GPU ranks are started afterwards (layerwise/run/launch.py).
 """
 
 import os
@@ -22,9 +22,11 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from layerwise.config import register_schemas
-from layerwise.launch import external_world_errors, launched_externally, writes_run_files
-from layerwise.validate import ConfigError, composition_problem, validate
+from layerwise.config.store import register_schemas
+from layerwise.run.launch import external_world_errors, launched_externally, writes_run_files
+from layerwise.config.errors import ConfigError
+from layerwise.config.validate import composition_problem
+from layerwise.preflight import validate
 
 register_schemas()
 os.environ.setdefault("WANDB_MODE", "offline")  # nothing leaves the machine unless asked
@@ -74,16 +76,17 @@ def main(cfg):
         say("configuration is valid; mode=check starts nothing")
         return 0.0
     if cfg.mode == "calibrate":  # measure this machine, write a hardware profile; no run
-        from layerwise.calibrate import calibrate
+        from layerwise.tools.calibrate import calibrate
         return calibrate(cfg)["peak_flops"]["fp32"] if writes_run_files() else None
     if cfg.mode == "reproduce":  # a paper's headline claim (layerwise/reproduce/): verdicts, tables, plots
         from layerwise.reproduce import reproduce
         return len(reproduce(cfg, run_directory).verdicts) if writes_run_files() else None
     if cfg.mode == "plan":  # the analytic plan of this layout; nothing is built or started
-        from layerwise.plan import plan
-        return plan(cfg, world_size, run_directory)["step_seconds"] if writes_run_files() else None
-    from layerwise.evidence import outcome  # imports Lightning: not needed by --help, check or plan
-    from layerwise.run import train
+        from layerwise.planning.mode import plan
+        from layerwise.tools.cross_check import annotate  # plan.dry_run=true: the second estimator
+        return plan(cfg, world_size, run_directory, annotate)["step_seconds"] if writes_run_files() else None
+    from layerwise.run.evidence import outcome  # imports Lightning: not needed by --help, check or plan
+    from layerwise.run.fit import train
     summary = train(cfg, run_directory, world_size)
     if summary is None:  # a rank other than global rank 0: rank 0 reports
         return None

@@ -16,55 +16,12 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parallel.memory import ComputeMemoryMeter  # noqa: E402
-from layerwise.optim import build_optimizer  # noqa: E402
-from models import build_model  # noqa: E402
-from models.transformer import IGNORE_INDEX  # noqa: E402
-from strategies.l2l import relay_peak_bytes  # noqa: E402
+from layerwise.reproduce.measure import batch, model_of, relay_peak, single_peak  # noqa: E402
 
-OPTIMIZER = OmegaConf.create(dict(name="adamw", lr=1e-4, weight_decay=0.01, beta1=0.9, beta2=0.999, eps=1e-8,
-                                  momentum=0.9))
 MB = 2**20
-
-
-def model_of(architecture, layers, hidden, heads, sequence, dropout=0.1):
-    return build_model(architecture, vocab_size=256, sequence_length=sequence, layers=layers, hidden=hidden,
-                       heads=heads, mlp_ratio=4, dropout=dropout, seed=0)
-
-
-def batch(size, sequence, masked):
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (size, sequence), generator=generator)
-    if not masked:
-        return tokens, tokens
-    scored = torch.rand(size, sequence, generator=generator) < 0.15  # BERT's 15% of positions
-    return tokens, torch.where(scored, tokens, torch.full_like(tokens, IGNORE_INDEX))
-
-
-def relay_peak(model, tokens, targets, micro_batches, constant_memory, warm_up=True):
-    """Peak compute-side bytes of one relay step (the host store is never counted)."""
-    optimizer = build_optimizer(OPTIMIZER, model.named_parameters())
-    return relay_peak_bytes(model, optimizer, tokens, targets, micro_batches, constant_memory, warm_up)
-
-
-def single_peak(model, tokens, targets):
-    """`single`: weights and Adam state resident on the device, then forward + backward + step."""
-    optimizer = build_optimizer(OPTIMIZER, model.named_parameters())
-    warm_tokens, warm_targets = tokens[:1], targets[:1]
-    model.loss(model(warm_tokens), warm_targets).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    meter = ComputeMemoryMeter()
-    meter.resident(list(model.parameters()) + [value for state in optimizer.state.values()
-                                               for value in state.values() if torch.is_tensor(value)])
-    with meter:
-        model.loss(model(tokens), targets).backward()
-        optimizer.step()
-    return meter.peak_bytes
 
 
 def depth_table(depths, micro_batches_list, sequence=32, hidden=128):

@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from layerwise.run import train  # noqa: E402
-from layerwise.validate import validate  # noqa: E402
+from layerwise.run.fit import train  # noqa: E402
+from layerwise.preflight import validate  # noqa: E402
 from strategies import strategy_entry  # noqa: E402
 from tests.harness import compose_config  # noqa: E402
 

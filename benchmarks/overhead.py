@@ -2,10 +2,10 @@
 
     .venv/bin/python benchmarks/overhead.py [--steps 100 --repeats 5 --threads 1] [overrides ...]
 
-Two pairs, the same model (models.build_model), global batches (layerwise.data), AdamW and LR
-schedule (layerwise.optim) in each pair:
+Two pairs, the same model (models.build_model), global batches (layerwise.run.data), AdamW and LR
+schedule (layerwise.run.optim) in each pair:
 - `single`: a plain loop (zero_grad, forward, loss, backward, step, scheduler) against
-  `train.py strategy=single` (layerwise.run.train in this process: Lightning, callbacks, evidence);
+  `train.py strategy=single` (layerwise.run.fit.train in this process: Lightning, callbacks, evidence);
 - `ddp`: torch DDP on gloo in 2 forked ranks, each its slice of the global batch, against
   `train.py strategy=ddp` (2 ranks forked by the framework's launcher).
 A step's cost is read from per-step wall-clock timestamps (rank 0's step starts; the framework's
@@ -49,13 +49,13 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import layerwise.run  # noqa: E402
-from layerwise import data as data_lib  # noqa: E402
-from layerwise.config import register_schemas  # noqa: E402
-from layerwise.launch import free_port  # noqa: E402
-from layerwise.optim import build_optimizer, build_scheduler  # noqa: E402
-from layerwise.task import model_arguments, objective_of  # noqa: E402
-from layerwise.validate import validate  # noqa: E402
+import layerwise.run.fit  # noqa: E402
+from layerwise.run import data as data_lib  # noqa: E402
+from layerwise.config.store import register_schemas  # noqa: E402
+from layerwise.run.launch import free_port  # noqa: E402
+from layerwise.run.optim import build_optimizer, build_scheduler  # noqa: E402
+from layerwise.run.task import model_arguments, objective_of  # noqa: E402
+from layerwise.preflight import validate  # noqa: E402
 from models import build_model  # noqa: E402
 
 CONFIG_DIRECTORY = str(Path(__file__).resolve().parent.parent / "conf")
@@ -151,20 +151,20 @@ class StepStamps(pl.Callback):
 
 
 def build_trainer_with_step_stamps(cfg, run_directory, *arguments):
-    """layerwise.run.build_trainer, plus the StepStamps callback (forked ranks inherit the patch)."""
+    """layerwise.run.fit.build_trainer, plus the StepStamps callback (forked ranks inherit the patch)."""
     trainer = BUILD_TRAINER(cfg, run_directory, *arguments)
     trainer.callbacks.append(StepStamps(Path(run_directory) / "step_stamps.json"))
     return trainer
 
 
-BUILD_TRAINER = layerwise.run.build_trainer
-layerwise.run.build_trainer = build_trainer_with_step_stamps
+BUILD_TRAINER = layerwise.run.fit.build_trainer
+layerwise.run.fit.build_trainer = build_trainer_with_step_stamps
 
 
 def framework(cfg, corpus, steps: int) -> tuple:
     """train.py's run (compose and validate done): (first step's loss, rank 0's step stamps)."""
     with tempfile.TemporaryDirectory() as directory:
-        summary = layerwise.run.train(cfg, Path(directory), validate(cfg))
+        summary = layerwise.run.fit.train(cfg, Path(directory), validate(cfg))
         stamps = json.loads((Path(directory) / "step_stamps.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == steps
     return summary["losses"][0], stamps
@@ -208,7 +208,7 @@ def main() -> None:
     arguments = parser.parse_args()
     if arguments.threads:
         torch.set_num_threads(arguments.threads)
-    corpus = layerwise.run.load_corpus(configured("single", arguments.steps, arguments.overrides))
+    corpus = layerwise.run.fit.load_corpus(configured("single", arguments.steps, arguments.overrides))
     pairs = {name: sides for name, sides in {"single": (hand_loop, framework), "ddp": (hand_ddp, framework)}.items()
              if name in arguments.pairs.split(",")}
     times = {(pair, side): [] for pair in pairs for side in SIDES}

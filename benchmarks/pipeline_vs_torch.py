@@ -23,7 +23,7 @@ from torch import nn  # noqa: E402
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: E402
                                           ScheduleLoopedBFS)
 
-from layerwise.launch import run_ranks  # noqa: E402
+from layerwise.run.launch import run_ranks  # noqa: E402
 from parallel.layout import Degrees, ParallelLayout  # noqa: E402
 from models import build_model  # noqa: E402
 from strategies.modular_pipeline import training_plan  # noqa: E402

@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from layerwise.plan import plan_result  # noqa: E402
-from layerwise.search import search  # noqa: E402
-from layerwise.validate import validate  # noqa: E402
+from layerwise.planning.result import plan_result  # noqa: E402
+from layerwise.planning.search import search  # noqa: E402
+from layerwise.preflight import validate  # noqa: E402
 from tests.harness import compose_config  # noqa: E402
 
 # model -> pipeline degree (one stage per rank): GPT-3 as Narayanan et al. 2021 ran it at this scale;

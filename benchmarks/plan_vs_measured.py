@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/plan_vs_measured.py [--steps 4] [--only NAME ...]
     .venv/bin/python benchmarks/plan_vs_measured.py --time [--steps 12]   step times (after mode=calibrate)
 
-For each configuration: `layerwise.plan.plan` (nothing run), then the same config trained for a few
+For each configuration: `layerwise.planning.mode.plan` (nothing run), then the same config trained for a few
 steps with the compute-memory meter on every step (`trainer.measure_every_n_steps=1`); the measured
 peak is the maximum over ranks and steps (summary.json `peak_compute_bytes`), the predicted one the
 largest role's bytes before the allocator margin. Memory is exact accounting on both sides.
@@ -14,7 +14,7 @@ first) and `plan.efficiency=1` (the calibrated peak is already the achieved rate
 the first 2 steps and the last only, so the median of 12 steps is an unmetered step. Each
 configuration is measured `--repeats` times (3) in interleaved passes and compared with its median
 run. Layouts of more ranks than this machine's cores are included: the plan models their sharing
-of the cores (layerwise.plan.device_of), and their runs vary most from pass to pass.
+of the cores (layerwise.planning.inputs.device_of), and their runs vary most from pass to pass.
 """
 
 import argparse
@@ -27,9 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-from layerwise.plan import plan  # noqa: E402
-from layerwise.run import train  # noqa: E402
-from layerwise.validate import validate  # noqa: E402
+from layerwise.planning.mode import plan  # noqa: E402
+from layerwise.run.fit import train  # noqa: E402
+from layerwise.preflight import validate  # noqa: E402
 from tests.harness import compose_config  # noqa: E402
 
 COMMON = ["logger=none", "trainer.progress=none", "trainer.limit_val_batches=0", "model.layers=8"]

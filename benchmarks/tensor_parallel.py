@@ -17,22 +17,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from layerwise.run import train  # noqa: E402
-from layerwise.validate import validate  # noqa: E402
+from layerwise.run.fit import train  # noqa: E402
+from layerwise.preflight import validate  # noqa: E402
+from layerwise.reproduce.measure import overrides  # noqa: E402
 from tests.harness import compose_config  # noqa: E402
 
 CASES = [("single", "single", 1), ("1-D", "tp_1d", 8), ("2-D", "tp_2d", 4), ("3-D", "three_d", 8)]
-GRIDS = {"tp_1d": "strategy.tensor_grid=8", "tp_2d": "strategy.tensor_grid=2",
-         "three_d": "strategy.tensor_grid=2"}
-
-
-def overrides(arguments, strategy: str, devices: int) -> list:
-    shape = [f"model.hidden={arguments.hidden}", "model.heads=8", f"model.layers={arguments.layers}",
-             f"data.global_batch_size={arguments.batch}", f"data.sequence_length={arguments.sequence}"]
-    return (["logger=none", "trainer.progress=none", "trainer.limit_val_batches=0",
-             f"trainer.max_steps={arguments.steps}", "data.max_bytes=2000000",
-             f"strategy={strategy}", f"hardware.devices_per_node={devices}"]
-            + shape + ([GRIDS[strategy]] if strategy in GRIDS else []))
 
 
 def parameter_bytes(directory: Path) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from layerwise.validate import validate  # noqa: E402
+from layerwise.preflight import validate  # noqa: E402
 from tests.harness import compose_config, run_on_ranks  # noqa: E402
 from tests.test_zero_layered import counted_fit  # noqa: E402  (the independent counter)
 

@@ -20,11 +20,13 @@ model and packed into the first-order plan's bubbles, and the bytes strategies/k
 
 import statistics
 
-from strategies.estimate import Device, Workload, link_bandwidth, predict_step, step_cost
-from strategies.estimate_memory import block_saved_bytes, in_flight
+from cost.inputs import Device, Workload
+from cost.step_time import link_bandwidth, predict_step, step_cost
+from cost.memory import block_saved_bytes, in_flight
 from strategies.schedule import BACKWARD, FORWARD, simulate
 from strategies.schedule import curvature as units
-from strategies.traffic import BYTES, all_reduce
+from cost.inputs import BYTES
+from cost.traffic import all_reduce
 
 FLOAT64 = 8
 CHOLESKY_TEMPORARIES = 4  # kfac.damped_inverse: eye, the damped float64 copy, its Cholesky factor, the inverse

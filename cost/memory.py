@@ -1,4 +1,4 @@
-"""The analytic memory of a pipeline-family rank (strategies/estimate.py's memory half).
+"""The analytic memory of a pipeline-family rank (cost/step_time.py's memory half).
 
 Per rank role, the largest of four moments of a training step (`stage_memory`): its start, its
 first backward, the steady state and the data-parallel reduction, each with what the real code
@@ -12,16 +12,10 @@ built plan row; the search gives them in closed form (`closed_form_in_flight`, `
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
-
 from strategies.schedule import BACKWARD, FORWARD, RECV_GRADIENT
 from strategies.schedule.ir import POST_RECV_GRADIENT
-from strategies.traffic import BYTES, local_parameters
-
-if TYPE_CHECKING:
-    from strategies.estimate import Workload
-
-OPTIMIZER_STATE = {"adamw": 2, "lamb": 2, "sgd": 1}  # fp32 tensors per parameter (SGD: momentum)
+from cost.traffic import local_parameters
+from cost.inputs import BYTES, OPTIMIZER_STATE, Workload
 
 
 def stage_parameters(workload: "Workload", stage: int, stages: int) -> float:

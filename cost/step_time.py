@@ -1,7 +1,7 @@
 """The analytic plan of a pipeline-family layout: memory per pipeline rank and a predicted step.
 
 Nothing here builds a model or a process group; it is what plan mode answers at full scale.
-  memory    per pipeline rank: strategies/estimate_memory.py (this file keeps L2L's relay memory);
+  memory    per pipeline rank: cost/memory.py (this file keeps L2L's relay memory);
   time      the one simulator (strategies/schedule/simulate.py) times the plan with F and B from
             FLOPs at the device's dense rate × an efficiency, a fixed cost per product, the blocks'
             non-product work (calibrated per activation element), the tensor grid's collectives
@@ -16,77 +16,20 @@ grid's collectives with compute.
 """
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from parallel.comm import KINDS
-from strategies.estimate_memory import OPTIMIZER_STATE, block_saved_bytes, stage_parameters  # the memory half
+from cost.inputs import OPTIMIZER_STATE, Device, Workload
+from cost.memory import block_saved_bytes, stage_parameters  # the memory half
 from strategies.schedule import (BACKWARD, FORWARD, Action, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT,
                                  SEND_ACTIVATION, SEND_GRADIENT, simulate)
 from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, compute_runs
-from strategies.traffic import (BYTES, ComposedLayout, GptShape, activation_piece, all_gather, all_reduce,
-                                block_traffic, grid_collectives, head_traffic, local_parameters, step_traffic)
-from strategies.tensor_parallel.grids import DIMENSION
-
-
-
-@dataclass(frozen=True)
-class Device:
-    """What the time and memory models need of a hardware profile."""
-
-    flops_per_second: float  # dense peak in the compute dtype
-    efficiency: float  # achieved / peak for the model's matrix products
-    memory_bytes: float
-    intra_node_bandwidth: float
-    inter_node_bandwidth: float
-    devices_per_node: int
-    # Fixed costs mode=calibrate measures (0 in the spec-sheet profiles): a matrix product's launch and
-    # ramp, and a collective's or a message's latency — what dominates small models' steps.
-    matmul_overhead_s: float = 0.0
-    collective_latency_s: float = 0.0
-    # A block's non-product work (norms, softmax, GELU, dropout, additions: memory-bound operators, and
-    # on a CPU their dispatch) per block forward and per activation element it saves, and the
-    # optimizer's step per parameter: also measured by mode=calibrate, 0 in spec-sheet profiles.
-    block_overhead_s: float = 0.0
-    activation_seconds_per_element: float = 0.0
-    optimizer_seconds_per_parameter: float = 0.0
-    point_to_point_latency_s: float = None  # a pipeline message's; None = collective_latency_s
-    # Whether communication runs beside compute (NCCL on its own stream, copy engines). False on a CPU
-    # whose ranks use every core: gloo's copies and sums then take the cores, and nothing overlaps.
-    overlaps_communication: bool = True
+from cost.inputs import BYTES
+from cost.traffic import (all_gather, all_reduce, block_traffic, grid_collectives, head_traffic, local_parameters,
+                          step_traffic)
 
 
 PRODUCTS_PER_BLOCK = 6  # per micro-batch forward: QKV, Q·Kᵀ, scores·V, the projection, the MLP's two
-
-
-@dataclass(frozen=True)
-class Workload:
-    """The model, the layout and the batch one plan is for."""
-
-    shape: GptShape
-    layers: int
-    heads: int
-    layout: ComposedLayout
-    layers_per_stage: int
-    micro_batch_rows: int  # sequences per micro-batch of one data rank
-    optimizer: str = "adamw"
-    recompute: bool = False
-    activation_bytes: int = BYTES  # 2 under bf16/fp16 autocast: matrix-product inputs are kept in it
-    # Lightning's own closure (tensor-parallel strategies, single, ddp) zeroes gradients after the
-    # forward, not before it as the pipeline strategies do: last step's gradients see the whole stash.
-    gradients_through_forward: bool = False
-    # gloo's reduce-scatter (the 2-D/3-D grids') makes two full-size temporaries on the calling thread,
-    # which the meter counts; NCCL's buffers are not PyTorch's (estimate_memory.gloo_temporaries).
-    gloo: bool = False
-
-    @property
-    def piece(self) -> int:
-        """Elements of the activation piece a rank holds between blocks and a boundary carries."""
-        return activation_piece(self.layout, self.micro_batch_rows, self.shape)
-
-    @property
-    def tensor_ranks(self) -> int:
-        grid = self.layout.tensor_grid
-        return self.layout.edge ** DIMENSION[grid] if grid else 1
 
 
 # ----- time
@@ -220,7 +163,7 @@ def exposed_gathers(plan, compute, gather) -> dict:
 
 
 def rank_traffic(workload: Workload, plan, pipeline_rank: int) -> Counter:
-    """strategies/traffic.py's bytes by kind for a rank at `pipeline_rank` of this workload."""
+    """cost/traffic.py's bytes by kind for a rank at `pipeline_rank` of this workload."""
     return step_traffic(plan, workload.layout, pipeline_rank, workload.shape, workload.layers_per_stage,
                         workload.micro_batch_rows)
 
@@ -228,7 +171,7 @@ def rank_traffic(workload: Workload, plan, pipeline_rank: int) -> Counter:
 def predict_step(workload: Workload, device: Device, plan) -> dict:
     """Predicted step: makespan of the simulated plan + the exposed data-parallel reduction + the
     slowest rank's optimizer step, bubble fraction, and each pipeline rank's bytes by kind
-    (strategies/traffic.py)."""
+    (cost/traffic.py)."""
     timeline = simulate(plan, step_cost(workload, device, plan))
     traffic = [rank_traffic(workload, plan, rank) for rank in range(plan.pipeline_degree)]
     exposed = max(_last_reduction_seconds(workload, device, plan, rank) for rank in range(plan.pipeline_degree)) \

@@ -17,34 +17,13 @@ Counts come from the plan (how many sends, gathers, forwards per stage), sizes f
 shape: nothing here runs a model. Volumes use parallel.comm.ring_factor, as the Communicator does.
 """
 
-import math
 from collections import Counter
-from dataclasses import dataclass
 
+from cost.inputs import BYTES, ComposedLayout, GptShape, activation_piece
 from parallel.comm import ring_factor
 from strategies.schedule import FORWARD, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT
 from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER
-from strategies.tensor_parallel.grids import DIMENSION, grid_of, local_activation_shape
-
-BYTES = 4  # fp32: activations, gradients and the tensor grid's partial sums
-
-
-@dataclass(frozen=True)
-class GptShape:
-    """What the formulas need of a GPT: widths, vocabulary, and the two lengths (the position
-    table has max_sequence_length rows; a micro-batch has `length` tokens per sequence)."""
-
-    hidden: int
-    mlp_ratio: int
-    vocabulary: int
-    length: int
-    max_length: int
-
-    def linears(self):
-        """(input, output, position, has bias) of a block's four linears."""
-        h, r = self.hidden, self.mlp_ratio
-        return ((h, 3 * h, "first", True), (h, h, "second", True),
-                (h, r * h, "first", True), (r * h, h, "second", True))
+from strategies.tensor_parallel.grids import DIMENSION, grid_of
 
 
 def all_reduce(elements: float, group: int) -> float:
@@ -135,25 +114,6 @@ def local_parameters(grid, q: int, shape: GptShape, embed: bool, blocks: int, he
 
 
 # ----- a whole step of one rank
-
-@dataclass(frozen=True)
-class ComposedLayout:
-    """Degrees and the grid; `zero`: the stage parameters are flat ZeRO-3 shards over data."""
-
-    data: int
-    pipeline: int
-    tensor_grid: str = None  # None | "1d" | "2d" | "3d"
-    edge: int = 1
-    zero: bool = False
-
-
-def activation_piece(layout: ComposedLayout, rows: int, shape: GptShape) -> int:
-    """Elements of the residual-stream piece one rank holds between blocks, which is what a stage
-    boundary carries (grids.local_activation_shape; the whole activation without a grid)."""
-    if not layout.tensor_grid:
-        return rows * shape.length * shape.hidden
-    grid = grid_of(layout.tensor_grid, layout.edge ** DIMENSION[layout.tensor_grid], 0)
-    return math.prod(local_activation_shape(grid, rows, shape.length, shape.hidden))
 
 
 def replicated_group(layout: ComposedLayout) -> int:

@@ -14,9 +14,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from parallel.layout import Degrees, ParallelLayout
-from strategies.checkpoint import PerRankCheckpoints
+from strategies.checkpoint.per_rank import PerRankCheckpoints
 from strategies.hooks import RunHooks
-from strategies.portable import PortableCheckpoints
+from strategies.checkpoint.portable import PortableCheckpoints
 
 
 class LayerwiseStrategy(RunHooks, PortableCheckpoints, PerRankCheckpoints, DDPStrategy):
@@ -25,8 +25,8 @@ class LayerwiseStrategy(RunHooks, PortableCheckpoints, PerRankCheckpoints, DDPSt
     1. `setup_environment`: process group, then the layout (groups built once, in one order);
     2. `configure_ddp`: no wrapper; the subclass synchronises gradients itself;
     3. the data module asks `distributed_sampler_kwargs` for the data-parallel rank and degree;
-    4. checkpoints: one file per rank (strategies/checkpoint.py), and the portable one beside it
-       (strategies/portable.py).
+    4. checkpoints: one file per rank (strategies/checkpoint/per_rank.py), and the portable one beside it
+       (strategies/checkpoint/portable.py).
     """
 
     def __init__(self, degrees: Degrees, process_group_backend: str = "gloo",

@@ -1,5 +1,5 @@
 """Rules several strategies' config checks share: one helper each, so a rule and its message
-are written once. Strategies call these from their `check`; layerwise/validate.py calls the rest.
+are written once. Strategies call these from their `check`; layerwise/config/validate.py calls the rest.
 """
 
 from strategies.registry import REGISTRY, strategy_entry

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from parallel.layout import Degrees, ParallelLayout
 from strategies.hooks import RunHooks
-from strategies.portable import PortableCheckpoints
+from strategies.checkpoint.portable import PortableCheckpoints
 from strategies.registry import StrategyEntry
 from strategies.tensor_parallel.layers import MegatronLinear
 from strategies.tensor_parallel.parallelize import BLOCK_PLAN
@@ -218,7 +218,7 @@ class KFACInCheckpoint:
 
     A checkpoint may be read before `setup` builds `self.kfac` (one-process strategies restore
     first) or after it (per-rank strategies): `restore_kfac()` applies it whichever comes second.
-    A portable checkpoint (another layout: strategies/portable.py) carries no K-FAC state; the
+    A portable checkpoint (another layout: strategies/checkpoint/portable.py) carries no K-FAC state; the
     first resumed step is then a synchronous K-FAC step, like step 0 (`curvature_phase`).
     """
 

@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from parallel.layout import Degrees, ParallelLayout
 from strategies.hooks import RunHooks
-from strategies.portable import PortableCheckpoints
+from strategies.checkpoint.portable import PortableCheckpoints
 from strategies.recompute import apply_activation_recompute, recompute_errors
 from strategies.registry import StrategyEntry
 

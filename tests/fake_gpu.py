@@ -53,7 +53,7 @@ def run_train_py_until_launch() -> None:
 
     sys.path.insert(0, str(ROOT))
     calls = pretend_gpus(setattr_anyway, int(os.environ.get("FAKE_GPU_COUNT", "2")))
-    import layerwise.run
+    import layerwise.run.fit
 
     def probe(function, world_size, *arguments, method="fork", ranks_per_node=None, **keywords):
         print("LAUNCH " + json.dumps({"method": method, "world_size": world_size,
@@ -62,7 +62,7 @@ def run_train_py_until_launch() -> None:
                                       "initialising_calls": calls}), flush=True)
         raise SystemExit(0)
 
-    layerwise.run.run_ranks = probe
+    layerwise.run.fit.run_ranks = probe
     sys.argv[0] = str(ROOT / "train.py")
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
 

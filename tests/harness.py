@@ -1,6 +1,6 @@
 """Test helpers: compose configs like train.py does, and run functions on forked gloo ranks.
 
-`run_on_ranks` is the launcher train.py uses (layerwise.launch.run_ranks): ranks are forked, get
+`run_on_ranks` is the launcher train.py uses (layerwise.run.launch.run_ranks): ranks are forked, get
 MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK/LOCAL_RANK/NODE_RANK in their own environment (the test
 process's environment is never touched), destroy their process group on the way out, and are
 killed if any rank fails; the failing rank's traceback is raised here.
@@ -12,8 +12,8 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from layerwise.config import register_schemas
-from layerwise.launch import RankError, run_ranks  # noqa: F401  (re-exported for tests)
+from layerwise.config.store import register_schemas
+from layerwise.run.launch import RankError, run_ranks  # noqa: F401  (re-exported for tests)
 
 CONFIG_DIRECTORY = str(Path(__file__).resolve().parent.parent / "conf")
 # Every multi-process test runs the strict point-to-point check (NCCL's issue order; parallel/comm.py).
@@ -131,13 +131,13 @@ def assert_same_gradients(actual: dict, expected: dict, initial: dict, learning_
 def consolidated_parameters(run_directory, strategy_name: str, checkpoint: str = "last") -> dict:
     """The full model's state dict from a run's `last` (or another named) checkpoint, whatever the strategy.
 
-    layerwise.export's reading, the one users export with: a single file is already whole; a per-rank
+    layerwise.tools.export's reading, the one users export with: a single file is already whole; a per-rank
     directory is merged one pipeline position at a time by the strategy module's
     `consolidate(rank_state_dicts, layout)` (pipelines: disjoint keys; shards: concatenated).
     """
     from pathlib import Path
 
-    from layerwise.export import merged_state
+    from layerwise.tools.export import merged_state
     return merged_state(Path(run_directory) / "checkpoints" / f"{checkpoint}.ckpt", strategy_name)
 
 
@@ -257,14 +257,14 @@ def step_checkpoints(steps):
 
 
 def train_saving_steps(cfg, directory, steps=(1,)):
-    """layerwise.run.train, with checkpoints after the given steps too (the ranks are forked from
+    """layerwise.run.fit.train, with checkpoints after the given steps too (the ranks are forked from
     this process, so the patched trainer factory reaches them). One thread, as every forked rank
-    has (layerwise.launch): a one-process run in this process would otherwise spin several OpenMP
+    has (layerwise.run.launch): a one-process run in this process would otherwise spin several OpenMP
     threads on cores other tests share (10× slower under load)."""
     import torch
 
-    import layerwise.run as run_module
-    from layerwise.validate import validate
+    import layerwise.run.fit as run_module
+    from layerwise.preflight import validate
 
     original, threads = run_module.build_trainer, torch.get_num_threads()
 

@@ -11,7 +11,9 @@ import pytest
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from layerwise.validate import ConfigError, composition_problem, validate
+from layerwise.config.errors import ConfigError
+from layerwise.config.validate import composition_problem
+from layerwise.preflight import validate
 from tests.harness import compose_config
 
 ROOT = Path(__file__).resolve().parent.parent

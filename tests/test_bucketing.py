@@ -12,9 +12,9 @@ import csv
 import pytest
 import torch
 
-from layerwise.run import train
-from layerwise.task import model_arguments
-from layerwise.validate import validate
+from layerwise.run.fit import train
+from layerwise.run.task import model_arguments
+from layerwise.preflight import validate
 from models import build_model
 from strategies.buckets import bucket_bytes, parameter_buckets
 from strategies.l2l import stage_modules

@@ -1,12 +1,12 @@
-"""mode=calibrate (layerwise/calibrate.py): the fit recovers what it is given, and the written
+"""mode=calibrate (layerwise/tools/calibrate.py): the fit recovers what it is given, and the written
 profile is the fit of the recorded measurements and composes as a `hardware=` option."""
 
 import json
 
 import pytest
 
-from layerwise.calibrate import calibrate, fit_fixed_plus_rate, worst_residual
-from layerwise.validate import validate
+from layerwise.tools.calibrate import calibrate, fit_fixed_plus_rate, worst_residual
+from layerwise.preflight import validate
 from tests.harness import compose_config
 
 

@@ -2,7 +2,7 @@
 
 Every composed layout reproduces `single` (AdamW: 5 steps of losses and the final parameters; plain
 SGD: losses, the first step's gradients and the parameters, harness.SgdComparison), and the logical
-bytes it counts per step equal, kind by kind, the sum of its parts' formulas (strategies/traffic.py:
+bytes it counts per step equal, kind by kind, the sum of its parts' formulas (cost/traffic.py:
 pipeline sends × the activation piece, the grid's collectives per block, head and loss, replicated
 gradients, data all-reduce or ZeRO gathers). A mutation (the grid's replicated gradients not summed)
 proves the composed oracle can fail. Ids: pp{p} pipeline ranks, v{v} loops, p{t} 1-D tensor ranks,
@@ -11,11 +11,12 @@ proves the composed oracle can fail. Ids: pp{p} pipeline ranks, v{v} loops, p{t}
 
 import pytest
 
-from layerwise.run import train
-from layerwise.validate import ConfigError, validate
+from layerwise.run.fit import train
+from layerwise.config.errors import ConfigError
+from layerwise.preflight import validate
 from parallel.comm import KINDS
-from layerwise.plan import training_plan_of, workload_of
-from strategies.estimate import rank_traffic
+from layerwise.planning.inputs import training_plan_of, workload_of
+from cost.step_time import rank_traffic
 from strategies.stages import StageWork
 from tests.harness import (EXACT_RTOL, KFAC_SGD, QUICK, SGD_CASES, SgdComparison, assert_same_losses,
                            assert_same_parameters, compare_under_sgd, compose_config, consolidated_parameters,
@@ -41,7 +42,7 @@ def reference(tmp_path_factory):
 
 
 def formula_bytes(cfg, summary, vocabulary: int) -> dict:
-    """Max over ranks, per kind, of strategies.traffic's sum of parts for this layout."""
+    """Max over ranks, per kind, of cost.traffic's sum of parts for this layout."""
     workload, plan = workload_of(cfg, summary["world_size"], vocabulary), training_plan_of(cfg)
     per_rank = [rank_traffic(workload, plan, p) for p in range(workload.layout.pipeline)]
     return {kind: max(traffic[kind] for traffic in per_rank) for kind in KINDS}

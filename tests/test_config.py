@@ -11,7 +11,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from layerwise.validate import ConfigError, validate
+from layerwise.config.errors import ConfigError
+from layerwise.preflight import validate
 from tests.harness import compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,12 +47,12 @@ def cfg_layers(shape: str) -> int:
 
 
 def test_planning_shapes_compose_and_validate_in_check_mode():
-    """On hardware and a layout whose plan fits (layerwise.plan.memory_problems); the same shape on
+    """On hardware and a layout whose plan fits (layerwise.planning.fits.memory_problems); the same shape on
     a layout that does not fit is refused with the role, its breakdown and a change that fits."""
     fitting = ["strategy=one_f_one_b", "strategy.tensor_parallel=1d", "strategy.tensor_grid=8",
                "strategy.micro_batches=64", "strategy.activation_recompute=full", "data.global_batch_size=1536"]
     # StageWork keeps every send until the step's end: 2 × a data rank's tokens × h × 4 B on a middle
-    # rank (strategies/estimate.py stage_memory), so these batches are what fits 80 GB with this code.
+    # rank (cost/step_time.py stage_memory), so these batches are what fits 80 GB with this code.
     for shape, nodes, pipeline, micro_batches, length, batch in (("gpt3_175b", 64, 16, 64, 2048, 512),
                                                                  ("gpt_1t", 512, 64, 128, 1024, 1024)):
         cfg = compose_config(f"model={shape}", "mode=check", f"data.sequence_length={length}", "hardware=dgx_a100_80g",
@@ -123,7 +124,7 @@ def test_validated_config_is_read_only():
         cfg.strategy.micro_batches = 8
 
 
-NON_TEST_SOURCES = ["layerwise", "strategies", "parallel", "models", "hydra_plugins", "train.py"]
+NON_TEST_SOURCES = ["layerwise", "cost", "strategies", "parallel", "models", "hydra_plugins", "train.py"]
 
 
 def python_files(*names) -> list:
@@ -155,12 +156,12 @@ def unread_fields(schema, files, owner: str = "") -> list:
 
 def test_every_strategy_schema_field_is_read_by_its_strategy():
     """Each field of a strategy's schema appears as `.field` in that strategy's own code (its module
-    and the strategies/ modules it imports) or in the generic checks of layerwise/validate.py."""
+    and the strategies/ modules it imports) or in the generic checks of layerwise/config/validate.py."""
     from strategies.registry import REGISTRY
     unread = {}
     for option in options("strategy"):
         schema = OmegaConf.get_type(compose_config(f"strategy={option}", "mode=check").strategy)
-        files = strategy_sources(REGISTRY[option][0]) | {ROOT / "layerwise" / "validate.py"}
+        files = strategy_sources(REGISTRY[option][0]) | {ROOT / "layerwise" / "config" / "validate.py"}
         names = unread_fields(schema, files, owner="strategy(?:_config)?")  # cfg.strategy, strategy_config
         unread.update({f"{option}: {name}": schema.__name__ for name in names})
     assert not unread, f"schema fields no code reads: {unread}"
@@ -173,8 +174,8 @@ AWAITING_THE_PLANNER = {}
 
 
 def test_every_other_schema_field_is_read_outside_tests():
-    from layerwise import config
-    files = [f for f in python_files(*NON_TEST_SOURCES) if f != ROOT / "layerwise" / "config.py"]
+    from layerwise.config import schema as config
+    files = [f for f in python_files(*NON_TEST_SOURCES) if f != ROOT / "layerwise" / "config" / "schema.py"]
     schemas = [config.ModelConfig, config.DataConfig, config.HardwareConfig, config.OptimizerConfig,
                config.LoggerConfig, config.TrainerConfig, config.PlanConfig, config.CalibrateConfig,
                config.ReproduceConfig, config.Config]
@@ -248,7 +249,7 @@ def test_help_lists_the_groups():
 
 
 def test_sweep_point_directory_names_stay_short_and_distinct():
-    from layerwise.config import MAX_DIRECTORY_NAME, point_directory
+    from layerwise.config.store import MAX_DIRECTORY_NAME, point_directory
     long_a, long_b = "x=1," * 60 + "a=1", "x=1," * 60 + "a=2"
     assert point_directory(3, "strategy=ddp") == "3_strategy=ddp"
     names = {point_directory(0, long_a), point_directory(0, long_b)}

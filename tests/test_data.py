@@ -1,13 +1,11 @@
-"""Tests of layerwise/data.py: corpora, deterministic batches, data-parallel slices, errors."""
+"""Tests of layerwise/run/data.py: corpora, deterministic batches, data-parallel slices, errors."""
 
 import numpy as np
 import pytest
 import torch
 
-from layerwise.data import (
-    Corpus, DataError, TrainBatches, ValidationBatches, language_model_batch, load_corpus,
-    model_vocab_size,
-)
+from layerwise.run.data import (Corpus, DataError, TrainBatches, ValidationBatches, language_model_batch, load_corpus,
+                                model_vocab_size)
 
 OBJECTIVES = ["causal", "masked"]
 

@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCANNED = ("strategies", "parallel", "layerwise")
+SCANNED = ("strategies", "parallel", "cost", "layerwise")
 FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint",
              "randperm", "eye", "linspace"}
 

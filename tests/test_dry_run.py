@@ -1,10 +1,10 @@
 """Dry run (issue 16 item 2): plan mode's second estimator, one rank per role at world 64, in this process.
 
-Each case plans a layout analytically (layerwise/plan.py), then layerwise/cross_check.py runs one
+Each case plans a layout analytically (layerwise/planning/mode.py), then layerwise/tools/cross_check.py runs one
 rank of every role through the registry's strategy and a Lightning Trainer against torch's fake
 process group, measures its second step (parallel/memory.py's meter, parallel/comm.py's counts)
 and compares: peak within 5% of the role's analytic bytes, collective bytes per kind equal to the
-plan's: every role of every case (strategies/estimate.py `stage_memory` counts what the code
+plan's: every role of every case (cost/step_time.py `stage_memory` counts what the code
 allocates at its peak moment: autocast's weight copies, fp32 norm inputs, the head's softmax per
 micro-batch in flight, sends kept until the step's end, posted receives, gradients growing in the
 first backward; docs/plan.md "Dry run").
@@ -17,9 +17,9 @@ import os
 import pytest
 import torch.distributed as dist
 
-from layerwise.cross_check import MEMORY_TOLERANCE, cross_check, describe
-from layerwise.dry_run import dry_run, formula_bytes
-from layerwise.plan import plan_result
+from layerwise.tools.cross_check import MEMORY_TOLERANCE, cross_check, describe
+from layerwise.tools.dry_run import dry_run, formula_bytes
+from layerwise.planning.result import plan_result
 from parallel.comm import KINDS
 from tests.harness import QUICK, compose_config
 
@@ -58,7 +58,7 @@ def test_every_roles_dry_run_agrees_with_the_analytic_plan(case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_another_rank_of_the_role_issues_the_formulas_bytes(case):
     """A rank other than the role's first (other data and tensor indices) issues the same bytes
-    per kind as strategies/traffic.py's formula for its pipeline position, exactly."""
+    per kind as cost/traffic.py's formula for its pipeline position, exactly."""
     overrides, rank = CASES[case]
     cfg = config(overrides)
     result = dry_run(cfg, rank, WORLD)

@@ -10,9 +10,9 @@ import json
 
 import torch.distributed as dist
 
-from layerwise.evidence import RunEvidence, is_measured_step
-from layerwise.run import fit_rank, train
-from layerwise.validate import validate
+from layerwise.run.evidence import RunEvidence, is_measured_step
+from layerwise.run.fit import fit_rank, train
+from layerwise.preflight import validate
 from tests.harness import QUICK, compose_config, run_on_ranks
 
 # Everything torch.distributed offers that involves every rank of a group (sends are not collectives).
@@ -120,8 +120,8 @@ def test_rows_carry_their_own_step_numbers_however_often_the_exchange_is_read(tm
     their own step) must not complete the row just ended with the previous step's numbers."""
     import lightning.pytorch as pl
 
-    import layerwise.run
-    reads, build = [], layerwise.run.build_trainer
+    import layerwise.run.fit
+    reads, build = [], layerwise.run.fit.build_trainer
 
     class LateReader(pl.Callback):
         def __init__(self, evidence):
@@ -134,7 +134,7 @@ def test_rows_carry_their_own_step_numbers_however_often_the_exchange_is_read(tm
         trainer = build(cfg, run_directory, world_size, strategy, evidence)
         trainer.callbacks.append(LateReader(evidence))
         return trainer
-    monkeypatch.setattr(layerwise.run, "build_trainer", build_with_reader)
+    monkeypatch.setattr(layerwise.run.fit, "build_trainer", build_with_reader)
     cfg = compose_config(*overrides(5, 2, "strategy=single"))
     summary = train(cfg, tmp_path, validate(cfg))
     rows = metrics(tmp_path)

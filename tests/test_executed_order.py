@@ -21,8 +21,8 @@ import os
 
 import pytest
 
-from layerwise.run import fit_rank, train
-from layerwise.validate import validate
+from layerwise.run.fit import fit_rank, train
+from layerwise.preflight import validate
 from strategies.modular_pipeline import training_plan
 from strategies.schedule import (BACKWARD, FORWARD, POST_RECV_ACTIVATION, POST_RECV_GRADIENT, RECV_ACTIVATION,
                                  RECV_GRADIENT, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, is_post,

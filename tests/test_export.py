@@ -12,11 +12,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from layerwise import data as data_lib
-from layerwise.export import export, load_exported
-from layerwise.run import load_corpus, train
-from layerwise.task import objective_of
-from layerwise.validate import validate
+from layerwise.run import data as data_lib
+from layerwise.tools.export import export, load_exported
+from layerwise.run.fit import load_corpus, train
+from layerwise.run.task import objective_of
+from layerwise.preflight import validate
 from tests.harness import QUICK, compose_config, consolidated_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +56,7 @@ def test_exported_model_gives_the_runs_last_validation_loss(case, tmp_path):
 
 
 def test_export_command_writes_the_file_and_names_a_missing_checkpoint(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "layerwise.export", str(tmp_path), "--out",
+    result = subprocess.run([sys.executable, "-m", "layerwise.tools.export", str(tmp_path), "--out",
                              str(tmp_path / "model.safetensors")], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 2 and "checkpoints/last.ckpt does not exist" in result.stderr

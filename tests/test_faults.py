@@ -18,12 +18,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-import layerwise.run as run_module
-import strategies.checkpoint as checkpoint_module
-from layerwise.faults import NonFiniteLoss
-from layerwise.run import train
-from layerwise.validate import validate
-from strategies.checkpoint import CheckpointError, load_per_rank, read_checkpoint_file
+import layerwise.run.fit as run_module
+import strategies.checkpoint.per_rank as checkpoint_module
+from layerwise.run.faults import NonFiniteLoss
+from layerwise.run.fit import train
+from layerwise.preflight import validate
+from strategies.checkpoint.per_rank import CheckpointError, load_per_rank, read_checkpoint_file
 from tests.harness import QUICK, RankError, assert_same_checkpoints, compose_config
 
 STEPS, EVERY = 6, 2  # a checkpoint after steps 2, 4, 6: a fault at step 3 or 4 loses ≤ 2 steps
@@ -278,7 +278,7 @@ def test_disk_full_during_a_write_keeps_the_previous_last(tmp_path, monkeypatch,
 def launcher_config(*overrides):
     from hydra import compose, initialize_config_dir
 
-    from layerwise.config import register_schemas
+    from layerwise.config.store import register_schemas
     from tests.harness import CONFIG_DIRECTORY
     register_schemas()
     with initialize_config_dir(config_dir=CONFIG_DIRECTORY, version_base="1.3"):
@@ -288,7 +288,7 @@ def launcher_config(*overrides):
 
 def test_mem_gb_follows_the_hardware_profile():
     """job_resources gets the world size directly (validate's own checks are tested elsewhere)."""
-    from layerwise.slurm import job_resources
+    from layerwise.cluster.slurm import job_resources
     gpu = launcher_config("strategy=modular_pipeline", "hardware=dgx_a100_80g", "model=gpt_small")
     resources, problems = job_resources(gpu, 8)
     assert problems == [] and resources["mem_gb"] == int(0.9 * 2.0e12 / 2 ** 30)  # 2 TB per DGX node
@@ -303,21 +303,22 @@ def test_mem_gb_follows_the_hardware_profile():
 
 
 def test_requeue_is_capped_by_max_requeues(monkeypatch, capsys):
-    from layerwise import slurm
+    from layerwise.cluster import slurm
+    from layerwise.run import preemption
     calls = []
-    monkeypatch.setattr(slurm.subprocess, "run", lambda command, **keywords: calls.append(command))
+    monkeypatch.setattr(preemption.subprocess, "run", lambda command, **keywords: calls.append(command))
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
     for restarts, expected_calls, code in (("", 1, 0), ("1", 2, 0), ("2", 2, 1)):
         monkeypatch.setenv("SLURM_RESTART_COUNT", restarts)
         with pytest.raises(SystemExit) as exited:
-            slurm.exit_after_requeue(0, max_requeues=2)
+            preemption.exit_after_requeue(0, max_requeues=2)
         assert (len(calls), exited.value.code) == (expected_calls, code)
     assert calls == [["scontrol", "requeue", "7"]] * 2
     line = slurm.FAILURE_LINE.search(capsys.readouterr().err)  # what the launcher reports
     assert line.group(1) == "0" and "hydra.launcher.max_requeues=2" in line.group(2)
     with pytest.raises(SystemExit):  # another rank: no requeue, same exit
-        slurm.exit_after_requeue(1, max_requeues=2)
+        preemption.exit_after_requeue(1, max_requeues=2)
     assert len(calls) == 2
 
 

@@ -1,6 +1,6 @@
-"""The GPU check (layerwise/gpu_check.py, scripts/gpu_check.sh): its skip path on a machine without
+"""The GPU check (layerwise/tools/gpu_check.py, scripts/gpu_check.sh): its skip path on a machine without
 CUDA, and its table, built here from real runs on CPU ranks (hardware=cpu). The runs go through
-layerwise.run.train in this process (what train.py calls after validating), not a train.py
+layerwise.run.fit.train in this process (what train.py calls after validating), not a train.py
 subprocess per point, to keep the test fast; the table code reads the same summary.json."""
 
 import json
@@ -8,9 +8,9 @@ import os
 import subprocess
 from pathlib import Path
 
-from layerwise import gpu_check
-from layerwise.run import train
-from layerwise.validate import validate
+from layerwise.tools import gpu_check
+from layerwise.run.fit import train
+from layerwise.preflight import validate
 from tests.harness import LOSS_RTOL, compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ def test_the_script_skips_without_a_cuda_device(tmp_path):
 
 
 def test_the_module_skips_without_a_cuda_device(monkeypatch, capsys):
-    monkeypatch.setattr("layerwise.launch.local_gpu_count", lambda: 0)
+    monkeypatch.setattr("layerwise.run.launch.local_gpu_count", lambda: 0)
     assert gpu_check.main([]) == 0
     assert capsys.readouterr().out.strip() == gpu_check.SKIPPED_MESSAGE
 
@@ -41,7 +41,7 @@ def train_in_process(overrides, run_directory):
 
 def test_the_table_holds_what_the_summaries_say(tmp_path):
     rows = gpu_check.check(["ddp", "three_d"], [2], steps=2, hardware="cpu", directory=tmp_path,
-                           extra=TINY, run=train_in_process)
+                           extra=TINY, run=train_in_process, preflight=validate)
     assert [(row.strategy, row.ranks, row.status) for row in rows] == [
         ("single", 1, "completed"), ("ddp", 2, "completed"), ("three_d", 2, "skipped")]
     single = json.loads((tmp_path / "single-1" / "summary.json").read_text())
@@ -72,7 +72,7 @@ def test_pipefisher_is_compared_with_kfac_and_failures_keep_their_reason():
 
     import tempfile
     with tempfile.TemporaryDirectory() as directory:
-        rows = gpu_check.check(["pipefisher"], [2], 2, "cpu", Path(directory), run=run)
+        rows = gpu_check.check(["pipefisher"], [2], 2, "cpu", Path(directory), run=run, preflight=validate)
     assert calls == ["single-1", "pipefisher-2", "kfac-1"]  # each reference runs once
     assert rows[1].reference == "kfac" and rows[1].max_loss_difference == 0.5
     assert not gpu_check.passed(rows[1], tolerance=1e-3)

@@ -10,9 +10,10 @@ import torch
 from omegaconf import OmegaConf
 
 from parallel.comm import Communicator, Group
-from layerwise.optim import build_optimizer
-from layerwise.run import train
-from layerwise.validate import ConfigError, validate
+from layerwise.run.optim import build_optimizer
+from layerwise.run.fit import train
+from layerwise.config.errors import ConfigError
+from layerwise.preflight import validate
 from models import build_model
 from strategies.l2l import Relay, relay_peak_bytes
 from strategies.schedule import (BACKWARD, FORWARD, layered, looped_breadth_first, simulate, unit_cost,

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from layerwise import launch
-from layerwise.validate import ConfigError, validate
+from layerwise.run import launch
+from layerwise.config.errors import ConfigError
+from layerwise.preflight import validate
 from tests.fake_gpu import pretend_gpus
 from tests.harness import QUICK, compose_config, run_on_ranks
 
@@ -153,7 +154,7 @@ def test_a_training_run_outlives_days_on_the_launchers_clock(monkeypatch, tmp_pa
     """train() through the real local launcher, ten steps of two ranks, each launcher clock
     reading a day later: it completes (before the fix it died at the first reading past 900 s,
     blaming a healthy rank)."""
-    from layerwise.run import train
+    from layerwise.run.fit import train
     monkeypatch.setattr(launch, "time", DayPerReading())
     cfg = compose_config(*QUICK, "strategy=ddp", "trainer.max_steps=10", "trainer.val_check_interval=10")
     summary = train(cfg, tmp_path / "run", validate(cfg))

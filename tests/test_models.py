@@ -208,25 +208,143 @@ def test_models_never_mention_the_distributed_package():
     assert offenders == []
 
 
-def imported_packages(path: Path) -> set:
-    """Top-level package of every import in a file, read from its syntax tree (not grep)."""
+# ----- floors, no circles (docs/architecture.md "Floors"): read from every file's syntax tree
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+FLOORS = ("models", "parallel", "strategies", "cost", "layerwise")  # each imports only those before it
+# Inside layerwise/: each room imports only the rooms before it; the modules at layerwise/'s top
+# (preflight, the `python -m` entry points) stand above every room.
+ROOMS = ("config", "planning", "run", "tools", "cluster", "reproduce")
+LIBRARY = FLOORS + ("hydra_plugins",)
+SCRIPTS = ("tests", "benchmarks", "scripts")  # may edit sys.path; the library may not import them
+
+
+def module_files(root: Path, tops=LIBRARY + SCRIPTS) -> dict:
+    """module name -> file, for every .py under the given top-level folders (and train.py)."""
+    found = {"train": root / "train.py"} if (root / "train.py").exists() else {}
+    for top in tops:
+        for path in sorted((root / top).rglob("*.py")) if (root / top).is_dir() else []:
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def import_graph(root: Path, tops=LIBRARY + SCRIPTS) -> dict:
+    """module -> the repository's modules it imports anywhere in its file (inside functions and
+    `if TYPE_CHECKING:` too: a lazy import is still an arrow), `from a import b` naming module a.b
+    when that is a module, relative imports resolved."""
     import ast
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
-    return names
+    files = module_files(root, tops)
+
+    def resolve(name: str):
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in files.items():
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]).strip(".") \
+                    if node.level else node.module
+                targets.add(base)
+                targets.update(f"{base}.{alias.name}" for alias in node.names)
+        graph[module] = {resolve(t) for t in targets} - {None, module}
+    return graph
 
 
-@pytest.mark.parametrize("package, forbidden", [("strategies", {"layerwise"}),
-                                                ("parallel", {"layerwise", "strategies"}),
-                                                ("models", {"layerwise", "strategies", "parallel"})])
-def test_floors_import_only_downwards(package, forbidden):
-    """models/ < parallel/ < strategies/ < layerwise/: a floor never imports one above it."""
-    files = sorted((Path(__file__).resolve().parents[1] / package).rglob("*.py"))
-    assert files
-    offenders = {str(f): sorted(imported_packages(f) & forbidden) for f in files
-                 if imported_packages(f) & forbidden}
-    assert offenders == {}
+def cycles(graph: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], [0]
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = counter[0]; counter[0] += 1
+        stack.append(start); on_stack.add(start)
+        while work:
+            node, successors = work[-1]
+            for successor in successors:
+                if successor not in index:
+                    index[successor] = low[successor] = counter[0]; counter[0] += 1
+                    stack.append(successor); on_stack.add(successor)
+                    work.append((successor, iter(sorted(graph.get(successor, ())))))
+                    break
+                if successor in on_stack:
+                    low[node] = min(low[node], index[successor])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop(); on_stack.discard(member); component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def level(module: str) -> tuple:
+    """(floor, room) of a library module: a higher tuple may import a lower or equal one only."""
+    parts = module.split(".")
+    floor = FLOORS.index(parts[0])
+    if parts[0] != "layerwise" or len(parts) == 1:
+        return floor, -1 if parts[0] == "layerwise" else 0  # layerwise/__init__: imports nothing
+    return floor, ROOMS.index(parts[1]) if parts[1] in ROOMS else len(ROOMS)
+
+
+def upward_imports(graph: dict) -> list:
+    return sorted(f"{source} -> {target}" for source, targets in graph.items() for target in targets
+                  if source.split(".")[0] in FLOORS and target.split(".")[0] in FLOORS
+                  and level(target) > level(source))
+
+
+def test_floors_and_rooms_import_only_downwards():
+    """models < parallel < strategies < cost < layerwise, and inside layerwise/ config < planning <
+    run < tools < cluster < reproduce < its top (preflight, entry points): no arrow runs up."""
+    graph = import_graph(REPOSITORY)
+    assert {module.split(".")[0] for module in graph} >= set(FLOORS)
+    rooms = {module.split(".")[1] for module in graph if module.startswith("layerwise.") and module.count(".") >= 2}
+    assert rooms <= set(ROOMS), f"a new room of layerwise/ needs its place in ROOMS: {rooms - set(ROOMS)}"
+    assert upward_imports(graph) == []
+
+
+def test_no_import_cycles_anywhere():
+    """No circle of imports, inside a floor either, counting imports inside functions (tests,
+    benchmarks and scripts included)."""
+    assert cycles(import_graph(REPOSITORY)) == []
+
+
+def test_library_never_imports_tests_or_benchmarks_nor_edits_sys_path():
+    import ast
+    graph = import_graph(REPOSITORY)
+    library = {module for module in graph if module.split(".")[0] in LIBRARY}
+    assert sorted(f"{source} -> {target}" for source in library for target in graph[source]
+                  if target.split(".")[0] in SCRIPTS) == []
+    edits = [str(path) for module, path in module_files(REPOSITORY).items() if module in library
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "path"
+             and isinstance(node.value, ast.Name) and node.value.id == "sys"]
+    assert edits == []
+
+
+def test_the_floor_checks_catch_a_planted_cycle_and_an_upward_import(tmp_path):
+    """The checks above, on a planted tree: a lazy import closing a circle, a cost module importing
+    the run, a room importing a later room."""
+    for name, text in {"cost/__init__.py": "", "cost/a.py": "def f():\n    from cost import b\n",
+                       "cost/b.py": "from cost.a import f\nimport layerwise.run.fit\n",
+                       "layerwise/__init__.py": "", "layerwise/run/__init__.py": "",
+                       "layerwise/run/fit.py": "from layerwise.tools.x import y\n",
+                       "layerwise/tools/__init__.py": "", "layerwise/tools/x.py": "y = 1\n"}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path)
+    assert cycles(graph) == [["cost.a", "cost.b"]]
+    assert upward_imports(graph) == ["cost.b -> layerwise.run.fit", "layerwise.run.fit -> layerwise.tools.x"]

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from layerwise.run import train
-from layerwise.validate import ConfigError, validate
+from layerwise.run.fit import train
+from layerwise.config.errors import ConfigError
+from layerwise.preflight import validate
 from tests.harness import (QUICK, assert_same_checkpoints, assert_same_losses, assert_same_parameters,
                            cached_references, compare_under_sgd, compose_config, consolidated_parameters)
 

@@ -11,9 +11,9 @@ every comparison exceeded its tolerance (worst |actual − expected| / (atol + r
 import pytest
 import torch
 
-from layerwise import data as data_lib
-from layerwise.run import load_corpus
-from layerwise.task import model_arguments, objective_of
+from layerwise.run import data as data_lib
+from layerwise.run.fit import load_corpus
+from layerwise.run.task import model_arguments, objective_of
 from models import build_model
 from strategies.l2l import HostStore, step_only
 from strategies.pipefisher import PipeFisherStrategy

@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from layerwise.run import train
-from layerwise.validate import ConfigError, validate
+from layerwise.run.fit import train
+from layerwise.config.errors import ConfigError
+from layerwise.preflight import validate
 from strategies.schedule import (Action, PlanError, add_communication, add_gradient_reductions, build_plan,
                                  simulate, validate_plan)
 from strategies.kfac import KFAC as KFACMath  # KFAC below is the override list

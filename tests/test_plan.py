@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from layerwise.plan import plan, training_plan_of, workload_of
-from layerwise.run import train
-from layerwise.validate import ConfigError, validate
-from strategies.estimate_memory import (backward_working_bytes, block_extra_bytes, block_saved_bytes, head_saved_bytes,
-                                       in_flight)
+from layerwise.planning.mode import plan
+from layerwise.planning.inputs import training_plan_of, workload_of
+from layerwise.run.fit import train
+from layerwise.config.errors import ConfigError
+from layerwise.preflight import validate
+from cost.memory import backward_working_bytes, block_extra_bytes, block_saved_bytes, head_saved_bytes, in_flight
 from tests.harness import QUICK, compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,7 +114,7 @@ def test_train_py_mode_plan_prints_the_table(tmp_path):
 
 @pytest.mark.parametrize("strategy, grid, edge", [("tp_1d", "1d", 4), ("tp_2d", "2d", 2), ("three_d", "3d", 2)])
 def test_a_tensor_strategy_is_planned_as_the_one_stage_pipeline_it_equals(strategy, grid, edge):
-    from layerwise.plan import plan_result
+    from layerwise.planning.result import plan_result
     shape = ["mode=plan", "model=gpt_small", "model.heads=8", "hardware=dgx_a100_80g", "data.global_batch_size=16"]
     tensor = compose_config(*shape, f"strategy={strategy}", f"strategy.tensor_grid={edge}")
     pipeline = compose_config(*shape, "strategy=modular_pipeline", "strategy.pipeline_degree=1",
@@ -137,7 +138,7 @@ def same_but_gradients(tensor_roles: list, pipeline_roles: list) -> bool:
 
 
 def test_single_and_ddp_are_planned_as_one_stage_data_replicas():
-    from layerwise.plan import plan_result
+    from layerwise.planning.result import plan_result
     shape = ["mode=plan", "model=gpt_tiny", "model.layers=8", "hardware=cpu", "data.global_batch_size=16",
              "strategy.activation_recompute=full"]
     activations = {}
@@ -155,8 +156,8 @@ def test_single_and_ddp_are_planned_as_one_stage_data_replicas():
 
 
 def test_l2l_is_planned_with_its_host_store_and_constant_device_memory_in_depth():
-    from layerwise.plan import plan_result
-    from layerwise.task import model_arguments
+    from layerwise.planning.result import plan_result
+    from layerwise.run.task import model_arguments
     from models import build_model
 
     def planned(layers, constant):
@@ -179,8 +180,8 @@ def test_l2l_is_planned_with_its_host_store_and_constant_device_memory_in_depth(
 def test_calibrated_fixed_costs_add_one_overhead_per_product_and_one_latency_per_message():
     from dataclasses import replace
 
-    from layerwise.plan import device_of
-    from strategies.estimate import predict_step
+    from layerwise.planning.inputs import device_of
+    from cost.step_time import predict_step
     cfg = compose_config("mode=plan", "strategy=gpipe", "strategy.pipeline_degree=2", "strategy.micro_batches=2",
                          "model.layers=2", "strategy.layers_per_stage=1")
     workload, schedule = workload_of(cfg, validate(cfg)), training_plan_of(cfg)
@@ -202,9 +203,9 @@ def test_calibrated_block_work_optimizer_and_overlap_terms():
     the GPipe p2 m2 plan above (one block per stage)."""
     from dataclasses import replace
 
-    from layerwise.plan import device_of
-    from strategies.estimate import predict_step
-    from strategies.traffic import local_parameters
+    from layerwise.planning.inputs import device_of
+    from cost.step_time import predict_step
+    from cost.traffic import local_parameters
     cfg = compose_config("mode=plan", "strategy=gpipe", "strategy.pipeline_degree=2", "strategy.micro_batches=2",
                          "model.layers=2", "strategy.layers_per_stage=1")
     workload, schedule = workload_of(cfg, validate(cfg)), training_plan_of(cfg)
@@ -228,8 +229,8 @@ def test_calibrated_block_work_optimizer_and_overlap_terms():
 def test_without_overlap_every_zero_gather_and_reduction_is_paid_whole():
     from dataclasses import replace
 
-    from layerwise.plan import device_of
-    from strategies.estimate import gather_seconds, predict_step, reduction_seconds
+    from layerwise.planning.inputs import device_of
+    from cost.step_time import gather_seconds, predict_step, reduction_seconds
     from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER
     cfg = compose_config("mode=plan", "strategy=zero_layered", "model.layers=4", "strategy.layers_per_stage=1",
                          "strategy.micro_batches=2")
@@ -256,8 +257,8 @@ def test_grid_collective_count_matches_what_the_real_code_issues(strategy, grid,
     (traffic.grid_collectives) against a dry run of the real strategy (one step, one micro-batch).
     The real step also sums the replicated pieces' gradients over the grid once (2-D: 1, 3-D: 2
     families of norms/biases), which the time model prices with the data reduction, not here."""
-    from layerwise.dry_run import dry_run
-    from strategies.traffic import grid_collectives
+    from layerwise.tools.dry_run import dry_run
+    from cost.traffic import grid_collectives
     cfg = compose_config(*QUICK, "mode=plan", f"strategy={strategy}", "strategy.tensor_grid=2",
                          f"hardware.devices_per_node={world}", "data.global_batch_size=16")
     issued = [c for c in dry_run(cfg, 0, world)["collectives"] if c["phase"] == "step" and c["group"] != "data"]

@@ -1,4 +1,4 @@
-"""mode=plan for strategy=pipefisher (layerwise/plan_pipefisher.py, strategies/estimate_kfac.py): the
+"""mode=plan for strategy=pipefisher (layerwise/planning/pipefisher.py, cost/kfac.py): the
 pipeline's bytes plus K-FAC's, and the step of the K-FAC units packed into the bubbles, priced by
 the same code the paper-scale reproduction uses."""
 
@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from layerwise.plan import plan_result
-from layerwise.task import model_arguments
-from layerwise.validate import ConfigError, validate
+from layerwise.planning.result import plan_result
+from layerwise.run.task import model_arguments
+from layerwise.config.errors import ConfigError
+from layerwise.preflight import validate
 from models import build_model
-from strategies.estimate_kfac import factor_dimensions
+from cost.kfac import factor_dimensions
 from strategies.kfac import KFAC, block_linears
 from strategies.stages import keep_local_stages
 from tests.harness import compose_config
@@ -84,8 +85,8 @@ def test_step_is_the_reproduction_modules_schedule_row():
 
 
 def test_a_1d_grid_splits_one_factor_of_each_linear():
-    from strategies.estimate import Workload
-    from strategies.traffic import ComposedLayout, GptShape
+    from cost.inputs import Workload
+    from cost.inputs import ComposedLayout, GptShape
     workload = Workload(GptShape(hidden=64, mlp_ratio=4, vocabulary=256, length=16, max_length=16), layers=2,
                         heads=4, layout=ComposedLayout(1, 2, "1d", 4), layers_per_stage=1, micro_batch_rows=2)
     # qkv, fc_in column-parallel (their outputs split: B); proj, fc_out row-parallel (inputs split: A)
@@ -121,8 +122,8 @@ def test_predicted_peak_memory_is_within_5_percent_of_a_measured_pipefisher_run(
     """GPipe p2 m4, K-FAC packed into 7 steps: the peak comes in the cycle's second step, when the
     captures of units packed into later steps sit on top of a full stash (the meter counts K-FAC's
     factors and inverses as resident: PipeFisherStrategy.compute_resident_tensors)."""
-    from layerwise.plan import plan
-    from layerwise.run import train
+    from layerwise.planning.mode import plan
+    from layerwise.run.fit import train
     common = ["logger=none", "trainer.progress=none", "trainer.limit_val_batches=0", "model.layers=8",
               "strategy=pipefisher", "strategy.layers_per_stage=4"]
     cfg = compose_config(*common, "mode=plan")

@@ -1,7 +1,7 @@
 """mode=plan plan.search=true (issue 16 item 6): the closed form against the simulator, every searched
 layout valid, the csv equal to the evaluator, and a printed sweep line that composes and validates.
 
-The closed form (strategies/estimate.py `closed_form_step`, `closed_form_in_flight`, `stage_memory`)
+The closed form (cost/step_time.py `closed_form_step`, `closed_form_in_flight`, `stage_memory`)
 is what makes the search fast; these tests are the oracle that keeps it equal to the full plan path.
 """
 
@@ -14,16 +14,17 @@ from pathlib import Path
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from layerwise.plan import plan_result
-from layerwise.search import (FAMILIES, Evaluator, Layout, layout_of, layouts, point_config, role_bytes, search,
-                              strategy_overrides)
-from layerwise.validate import validate
-from strategies.estimate import Device, Workload, closed_form_step, predict_step
-from strategies.estimate_memory import closed_form_in_flight, closed_form_moments, in_flight, in_flight_moments, memory
+from layerwise.planning.result import plan_result
+from layerwise.planning.search import (FAMILIES, Evaluator, Layout, layout_of, layouts, point_config, role_bytes,
+                                       search, strategy_overrides)
+from layerwise.preflight import validate
+from cost.inputs import Device, Workload
+from cost.step_time import closed_form_step, predict_step
+from cost.memory import closed_form_in_flight, closed_form_moments, in_flight, in_flight_moments, memory
 from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule.generators import build_plan
 from strategies.schedule.passes import add_communication
-from strategies.traffic import ComposedLayout, GptShape
+from cost.inputs import ComposedLayout, GptShape
 from strategies.zero_layered import ZeroLayeredStrategy
 from tests.harness import compose_config
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layerwise.run import train
-from layerwise.validate import validate
+from layerwise.run.fit import train
+from layerwise.preflight import validate
 from models import build_model
 from parallel.comm import Communicator, IssuedOperation, PointToPointOrderError, first_order_mismatch
 from parallel.layout import Degrees, ParallelLayout

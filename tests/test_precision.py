@@ -7,8 +7,9 @@ ran), and summary.json's `precision`, read from the dtypes the matrix products r
 
 import pytest
 
-from layerwise.run import train
-from layerwise.validate import ConfigError, validate
+from layerwise.run.fit import train
+from layerwise.config.errors import ConfigError
+from layerwise.preflight import validate
 from tests.harness import BF16_LOSS_RTOL, LOSS_RTOL, QUICK, compose_config
 
 STEPS = 5

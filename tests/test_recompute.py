@@ -8,8 +8,9 @@ is the same computation with the same masks and the gradients are formed from th
 import pytest
 import torch
 
-from layerwise.run import train
-from layerwise.validate import ConfigError, validate
+from layerwise.run.fit import train
+from layerwise.config.errors import ConfigError
+from layerwise.preflight import validate
 from strategies.modular_pipeline import build
 from strategies.recompute import backward_factor
 from strategies.schedule import flop_cost, simulate

@@ -1,4 +1,4 @@
-"""A sweep ends with its answer (layerwise/report.py): sweep_summary.csv, sweep_report.md, the W&B
+"""A sweep ends with its answer (layerwise/tools/report.py): sweep_summary.csv, sweep_report.md, the W&B
 report run, MFU in every run's evidence. Two sweeps run once for the module, side by side:
 
 - SWEEP: strategy=modular_pipeline,zero_layered × strategy.micro_batches=1,2,4 (6 points, 2 ranks
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from layerwise import report
+from layerwise.run.charts import log_run_evidence
+from layerwise.tools import report
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["debug=fast", "model.layers=2", "data.global_batch_size=8", "data.max_bytes=2000000",
@@ -96,7 +97,7 @@ def test_sweep_summary_has_one_row_per_point_equal_to_its_summary(sweeps):
 
 def test_plan_prediction_stands_next_to_the_measurement(sweeps):
     """Both strategies are planned: each row carries plan mode's prediction for its own config, the
-    same numbers the run's own plan.json holds (written at the end of the run, layerwise/plan.py)."""
+    same numbers the run's own plan.json holds (written at the end of the run, layerwise/planning/mode.py)."""
     for row in csv_rows(sweeps["sweep"] / "sweep_summary.csv"):
         planned = json.loads((Path(row["directory"]) / "plan.json").read_text())
         assert number(row["predicted_step_time_s"]) == pytest.approx(planned["step_seconds"], rel=1e-12)
@@ -255,7 +256,7 @@ def test_run_charts_go_to_tensorboard(tmp_path):
     figure.add_subplot().plot([0, 1], [1, 0])
     figure.savefig(tmp_path / "schedule_planned.png", dpi=50)
     logger = TensorBoardLogger(str(tmp_path), name="tensorboard")
-    report.log_run_evidence([logger], [tmp_path / "schedule_planned.png"], {"steps": 3})
+    log_run_evidence([logger], [tmp_path / "schedule_planned.png"], {"steps": 3})
     events = EventAccumulator(logger.log_dir, size_guidance={"images": 0})
     events.Reload()
     (image,) = events.Images("schedule_planned")

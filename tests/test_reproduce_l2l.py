@@ -1,4 +1,4 @@
-"""L2L reproduction (layerwise/reproduce/l2l.py) and the relay terms it adds to strategies/estimate.py.
+"""L2L reproduction (layerwise/reproduce/l2l.py) and the relay terms it adds to cost/step_time.py.
 
 Oracles: hand-computed bytes for a 4-wide model, the one simulator on the relay plan (the closed-form
 step without overlap must equal its makespan), and the search's own boundary (fits at the answer,
@@ -9,8 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from layerwise.reproduce import l2l
-from strategies.estimate import (Device, relay_host_memory, relay_memory, relay_stage_parameters, relay_step,
-                                 stage_seconds)
+from cost.inputs import Device
+from cost.step_time import relay_host_memory, relay_memory, relay_stage_parameters, relay_step, stage_seconds
 from strategies.schedule import simulate
 from strategies.schedule.offload import relay_plan, transfer_cost
 
@@ -104,7 +104,7 @@ def test_host_schemes_for_fifty_billion():
 
 
 def paper_cfg():
-    from layerwise.config import compose
+    from layerwise.config.store import compose
     return compose(["experiment=repro_l2l"])
 
 

@@ -3,11 +3,11 @@ verdict logic on tiny inputs (the experiments themselves run from train.py, not 
 
 import pytest
 
+from cost.inputs import ComposedLayout, Device, GptShape, Workload
+from cost.kfac import kfac_cost, preconditioning_flops
 from layerwise.reproduce import pipefisher as pf
-from strategies.estimate import Device, Workload
 from strategies.schedule import FORWARD, Action, add_communication, add_gradient_reductions, build_plan
 from strategies.schedule import curvature as units
-from strategies.traffic import ComposedLayout, GptShape
 
 
 def test_closed_form_bubble_is_the_papers_for_one_loop_and_shrinks_with_loops():
@@ -20,7 +20,7 @@ def test_preconditioning_flops_by_hand():
     # h = 2, mlp ratio 1: qkv (2 → 6), proj, fc_in, fc_out (2 → 2); 2·out²·in + 2·out·in² each
     shape = units.BlockShape(hidden=2, mlp_ratio=1, sequence_length=4, tokens=8, layers_per_stage=3)
     per_block = (2 * 36 * 2 + 2 * 6 * 4) + 3 * (2 * 4 * 2 + 2 * 2 * 4)
-    assert pf.preconditioning_flops(shape) == 3 * per_block
+    assert preconditioning_flops(shape) == 3 * per_block
 
 
 def tiny_workload():
@@ -36,7 +36,7 @@ def tiny_plan():
 
 def test_kfac_units_cost_their_flops_at_the_forwards_rate():
     device = Device(1e12, 0.5, 1e10, 1e11, 1e10, 8)
-    cost = pf.kfac_cost(tiny_workload(), device, tiny_plan())
+    cost = kfac_cost(tiny_workload(), device, tiny_plan())
     h, s = 128, 128
     # curvature A of qkv: 2·T·h²; forward of stage 0 (no head): T·(2·(4 + 2·4)·h² + 4·s·h)
     expected = 2 * h * h / (2 * 12 * h * h + 4 * s * h)

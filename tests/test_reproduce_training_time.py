@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from layerwise.config import compose
+from layerwise.config.store import compose
 from layerwise.reproduce import training_time as tt
 from layerwise.reproduce import training_time_small as small
-from layerwise.search import Evaluator, Layout
+from layerwise.planning.search import Evaluator, Layout
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Portable checkpoints (strategies/portable.py): any strategy resumes from any other's checkpoint,
+"""Portable checkpoints (strategies/checkpoint/portable.py): any strategy resumes from any other's checkpoint,
 at another world size, and continues exactly as the uninterrupted `single` run.
 
 The matrix is two chains: link i resumes from link i−1's `checkpoints/last` (portable) under
@@ -61,7 +61,7 @@ def run(directory, optimizer, steps, *overrides, resume_from=None, save_steps=()
 
 
 def portable(directory, name="last", prefix="model."):
-    from strategies.portable import read_portable
+    from strategies.checkpoint.portable import read_portable
     return read_portable(directory / "checkpoints" / name, prefix)
 
 
@@ -149,7 +149,7 @@ def test_adamw_state_moves_with_its_parameters(tmp_path, adamw_reference):
 def test_resetting_the_adamw_state_on_resume_is_seen(tmp_path, adamw_reference, monkeypatch):
     """The mutation: a resume that drops the optimizer state (AdamW restarts from zero moments)
     must fail the comparison of the test above."""
-    from strategies import portable as portable_module
+    from strategies.checkpoint import portable as portable_module
     monkeypatch.setattr(portable_module.PortableState, "_add_state", lambda *arguments: None)
     directory, reference_summary = adamw_reference
     name, overrides = ADAMW_CHAIN[1]
@@ -178,7 +178,8 @@ def test_pipefisher_to_kfac_rebuilds_the_curvature(tmp_path, tmp_path_factory, c
 
 
 def test_resume_from_is_checked_before_any_process_starts(tmp_path, sgd_reference):
-    from layerwise.validate import ConfigError, validate
+    from layerwise.config.errors import ConfigError
+    from layerwise.preflight import validate
     directory, _ = sgd_reference
     cases = {str(tmp_path / "nowhere"): "does not exist",
              str(tmp_path): "is not a portable checkpoint"}

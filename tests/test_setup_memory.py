@@ -10,8 +10,8 @@ Test ids: pp{p} = pipeline degree p, q2 = 3-D grid of edge 2 (8 ranks), dp{n} = 
 import pytest
 import torch
 
-from layerwise.run import train
-from layerwise.validate import validate
+from layerwise.run.fit import train
+from layerwise.preflight import validate
 from models import build_model
 from models.transformer import on_meta
 from strategies.sharding import FlatShard

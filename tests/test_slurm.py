@@ -1,4 +1,4 @@
-"""Sweeps on a cluster (layerwise/slurm.py), tested against a real Slurm on this machine.
+"""Sweeps on a cluster (layerwise/cluster/slurm.py), tested against a real Slurm on this machine.
 
 Tests marked `slurm` use the 2-node cluster of scripts/local_slurm.sh (fixture `local_slurm` in
 conftest.py: reused if running, else installed/started and stopped at the end; skipped with the
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from layerwise.config import register_schemas
-from layerwise.slurm import job_resources
-from layerwise.validate import validate
+from layerwise.config.store import register_schemas
+from layerwise.cluster.slurm import job_resources
+from layerwise.preflight import validate
 from tests.harness import CONFIG_DIRECTORY, assert_same_losses
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -292,7 +292,7 @@ def test_failing_rank_is_read_from_the_job_logs(tmp_path):
     """srun's first task error names the rank that died first; its own line gives the reason."""
     from types import SimpleNamespace
 
-    from layerwise.slurm import failing_rank
+    from layerwise.cluster.slurm import failing_rank
 
     job = SimpleNamespace(job_id="7_1", paths=SimpleNamespace(folder=tmp_path))
     (tmp_path / "7_1_0_log.err").write_text(

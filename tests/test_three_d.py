@@ -14,8 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parallel.layout import Degrees, ParallelLayout
-from layerwise.run import train
-from layerwise.validate import ConfigError, validate
+from layerwise.run.fit import train
+from layerwise.config.errors import ConfigError
+from layerwise.preflight import validate
 from strategies.tensor_parallel.grids import Style, grid_of, layout_arguments
 from strategies.tensor_parallel.parallelize import cut
 from strategies.tensor_parallel.layers import (GridLinear, ParallelEmbedding, ParallelLayerNorm,

@@ -4,7 +4,7 @@ directory's files.
 
 The torchrun workers run tests/audited_train.py (train.py under a Python audit hook): every file a
 process creates, writes, renames or removes in the run directory is logged with its RANK. The fork
-run is made in this process with layerwise.run.train (what train.py calls after validating).
+run is made in this process with layerwise.run.fit.train (what train.py calls after validating).
 """
 
 import csv
@@ -15,9 +15,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from layerwise.launch import free_port
-from layerwise.run import train
-from layerwise.validate import validate
+from layerwise.run.launch import free_port
+from layerwise.run.fit import train
+from layerwise.preflight import validate
 from tests.harness import assert_same_losses, compose_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,8 +5,8 @@ import csv
 import pytest
 import torch
 
-from layerwise.run import train
-from layerwise.validate import validate
+from layerwise.run.fit import train
+from layerwise.preflight import validate
 from tests.harness import (QUICK, SAVED_AT_ANOTHER_HOOK, assert_same_checkpoints, assert_same_losses,
                            assert_same_parameters, compare_under_sgd, compose_config)
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layerwise.run import fit_rank, train
-from layerwise.validate import ConfigError, validate
+from layerwise.run.fit import fit_rank, train
+from layerwise.config.errors import ConfigError
+from layerwise.preflight import validate
 from strategies.schedule import add_communication, build_plan, validate_plan
 from strategies.schedule.zero import (GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, add_zero,
                                       gathers_per_step)

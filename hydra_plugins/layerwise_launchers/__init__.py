@@ -1,15 +1,21 @@
 """Hydra only instantiates launchers from the `hydra_plugins` namespace: these are layerwise's.
 
-The implementation is in layerwise/slurm.py; `conf/hydra/launcher/{slurm,local}.yaml` name these.
+The implementation is in layerwise/cluster/slurm.py; `conf/hydra/launcher/{slurm,local}.yaml` name
+these. Each validates every sweep point with the pre-flight (layerwise/preflight.py) first.
 """
 
-from layerwise.slurm import LocalLauncher as _LocalLauncher
-from layerwise.slurm import SlurmLauncher as _SlurmLauncher
+from layerwise.cluster.slurm import LocalLauncher as _LocalLauncher
+from layerwise.cluster.slurm import SlurmLauncher as _SlurmLauncher
+from layerwise.preflight import validate
 
 
 class SlurmLauncher(_SlurmLauncher):
-    """hydra/launcher=slurm (see layerwise.slurm.SlurmLauncher)."""
+    """hydra/launcher=slurm (see layerwise.cluster.slurm.SlurmLauncher)."""
+
+    preflight = staticmethod(validate)
 
 
 class LocalLauncher(_LocalLauncher):
-    """hydra/launcher=local (see layerwise.slurm.LocalLauncher)."""
+    """hydra/launcher=local (see layerwise.cluster.slurm.LocalLauncher)."""
+
+    preflight = staticmethod(validate)

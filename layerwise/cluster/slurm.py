@@ -34,8 +34,6 @@ import dataclasses
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -48,14 +46,15 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as _SubmititSlurm
 from omegaconf import OmegaConf, open_dict, read_write
 
-PREEMPTION_SIGNAL = signal.SIGUSR2  # submitit asks Slurm for --signal=USR2@signal_delay_s
-TIMEOUT_VARIABLE = "LAYERWISE_PROCESS_GROUP_TIMEOUT_S"
+from layerwise.config.errors import ConfigError
+from layerwise.run.preemption import PREEMPTION, TIMEOUT_VARIABLE, exit_after_requeue, install_preemption_handler
+
 OWN_KEYS = ("process_group_timeout_s", "max_requeues")  # launcher keys of ours, not submitit's
 # Slurm's RealMemory of a node sits below its physical memory (OS, daemons): a job asking for all of
 # hardware.host_memory_bytes would pend forever, so a derived mem_gb asks for this fraction of it.
 SCHEDULABLE_MEMORY_FRACTION = 0.9
 SUBMITIT_KEYS = tuple(f.name for f in dataclasses.fields(SlurmQueueConf))
-PLUGIN_ROOT = Path(__file__).resolve().parent.parent  # holds hydra_plugins/layerwise_launchers
+PLUGIN_ROOT = Path(__file__).resolve().parents[2]  # holds hydra_plugins/layerwise_launchers
 FAILURE_LINE = re.compile(r"\[layerwise\] rank (\d+) failed: (.*)")
 SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.*)")
 
@@ -148,9 +147,8 @@ def point_directory(cfg) -> Path:
 
 
 def validate_points(launcher, job_overrides, initial_job_idx: int, with_resources: bool) -> list:
-    """Compose and validate every point; exit 2 listing every problem by point, or return them."""
-    from layerwise.validate import ConfigError, validate
-
+    """Compose and validate every point (with the launcher's `preflight`); exit 2 listing every
+    problem by point, or return them."""
     points, problems = [], []
     for offset, overrides in enumerate(job_overrides):
         number = initial_job_idx + offset
@@ -158,7 +156,7 @@ def validate_points(launcher, job_overrides, initial_job_idx: int, with_resource
         cfg = point_config(launcher, overrides, number)
         errors, resources = [], None
         try:
-            world = validate(cfg, submitting=with_resources)
+            world = launcher.preflight(cfg, submitting=with_resources)
         except ConfigError as error:
             errors, world = list(error.problems), None
         if world is not None and with_resources:
@@ -206,6 +204,10 @@ def sweep_result(points: list, outcomes: list, returns: list) -> list:
 class LocalLauncher(BasicLauncher):
     """hydra/launcher=local: validate every point, then run them here one after another."""
 
+    # cfg, submitting -> world size: layerwise.preflight.validate, set by hydra_plugins/layerwise_launchers
+    # (the pre-flight is above every room of layerwise/, this one included)
+    preflight = None
+
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         points = validate_points(self, job_overrides, initial_job_idx, with_resources=False)
         returns = list(super().launch(job_overrides, initial_job_idx))
@@ -225,6 +227,8 @@ class SlurmLauncher(_SubmititSlurm):
     Submission: every point validated first; resources per point from its hardware profile; one
     array per resource shape; wait for all, report each point. Job: see `__call__`.
     """
+
+    preflight = None  # as LocalLauncher's
 
     def __init__(self, **params: Any) -> None:
         unknown = sorted(set(params) - set(SUBMITIT_KEYS) - set(OWN_KEYS) - {"_target_"})
@@ -374,8 +378,8 @@ def failing_rank(job, error) -> tuple:
 
 def record_job_failure(directory: Path, cfg, rank: Optional[int], reason: str) -> None:
     """Leave a failed summary.json when the ranks could not (SIGKILL); add the failing rank."""
-    from layerwise.evidence import write_json_atomically
-    from layerwise.validate import world_size
+    from layerwise.run.evidence import write_json_atomically
+    from layerwise.config.validate import world_size
 
     path = directory / "summary.json"
     summary = {}
@@ -396,109 +400,7 @@ def record_job_failure(directory: Path, cfg, rank: Optional[int], reason: str) -
 
 # ======================================================================= job side: preemption
 
-class _Preemption:
-    requested = False  # set by the signal handler, nothing else happens there
-    saved = False  # set after every rank saved the checkpoint at a step boundary
+
+# =========================================================== what layerwise.run.fit adds under Slurm
 
 
-PREEMPTION = _Preemption()
-
-
-def _on_preemption_signal(signum, frame) -> None:
-    PREEMPTION.requested = True
-    os.write(2, f"[layerwise] received {signal.Signals(signum).name}: checkpoint and requeue at "
-                f"the next step boundary\n".encode())
-
-
-def install_preemption_handler() -> None:
-    signal.signal(PREEMPTION_SIGNAL, _on_preemption_signal)
-
-
-def under_slurm_step() -> bool:
-    """This process is one task of a Slurm job step with the ranks started by srun."""
-    return "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ and "SLURM_JOB_ID" in os.environ
-
-
-def slurm_job_id() -> str:
-    array = os.environ.get("SLURM_ARRAY_JOB_ID")
-    if array:
-        return f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    return os.environ["SLURM_JOB_ID"]
-
-
-class Preempted(KeyboardInterrupt):
-    """Ends fit after the checkpoint: Lightning treats it as an interruption (summary: interrupted)."""
-
-
-def requeue_on_preemption_callback(checkpoint_path: Path, evidence):
-    import lightning.pytorch as pl
-
-    class RequeueOnPreemption(pl.Callback):
-        """At each step boundary all ranks agree on the flag (it travels in the step's evidence
-        exchange, `slurm_step_flags`); if set on any rank: save, requeue, stop."""
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
-            if not evidence.any_rank(trainer, "preemption"):
-                return
-            if trainer.global_step >= trainer.max_steps:
-                return  # the last step: finishing is better than requeueing
-            trainer.save_checkpoint(checkpoint_path, weights_only=False)  # all ranks, atomic
-            PREEMPTION.saved = True
-            if trainer.is_global_zero:
-                print(f"[layerwise] preempted: checkpoint at step {trainer.global_step} saved to "
-                      f"{checkpoint_path}", flush=True)
-            # Unwind first (metrics row, summary "interrupted", W&B closed); requeue at the very end
-            # (exit_after_requeue): requeueing sends SIGTERM to the whole job, W&B's service too.
-            raise Preempted(f"preempted at step {trainer.global_step}")
-
-    return RequeueOnPreemption()
-
-
-def requeues_so_far() -> int:
-    """How often Slurm has requeued this job (SLURM_RESTART_COUNT; absent before the first)."""
-    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-
-
-def exit_after_requeue(rank: int, max_requeues: Optional[int] = None) -> None:
-    """Rank 0 requeues the job; every rank leaves without a result file (submitit must see the
-    job continue, not finish). A failed requeue fails the job: its checkpoint is still there.
-    After `max_requeues` requeues (hydra.launcher.max_requeues) every rank fails instead: a job that
-    cannot finish in its time limit would otherwise be requeued forever."""
-    done = requeues_so_far()
-    if max_requeues is not None and done >= max_requeues:
-        if rank == 0:  # failing_rank() reads this line from the job log
-            print(f"[layerwise] rank 0 failed: preempted after {done} requeue(s), the limit "
-                  f"hydra.launcher.max_requeues={max_requeues}: not requeued. The checkpoint is kept. "
-                  f"Fix: raise hydra.launcher.timeout_min or hydra.launcher.max_requeues, then rerun "
-                  f"the same command: it resumes from the checkpoint.", file=sys.stderr, flush=True)
-        raise SystemExit(1)
-    if rank == 0:
-        job = slurm_job_id()
-        subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
-        print(f"[layerwise] job {job} requeued: it resumes from its checkpoint", flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    raise SystemExit(0)
-
-
-# =========================================================== what layerwise.run adds under Slurm
-
-def slurm_plugins(strategy) -> list:
-    """Lightning's Slurm environment without its signal handling, and our process-group timeout."""
-    if not under_slurm_step():
-        return []
-    from lightning.pytorch.plugins.environments import SLURMEnvironment
-
-    seconds = os.environ.get(TIMEOUT_VARIABLE)
-    if seconds:
-        strategy.set_collective_timeout(float(seconds))
-    return [SLURMEnvironment(auto_requeue=False)]
-
-
-def slurm_step_flags() -> dict:
-    """What each step's evidence exchange carries for Slurm: whether this rank was told to stop."""
-    return {"preemption": lambda: PREEMPTION.requested} if under_slurm_step() else {}
-
-
-def slurm_callbacks(checkpoint_path: Path, evidence) -> list:
-    return [requeue_on_preemption_callback(checkpoint_path, evidence)] if under_slurm_step() else []

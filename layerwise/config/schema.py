@@ -2,16 +2,13 @@
 
 Each group file in `conf/<group>/` extends one of these dataclasses (its defaults list names
 `/schema_<group>_<schema>@_here_`), so a misspelt key or a string where a number belongs fails at
-composition, before any process starts. Cross-group rules live in `layerwise/validate.py`.
+composition, before any process starts. Cross-group rules live in `layerwise/config/validate.py`.
 """
 
-import hashlib
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING
 
 
 @dataclass
@@ -230,7 +227,7 @@ class TrainerConfig:
 
 @dataclass
 class CalibrateConfig:
-    """mode=calibrate: measure this machine and write a hardware profile (layerwise/calibrate.py)."""
+    """mode=calibrate: measure this machine and write a hardware profile (layerwise/tools/calibrate.py)."""
 
     name: str = "calibrated"  # the profile's name: hardware=<name> afterwards
     directory: str = "conf/hardware"  # where <name>.yaml and <name>.calibration.json are written
@@ -252,19 +249,19 @@ class ReproduceConfig:
 
 @dataclass
 class PlanConfig:
-    """mode=plan: the analytic plan of this layout at full scale (layerwise/plan.py)."""
+    """mode=plan: the analytic plan of this layout at full scale (layerwise/planning/mode.py)."""
 
     efficiency: float = 0.5  # achieved / peak FLOP/s of the matrix products (assumed until calibrated)
     flash_attention: bool = True  # attention keeps no s × s scores (GPU kernels); false: the math kernel
     allocator_margin: float = 0.1  # device memory the allocator's fragmentation and caches take beyond tensors
-    # plan.search=true: rank every valid layout for this model, hardware and batch (layerwise/search.py);
+    # plan.search=true: rank every valid layout for this model, hardware and batch (layerwise/planning/search.py);
     # the strategy group's own fields are then ignored
     search: bool = False
     search_top: int = 10  # layouts printed, fastest first
     search_replan: int = 3  # of those, re-planned through the full plan path (simulated plan) side by side
     search_max_tensor_ranks: int = 0  # largest tensor block searched; 0 = hardware.devices_per_node (one node)
     # plan.dry_run=true: also dry-run one rank of each role with the real code under a fake process group
-    # and compare its step's peak memory and collective bytes with the analytic plan (layerwise/cross_check.py)
+    # and compare its step's peak memory and collective bytes with the analytic plan (layerwise/tools/cross_check.py)
     dry_run: bool = False
 
 
@@ -306,40 +303,3 @@ SCHEMAS = {
 }
 
 
-MAX_DIRECTORY_NAME = 150  # file systems stop at 255 bytes; a sweep over many fields reaches that
-
-
-def point_directory(number, overrides: str) -> str:
-    """A sweep point's directory name: its number and overrides, shortened with a hash if long."""
-    name = f"{number}_{overrides}"
-    if len(name) <= MAX_DIRECTORY_NAME:
-        return name
-    digest = hashlib.sha1(overrides.encode()).hexdigest()[:10]
-    return f"{name[:MAX_DIRECTORY_NAME - 11]}-{digest}"
-
-
-def register_schemas() -> None:
-    """Put every schema in Hydra's ConfigStore and our resolvers in OmegaConf (idempotent;
-    train.py calls it before composing)."""
-    OmegaConf.register_new_resolver("point_directory", point_directory, replace=True)
-    store = ConfigStore.instance()
-    store.store(name="config_schema", node=Config)
-    for group, schemas in SCHEMAS.items():
-        for name, node in schemas.items():
-            # Root-level names, not a `schema/` group: --help then lists only the real groups.
-            store.store(name=f"schema_{group}_{name}", node=node)
-
-
-def compose(overrides: list):
-    """conf/ composed with these overrides, as train.py sees it, from a script or from inside train.py's
-    own Hydra app (there Hydra is initialised with conf/ already and a second initialise would fail)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    register_schemas()
-    if GlobalHydra.instance().is_initialized():
-        return hydra_compose(config_name="config", overrides=list(overrides))
-    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides))

@@ -7,24 +7,20 @@ together, so a user fixes a config in one round instead of one error per launch.
 import dataclasses
 import difflib
 import math
-import os
 import re
-from pathlib import Path
 
 from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from layerwise.config import Config
-from layerwise.data import TOKEN_BIN_FILES
-from layerwise.reproduce import CLAIMS, SCALES
+from cost.inputs import OPTIMIZER_STATE
+from layerwise.config.schema import Config
 from strategies import REGISTRY, strategy_entry
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors, nearest_multiples
 from strategies.schedule.generators import SCHEDULES
 
 CHOICES = {
     "mode": ("fit", "check", "plan", "calibrate", "reproduce"),
-    "reproduce.claim": tuple(CLAIMS), "reproduce.scale": SCALES,
     "model.architecture": ("gpt", "bert"),
     "data.corpus": ("stdlib", "text_files", "token_bin"),
     "hardware.accelerator": ("cpu", "gpu"),
@@ -97,19 +93,7 @@ RANGES_STRATEGY = {  # where the strategy's schema has the field
 }
 NOT_EMPTY = {"run_name": "my-run", "logger.project": "layerwise"}  # names of directories and W&B projects
 SCHEMA_GROUPS = ("strategy", "model", "hardware", "data", "optimizer", "logger", "trainer")
-# fp32 weight and gradient, plus the optimizer's state per parameter (two moments, or momentum)
-WEIGHT_AND_GRADIENT_BYTES = 8
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "lamb": 8, "sgd": 4}
-
-
-class ConfigError(ValueError):
-    """One or more configuration problems; `problems` lists them, the message shows them all."""
-
-    def __init__(self, problems):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {problem}" for problem in self.problems)
-        super().__init__(f"invalid configuration ({len(self.problems)} problem"
-                         f"{'s' if len(self.problems) > 1 else ''}):\n{lines}")
+WEIGHT_AND_GRADIENT_BYTES = 8  # fp32 weight and gradient; the optimizer's state: cost.inputs.OPTIMIZER_STATE
 
 
 def lookup(cfg, dotted: str):
@@ -126,9 +110,10 @@ def world_size(cfg) -> int:
     return cfg.hardware.nodes * cfg.hardware.devices_per_node
 
 
-def check_choices(cfg) -> list:
+def check_choices(cfg, choices: dict = CHOICES) -> list:
+    """Every named option against its allowed values (`choices`: the preflight adds other rooms')."""
     errors = []
-    for field, allowed in CHOICES.items():
+    for field, allowed in choices.items():
         value = lookup(cfg, field)
         if value not in allowed:
             errors.append(f"{field}={value!r} is unknown. Fix: one of {', '.join(allowed)}.")
@@ -167,7 +152,7 @@ def check_schema_keys(cfg) -> list:
     accepted and then ignored: reject that here."""
     errors = [f"{key}={cfg[key]} is not a setting of this config (schema Config), so it would be "
               f"ignored. Fix: remove +{key}; `python train.py --cfg job` lists every setting."
-              # a sweep point's config (layerwise/slurm.py) still holds Hydra's own node
+              # a sweep point's config (layerwise/cluster/slurm.py) still holds Hydra's own node
               for key in sorted(set(cfg) - {f.name for f in dataclasses.fields(Config)} - {"hydra"})]
     for group in SCHEMA_GROUPS:
         schema = OmegaConf.get_type(cfg[group])
@@ -204,7 +189,7 @@ def approximate_parameters(model) -> int:
     return blocks + (256 + model.max_sequence_length) * model.hidden
 
 
-def check_hardware(cfg, world: int, submitting: bool = False) -> list:
+def check_hardware(cfg) -> list:
     hardware, errors = cfg.hardware, []
     if hardware.accelerator == "cpu" and hardware.precision not in CPU_PRECISIONS:
         errors.append(f"hardware.precision={hardware.precision!r} is not supported on CPU. "
@@ -212,11 +197,7 @@ def check_hardware(cfg, world: int, submitting: bool = False) -> list:
     if hardware.accelerator == "cpu" and hardware.process_group_backend != "gloo":
         errors.append("hardware.process_group_backend must be gloo on CPU. Fix: "
                       "hardware.process_group_backend=gloo.")
-    # submitting (hydra/launcher=slurm): the GPUs are on the cluster's nodes, not on this machine
-    if cfg.mode == "fit" and hardware.accelerator == "gpu" and not submitting and not gpu_available():
-        errors.append(f"hardware={hardware.name} needs CUDA GPUs and this machine has none. "
-                      f"Fix: hardware=cpu here, or submit with hydra/launcher=slurm.")
-    return errors + memory_errors(cfg, world)
+    return errors
 
 
 def memory_errors(cfg, world: int) -> list:
@@ -230,12 +211,12 @@ def memory_errors(cfg, world: int) -> list:
     gpu = hardware.accelerator == "gpu"
     node_memory = hardware.host_memory_bytes + (hardware.devices_per_node * hardware.device_memory_bytes
                                                 if gpu else 0)
-    if not node_memory or cfg.optimizer.name not in OPTIMIZER_STATE_BYTES:
+    if not node_memory or cfg.optimizer.name not in OPTIMIZER_STATE:
         return []  # a profile without memory figures, or an unknown optimizer (reported already)
     ranks_per_node = 1 if strategy_entry(cfg.strategy.name).one_process else hardware.devices_per_node
     per_rank = hardware.host_memory_bytes / ranks_per_node + (hardware.device_memory_bytes if gpu else 0)
     parameters = approximate_parameters(cfg.model)
-    total = parameters * (WEIGHT_AND_GRADIENT_BYTES + OPTIMIZER_STATE_BYTES[cfg.optimizer.name])
+    total = parameters * (WEIGHT_AND_GRADIENT_BYTES + 4 * OPTIMIZER_STATE[cfg.optimizer.name])
     if total / world <= per_rank:
         return []
     share = (f"hardware.device_memory_bytes={hardware.device_memory_bytes / 1e9:.1f} GB plus a 1/"
@@ -250,67 +231,10 @@ def memory_errors(cfg, world: int) -> list:
             f"hardware profile with more memory, or a smaller model."]
 
 
-def gpu_available() -> bool:
-    """This node has a CUDA device, asked without initialising CUDA: the ranks are started after
-    this check, and forked children cannot use CUDA once the parent initialised it."""
-    from layerwise.launch import local_gpu_count
-    return local_gpu_count() > 0
-
-
-def check_data(cfg) -> list:
-    data, errors = cfg.data, []
-    holding = "text files" if data.corpus == "text_files" else "train.bin and val.bin"
-    if data.corpus in ("text_files", "token_bin"):
-        if OmegaConf.is_missing(data, "path") or data.path is None:
-            errors.append(f"data.path is not set: data={data.name} reads your files. "
-                          f"Fix: data.path=/a/directory holding your {holding}.")
-        elif not Path(str(data.path)).expanduser().exists():
-            errors.append(f"data.path={data.path!r} does not exist. Fix: data.path=/a/directory "
-                          f"holding your {holding}.")
-        else:
-            errors += data_path_errors(data, Path(str(data.path)).expanduser())
-    return errors
-
-
-def data_path_errors(data, directory: Path) -> list:
-    """What layerwise/data.py would refuse in every rank after start-up, found here first."""
-    fix = f"Fix: data.path=/a/directory holding your {'text files' if data.corpus == 'text_files' else 'train.bin and val.bin'}."
-    if not directory.is_dir():
-        return [f"data.path={data.path!r} is a file, not a directory. {fix}"]
-    if data.corpus == "text_files":
-        has_text = any(not name.startswith(".") and (Path(folder) / name).stat().st_size
-                       for folder, _, names in os.walk(directory) for name in names)
-        return [] if has_text else [f"data.path={data.path!r} holds no non-empty files. {fix}"]
-    errors = []
-    for name in TOKEN_BIN_FILES:
-        file = directory / name
-        if not file.is_file():
-            errors.append(f"data.path={data.path!r} has no {name} (nanoGPT's uint16 token file). {fix}")
-        elif file.stat().st_size == 0 or file.stat().st_size % 2:
-            errors.append(f"data.path={data.path!r}: {name} holds {file.stat().st_size} bytes, not a "
-                          f"non-empty uint16 array. Fix: re-export {name} as uint16 tokens.")
-    return errors
-
-
 def micro_batches(strategy) -> int:
     """Micro-batches per optimizer step. The one generic reader of a field not every schema has:
     a strategy without `micro_batches` (single, ddp, tensor parallel) runs its batch in one pass."""
     return strategy.micro_batches if "micro_batches" in strategy else 1
-
-
-def check_resume_from(cfg) -> list:
-    """`resume_from`: an existing portable checkpoint of this model's shape (strategies/portable.py)."""
-    if not cfg.get("resume_from"):
-        return []
-    from layerwise.task import model_arguments
-    from models import build_model
-    from strategies.portable import resume_errors
-
-    def expected_shapes(vocabulary: int) -> dict:
-        model = build_model(cfg.model.architecture, device="meta",
-                            **model_arguments(cfg.model, vocabulary, cfg.seed))
-        return {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
-    return resume_errors(cfg.resume_from, expected_shapes)
 
 
 def check_strategy(cfg, world: int) -> list:
@@ -328,33 +252,6 @@ def check_strategy(cfg, world: int) -> list:
                       f"ranks × {micro} micro-batches. Fix: data.global_batch_size="
                       f"{nearest_multiples(batch, data_degree * micro)}.")
     return errors
-
-
-def validate(cfg, submitting: bool = False) -> int:
-    """Raise ConfigError listing every problem; return the world size when the config is sound,
-    and leave it read-only: what every rank runs is exactly what was validated.
-
-    `submitting`: the run goes to a cluster (layerwise.slurm checks every point before submission),
-    so this machine's own devices do not matter."""
-    errors = check_choices(cfg) + check_schema_keys(cfg) + check_ranges(cfg)
-    if errors:  # later checks assume known names, declared keys and values in range
-        raise ConfigError(errors)
-    world = world_size(cfg)
-    searching = cfg.mode == "plan" and cfg.plan.search  # layerwise/search.py validates each layout it keeps
-    errors = (check_model(cfg) + check_hardware(cfg, world, submitting) + check_data(cfg)
-              + ([] if searching else check_strategy(cfg, world)) + check_resume_from(cfg))
-    if errors:
-        raise ConfigError(errors)
-    if cfg.mode != "plan":  # plan mode reports memory itself, fitting or not
-        from layerwise.plan import memory_problems  # the layout is sound: its plan can be built
-        errors = memory_problems(cfg, world)
-    elif not searching:
-        from layerwise.plan import plan_problems
-        errors = plan_problems(cfg)
-    if errors:
-        raise ConfigError(errors)
-    OmegaConf.set_readonly(cfg, True)
-    return world
 
 
 # ----- Hydra's own errors: raised while composing, before train.py's main runs ---------------------

@@ -4,25 +4,26 @@
         strategy.pipeline_degree=8 strategy.layers_per_stage=3 strategy.micro_batches=8 ...
 
 The same workload, first-order plan and memory as the modular pipeline of the same schedule
-(PipeFisherStrategy is one), plus strategies/estimate_kfac.py: each role's K-FAC bytes under their
+(PipeFisherStrategy is one), plus cost/kfac.py: each role's K-FAC bytes under their
 own kind ("kfac", detailed in `kfac_bytes`), the step of the packed k-step cycle, and that cycle's
 timeline for plan.png. layerwise/reproduce/pipefisher.py prices the paper's layouts with the same code.
 """
 
 from omegaconf import OmegaConf
 
-from layerwise.plan import _result_header, _role, device_of, roles, training_plan_of, workload_of
-from strategies.estimate_memory import memory
-from strategies.estimate_kfac import kfac_memory, pipefisher_step, stage_factor_elements, working_set
+from layerwise.planning.roles import _result_header, _role, roles
+from layerwise.planning.inputs import device_of, training_plan_of, workload_of
+from cost.memory import memory
+from cost.kfac import kfac_memory, pipefisher_step, stage_factor_elements, working_set
 from strategies.schedule import FORWARD
 from strategies.schedule import curvature as units
-from strategies.traffic import all_reduce
+from cost.traffic import all_reduce
 
 
 def first_order(cfg):
     """`cfg` with the modular pipeline PipeFisherStrategy runs: the same schedule, degrees, stages,
     micro-batches and grid, no recomputation (its capture would see every forward twice)."""
-    from layerwise.config import PipelineStrategyConfig
+    from layerwise.config.schema import PipelineStrategyConfig
     planned = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     fields = {name: value for name, value in OmegaConf.to_container(cfg.strategy, resolve=True).items()
               if name in PipelineStrategyConfig.__dataclass_fields__}

@@ -9,7 +9,7 @@
    follows the schedule (contiguous or looping, the tensor axis innermost). Only what validation
    accepts is produced: the same divisibility rules, the schedules' own `_check_combination`, the
    grids' splits and the strategies' precision/optimizer rules;
-2. evaluate each in closed form from strategies/estimate.py's formulas (`stage_memory` with
+2. evaluate each in closed form from cost/step_time.py's formulas (`stage_memory` with
    `closed_form_in_flight`, `closed_form_step`): no plan is built, no config composed;
 3. keep those whose largest role fits the device after the allocator margin, rank by step time,
    print the top plan.search_top with memory and MFU, write plan_search.csv (every fitting layout);
@@ -25,14 +25,16 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from layerwise.plan import compute_bytes, device_of, plan_result, shape_of
+from layerwise.planning.inputs import compute_bytes, device_of, shape_of
+from layerwise.planning.result import plan_result
 from models.transformer import model_flops_per_token
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
-from strategies.estimate import Workload, closed_form_step
-from strategies.estimate_memory import closed_form_in_flight, closed_form_moments, stage_memory
+from cost.inputs import Workload
+from cost.step_time import closed_form_step
+from cost.memory import closed_form_in_flight, closed_form_moments, stage_memory
 from strategies.schedule.generators import _check_combination
 from strategies.tensor_parallel.grids import DIMENSION, grid_of
-from strategies.traffic import ComposedLayout
+from cost.inputs import ComposedLayout
 
 GIB = 2 ** 30
 # family -> (schedule, ZeRO, breadth_first_micro_batches); conf/strategy/<family>.yaml sets the same
@@ -116,7 +118,7 @@ def families(cfg) -> list:
 
 def layouts(cfg, world: int):
     """Every valid layout (generator): the checks of strategies/modular_pipeline.py `check`,
-    zero_layered.py `check`, layerwise/validate.py `check_strategy` and the schedules' own."""
+    zero_layered.py `check`, layerwise/config/validate.py `check_strategy` and the schedules' own."""
     layers, batch = cfg.model.layers, cfg.data.global_batch_size
     for family in families(cfg):
         schedule, _, breadth_first = FAMILIES[family]
@@ -277,7 +279,8 @@ def point_config(cfg, layout: Layout):
 def replan(cfg, world: int, row: dict) -> dict:
     """The full plan path for one searched layout: validation's strategy checks, the strategy's
     own plan and the simulator; returns both predictions."""
-    from layerwise.validate import check_strategy, ConfigError
+    from layerwise.config.validate import check_strategy
+    from layerwise.config.errors import ConfigError
     point = point_config(cfg, layout_of(row))
     problems = check_strategy(point, world)
     if problems:

@@ -27,6 +27,7 @@ CLAIMS = {
     "three_d": "Bian et al. 2021, Maximizing parallelism in distributed training (3-D tensor parallelism)",
 }
 SCALES = ("paper", "small")
+CHOICES = {"reproduce.claim": tuple(CLAIMS), "reproduce.scale": SCALES}  # this room's rule: the pre-flight checks them
 VERDICTS = ("reproduced", "partly", "refuted", "not tested")
 
 

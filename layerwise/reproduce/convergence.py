@@ -14,7 +14,8 @@ Fair by construction (issue 17):
    budget by construction; steps to target per seed, their mean and range, and the ratio of the
    means K-FAC / first-order are reported, with seconds (× each method's median step time).
 Writes `<out>/report.json` and `--figure` (default docs/strategies/pipefisher_convergence.png: mean curves,
-seed range). `compare(args)` is the whole comparison, for layerwise/reproduce/pipefisher.py.
+seed range). `compare(args)` is the whole comparison, for layerwise/reproduce/pipefisher.py and the
+benchmark's command line (benchmarks/pipefisher_convergence.py).
 `--reuse` keeps the points of this very setting an interrupted run completed under `--out`.
 """
 
@@ -28,7 +29,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LADDER = ["1e-4", "3e-4", "1e-3", "3e-3", "1e-2", "3e-2", "1e-1", "3e-1", "1"]
 # Each method is tuned over its outer optimizers and, for K-FAC, damping: comparing K-FAC+LAMB with
 # plain AdamW alone would mix the preconditioner with the outer optimizer.

@@ -7,7 +7,7 @@ at the paper's scale, and against measurements of strategies/l2l.py here.
 The paper's claims (abstract): BERT-Large on a 16 GB V100 with a device batch of up to 256; 45% less
 memory and 40% more throughput than the baseline; depth up to 384 layers in constant memory; 50B
 parameters on one 16 GB V100 with 512 GB of host memory.
-Paper scale: strategies/estimate.py's terms — `stage_memory` and `stage_seconds` for the baseline
+Paper scale: cost/step_time.py's terms — `stage_memory` and `stage_seconds` for the baseline
 (`single`: the whole model, one micro-batch), `relay_memory`, `relay_host_memory` and `relay_step`
 for L2L in both variants (strategy.constant_memory false / true).
 Small scale: `benchmarks/l2l_memory.py`'s meters (the compute-side peak of one step) and timed steps
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from layerwise.plan import device_of
+from layerwise.planning.inputs import device_of
 from layerwise.reproduce import Finding, Verdict
-from strategies.estimate import (Workload, relay_host_memory, relay_memory, relay_stage_parameters, relay_step,
-                                 stage_seconds)
-from strategies.estimate_memory import stage_memory
-from strategies.traffic import ComposedLayout, GptShape
+from cost.inputs import Workload
+from cost.step_time import relay_host_memory, relay_memory, relay_stage_parameters, relay_step, stage_seconds
+from cost.memory import stage_memory
+from cost.inputs import ComposedLayout, GptShape
 
 GIB = 2 ** 30
 BERT_VOCABULARY = 30522  # BERT's WordPiece vocabulary (Devlin et al. 2019), [MASK] included
@@ -318,8 +318,8 @@ def small_workload(cfg, layers: int, rows: int) -> Workload:
 def measure(layers: int, hidden: int, heads: int, strategy: str, repeats: int = 5) -> tuple:
     """(compute-side peak bytes, fastest step seconds) of one training step of `strategy` on a fresh
     BERT, with benchmarks/l2l_memory.py's batch, model and meters; steps timed without the meter."""
-    from benchmarks.l2l_memory import OPTIMIZER, batch, model_of, relay_peak, single_peak
-    from layerwise.optim import build_optimizer
+    from layerwise.reproduce.measure import OPTIMIZER, batch, model_of, relay_peak, single_peak
+    from layerwise.run.optim import build_optimizer
     from parallel.comm import Communicator, Group
     from strategies.l2l import Relay
     tokens, targets = batch(SMALL_BATCH, SMALL_SEQUENCE, masked=True)
@@ -346,7 +346,7 @@ def measure(layers: int, hidden: int, heads: int, strategy: str, repeats: int = 
 def timed(step, repeats: int) -> float:
     """The fastest of `repeats` steps after a warm-up (the optimizer state, the allocator): on a
     machine shared with other jobs the minimum is the step's own time, the rest is waiting."""
-    from layerwise.calibrate import median_seconds
+    from layerwise.tools.calibrate import median_seconds
     return median_seconds(step, repeats, statistic=min)
 
 
@@ -440,8 +440,8 @@ def train_py_rows(cfg, directory: Path, steps: int = 4) -> list:
     """The memory comparison for `python train.py` runs as a user starts them (cfg's model and data,
     one process): summary.json's peak_compute_bytes against the prediction. (Their step times are
     not compared: 4 steps on a shared machine; `measure` times steps in this process instead.)"""
-    from layerwise.gpu_check import run_train_py
-    from layerwise.plan import shape_of
+    from layerwise.tools.gpu_check import run_train_py
+    from layerwise.planning.inputs import shape_of
     micro_batches, rows, out = cfg.strategy.micro_batches, cfg.data.global_batch_size, []
     vocabulary, sequence = shape_of(cfg).vocabulary, cfg.data.sequence_length
     load = workload(cfg.model.hidden, cfg.model.heads, cfg.model.layers, rows, sequence, vocabulary, 4,

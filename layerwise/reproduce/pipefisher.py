@@ -6,7 +6,7 @@
 At the paper's scale (BERT-Base and BERT-Large, 8 pipeline ranks, 8 micro-batches of 32 sequences
 of 128 tokens, Phase 1; V100 nodes of 4 GPUs, `hardware=dgx1_v100`, fp32), for GPipe, 1F1B and the
 looped breadth-first pipeline the authors never built:
-1. plan mode (strategies/estimate.py) times the first-order step and its bubble;
+1. plan mode (cost/step_time.py) times the first-order step and its bubble;
 2. the K-FAC units (strategies/schedule/curvature.py, TECHNIQUES.md §2) are costed at the same
    achieved FLOP rate and packed into that plan's bubbles: K-FAC work / bubble, the k the packing
    needs, the bubble left, the PipeFisher step (the cycle's k plans + the preconditioning, which
@@ -19,18 +19,16 @@ against the prediction of its bubble.
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from layerwise.config import compose
-from layerwise.plan import device_of, training_plan_of, workload_of
+from layerwise.config.store import compose
+from layerwise.planning.inputs import device_of, training_plan_of, workload_of
 from layerwise.reproduce import Finding, Verdict
-from strategies.estimate_kfac import kfac_cost, pipefisher_step, preconditioning_flops  # noqa: F401 (kfac_cost, preconditioning_flops: tests/test_reproduce_pipefisher.py reads them here)
+from cost.kfac import pipefisher_step
 from strategies.schedule import plot_timeline
 from strategies.schedule import curvature as units
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the convergence benchmark is the one comparison code
 
 PAPER_RATIO = 1.6  # K-FAC work / bubble, BERT-Base, V100, micro-batch 32, D = 8 (§2 reference numbers)
 PAPER_TIME = (0.50, 0.75)  # training time PipeFisher / first-order (abstract)
@@ -62,7 +60,7 @@ def paper_overrides(model: str, strategy: str, blocks: int, blocks_per_stage: in
 def schedule_row(cfg, world_size: int, refresh_interval: int = None, chart: Path = None) -> dict:
     """First-order step, PipeFisher's step with its refresh forced to the convergence run's k (None:
     the k the packing needs), and K-FAC's step without bubbles, for one composed layout, as plan mode
-    prices them (strategies/estimate_kfac.py `pipefisher_step`); `chart`: draw the packed cycle there."""
+    prices them (cost/kfac.py `pipefisher_step`); `chart`: draw the packed cycle there."""
     workload, device, plan = workload_of(cfg, world_size), device_of(cfg, world_size), training_plan_of(cfg)
     step = pipefisher_step(workload, device, plan, refresh_interval)
     first_order, needed, cycle = step["first_order"], step["needed"], step["cycle"]
@@ -251,7 +249,7 @@ SMALL_PIPELINE = ["model=bert_tiny", "strategy.pipeline_degree=2", "strategy.lay
 
 
 def small_convergence(directory: Path) -> dict:
-    from pipefisher_convergence import compare
+    from layerwise.reproduce.convergence import compare  # the one comparison code (and its benchmark's)
     args = argparse.Namespace(**SMALL_CONVERGENCE, out=str(directory / "convergence"),
                               figure=str(directory / "pipefisher_convergence.png"))
     return compare(args)
@@ -278,7 +276,7 @@ def bubble_rows(predicted: dict, summaries: dict) -> list:
 
 
 def at_small_scale(cfg, directory: Path) -> Finding:
-    from layerwise.gpu_check import run_train_py
+    from layerwise.tools.gpu_check import run_train_py
     report = small_convergence(directory)
     summaries = {}
     for strategy in ("gpipe", "pipefisher"):

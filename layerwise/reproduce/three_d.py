@@ -5,7 +5,7 @@
 
 At the paper's scale (TECHNIQUES §4): plan mode prices each grid — 1-D (Megatron) on 8/16/32/64 GPUs,
 2-D (SUMMA) on 4/16/64, 3-D on 8/64, the counts the paper compares — as one tensor-parallel stage of
-a transformer stack (strategies/estimate.py: FLOPs at the device's rate × plan.efficiency, plus the
+a transformer stack (cost/step_time.py: FLOPs at the device's rate × plan.efficiency, plus the
 grid's logical bytes over the slowest link the grid spans). Strong scaling keeps the experiment's
 model and batch; weak scaling grows the batch with the GPUs (the batch on 8 GPUs × P/8), so the work
 per GPU stays constant. The ratio at 64 GPUs is set beside the paper's.
@@ -20,10 +20,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from layerwise.plan import device_of, one_stage_pipeline, plan_result, workload_of
+from layerwise.planning.inputs import device_of, one_stage_pipeline, workload_of
+from layerwise.planning.result import plan_result
 from layerwise.reproduce import Finding, Verdict
 from strategies.checks import grid_errors
-from strategies.estimate import grid_seconds
+from cost.step_time import grid_seconds
 from strategies.tensor_parallel.grids import DIMENSION
 
 PAPER_SPEEDUP = {"1d": 2.32, "2d": 1.57}  # seed 003's abstract: 3-D's speed-up over 1-D and 2-D, 64 V100s
@@ -189,7 +190,7 @@ def small_arguments(steps: int = SMALL_STEPS) -> Namespace:
 
 def small_overrides(grid: str, ranks: int, arguments: Namespace) -> list:
     """train.py overrides of one small run: the benchmark's own (one piece of code for one job)."""
-    from benchmarks.tensor_parallel import overrides
+    from layerwise.reproduce.measure import overrides
     return overrides(arguments, STRATEGY[grid], ranks)
 
 
@@ -200,7 +201,7 @@ def small_shape(cfg, arguments: Namespace):
 
 
 def predicted_bytes(cfg, grid: str, ranks: int, batch: int) -> dict:
-    """Plan mode's logical bytes by kind for one rank of this grid (strategies/traffic.py)."""
+    """Plan mode's logical bytes by kind for one rank of this grid (cost/traffic.py)."""
     return plan_result(planned_config(cfg, grid, ranks, batch), ranks)["bytes_by_pipeline_rank"][0]
 
 
@@ -220,7 +221,7 @@ def compare(grid: str, ranks: int, measured: dict, predicted: dict) -> list:
 
 def measure(grid: str, ranks: int, directory: Path, arguments: Namespace) -> dict:
     """Train one grid with train.py as a user does; its summary.json (fails loudly if the run did)."""
-    from layerwise.gpu_check import run_train_py
+    from layerwise.tools.gpu_check import run_train_py
     run_directory = directory / "runs" / STRATEGY[grid]
     run_directory.mkdir(parents=True, exist_ok=True)
     summary = run_train_py(small_overrides(grid, ranks, arguments), run_directory)

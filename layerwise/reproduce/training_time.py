@@ -8,8 +8,8 @@ reconstruction used here, and each choice below says where it departs):
 1. the scaling laws of Kaplan et al. 2020 give each model its converged loss, its critical batch
    B_crit (the batch beyond which more data parallelism buys no fewer steps) and the steps to train;
 2. the batch bounds the GPU count: B = data × micro-batches × rows, GPUs = data × pipeline × tensor;
-   for each configuration and GPU count, plan mode's closed forms (layerwise/search.py's Evaluator,
-   strategies/estimate.py) give the fastest step whose largest rank fits the device;
+   for each configuration and GPU count, plan mode's closed forms (layerwise/planning/search.py's Evaluator,
+   cost/step_time.py) give the fastest step whose largest rank fits the device;
 3. shortest training time = steps × the fastest step over every GPU count (powers of two up to
    MAXIMUM_GPUS) among the layouts that keep the GPUs busy (UTILISATION_FLOOR, our choice):
    contiguous 1F1B (depth-first accumulation) against the looping pipeline with layered
@@ -28,9 +28,9 @@ from omegaconf import OmegaConf
 
 from layerwise.reproduce import Finding, Verdict
 from layerwise.reproduce.training_time_small import at_small_scale  # noqa: F401 (the claim's small scale)
-from layerwise.search import FAMILIES, Evaluator, layout_of, layouts, role_bytes
-from strategies.estimate import link_bandwidth, receive_seconds, stage_seconds
-from strategies.traffic import all_gather, all_reduce, local_parameters
+from layerwise.planning.search import FAMILIES, Evaluator, layout_of, layouts, role_bytes
+from cost.step_time import link_bandwidth, receive_seconds, stage_seconds
+from cost.traffic import all_gather, all_reduce, local_parameters
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2 ** 30

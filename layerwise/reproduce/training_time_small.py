@@ -39,8 +39,8 @@ SMALL_AGREEMENT = 0.1  # a predicted step ratio agrees with the measured one wit
 def predicted_steps(ranks: int) -> dict:
     """Plan mode's step seconds for each small variant (the full plan path: the strategy's plan, the
     simulator) with the hardware=cpu profile."""
-    from layerwise.config import compose
-    from layerwise.plan import plan_result
+    from layerwise.config.store import compose
+    from layerwise.planning.result import plan_result
     return {name: plan_result(compose([*overrides, "mode=plan"]), ranks)["step_seconds"]
             for name, overrides in small_variants(ranks).items()}
 
@@ -48,7 +48,7 @@ def predicted_steps(ranks: int) -> dict:
 def measured_steps(directory: Path, ranks: int, run=None) -> tuple:
     """Each variant trained SMALL_ROUNDS times by train.py (`run`: gpu_check.run_train_py); returns the
     mean over rounds of each run's median step seconds, and every run's summary row."""
-    from layerwise.gpu_check import run_train_py
+    from layerwise.tools.gpu_check import run_train_py
     run, runs, variants = run or run_train_py, [], small_variants(ranks)
     for round_number in range(SMALL_ROUNDS):
         for name, overrides in variants.items():

@@ -25,7 +25,7 @@ MASK_FRACTION = 0.15  # BERT: share of positions per sequence the model must rec
 SPLITS = ("train", "validation")
 OBJECTIVES = ("causal", "masked")
 CORPORA = ("stdlib", "text_files", "token_bin")
-TOKEN_BIN_FILES = ("train.bin", "val.bin")  # under data.path; layerwise/validate.py checks them first
+TOKEN_BIN_FILES = ("train.bin", "val.bin")  # under data.path; layerwise/config/validate.py checks them first
 
 
 class DataError(ValueError):

@@ -112,7 +112,7 @@ def precision_name(matrix_product_dtypes: dict, master_dtype: torch.dtype) -> st
 
 def git_sha() -> str:
     try:
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                               text=True, timeout=5).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
@@ -211,7 +211,7 @@ class RunEvidence(pl.Callback):
         # one place every strategy returns it, so the step's exchange is issued there (overlapped
         # with the backward, whose gradient reductions keep the ranks together anyway).
         self._device, self._is_global_zero = trainer.strategy.root_device, trainer.is_global_zero
-        from layerwise.plan import device_of  # the peak of the precision in use, read in one place
+        from layerwise.planning.inputs import device_of  # the peak of the precision in use, read in one place
         self._flops_per_step = model_flops_per_step(self.cfg, module.vocab_size)
         self._peak_flops = device_of(self.cfg).flops_per_second
         strategy, training_step = trainer.strategy, trainer.strategy.training_step
@@ -356,8 +356,8 @@ class RunEvidence(pl.Callback):
         self._flush_rows(trainer)
         images = trainer.strategy.write_evidence(self.run_directory) if trainer.is_global_zero else []
         summary = self.write_summary(trainer, "completed")
-        if trainer.is_global_zero:  # the charts and the summary, to W&B / TensorBoard (layerwise/report.py)
-            from layerwise.report import log_run_evidence, write_plan_charts
+        if trainer.is_global_zero:  # the charts and the summary, to W&B / TensorBoard (layerwise/tools/report.py)
+            from layerwise.run.charts import log_run_evidence, write_plan_charts
             images += write_plan_charts(self.cfg, self.world_size, self.run_directory)
             log_run_evidence(trainer.loggers, images, summary)
 

@@ -30,7 +30,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from strategies.checkpoint import checkpoint_exists
+from strategies.checkpoint.per_rank import checkpoint_exists
 
 HEAD_ORDER = 10 ** 9  # the head comes after every block, however many
 

@@ -14,18 +14,18 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from omegaconf import OmegaConf
 
-from layerwise import data as data_lib
-from layerwise.evidence import PointToPointOrderCheck, RunEvidence, write_json_atomically
-from layerwise.faults import NonFiniteGuard, StopOnSigterm
-from layerwise.launch import (RankError, close_process_group, global_rank, launched_externally, run_ranks,
-                              start_method, writes_run_files)
-from layerwise.slurm import slurm_callbacks, slurm_plugins, slurm_step_flags
-from layerwise.task import LanguageModelData, LanguageModelTask, objective_of
+from layerwise.run import data as data_lib
+from layerwise.run.evidence import PointToPointOrderCheck, RunEvidence, write_json_atomically
+from layerwise.run.faults import NonFiniteGuard, StopOnSigterm
+from layerwise.run.launch import (RankError, close_process_group, global_rank, launched_externally, run_ranks,
+                                  start_method, writes_run_files)
+from layerwise.run.preemption import slurm_callbacks, slurm_plugins, slurm_step_flags
+from layerwise.run.task import LanguageModelData, LanguageModelTask, objective_of
 from parallel.layout import RANK_ORDER
 from strategies import strategy_entry
-from strategies.checkpoint import (checkpoint_exists, load_first_readable, read_checkpoint_file,
-                                   swap_in, write_checkpoint_file)
-from strategies.portable import resolve_portable
+from strategies.checkpoint.per_rank import (checkpoint_exists, load_first_readable, read_checkpoint_file, swap_in,
+                                            write_checkpoint_file)
+from strategies.checkpoint.portable import resolve_portable
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

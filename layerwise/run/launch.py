@@ -111,7 +111,7 @@ def local_gpu_count() -> int:
 
 def close_process_group() -> None:
     """Destroy this process's group before it exits, as every rank must (a forked one here, one
-    torchrun or Slurm started in layerwise.run.train): left to the interpreter's exit, gloo's threads
+    torchrun or Slurm started in layerwise.run.fit.train): left to the interpreter's exit, gloo's threads
     were sometimes destroyed still joinable — "terminate called without an active exception", a
     SIGABRT after a completed run that torchrun reports as a failed job (1 of ~8 two-node runs)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -9,8 +9,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from layerwise import data as data_lib
-from layerwise.optim import build_optimizer, build_scheduler
+from layerwise.run import data as data_lib
+from layerwise.run.optim import build_optimizer, build_scheduler
 from models import build_model
 
 

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from layerwise.launch import run_ranks
-from layerwise.optim import build_optimizer
+from layerwise.run.launch import run_ranks
+from layerwise.run.optim import build_optimizer
 from models.transformer import build_block
-from strategies.traffic import ComposedLayout, GptShape
+from cost.inputs import ComposedLayout, GptShape
 
 MATMUL_EDGES = (128, 256, 384, 512, 768, 1024)
 QUICK_MATMUL_EDGES = (64, 128, 256)
@@ -164,9 +164,10 @@ def model_blocks(cfg, count: int) -> list:
 def block_rows(cfg, products: dict, rows_per_micro_batch, repeats: int, blocks: int = 2) -> list:
     """[(activation elements, seconds)] of a stage of `blocks` of the model's blocks (a stage, so caches
     hold what they hold between blocks in a run): (forward + backward − the products' modelled time)
-    / 3 / blocks, the backward charged 2× like the products (strategies/estimate.py)."""
-    from strategies.estimate import PRODUCTS_PER_BLOCK, Workload, forward_flops
-    from strategies.estimate_memory import block_saved_bytes
+    / 3 / blocks, the backward charged 2× like the products (cost/step_time.py)."""
+    from cost.step_time import PRODUCTS_PER_BLOCK, forward_flops
+    from cost.inputs import Workload
+    from cost.memory import block_saved_bytes
     model, length = cfg.model, min(cfg.data.sequence_length, cfg.model.max_sequence_length)
     stage = torch.nn.Sequential(*model_blocks(cfg, blocks))
     measured = []

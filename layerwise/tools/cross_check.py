@@ -1,7 +1,7 @@
 """Plan mode's second estimator: the dry run of the real code, checked against the analytic plan.
 
-Issue 16 item 2. For one rank of each distinct role of an analytic plan (layerwise/plan.py
-`plan_result`: the role's first pipeline rank, data and tensor index 0), `layerwise.dry_run.dry_run`
+Issue 16 item 2. For one rank of each distinct role of an analytic plan (layerwise/planning/mode.py
+`plan_result`: the role's first pipeline rank, data and tensor index 0), `layerwise.tools.dry_run.dry_run`
 sets the rank up at the full world size under the fake process group and measures a training step
 (the second: gradients and optimizer state exist). Two comparisons per role:
 
@@ -9,14 +9,14 @@ sets the rank up at the full world size under the fake process group and measure
    against the role's analytic bytes before the allocator margin; they agree when the ratio
    dry / analytic is within 1 ± MEMORY_TOLERANCE;
 2. communication: the step's logical bytes per kind (parallel/comm.py's Communicator) against the
-   plan's `bytes_by_pipeline_rank` (strategies/traffic.py); they agree only when every kind is equal.
+   plan's `bytes_by_pipeline_rank` (cost/traffic.py); they agree only when every kind is equal.
 
 Where they disagree the entry says so, with both numbers; nothing is hidden or averaged away.
 """
 
 from __future__ import annotations
 
-from layerwise.dry_run import dry_run
+from layerwise.tools.dry_run import dry_run
 from parallel.comm import KINDS
 from parallel.layout import rank_of
 from strategies import strategy_entry
@@ -30,9 +30,9 @@ RELATIVE_EXACT = 1e-12  # "equal" for float sums of the same terms in a differen
 
 
 def model_parameters(cfg) -> float:
-    """The whole model's parameter count from its shapes (strategies/traffic.py's formula)."""
-    from layerwise.plan import shape_of
-    from strategies.traffic import local_parameters
+    """The whole model's parameter count from its shapes (cost/traffic.py's formula)."""
+    from layerwise.planning.inputs import shape_of
+    from cost.traffic import local_parameters
     return local_parameters(None, 1, shape_of(cfg), True, cfg.model.layers, True)["all"]
 
 
@@ -84,7 +84,7 @@ def _without_gloo_temporaries(cfg, world_size: int) -> dict:
     (estimate_memory.gloo_temporaries), which the fake process group, like NCCL, never makes."""
     from omegaconf import OmegaConf
 
-    from layerwise.plan import plan_result
+    from layerwise.planning.result import plan_result
     like_nccl = OmegaConf.merge(cfg, {"hardware": {"process_group_backend": "nccl"}})
     return plan_result(like_nccl, world_size)
 
@@ -100,3 +100,11 @@ def describe(entry: dict) -> str:
             f"vs analytic {entry['analytic_bytes'] / mib:.2f} MiB, ratio {entry['ratio']:.3f}: {memory}; "
             f"collective bytes {collectives} ({'fake' if entry['fake_tensors'] else 'real'} tensors, "
             f"{entry['seconds']:.1f} s)")
+
+
+def annotate(cfg, world_size: int, result: dict) -> None:
+    """plan.dry_run=true (train.py hands this to planning/mode.py's `plan`): each role of `result`
+    gets its dry run under "dry_run", and one line per role is printed."""
+    for role, entry in zip(result["roles"], cross_check(cfg, world_size, result)):
+        role["dry_run"] = entry
+        print(describe(entry))

@@ -1,6 +1,6 @@
 """Dry run: one rank's real setup and training steps at the full world size, in this process.
 
-Issue 16 item 2: plan mode's second estimator (layerwise/cross_check.py compares it with the plan).
+Issue 16 item 2: plan mode's second estimator (layerwise/tools/cross_check.py compares it with the plan).
 The rank runs the same code as in `fit` (the strategy from the registry, the task, the data module,
 a Lightning Trainer) against torch's fake process group
 (`torch.testing._internal.distributed.fake_pg.FakeStore`, backend "fake"): every collective and
@@ -18,10 +18,10 @@ uninitialised memory. Losses are therefore meaningless (NaN is fine); what is re
 3. `bytes_by_kind`: the step's logical bytes per kind, what a real run's `comm_bytes_per_step`
    holds for this rank (a real run's summary reports the maximum over ranks);
 4. `peak_compute_bytes`: the step's compute-side peak from parallel/memory.py's meter, set up as
-   layerwise/evidence.py sets it up (resident tensors of the strategy, then every storage an
+   layerwise/run/evidence.py sets it up (resident tensors of the strategy, then every storage an
    operator creates); `setup_peak_bytes` as the strategy measures it while materialising.
 
-The Trainer is built with the arguments layerwise/run.py's `build_trainer` uses, minus what a dry run
+The Trainer is built with the arguments layerwise/run/fit.py's `build_trainer` uses, minus what a dry run
 must not do: loggers, checkpoints (they would write the run directory), the non-finite guard (losses
 are garbage by construction) and validation. Rendezvous variables are set for the call and restored
 after; the fake process group is destroyed on the way out.
@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from layerwise import data as data_lib
-from layerwise.launch import RENDEZVOUS_VARIABLES
-from layerwise.task import LanguageModelData, LanguageModelTask, objective_of
+from layerwise.run import data as data_lib
+from layerwise.run.launch import RENDEZVOUS_VARIABLES
+from layerwise.run.task import LanguageModelData, LanguageModelTask, objective_of
 from parallel.comm import KINDS
 from parallel.memory import ComputeMemoryMeter
 from strategies import strategy_entry
@@ -182,7 +182,7 @@ def node_split(cfg, world_size: int) -> tuple:
 
 
 def dry_trainer(cfg, strategy, probe, nodes: int, per_node: int) -> pl.Trainer:
-    """layerwise/run.py build_trainer's arguments, without loggers, checkpoints, guard, validation."""
+    """layerwise/run/fit.py build_trainer's arguments, without loggers, checkpoints, guard, validation."""
     return pl.Trainer(
         accelerator="cpu", devices=per_node, num_nodes=nodes, strategy=strategy,
         precision=cfg.hardware.precision, max_steps=MEASURED_STEP + 1, limit_val_batches=0, num_sanity_val_steps=0,
@@ -213,7 +213,7 @@ def one_rank_step(cfg, world_size: int, emulate_object_broadcast: bool = False,
                   fake_tensors: bool = False) -> dict:
     """This process's rank (from the rendezvous variables): build, set up and run two steps,
     recording as the module docstring says. Under the fake group (dry_run) or a real one (a rank
-    started by layerwise.launch.run_ranks: the per-rank reference a dry run is checked against)."""
+    started by layerwise.run.launch.run_ranks: the per-rank reference a dry run is checked against)."""
     nodes, per_node = node_split(cfg, world_size)
     entry = strategy_entry(cfg.strategy.name)
     pl.seed_everything(cfg.seed, workers=False, verbose=False)
@@ -265,7 +265,7 @@ def synthetic_corpus(cfg) -> data_lib.Corpus:
     """Random token ids over data.vocab_size: a planning-only model has no corpus to train on."""
     generator = torch.Generator().manual_seed(cfg.seed)
     size = 4 * (cfg.data.sequence_length + 1)
-    # host: a corpus lives on the host, as layerwise.data's do; batches are moved per step
+    # host: a corpus lives on the host, as layerwise.run.data's do; batches are moved per step
     train, validation = (torch.randint(0, cfg.data.vocab_size, (size,), generator=generator, device="cpu")
                          for _ in range(2))
     return data_lib.Corpus(train, validation, cfg.data.vocab_size, "synthetic")
@@ -382,19 +382,20 @@ def raw_summary(calls) -> dict:
     return {phase: dict(counts) for phase, counts in summary.items()}
 
 
-# ----- the analytic side: strategies/traffic.py's formula for the same rank
+# ----- the analytic side: cost/traffic.py's formula for the same rank
 
 TENSOR_FAMILIES = {"three_d": "3d", "tp_1d": "1d", "tp_2d": "2d"}
 
 
 def formula_bytes(cfg, world_size: int, pipeline_rank: int, vocabulary: int) -> dict:
-    """strategies/traffic.py's bytes per kind for one rank at `pipeline_rank`, for the pipeline
+    """cost/traffic.py's bytes per kind for one rank at `pipeline_rank`, for the pipeline
     strategies (plain, composed with a tensor grid, ZeRO-layered) and the tensor-parallel ones (one
     stage holding every layer, one micro-batch of the rank's rows, one gradient reduction)."""
-    from layerwise.plan import PLANNED, training_plan_of, workload_of
-    from strategies.estimate import rank_traffic
+    from layerwise.planning.inputs import PLANNED, training_plan_of, workload_of
+    from cost.step_time import rank_traffic
     from strategies.schedule import add_communication, add_gradient_reductions, build_plan
-    from strategies.traffic import ComposedLayout, GptShape, all_reduce, step_traffic
+    from cost.inputs import ComposedLayout, GptShape
+    from cost.traffic import all_reduce, step_traffic
     strategy, name = cfg.strategy, cfg.strategy.name
     degrees = strategy_entry(name).degrees(cfg, world_size)
     if name in PLANNED:  # the pipelines: the very workload and plan plan mode uses

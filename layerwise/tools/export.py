@@ -5,7 +5,7 @@
 Writes the plain model's state dict — the names and shapes `models.build_model` gives, whatever
 strategy trained it — with the model's config in the file's metadata, so
 `load_exported(path)` (or any safetensors reader) gets the model back. The portable checkpoint
-beside `last.ckpt` (`checkpoints/last`, strategies/portable.py) is read when it is there: it
+beside `last.ckpt` (`checkpoints/last`, strategies/checkpoint/portable.py) is read when it is there: it
 already holds every tensor under its plain name, so only the model's tensors are read, never the
 optimizer state. Otherwise per-rank checkpoints are read one pipeline position at a time (a rank file also holds its optimizer state, 3× its weights
 under AdamW): only the plain model is ever whole in memory. Merging uses each strategy's own
@@ -21,8 +21,8 @@ import torch
 from omegaconf import OmegaConf
 
 from strategies import strategy_entry
-from strategies.checkpoint import read_checkpoint_file
-from strategies.portable import is_portable, portable_path, read_portable
+from strategies.checkpoint.per_rank import read_checkpoint_file
+from strategies.checkpoint.portable import is_portable, portable_path, read_portable
 
 PREFIX = "model."
 
@@ -113,7 +113,7 @@ def load_exported(path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from layerwise.task import model_arguments
+    from layerwise.run.task import model_arguments
     from models import build_model
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata()

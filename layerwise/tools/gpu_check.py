@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from layerwise.config import compose
+from layerwise.config.errors import ConfigError
+from layerwise.config.store import compose
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RANK_COUNTS = (1, 2, 4, 8)
 CPU_RANKS = 2  # --hardware cpu: 1 and 2 processes unless --ranks says otherwise
 # Small enough for one GPU, divisible the ways every strategy splits it (8 data-parallel ranks ×
@@ -54,10 +55,11 @@ class Row:
     reason: str = ""
 
 
-def main(argv=None) -> int:
-    """Run the check from the command line; return the exit code."""
+def main(argv=None, preflight=None) -> int:
+    """Run the check from the command line; return the exit code. `preflight`: the configuration
+    checks (layerwise.preflight.validate, which `python -m layerwise.gpu_check` passes)."""
     arguments = parse_arguments(argv)
-    from layerwise.launch import local_gpu_count
+    from layerwise.run.launch import local_gpu_count
 
     accelerator = hardware_accelerator(arguments.hardware, arguments.overrides)
     available = local_gpu_count() if accelerator == "gpu" else CPU_RANKS
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
         return 2
     directory = Path(arguments.directory or ROOT / "runs" / "gpu_check" / time.strftime("%Y-%m-%d_%H-%M-%S"))
     rows = check(arguments.strategies, counts, arguments.steps, arguments.hardware, directory,
-                 arguments.overrides)
+                 arguments.overrides, preflight=preflight)
     print(format_table(rows, arguments.tolerance), flush=True)
     print(f"gpu_check: run directories in {directory}", flush=True)
     return 0 if all(passed(row, arguments.tolerance) for row in rows) else 1
@@ -129,13 +131,11 @@ def hardware_accelerator(hardware: str, extra) -> str:
     return compose(point_overrides("single", 1, 1, hardware, extra)).hardware.accelerator
 
 
-def rejection(overrides: list, ranks: int) -> Optional[str]:
+def rejection(overrides: list, ranks: int, preflight: Callable) -> Optional[str]:
     """Why this point is not run (the configuration checks' first problem, or a one-process
     strategy asked for several ranks), or None."""
-    from layerwise.validate import ConfigError, validate
-
     try:
-        world_size = validate(compose(overrides))
+        world_size = preflight(compose(overrides))
     except ConfigError as error:
         return error.problems[0]
     return None if world_size == ranks else f"runs as {world_size} process(es), not {ranks}"
@@ -153,8 +153,9 @@ def run_train_py(overrides: list, run_directory: Path) -> dict:
 
 
 def check(strategies, rank_counts, steps: int, hardware: str, directory: Path, extra=(),
-          run: Callable[[list, Path], dict] = run_train_py) -> list:
-    """Run every (strategy, ranks) point and each reference once; return the table's rows."""
+          run: Callable[[list, Path], dict] = run_train_py, *, preflight: Callable) -> list:
+    """Run every (strategy, ranks) point and each reference once; return the table's rows.
+    `preflight(cfg) -> world size` (layerwise.preflight.validate) decides which points run."""
     directory, summaries = Path(directory), {}
 
     def summary_of(strategy: str, ranks: int) -> dict:
@@ -167,7 +168,7 @@ def check(strategies, rank_counts, steps: int, hardware: str, directory: Path, e
     rows = [row_of("single", 1, summary_of("single", 1), summary_of("single", 1), "single")]
     for strategy in strategies:
         for ranks in rank_counts:
-            reason = rejection(point_overrides(strategy, ranks, steps, hardware, extra), ranks)
+            reason = rejection(point_overrides(strategy, ranks, steps, hardware, extra), ranks, preflight)
             if reason:
                 rows.append(Row(strategy, ranks, "skipped", reason=reason))
                 continue

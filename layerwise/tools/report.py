@@ -9,7 +9,7 @@
 
 One row per point: its overrides, status and failure reason, then the measurements its
 `summary.json` holds (final validation loss, medians of step time and tokens/s, MFU, peaks,
-bytes per step by kind, bubble) and, for the strategies plan mode covers (`layerwise.plan.PLANNED`),
+bytes per step by kind, bubble) and, for the strategies plan mode covers (`layerwise.planning.inputs.PLANNED`),
 plan mode's prediction for the point's own config next to them. The same table goes to W&B as one
 extra run (`job_type="report"`) in the sweep's group. The run-side half lives here too:
 `write_plan_charts` and `log_run_evidence`, which `RunEvidence` calls when a run ends.
@@ -18,11 +18,9 @@ extra run (`job_type="report"`) in the sweep's group. The run-side half lives he
 import argparse
 import atexit
 import csv
-import io
 import json
 import os
 import sys
-from contextlib import redirect_stdout
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -47,7 +45,7 @@ class NotASweep(ValueError):
 # ================================================================================ reading a sweep
 
 def point_directories(sweep: Path) -> list:
-    """The sweep's point directories (`<n>_<overrides>`, layerwise.config.point_directory), by number."""
+    """The sweep's point directories (`<n>_<overrides>`, layerwise.config.store.point_directory), by number."""
     sweep = Path(sweep)
     if not sweep.is_dir():
         raise NotASweep(f"{sweep} does not exist or is not a directory. Fix: pass the sweep directory "
@@ -105,14 +103,15 @@ def measurements(summary: dict) -> dict:
 
 
 def prediction(cfg, world_size: int) -> dict:
-    """Plan mode's analytic prediction for a point's config (layerwise/plan.py, strategies/estimate.py):
+    """Plan mode's analytic prediction for a point's config (layerwise/planning/mode.py, cost/step_time.py):
     step time, bubble, the most bytes a pipeline rank holds (without the allocator margin, as the
     measured compute-side peak counts live tensors) and the most bytes a pipeline rank moves a step."""
-    from layerwise.plan import PLANNED, device_of, training_plan_of, workload_of, worst_role
-    from strategies.estimate import predict_step
+    from layerwise.planning.inputs import PLANNED, device_of, training_plan_of, workload_of
+    from layerwise.planning.fits import worst_role
+    from cost.step_time import predict_step
     if cfg.strategy.name not in PLANNED:
         return {"prediction": f"none: plan mode does not cover strategy={cfg.strategy.name} "
-                              f"(layerwise.plan.PLANNED: {', '.join(PLANNED)})"}
+                              f"(layerwise.planning.inputs.PLANNED: {', '.join(PLANNED)})"}
     step = predict_step(workload_of(cfg, world_size), device_of(cfg), training_plan_of(cfg))
     _, breakdown, _ = worst_role(cfg, world_size)
     return {"predicted_step_time_s": step["step_seconds"], "predicted_bubble": step["bubble_fraction"],
@@ -392,38 +391,6 @@ def log_report_to_wandb(sweep: Path, rows: list) -> Path:
         run.finish()
 
 
-def write_plan_charts(cfg, world_size: int, run_directory: Path) -> list:
-    """For a planned strategy, plan mode's files for the run's own config in its directory
-    (plan.json, the predicted step `plan.png`, the memory per rank role `plan_memory.png`);
-    returns the charts' paths (none for other strategies)."""
-    from layerwise.plan import PLANNED, plan
-    if cfg.strategy.name not in PLANNED:
-        return []
-    with redirect_stdout(io.StringIO()):  # plan mode's terminal table: the run has its own lines
-        plan(cfg, world_size, run_directory)
-    return [Path(run_directory) / "plan_memory.png", Path(run_directory) / "plan.png"]
-
-
-def log_run_evidence(loggers, images: list, summary: dict) -> None:
-    """A finished run's charts as images (W&B and TensorBoard, keyed by file name) and its
-    summary.json values under their own names in the W&B run summary."""
-    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
-    for logger in loggers:
-        if isinstance(logger, WandbLogger):
-            for path in images:
-                logger.log_image(key=Path(path).stem, images=[str(path)])
-            # the per-step `losses` are the history's `loss`; everything else as summary.json names it
-            logger.experiment.summary.update({k: v for k, v in summary.items() if k != "losses"})
-        elif isinstance(logger, TensorBoardLogger):
-            import numpy
-            from PIL import Image
-            for path in images:
-                pixels = numpy.asarray(Image.open(path).convert("RGB"))
-                logger.experiment.add_image(Path(path).stem, pixels, global_step=summary["steps"],
-                                            dataformats="HWC")
-            logger.experiment.flush()
-
-
 # ================================================================================ the hooks
 
 class SweepReport(Callback):
@@ -479,7 +446,7 @@ def main(argv=None) -> int:
             rows = compare(arguments.sweeps, arguments.out)
             print(f"[layerwise] comparison of {len(arguments.sweeps)} sweeps: {arguments.out / MARKDOWN_FILE}")
     except NotASweep as error:
-        print(f"layerwise.report: {error}", file=sys.stderr)
+        print(f"layerwise.tools.report: {error}", file=sys.stderr)
         return 2
     return 0
 

@@ -12,7 +12,7 @@ write that fails (disk full) removes its partial file and leaves `last` as it wa
 
 Two formats, and why. These per-rank files are the same-layout resume: bit-identical, CRC-checked
 per file, voted fall-back to `previous`. Every save also writes a portable checkpoint beside it
-(`last.ckpt` -> `last/`, strategies/portable.py) with torch.distributed.checkpoint (DCP), which any
+(`last.ckpt` -> `last/`, strategies/checkpoint/portable.py) with torch.distributed.checkpoint (DCP), which any
 strategy at any world size resumes from (`resume_from=`). DCP treats a plain tensor key present on
 several ranks as replicated and keeps one copy (ZeRO shards all share their names), so the portable
 format stores every tensor under its plain name as a ShardedTensor whose local shards are this

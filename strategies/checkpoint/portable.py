@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from typing_extensions import override
 
-from strategies.checkpoint import CheckpointError, swap_in
+from strategies.checkpoint.per_rank import CheckpointError, swap_in
 
 SIDECAR = "lightning.pt"
 MODEL, OPTIMIZER = "model.", "optimizer."

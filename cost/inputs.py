@@ -1,0 +1,111 @@
+"""What the cost model is asked about: a device, a model shape, a layout and the workload of one plan.
+
+Pure data, shared by the time model (step_time.py), the memory model (memory.py), K-FAC's
+costs (kfac.py) and the traffic formulas (traffic.py); nothing here computes a cost.
+"""
+
+import math
+from dataclasses import dataclass
+
+from strategies.tensor_parallel.grids import DIMENSION, grid_of, local_activation_shape
+
+
+BYTES = 4  # fp32: activations, gradients and the tensor grid's partial sums
+
+
+@dataclass(frozen=True)
+class GptShape:
+    """What the formulas need of a GPT: widths, vocabulary, and the two lengths (the position
+    table has max_sequence_length rows; a micro-batch has `length` tokens per sequence)."""
+
+    hidden: int
+    mlp_ratio: int
+    vocabulary: int
+    length: int
+    max_length: int
+
+    def linears(self):
+        """(input, output, position, has bias) of a block's four linears."""
+        h, r = self.hidden, self.mlp_ratio
+        return ((h, 3 * h, "first", True), (h, h, "second", True),
+                (h, r * h, "first", True), (r * h, h, "second", True))
+
+
+@dataclass(frozen=True)
+class ComposedLayout:
+    """Degrees and the grid; `zero`: the stage parameters are flat ZeRO-3 shards over data."""
+
+    data: int
+    pipeline: int
+    tensor_grid: str = None  # None | "1d" | "2d" | "3d"
+    edge: int = 1
+    zero: bool = False
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the time and memory models need of a hardware profile."""
+
+    flops_per_second: float  # dense peak in the compute dtype
+    efficiency: float  # achieved / peak for the model's matrix products
+    memory_bytes: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    devices_per_node: int
+    # Fixed costs mode=calibrate measures (0 in the spec-sheet profiles): a matrix product's launch and
+    # ramp, and a collective's or a message's latency — what dominates small models' steps.
+    matmul_overhead_s: float = 0.0
+    collective_latency_s: float = 0.0
+    # A block's non-product work (norms, softmax, GELU, dropout, additions: memory-bound operators, and
+    # on a CPU their dispatch) per block forward and per activation element it saves, and the
+    # optimizer's step per parameter: also measured by mode=calibrate, 0 in spec-sheet profiles.
+    block_overhead_s: float = 0.0
+    activation_seconds_per_element: float = 0.0
+    optimizer_seconds_per_parameter: float = 0.0
+    point_to_point_latency_s: float = None  # a pipeline message's; None = collective_latency_s
+    # Whether communication runs beside compute (NCCL on its own stream, copy engines). False on a CPU
+    # whose ranks use every core: gloo's copies and sums then take the cores, and nothing overlaps.
+    overlaps_communication: bool = True
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model, the layout and the batch one plan is for."""
+
+    shape: GptShape
+    layers: int
+    heads: int
+    layout: ComposedLayout
+    layers_per_stage: int
+    micro_batch_rows: int  # sequences per micro-batch of one data rank
+    optimizer: str = "adamw"
+    recompute: bool = False
+    activation_bytes: int = BYTES  # 2 under bf16/fp16 autocast: matrix-product inputs are kept in it
+    # Lightning's own closure (tensor-parallel strategies, single, ddp) zeroes gradients after the
+    # forward, not before it as the pipeline strategies do: last step's gradients see the whole stash.
+    gradients_through_forward: bool = False
+    # gloo's reduce-scatter (the 2-D/3-D grids') makes two full-size temporaries on the calling thread,
+    # which the meter counts; NCCL's buffers are not PyTorch's (estimate_memory.gloo_temporaries).
+    gloo: bool = False
+
+    @property
+    def piece(self) -> int:
+        """Elements of the activation piece a rank holds between blocks and a boundary carries."""
+        return activation_piece(self.layout, self.micro_batch_rows, self.shape)
+
+    @property
+    def tensor_ranks(self) -> int:
+        grid = self.layout.tensor_grid
+        return self.layout.edge ** DIMENSION[grid] if grid else 1
+
+
+OPTIMIZER_STATE = {"adamw": 2, "lamb": 2, "sgd": 1}  # fp32 tensors per parameter (SGD: momentum)
+
+
+def activation_piece(layout: ComposedLayout, rows: int, shape: GptShape) -> int:
+    """Elements of the residual-stream piece one rank holds between blocks, which is what a stage
+    boundary carries (grids.local_activation_shape; the whole activation without a grid)."""
+    if not layout.tensor_grid:
+        return rows * shape.length * shape.hidden
+    grid = grid_of(layout.tensor_grid, layout.edge ** DIMENSION[layout.tensor_grid], 0)
+    return math.prod(local_activation_shape(grid, rows, shape.length, shape.hidden))

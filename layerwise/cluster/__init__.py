@@ -1,0 +1,2 @@
+"""The cluster room: Slurm submission and the Hydra launchers' implementation (slurm). Below: config,
+planning, run, tools."""

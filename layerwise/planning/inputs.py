@@ -1,0 +1,127 @@
+"""A validated config as the cost model reads it: the device, the shape, the workload, the plan `fit` runs.
+
+Every planning module, the dry run, the reports and the claims turn a config into the cost model's
+inputs (cost/inputs.py) here, and nowhere else.
+"""
+
+from omegaconf import OmegaConf
+
+from cost.inputs import ComposedLayout, Device, GptShape, Workload
+from layerwise.config.errors import ConfigError
+from layerwise.config.schema import PipelineStrategyConfig
+from strategies import strategy_entry
+from strategies.modular_pipeline import compute_plan, tensor_parallel
+
+
+PLANNED = ("modular_pipeline", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_layered", "zero_depth_first")
+
+
+TENSOR_ONLY = ("tp_1d", "tp_2d", "three_d")  # planned as the one-stage pipeline they equal (as_planned)
+
+
+WHOLE_MODEL = ("single", "ddp")  # likewise: one stage, no grid, one micro-batch, every rank a data replica
+
+
+ONE_STAGE = TENSOR_ONLY + WHOLE_MODEL
+
+
+def plan_problems(cfg) -> list:
+    """For validate in mode=plan: a strategy plan mode cannot price, or a price it lacks."""
+    name = cfg.strategy.name
+    if name not in PLANNED + ONE_STAGE + ("l2l", "pipefisher"):
+        return [f"strategy={name}: mode=plan covers {', '.join(PLANNED + ONE_STAGE)}, pipefisher and l2l, not "
+                f"{name} yet. Fix: strategy=zero_layered plans ZeRO-3 sharding (fsdp2's), strategy=ddp data "
+                f"parallelism."]
+    if name == "l2l" and not cfg.hardware.host_device_bandwidth:
+        return [f"hardware={cfg.hardware.name} has no hardware.host_device_bandwidth: L2L's relay cannot be "
+                f"priced. Fix: hardware.host_device_bandwidth=1.6e10 (PCIe 3 × 16)."]
+    return []
+
+
+def as_planned(cfg):
+    """A tensor-parallel strategy (tp_1d, tp_2d, three_d), `single` or `ddp` as the pipeline plan mode
+    prices: one stage holding every layer, one micro-batch, the same grid (none for single/ddp) and
+    data replicas — a step of the same products and the same collectives (ddp's one bucketed
+    all-reduce is the one stage's reduction). Other strategies are returned as they are."""
+    strategy = cfg.strategy
+    if strategy.name in WHOLE_MODEL:
+        return one_stage_pipeline(cfg, "none", 1, None, strategy.activation_recompute)
+    if strategy.name not in TENSOR_ONLY:
+        return cfg
+    return one_stage_pipeline(cfg, strategy.tensor_parallel, strategy.tensor_grid, strategy.data_degree,
+                              strategy.activation_recompute)
+
+
+def one_stage_pipeline(cfg, grid: str, edge: int, data_degree=None, activation_recompute: str = "none"):
+    """`cfg` with a modular_pipeline strategy of one stage holding every layer and one micro-batch,
+    the tensor grid `grid` of edge `edge` inside it (what a tensor-parallel strategy computes)."""
+    planned = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    planned.strategy = OmegaConf.merge(OmegaConf.structured(PipelineStrategyConfig), {
+        "name": "modular_pipeline", "pipeline_degree": 1, "data_degree": data_degree,
+        "layers_per_stage": cfg.model.layers, "micro_batches": 1, "tensor_parallel": grid,
+        "tensor_grid": edge, "activation_recompute": activation_recompute})
+    return planned
+
+
+def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
+    """The model, layout and batch of a validated config, as the estimators see them; `vocabulary`
+    defaults to the data group's (bytes: 256, token_bin: data.vocab_size; + [MASK] for BERT)."""
+    if cfg.strategy.name not in PLANNED + ONE_STAGE:  # l2l: relay_plan_result
+        raise ConfigError(plan_problems(cfg))
+    through_forward = cfg.strategy.name in ONE_STAGE  # Lightning's closure zeroes gradients after the forward
+    cfg = as_planned(cfg)
+    degrees = strategy_entry(cfg.strategy.name).degrees(cfg, world_size)
+    shape = shape_of(cfg, vocabulary)
+    layout = ComposedLayout(degrees.data, degrees.pipeline, tensor_parallel(cfg.strategy),
+                            cfg.strategy.tensor_grid, cfg.strategy.name.startswith("zero"))
+    return Workload(shape, cfg.model.layers, cfg.model.heads, layout, cfg.strategy.layers_per_stage,
+                    cfg.data.global_batch_size // (degrees.data * cfg.strategy.micro_batches),
+                    cfg.optimizer.name, cfg.strategy.activation_recompute == "full",
+                    compute_bytes(cfg), through_forward, cfg.hardware.process_group_backend == "gloo")
+
+
+def compute_bytes(cfg) -> int:
+    """Bytes per element of the compute dtype: 2 under bf16/fp16 autocast, else 4."""
+    return 2 if cfg.hardware.precision.endswith("mixed") else 4
+
+
+def shape_of(cfg, vocabulary: int = None) -> GptShape:
+    """The model's widths and lengths; `vocabulary` defaults to the data group's (bytes: 256,
+    token_bin: data.vocab_size; + [MASK] for BERT)."""
+    if vocabulary is None:
+        vocabulary = cfg.data.vocab_size if cfg.data.corpus == "token_bin" else 256
+        vocabulary += 1 if cfg.model.architecture == "bert" else 0
+    return GptShape(cfg.model.hidden, cfg.model.mlp_ratio, vocabulary, cfg.data.sequence_length,
+                    cfg.model.max_sequence_length)
+
+
+def device_of(cfg, world_size: int = None) -> Device:
+    """The hardware profile as the cost model reads it. On a profile with `compute_units_per_node`
+    (a CPU: its cores) the ranks of a node share the cores. With fewer ranks than cores a rank's
+    threads speed up its matrix products (small element-wise operators do not split); with more,
+    each rank computes at cores ÷ ranks of the one-thread rate, and a pipeline message waits for its
+    descheduled peer like a collective does (measured: a 256 KB send took ~3 ms with 4 ranks on 2
+    cores, 0.2 ms with 2)."""
+    hardware = cfg.hardware
+    dtype = "bf16" if hardware.precision.startswith("bf16") else "fp16" if hardware.precision.startswith("16") \
+        else "fp32"
+    ranks = min(hardware.devices_per_node, world_size or hardware.devices_per_node)
+    share = hardware.compute_units_per_node / ranks if hardware.compute_units_per_node else 1.0
+    slow = min(share, 1.0)  # time-sharing stretches every compute cost; extra threads help the products only
+    return Device(hardware.peak_flops.get(dtype, 0.0) * share, cfg.plan.efficiency, hardware.device_memory_bytes,
+                  hardware.intra_node_bandwidth, hardware.inter_node_bandwidth, hardware.devices_per_node,
+                  hardware.matmul_overhead_s / slow, hardware.collective_latency_s, hardware.block_overhead_s / slow,
+                  hardware.activation_seconds_per_element / slow, hardware.optimizer_seconds_per_parameter / slow,
+                  (hardware.point_to_point_latency_s if share >= 1 else hardware.collective_latency_s) or None,
+                  hardware.overlaps_communication)
+
+
+def training_plan_of(cfg):
+    """The plan `fit` would run (ZeRO's with its gathers and reduce-scatters), built by the very
+    `complete_plan` the strategy calls (which validates it)."""
+    from strategies.modular_pipeline import ModularPipelineStrategy
+    from strategies.zero_layered import ZeroLayeredStrategy
+    cfg = as_planned(cfg)
+    compute = compute_plan(cfg.strategy, cfg.model.layers)
+    owner = ZeroLayeredStrategy if cfg.strategy.name.startswith("zero") else ModularPipelineStrategy
+    return owner.complete_plan(compute)

@@ -1,0 +1,63 @@
+"""A plan on the terminal (the table) and on disk (plan.json, plan.png, plan_memory.png)."""
+
+import json
+from pathlib import Path
+
+from cost.inputs import Device
+from layerwise.planning.roles import GIB
+from strategies.schedule import plot_timeline
+
+
+def table(result: dict, device: Device) -> str:
+    lines = [f"plan: {result['strategy']} × {result['model']} × {result['hardware']} on {result['world_size']} "
+             f"devices; predicted step {result['step_seconds']:.3f} s, {result['tokens_per_s']:.0f} tokens/s, "
+             f"MFU {result['mfu']:.1%}, bubble {result['bubble_fraction']:.1%} (efficiency "
+             f"{result['efficiency_assumed']:.0%} assumed, "
+             f"{'hardware measured by mode=calibrate' if device.activation_seconds_per_element else 'not calibrated'})",
+             f"{'role':40s} {'params':>8s} {'grads':>8s} {'optim':>8s} {'activ':>8s} {'buffers':>8s} "
+             + "".join(f"{kind:>8s} " for kind in _extra_kinds(result)) + f"{'total GiB':>10s} {'device':>7s} fits"]
+    for role in result["roles"]:
+        b = role["bytes"]
+        lines.append(f"{role['role']:40s} " + " ".join(f"{b[k] / GIB:8.2f}" for k in
+                     ("parameters", "gradients", "optimizer", "activations", "buffers", *_extra_kinds(result)))
+                     + f" {role['total_bytes'] / GIB:10.2f} {device.memory_bytes / GIB:7.1f} "
+                     f"{'yes' if role['fits'] else 'NO'}")
+    if "refresh_interval" in result:  # PipeFisher (layerwise/planning/pipefisher.py)
+        lines.append(f"PipeFisher: first-order step {result['step_first_order_seconds']:.3f} s, bubble "
+                     f"{result['bubble_first_order']:.1%} → {result['bubble_fraction']:.1%} with K-FAC packed into "
+                     f"a {result['refresh_interval']}-step cycle (K-FAC work / bubble {result['kfac_work_per_bubble']:.2f})")
+    return "\n".join(lines)
+
+
+def _extra_kinds(result: dict) -> list:
+    """Kinds of bytes beyond the five every plan has (PipeFisher's "kfac"), as the roles list them."""
+    return [kind for kind in result["roles"][0]["bytes"]
+            if kind not in ("parameters", "gradients", "optimizer", "activations", "buffers")]
+
+
+def _write(result: dict, timeline, directory: Path, device_memory_bytes: float) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "plan.json").write_text(json.dumps(result, indent=1))
+    if timeline is not None:  # L2L's relay is priced in closed form: no simulated timeline
+        plot_timeline(timeline, directory / "plan.png", title=f"predicted step: {result['strategy']}", time_unit="s")
+    _plot_memory(result, directory / "plan_memory.png", device_memory_bytes)
+
+
+def _plot_memory(result: dict, path: Path, device_memory_bytes: float) -> None:
+    """Stacked bars per rank role, one colour per kind, and the device's memory as a line."""
+    from matplotlib.figure import Figure
+    figure = Figure(figsize=(9, 1.5 + 0.45 * len(result["roles"])), layout="constrained")
+    axes = figure.add_subplot()
+    kinds = list(result["roles"][0]["bytes"])
+    for colour, kind in enumerate(kinds):
+        lefts = [sum(role["bytes"][k] for k in kinds[:colour]) / GIB for role in result["roles"]]
+        widths = [role["bytes"][kind] / GIB for role in result["roles"]]
+        axes.barh(range(len(widths)), widths, left=lefts, color=f"C{colour}", label=kind)
+    axes.axvline(device_memory_bytes / (1 + result["allocator_margin"]) / GIB, color="black", linestyle="--",
+                 label="device memory less the allocator margin")
+    axes.set_yticks(range(len(result["roles"])), [role["role"] for role in result["roles"]])
+    axes.invert_yaxis()
+    axes.set_xlabel("GiB per device")
+    axes.set_title(f"plan: {result['strategy']} × {result['model']} on {result['world_size']} devices", fontsize=10)
+    axes.legend(loc="lower right", fontsize=8)
+    figure.savefig(path, dpi=110)

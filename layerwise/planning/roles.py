@@ -1,0 +1,43 @@
+"""Rank roles: pipeline ranks with equal memory merged, each with its bytes and whether it fits, and
+the header every plan.json starts with (the point, the step, tokens/s, MFU)."""
+
+from cost.inputs import Device, Workload
+from models.transformer import model_flops_per_token
+
+
+GIB = 2 ** 30
+
+
+def roles(per_rank: list) -> list:
+    """Pipeline ranks with equal memory merged into one role: (label, ranks, breakdown)."""
+    merged = []
+    for rank, breakdown in enumerate(per_rank):
+        if merged and merged[-1][2] == breakdown:
+            merged[-1][1].append(rank)
+        else:
+            merged.append((None, [rank], breakdown))
+    last = len(per_rank) - 1
+    return [(_label(ranks, last), ranks, breakdown) for _, ranks, breakdown in merged]
+
+
+def _label(ranks: list, last: int) -> str:
+    parts = (["embedding"] if 0 in ranks else []) + (["head"] if last in ranks else [])
+    span = f"pipeline rank {ranks[0]}" if len(ranks) == 1 else f"pipeline ranks {ranks[0]}–{ranks[-1]}"
+    return span + (f" ({' + '.join(parts)})" if parts else "")
+
+
+def _result_header(cfg, world_size: int, workload: Workload, device: Device, step_seconds: float) -> dict:
+    """What every plan.json starts with: the point, the step, tokens/s and MFU."""
+    tokens = cfg.data.global_batch_size * cfg.data.sequence_length
+    flops = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
+                                  workload.shape.vocabulary, cfg.model.mlp_ratio) * tokens
+    return {"strategy": cfg.strategy.name, "model": cfg.model.name, "hardware": cfg.hardware.name,
+            "world_size": world_size, "layout": workload.layout.__dict__, "step_seconds": step_seconds,
+            "tokens_per_s": tokens / step_seconds, "mfu": flops / (device.flops_per_second * world_size * step_seconds),
+            "allocator_margin": cfg.plan.allocator_margin, "efficiency_assumed": device.efficiency}
+
+
+def _role(label: str, ranks: list, breakdown: dict, margin: float, device: Device) -> dict:
+    total = sum(breakdown.values()) * (1 + margin)
+    return {"role": label, "pipeline_ranks": ranks, "bytes": breakdown, "total_bytes": total,
+            "fits": total <= device.memory_bytes}

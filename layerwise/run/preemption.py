@@ -1,0 +1,127 @@
+"""Preemption under Slurm, inside the ranks: the one owner of the signal, the step-boundary agreement,
+the save and the requeue (layerwise/cluster/slurm.py submits the jobs; this is what runs in them).
+
+Slurm sends SIGUSR2 `signal_delay_s` before the time limit (or on `scancel --signal=USR2`). The
+handler only sets a flag; at the next step boundary all ranks agree on it (the step's evidence
+exchange carries it), all save the checkpoint, the run unwinds (metrics flushed, summary
+"interrupted", W&B closed), rank 0 runs `scontrol requeue` and the ranks exit without a result.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+
+PREEMPTION_SIGNAL = signal.SIGUSR2  # submitit asks Slurm for --signal=USR2@signal_delay_s
+
+
+TIMEOUT_VARIABLE = "LAYERWISE_PROCESS_GROUP_TIMEOUT_S"
+
+
+class _Preemption:
+    requested = False  # set by the signal handler, nothing else happens there
+    saved = False  # set after every rank saved the checkpoint at a step boundary
+
+
+PREEMPTION = _Preemption()
+
+
+def _on_preemption_signal(signum, frame) -> None:
+    PREEMPTION.requested = True
+    os.write(2, f"[layerwise] received {signal.Signals(signum).name}: checkpoint and requeue at "
+                f"the next step boundary\n".encode())
+
+
+def install_preemption_handler() -> None:
+    signal.signal(PREEMPTION_SIGNAL, _on_preemption_signal)
+
+
+def under_slurm_step() -> bool:
+    """This process is one task of a Slurm job step with the ranks started by srun."""
+    return "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ and "SLURM_JOB_ID" in os.environ
+
+
+def slurm_job_id() -> str:
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array:
+        return f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ["SLURM_JOB_ID"]
+
+
+class Preempted(KeyboardInterrupt):
+    """Ends fit after the checkpoint: Lightning treats it as an interruption (summary: interrupted)."""
+
+
+def requeue_on_preemption_callback(checkpoint_path: Path, evidence):
+    import lightning.pytorch as pl
+
+    class RequeueOnPreemption(pl.Callback):
+        """At each step boundary all ranks agree on the flag (it travels in the step's evidence
+        exchange, `slurm_step_flags`); if set on any rank: save, requeue, stop."""
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
+            if not evidence.any_rank(trainer, "preemption"):
+                return
+            if trainer.global_step >= trainer.max_steps:
+                return  # the last step: finishing is better than requeueing
+            trainer.save_checkpoint(checkpoint_path, weights_only=False)  # all ranks, atomic
+            PREEMPTION.saved = True
+            if trainer.is_global_zero:
+                print(f"[layerwise] preempted: checkpoint at step {trainer.global_step} saved to "
+                      f"{checkpoint_path}", flush=True)
+            # Unwind first (metrics row, summary "interrupted", W&B closed); requeue at the very end
+            # (exit_after_requeue): requeueing sends SIGTERM to the whole job, W&B's service too.
+            raise Preempted(f"preempted at step {trainer.global_step}")
+
+    return RequeueOnPreemption()
+
+
+def requeues_so_far() -> int:
+    """How often Slurm has requeued this job (SLURM_RESTART_COUNT; absent before the first)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def exit_after_requeue(rank: int, max_requeues: Optional[int] = None) -> None:
+    """Rank 0 requeues the job; every rank leaves without a result file (submitit must see the
+    job continue, not finish). A failed requeue fails the job: its checkpoint is still there.
+    After `max_requeues` requeues (hydra.launcher.max_requeues) every rank fails instead: a job that
+    cannot finish in its time limit would otherwise be requeued forever."""
+    done = requeues_so_far()
+    if max_requeues is not None and done >= max_requeues:
+        if rank == 0:  # failing_rank() reads this line from the job log
+            print(f"[layerwise] rank 0 failed: preempted after {done} requeue(s), the limit "
+                  f"hydra.launcher.max_requeues={max_requeues}: not requeued. The checkpoint is kept. "
+                  f"Fix: raise hydra.launcher.timeout_min or hydra.launcher.max_requeues, then rerun "
+                  f"the same command: it resumes from the checkpoint.", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    if rank == 0:
+        job = slurm_job_id()
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
+        print(f"[layerwise] job {job} requeued: it resumes from its checkpoint", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(0)
+
+
+def slurm_plugins(strategy) -> list:
+    """Lightning's Slurm environment without its signal handling, and our process-group timeout."""
+    if not under_slurm_step():
+        return []
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    seconds = os.environ.get(TIMEOUT_VARIABLE)
+    if seconds:
+        strategy.set_collective_timeout(float(seconds))
+    return [SLURMEnvironment(auto_requeue=False)]
+
+
+def slurm_step_flags() -> dict:
+    """What each step's evidence exchange carries for Slurm: whether this rank was told to stop."""
+    return {"preemption": lambda: PREEMPTION.requested} if under_slurm_step() else {}
+
+
+def slurm_callbacks(checkpoint_path: Path, evidence) -> list:
+    return [requeue_on_preemption_callback(checkpoint_path, evidence)] if under_slurm_step() else []

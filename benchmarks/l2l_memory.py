@@ -1,4 +1,4 @@
-"""L2L compute-side memory (TECHNIQUES §3), measured from the tensors by parallel.memory's meter.
+"""L2L compute-side memory (docs/strategies/l2l.md), measured from the tensors by parallel.memory's meter.
 
     .venv/bin/python benchmarks/l2l_memory.py                 # depth table + m table + BERT-Large
     .venv/bin/python benchmarks/l2l_memory.py --skip-bert     # tables only (~6 min; BERT adds ~8)

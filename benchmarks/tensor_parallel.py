@@ -5,7 +5,7 @@
 Prints per-rank logical communication bytes per step (the Communicator's counts, maximum over
 ranks, median over steps), parameter bytes per rank (from rank 0's checkpoint shard) and the
 median step time relative to 1-D. On this 2-core CPU the times measure process contention more
-than the network; the byte counts are the algorithm's (TECHNIQUES §4).
+than the network; the byte counts are the algorithm's (docs/strategies/three_d.md).
 """
 
 import argparse

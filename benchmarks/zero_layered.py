@@ -1,4 +1,4 @@
-"""ZeRO-3 with layered accumulation vs depth-first ZeRO-3 vs PyTorch FSDP2, side by side (TECHNIQUES §1).
+"""ZeRO-3 with layered accumulation vs depth-first ZeRO-3 vs PyTorch FSDP2, side by side (docs/strategies/zero_layered.md).
 
     .venv/bin/python benchmarks/zero_layered.py [--model gpt_small] [--steps 3] [--ranks 2 4]
 

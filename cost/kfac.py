@@ -1,4 +1,4 @@
-"""PipeFisher's plan (Osawa et al. 2023, TECHNIQUES.md §2): K-FAC's units priced with plan mode's cost
+"""PipeFisher's plan (Osawa et al. 2023, docs/strategies/pipefisher.md): K-FAC's units priced with plan mode's cost
 model and packed into the first-order plan's bubbles, and the bytes strategies/kfac.py allocates.
 
   time    every curvature unit (aᵀa, gᵀg) and inversion costs its FLOPs (strategies/schedule/curvature.py

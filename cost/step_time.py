@@ -7,7 +7,7 @@ Nothing here builds a model or a process group; it is what plan mode answers at 
             non-product work (calibrated per activation element), the tensor grid's collectives
             inside them (latency × count + bytes), and receives from the activation piece over the
             link the pipeline crosses; the data-parallel reduction of the stage finished last is
-            exposed, the others overlap the remaining backward (layered accumulation, TECHNIQUES §1),
+            exposed, the others overlap the remaining backward (layered accumulation, docs/strategies/modular_pipeline.md),
             unless the device does not overlap communication (a CPU whose ranks use every core); then
             the slowest rank's optimizer step.
 What it leaves out (said in docs/plan.md): allocator fragmentation, the framework's own cost per
@@ -236,7 +236,7 @@ def closed_form_step(workload: Workload, device: Device, schedule: str, micro_ba
     two within 1% on every schedule family, with and without a tensor grid and a heavy head; ZeRO ×
     pipeline within 15%). Per breadth-first group, a pipeline of p ranks and v loops fills and drains once: (p − 1) hops of a stage's F + B and its two receives, plus bf
     micro-batches through the busiest rank's stages (every loop of a looped schedule; the last
-    rank's includes the head): bubble (p − 1)/(v·bf + p − 1) on equal stages (TECHNIQUES §1;
+    rank's includes the head): bubble (p − 1)/(v·bf + p − 1) on equal stages (docs/strategies/modular_pipeline.md;
     Narayanan et al. 2021 for the interleaved schedule). Depth-first groups run one after another.
     The exposed reduction is the slowest rank's last-reduced stage: stage r on rank r for every
     schedule here (contiguous: its one stage; looping: backwards visit local stages in reverse)."""
@@ -268,7 +268,7 @@ def closed_form_step(workload: Workload, device: Device, schedule: str, micro_ba
             "bubble_fraction": 1 - busy / (compute * p) if compute else 0.0}
 
 
-# ----- L2L: one device relays the layers from the host store (TECHNIQUES §3, Pudipeddi et al. 2020)
+# ----- L2L: one device relays the layers from the host store (docs/strategies/l2l.md, Pudipeddi et al. 2020)
 
 def relay_stage_parameters(workload: Workload) -> list:
     """Elements of each relay stage as strategies/l2l.py moves them: embed, the L blocks, the head

@@ -2,7 +2,7 @@
 
 A composed layout (data × pipeline × tensor grid) moves, per rank and step:
   pipeline  its plan row's sends × the activation piece it holds (grids.local_activation_shape);
-  tensor    per forward-and-backward of a block, the grid's collectives (TECHNIQUES §4):
+  tensor    per forward-and-backward of a block, the grid's collectives (docs/strategies/three_d.md):
               1d  4 all-reduces of the micro-batch's activation (Megatron's f and g, twice);
               2d  per linear, a gather of X along the row and of W along the column, and their
                   reduce-scatters in the backward: (q−1)/q²·(N_X + N_W) each;

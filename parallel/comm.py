@@ -1,6 +1,6 @@
 """The one place every collective and point-to-point call passes through, counted logically.
 
-Logical volume (TECHNIQUES.md, notation): per process, for a full tensor of N elements on a group of
+Logical volume (docs/evidence.md, `comm_bytes_per_step`): per process, for a full tensor of N elements on a group of
 g ranks, all-reduce moves 2(g-1)/g·N, all-gather and reduce-scatter (g-1)/g·N, broadcast and
 send/recv N. We count these, not the wire bytes: gloo on CPU may implement a reduce-scatter as an
 all-reduce, which changes what crosses the wire but not the algorithm's volume.

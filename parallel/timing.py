@@ -1,4 +1,4 @@
-"""Clocks that time the device's work, not the host's launches of it (DESIGN.md principle 11).
+"""Clocks that time the device's work, not the host's launches of it (CUDA events on GPUs: README, "What has run on GPUs").
 
 On CUDA a kernel launch returns at once: reading `time.perf_counter` around a step measures the
 Python that queued it. A step is timed with CUDA events recorded on the stream; an action of a

@@ -1,4 +1,4 @@
-"""The thin Lightning adapter every technique's strategy stands on (DESIGN.md principle 6).
+"""The thin Lightning adapter every technique's strategy stands on (docs/architecture.md, "The contract between the run and a strategy").
 
 `LayerwiseStrategy` is a DDPStrategy without the DDP wrapper: the technique places and
 synchronises the model itself. It builds the ParallelLayout once, reports the data-parallel rank

@@ -116,4 +116,4 @@ def build(cfg, world_size: int):
                          process_group_backend=cfg.hardware.process_group_backend)
 
 
-FSDP2 = StrategyEntry(check=check, degrees=degrees, build=build)
+FSDP2 = StrategyEntry(check=check, degrees=degrees, build=build)  # not priced by plan mode: zero_layered is

@@ -1,4 +1,4 @@
-"""K-FAC (Martens & Grosse 2015) as PipeFisher's reference uses it (TECHNIQUES.md §2), single process.
+"""K-FAC (Martens & Grosse 2015) as PipeFisher's reference uses it (docs/strategies/pipefisher.md), single process.
 
 Only the linear layers inside transformer blocks are preconditioned; everything else keeps the
 outer optimizer's plain gradient. This file holds the math (`KFAC`, no torch.distributed: factor

@@ -1,4 +1,4 @@
-"""L2L: layer-to-layer execution with an eager parameter server (Pudipeddi et al. 2020; TECHNIQUES §3).
+"""L2L: layer-to-layer execution with an eager parameter server (Pudipeddi et al. 2020; docs/strategies/l2l.md).
 
 The model itself (`task.model`, fp32) is the host store, and the Lightning optimizer over it is the
 host optimizer. A step is the plan `offload.relay_plan(L + 2, m)` (stages: embed, L blocks, head
@@ -499,4 +499,4 @@ def build(cfg, world_size: int) -> L2LOffloadStrategy:
                               process_group_backend=cfg.hardware.process_group_backend)
 
 
-L2L = StrategyEntry(check=check, degrees=degrees, build=build, scales_fp16_loss=False)
+L2L = StrategyEntry(check=check, degrees=degrees, build=build, scales_fp16_loss=False, planned_as="relay")

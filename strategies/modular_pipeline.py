@@ -373,4 +373,5 @@ def consolidate(rank_state_dicts: list, layout: dict) -> dict:
     return merged
 
 
-PIPELINE = StrategyEntry(check=check_recomputing, degrees=degrees, build=build, consolidate=consolidate)
+PIPELINE = StrategyEntry(check=check_recomputing, degrees=degrees, build=build, consolidate=consolidate,
+                         planned_as="pipeline")

@@ -1,6 +1,6 @@
 """PipeFisherStrategy: K-FAC's curvature, factor sync and inversion run in the pipeline's bubbles.
 
-Osawa et al., MLSys 2023 (TECHNIQUES.md §2). The pipeline is ModularPipelineStrategy's (GPipe,
+Osawa et al., MLSys 2023 (docs/strategies/pipefisher.md). The pipeline is ModularPipelineStrategy's (GPipe,
 1F1B or looped breadth-first); strategies/schedule/curvature.py packs the K-FAC work units into the
 bubbles of k consecutive steps; strategies/kfac.py does the math. Numerically it equals the
 one-process `kfac` strategy with the same refresh interval k, damping and outer optimizer.
@@ -188,4 +188,5 @@ def build(cfg, world_size: int):
 
 
 PIPEFISHER = StrategyEntry(check=check, degrees=modular_pipeline.degrees, build=build,
-                           consolidate=modular_pipeline.consolidate, scales_fp16_loss=False)
+                           consolidate=modular_pipeline.consolidate, scales_fp16_loss=False,
+                           planned_as="pipefisher")

@@ -104,5 +104,5 @@ def build_ddp(cfg, world_size: int) -> "CountedDDPStrategy":
 
 
 SINGLE = StrategyEntry(check=check, degrees=degrees, build=build_single, one_process=True,
-                       clips_gradients=True)
-DDP = StrategyEntry(check=check, degrees=degrees, build=build_ddp, clips_gradients=True)
+                       clips_gradients=True, planned_as="whole_model")
+DDP = StrategyEntry(check=check, degrees=degrees, build=build_ddp, clips_gradients=True, planned_as="whole_model")

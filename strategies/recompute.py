@@ -3,7 +3,7 @@
 `full` runs every block's forward under torch.utils.checkpoint (non-reentrant, RNG state
 preserved): the forward saves nothing inside the block, and the backward recomputes the block from
 its input with the same dropout masks before differentiating it, so gradients are those of the
-plain model. Compute rises from F + 2F to F + 3F per block (TECHNIQUES §1: 8 instead of 6
+plain model. Compute rises from F + 2F to F + 3F per block (docs/strategies/modular_pipeline.md: 8 instead of 6
 FLOP/param/token); a block's working activations are held for one block at a time.
 
 The block's `forward` is replaced on the instance rather than the block wrapped in another module,

@@ -46,6 +46,10 @@ class StrategyEntry:
     # cannot: L2L's host store updates before a step-wide inf check exists, K-FAC's factor B would
     # be built from scaled output gradients.
     scales_fp16_loss: bool = True
+    # How plan mode (layerwise/planning/) prices it: "pipeline" (the plan `fit` runs), "tensor_grid"
+    # and "whole_model" (the one-stage pipeline each equals: its grid, or none), "relay" (L2L's, in
+    # closed form), "pipefisher" (the pipeline plus K-FAC packed into its bubbles); None: not priced.
+    planned_as: str = None
 
 
 # strategy.name -> (module, entry attribute). Modules import lazily: `--help` and config checks of
@@ -69,9 +73,22 @@ REGISTRY = {
 }
 
 
+PLANNED_AS = ("pipeline", "tensor_grid", "whole_model", "relay", "pipefisher")
+
+
 def strategy_entry(name: str) -> StrategyEntry:
     """The entry of `strategy.name`; KeyError naming the known strategies otherwise."""
     if name not in REGISTRY:
         raise KeyError(f"unknown strategy {name!r}; known: {', '.join(sorted(REGISTRY))}")
     module, attribute = REGISTRY[name]
     return getattr(importlib.import_module(module), attribute)
+
+
+def planned_as(name: str):
+    """How plan mode prices strategy `name` (StrategyEntry.planned_as), None for an unknown name."""
+    return strategy_entry(name).planned_as if name in REGISTRY else None
+
+
+def strategies_planned_as(*ways) -> tuple:
+    """The strategy names plan mode prices in any of `ways`, in the registry's order."""
+    return tuple(name for name in REGISTRY if planned_as(name) in ways)

@@ -1,4 +1,4 @@
-"""Flat, padded ZeRO-3 shards of a group of tensors (TECHNIQUES §1: 1/n of weights, grads, optimizer).
+"""Flat, padded ZeRO-3 shards of a group of tensors (docs/strategies/zero_layered.md: 1/n of weights, grads, optimizer).
 
 A `FlatShard` replaces the parameters of some modules by plain leaf tensors whose data it swaps in
 and out: the modules compute as before, the optimizer only ever sees the shard. Layout of a group

@@ -95,7 +95,7 @@ class StageWork:
     With a `tensor_form` (strategies/tensor_parallel) the stages' modules are this rank's shards:
     boundaries carry this grid position's piece of the activation to the same position of the next
     stage, the loss is the vocabulary-parallel one, and REDUCE_GRADIENT first sums the gradients of
-    pieces the grid replicates over their tensor groups (TECHNIQUES §4), then over data.
+    pieces the grid replicates over their tensor groups (docs/strategies/three_d.md), then over data.
     """
 
     def __init__(self, model: nn.Module, stages: int, layers_per_stage: int, micro_batches: int,

@@ -6,7 +6,7 @@
 
 Lightning's automatic optimisation runs forward and backward; the parallel layers' collectives
 run inside them. `optimizer_step` then sums the gradients of replicated parameters over the
-groups holding copies and every gradient over the data group, and steps (TECHNIQUES §4).
+groups holding copies and every gradient over the data group, and steps (docs/strategies/three_d.md).
 """
 
 from typing_extensions import override
@@ -132,4 +132,5 @@ def build(cfg, world_size: int):
                                   process_group_backend=cfg.hardware.process_group_backend)
 
 
-TENSOR_PARALLEL = StrategyEntry(check=check, degrees=degrees, build=build, consolidate=consolidate_form)
+TENSOR_PARALLEL = StrategyEntry(check=check, degrees=degrees, build=build, consolidate=consolidate_form,
+                                planned_as="tensor_grid")

@@ -1,4 +1,4 @@
-"""ZeroLayeredStrategy: ZeRO-3 sharding + layered gradient accumulation (Lamy-Poirier 2021, TECHNIQUES §1).
+"""ZeroLayeredStrategy: ZeRO-3 sharding + layered gradient accumulation (Lamy-Poirier 2021, docs/strategies/zero_layered.md).
 
 The modular pipeline's engine with one more pass (strategies/schedule/zero.py): per stage and run of
 its compute, an all-gather of its weights; after each backward run, a reduce-scatter of its gradient
@@ -255,4 +255,5 @@ def unshard_over_data(states: list) -> dict:
     return merged
 
 
-ZERO_LAYERED = StrategyEntry(check=check, degrees=modular_pipeline.degrees, build=build, consolidate=consolidate)
+ZERO_LAYERED = StrategyEntry(check=check, degrees=modular_pipeline.degrees, build=build, consolidate=consolidate,
+                             planned_as="pipeline")

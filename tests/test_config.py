@@ -167,7 +167,7 @@ def test_every_strategy_schema_field_is_read_by_its_strategy():
     assert not unread, f"schema fields no code reads: {unread}"
 
 
-# The hardware profile's prices are for the planner (DESIGN.md principle 10); plan mode reads them
+# The hardware profile's prices are for the planner (docs/plan.md); plan mode reads them
 # all since L2L's plan reads the host <-> device price. A field added for the planner waits here
 # until code reads it (the test says so).
 AWAITING_THE_PLANNER = {}

@@ -1,4 +1,4 @@
-"""Every tensor the framework creates names its device, or says why it lives on the host (DESIGN 11).
+"""Every tensor the framework creates names its device, or says why it lives on the host (docs/architecture.md, "Point-to-point order" and the README's GPU notes).
 
 On a GPU a factory call without `device=` makes a CPU tensor, and NCCL rejects a CPU tensor in a
 collective: the first step would fail. The scan reads the syntax tree (not text), so a call split

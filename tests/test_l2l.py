@@ -1,4 +1,4 @@
-"""L2L offload (TECHNIQUES §3): the relay plan, numerics equal to `single`, memory flat in depth, bytes, resume.
+"""L2L offload (docs/strategies/l2l.md): the relay plan, numerics equal to `single`, memory flat in depth, bytes, resume.
 
 Test ids: m = micro-batches, const = constant-memory variant (stash on the host), std = stash on the device.
 """

@@ -69,7 +69,7 @@ def test_executed_order_equals_the_plan_and_evidence_is_written(tmp_path):
     assert 0 < bubble["simulated"] < 1 and 0 <= bubble["measured"] < 1
     assert (tmp_path / "schedule_planned.png").stat().st_size > 10_000
     assert (tmp_path / "schedule_executed.png").stat().st_size > 10_000
-    # v·m activations of b·s·h fp32 forward and as many gradients back, per rank (TECHNIQUES §1):
+    # v·m activations of b·s·h fp32 forward and as many gradients back, per rank (docs/strategies/modular_pipeline.md):
     # here rank 0 sends stage 0 → 1 and 2 → 3 forward and stage 2 → 1 backward.
     activation = 8 // 4 * 32 * 32 * 4  # micro-batch 2 sequences × 32 tokens × 32 wide × 4 bytes
     assert summary["comm_bytes_per_step"]["send_recv"] == 3 * 4 * activation

@@ -1,5 +1,5 @@
 """Bian et al. 2021's reproduction (layerwise/reproduce/three_d.py): the paper-scale arithmetic against
-hand-computed oracles (TECHNIQUES §4's per-rank volumes, FLOPs at the device's rate) and the small-scale
+hand-computed oracles (docs/strategies/three_d.md's per-rank volumes, FLOPs at the device's rate) and the small-scale
 comparison on tiny inputs. Nothing here trains; the small-scale runs are
 `python train.py experiment=repro_three_d_small`.
 """

@@ -18,12 +18,12 @@ def base():
     return compose(["model=gpt3_175b", "hardware=dgx_a100_80g", "logger=none"])
 
 
-# ----- the scaling laws (TECHNIQUES §1's numbers)
+# ----- the scaling laws (Kaplan et al. 2020; the constants docs/results/training_time.md quotes)
 
 def test_converged_loss_and_critical_batch_of_a_trillion_parameters():
     loss = tt.converged_loss(1e12)
     assert loss == pytest.approx(88 ** 0.076, rel=1e-12)  # (8.8e13 / 1e12)^0.076
-    assert loss == pytest.approx(1.405, abs=0.001)  # TECHNIQUES §1: L ≈ 1.405
+    assert loss == pytest.approx(1.405, abs=0.001)  # Kaplan et al. 2020's L(N, D) at this point: L ≈ 1.405
     assert tt.critical_batch_tokens(loss) == pytest.approx(4.0e7, rel=0.03)  # "B_crit ≈ 4·10^7 tokens"
     assert tt.critical_batch_tokens(1.0) == 2.0e8  # B* at L = 1
 
@@ -76,7 +76,7 @@ def test_point_reads_the_ladder_and_the_profiles(base):
 
 def test_depth_first_needs_m_times_the_bandwidth_of_layered(base):
     """Same stages and micro-batches: depth-first hides its reduction (ZeRO: its 3 collectives per
-    micro-batch) behind 1/m of what layered accumulation hides it behind (TECHNIQUES §1)."""
+    micro-batch) behind 1/m of what layered accumulation hides it behind (docs/strategies/modular_pipeline.md)."""
     point = tt.point_config(base, "gpt_6.7b", "dgx_a100_80g", 256)
     for depth_first, layered in (("one_f_one_b", "modular_pipeline"), ("zero_depth_first", "zero_layered")):
         rows = [{**Layout(family, 4, "1d", 8, 8, 8, "full", 8).__dict__, "gpus": 256}

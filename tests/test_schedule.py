@@ -1,4 +1,4 @@
-"""Schedule IR: generators match TECHNIQUES.md §1 under unit cost, passes and validator, executor, plotter.
+"""Schedule IR: generators match docs/strategies/modular_pipeline.md under unit cost, passes and validator, executor, plotter.
 
 Test ids: p = pipeline degree, m = micro-batches, v = loops (stages per rank), bf = breadth-first micro-batches.
 """
@@ -131,7 +131,7 @@ def test_dependencies():
 
 
 # -----------------------------------------------------------------------------
-# Generators under unit cost: TECHNIQUES.md §1
+# Generators under unit cost: docs/strategies/modular_pipeline.md
 
 
 @pytest.mark.parametrize("p, m", sorted({(p, m) for p, m, _ in GRID}))

@@ -1,4 +1,4 @@
-"""No rank materialises what it does not own (DESIGN.md principle 11; issue 12 item 4).
+"""No rank materialises what it does not own (docs/architecture.md, "No rank builds what it does not own"; issue 12 item 4).
 
 The task builds the model on the meta device; each strategy materialises only its stages, shards or
 host store, with the same seeded values, and `summary.json` records `setup_peak_bytes`, the most

@@ -1,4 +1,4 @@
-"""3-D tensor parallelism (TECHNIQUES §4) and its 1-D / 2-D baselines.
+"""3-D tensor parallelism (docs/strategies/three_d.md) and its 1-D / 2-D baselines.
 
 Operator level on 8 gloo ranks (q=2): each rank's shards equal the chunks of the unsharded
 computation, and the traffic of a linear equals (q−1)/q³·(N_X+N_W+N_Y) each way, tallied by an

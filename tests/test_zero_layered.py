@@ -147,7 +147,7 @@ def test_zero_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
 
 
 def test_plan_counts_follow_the_zero_table():
-    """Per stage and step: 2 gathers + 1 reduce-scatter layered, 2m + m depth-first (TECHNIQUES §1)."""
+    """Per stage and step: 2 gathers + 1 reduce-scatter layered, 2m + m depth-first (docs/strategies/zero_layered.md)."""
     for micro_batches in (1, 2, 4, 8):
         for breadth_first, runs in ((None, 1), (1, micro_batches)):
             plan = validate_plan(add_zero(add_communication(build_plan(

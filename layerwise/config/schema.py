@@ -149,7 +149,7 @@ class TensorParallelStrategyConfig(StrategyConfig, ActivationRecomputeConfig):
 
 @dataclass
 class L2LStrategyConfig(MicroBatchedStrategyConfig, BucketedReductionConfig):
-    """L2L relay with an eager host parameter server (TECHNIQUES §3); one device per data rank."""
+    """L2L relay with an eager host parameter server (docs/strategies/l2l.md); one device per data rank."""
 
     constant_memory: bool = False  # stash activations on the host: compute memory flat in depth and m
     prefetch: bool = True  # copy the next layer's weights while this one computes (two in flight)
@@ -160,7 +160,7 @@ class L2LStrategyConfig(MicroBatchedStrategyConfig, BucketedReductionConfig):
 class KFACStrategyConfig(MicroBatchedStrategyConfig):
     """K-FAC on one process (the PipeFisher oracle): block Linears preconditioned, the rest first-order."""
 
-    damping: float = 1e-3  # Tikhonov λ, split as λ_A = √λ·π, λ_B = √λ/π (TECHNIQUES §2)
+    damping: float = 1e-3  # Tikhonov λ, split as λ_A = √λ·π, λ_B = √λ/π (docs/strategies/pipefisher.md)
     refresh_interval: int = 1  # k: curvature captured every k steps, inverses used from the cycle's last step
     factor_blocks: int = 1  # T > 1: factors block-diagonal as a 1-D grid of T holds them (pipefisher × 1d's oracle)
 
@@ -170,7 +170,7 @@ class PipeFisherStrategyConfig(StagedStrategyConfig, BucketedReductionConfig):
     """A pipeline whose bubbles run K-FAC's curvature, factor sync and inversion (Osawa et al. 2023).
     No activation recomputation: its curvature capture would see every recomputed forward twice."""
 
-    damping: float = 1e-3  # Tikhonov λ, split as λ_A = √λ·π, λ_B = √λ/π (TECHNIQUES §2)
+    damping: float = 1e-3  # Tikhonov λ, split as λ_A = √λ·π, λ_B = √λ/π (docs/strategies/pipefisher.md)
     refresh_interval: Optional[int] = None  # k; null = the steps the bubble packing needs
     bubble_margin: float = 0.05  # a unit is placed in a bubble only if it fits with this margin
 

@@ -4,9 +4,10 @@ runs, naming the role, its bytes and the single changes that would fit (each pla
 from omegaconf import OmegaConf
 
 from cost.memory import memory
-from layerwise.planning.inputs import PLANNED, training_plan_of, workload_of
+from layerwise.planning.inputs import training_plan_of, workload_of
 from layerwise.planning.pipefisher import pipefisher_rank_memory
 from layerwise.planning.roles import GIB, roles
+from strategies.registry import planned_as
 
 
 ALTERNATIVES = (("strategy.activation_recompute", "full"), ("strategy.schedule", "one_f_one_b"))
@@ -14,7 +15,7 @@ ALTERNATIVES = (("strategy.activation_recompute", "full"), ("strategy.schedule",
 
 def worst_role(cfg, world_size: int) -> tuple:
     """(label, bytes by kind, total with the allocator margin) of the rank role needing the most."""
-    if cfg.strategy.name == "pipefisher":  # the pipeline's bytes + K-FAC's (layerwise/planning/pipefisher.py)
+    if planned_as(cfg.strategy.name) == "pipefisher":  # the pipeline's bytes + K-FAC's (layerwise/planning/pipefisher.py)
         per_rank = [breakdown for breakdown, _ in pipefisher_rank_memory(cfg, world_size)[0]]
     else:
         workload, schedule = workload_of(cfg, world_size), training_plan_of(cfg)
@@ -27,7 +28,7 @@ def worst_role(cfg, world_size: int) -> tuple:
 def memory_problems(cfg, world_size: int) -> list:
     """For validate: refuse a pipeline layout whose plan does not fit hardware.device_memory_bytes,
     naming the role, its breakdown and the single changes that would fit (each planned too)."""
-    if cfg.strategy.name not in PLANNED + ("pipefisher",) or not cfg.hardware.device_memory_bytes:
+    if planned_as(cfg.strategy.name) not in ("pipeline", "pipefisher") or not cfg.hardware.device_memory_bytes:
         return []
     label, breakdown, total = worst_role(cfg, world_size)
     if total <= cfg.hardware.device_memory_bytes:

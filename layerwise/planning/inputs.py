@@ -10,29 +10,25 @@ from cost.inputs import ComposedLayout, Device, GptShape, Workload
 from layerwise.config.errors import ConfigError
 from layerwise.config.schema import PipelineStrategyConfig
 from strategies import strategy_entry
+from strategies.registry import planned_as, strategies_planned_as
 from strategies.modular_pipeline import compute_plan, tensor_parallel
 
 
-PLANNED = ("modular_pipeline", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_layered", "zero_depth_first")
-
-
-TENSOR_ONLY = ("tp_1d", "tp_2d", "three_d")  # planned as the one-stage pipeline they equal (as_planned)
-
-
-WHOLE_MODEL = ("single", "ddp")  # likewise: one stage, no grid, one micro-batch, every rank a data replica
-
-
+# Which strategies plan mode prices, and how, is each one's StrategyEntry.planned_as (strategies/registry.py).
+PLANNED = strategies_planned_as("pipeline")  # the plan `fit` runs
+TENSOR_ONLY = strategies_planned_as("tensor_grid")  # planned as the one-stage pipeline they equal (as_planned)
+WHOLE_MODEL = strategies_planned_as("whole_model")  # likewise: one stage, no grid, one micro-batch, data replicas
 ONE_STAGE = TENSOR_ONLY + WHOLE_MODEL
 
 
 def plan_problems(cfg) -> list:
     """For validate in mode=plan: a strategy plan mode cannot price, or a price it lacks."""
     name = cfg.strategy.name
-    if name not in PLANNED + ONE_STAGE + ("l2l", "pipefisher"):
+    if planned_as(name) is None:
         return [f"strategy={name}: mode=plan covers {', '.join(PLANNED + ONE_STAGE)}, pipefisher and l2l, not "
                 f"{name} yet. Fix: strategy=zero_layered plans ZeRO-3 sharding (fsdp2's), strategy=ddp data "
                 f"parallelism."]
-    if name == "l2l" and not cfg.hardware.host_device_bandwidth:
+    if planned_as(name) == "relay" and not cfg.hardware.host_device_bandwidth:
         return [f"hardware={cfg.hardware.name} has no hardware.host_device_bandwidth: L2L's relay cannot be "
                 f"priced. Fix: hardware.host_device_bandwidth=1.6e10 (PCIe 3 × 16)."]
     return []

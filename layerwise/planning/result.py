@@ -9,6 +9,7 @@ from layerwise.planning.inputs import (TENSOR_ONLY, compute_bytes, device_of, sh
                                        workload_of)
 from layerwise.planning.pipefisher import pipefisher_plan_result
 from layerwise.planning.roles import _result_header, _role, roles
+from strategies.registry import planned_as
 
 
 def relay_plan_result(cfg, world_size: int) -> dict:
@@ -32,10 +33,10 @@ def relay_plan_result(cfg, world_size: int) -> dict:
 
 def plan_result(cfg, world_size: int, with_timeline: bool = False):
     """What plan.json holds (and the simulated timeline if asked): the full plan path."""
-    if cfg.strategy.name == "l2l":
+    if planned_as(cfg.strategy.name) == "relay":
         result = relay_plan_result(cfg, world_size)
         return (result, None) if with_timeline else result
-    if cfg.strategy.name == "pipefisher":  # K-FAC in the bubbles: layerwise/planning/pipefisher.py
+    if planned_as(cfg.strategy.name) == "pipefisher":  # K-FAC in the bubbles: layerwise/planning/pipefisher.py
         result, timeline = pipefisher_plan_result(cfg, world_size)
         return (result, timeline) if with_timeline else result
     workload, device, schedule = workload_of(cfg, world_size), device_of(cfg, world_size), training_plan_of(cfg)

@@ -1,4 +1,4 @@
-"""Pudipeddi et al. 2020, L2L (TECHNIQUES §3): the paper's headline claims against plan mode's model
+"""Pudipeddi et al. 2020, L2L (docs/strategies/l2l.md): the paper's headline claims against plan mode's model
 at the paper's scale, and against measurements of strategies/l2l.py here.
 
     python train.py experiment=repro_l2l          BERT-Large on one 16 GB V100 + 512 GB host (seconds)

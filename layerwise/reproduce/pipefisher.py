@@ -7,7 +7,7 @@ At the paper's scale (BERT-Base and BERT-Large, 8 pipeline ranks, 8 micro-batche
 of 128 tokens, Phase 1; V100 nodes of 4 GPUs, `hardware=dgx1_v100`, fp32), for GPipe, 1F1B and the
 looped breadth-first pipeline the authors never built:
 1. plan mode (cost/step_time.py) times the first-order step and its bubble;
-2. the K-FAC units (strategies/schedule/curvature.py, TECHNIQUES.md §2) are costed at the same
+2. the K-FAC units (strategies/schedule/curvature.py, docs/strategies/pipefisher.md) are costed at the same
    achieved FLOP rate and packed into that plan's bubbles: K-FAC work / bubble, the k the packing
    needs, the bubble left, the PipeFisher step (the cycle's k plans + the preconditioning, which
    runs on the critical path) and the step of K-FAC without bubbles (all its work on the critical path);

@@ -3,7 +3,7 @@
     python train.py experiment=repro_three_d          plan mode's cost model on the paper's 64 V100s (seconds)
     python train.py experiment=repro_three_d_small    measured bytes per rank here: 8 CPU ranks (about 2 minutes)
 
-At the paper's scale (TECHNIQUES §4): plan mode prices each grid — 1-D (Megatron) on 8/16/32/64 GPUs,
+At the paper's scale (docs/strategies/three_d.md): plan mode prices each grid — 1-D (Megatron) on 8/16/32/64 GPUs,
 2-D (SUMMA) on 4/16/64, 3-D on 8/64, the counts the paper compares — as one tensor-parallel stage of
 a transformer stack (cost/step_time.py: FLOPs at the device's rate × plan.efficiency, plus the
 grid's logical bytes over the slowest link the grid spans). Strong scaling keeps the experiment's

@@ -3,7 +3,7 @@
     python train.py experiment=repro_training_time          plan mode, 1B–1T parameters (a few minutes)
     python train.py experiment=repro_training_time_small    2 CPU ranks: predicted vs measured step ratios
 
-The paper's analysis (seed 000; its equations were not at hand, TECHNIQUES §1 gives the
+The paper's analysis (seed 000; its equations were not at hand: docs/results/training_time.md gives the
 reconstruction used here, and each choice below says where it departs):
 1. the scaling laws of Kaplan et al. 2020 give each model its converged loss, its critical batch
    B_crit (the batch beyond which more data parallelism buys no fewer steps) and the steps to train;
@@ -35,7 +35,7 @@ from cost.traffic import all_gather, all_reduce, local_parameters
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2 ** 30
 
-# ----- 1. the scaling laws (Kaplan et al. 2020, eqs. 1.1, 5.1–5.6; the constants of TECHNIQUES §1)
+# ----- 1. the scaling laws (Kaplan et al. 2020, eqs. 1.1, 5.1–5.6; the constants as docs/results/training_time.md quotes them)
 
 CRITICAL_BATCH_TOKENS = 2.0e8  # B*
 CRITICAL_BATCH_EXPONENT = 0.21  # α_B: B_crit(L) = B* / L^(1/α_B)
@@ -78,7 +78,7 @@ def round_batch(sequences: int) -> int:
 
 
 def training_budget(parameters: float) -> dict:
-    """The batch (B_crit at the converged loss, TECHNIQUES §1), rounded to whole sequences, and the
+    """The batch (B_crit at the converged loss, Kaplan et al. 2020), rounded to whole sequences, and the
     tokens of training at it, 2·E_min = 2·S_min·B_crit; steps = tokens / the rounded batch."""
     loss = converged_loss(parameters)
     batch_tokens = critical_batch_tokens(loss)
@@ -165,7 +165,7 @@ def point_config(cfg, model: str, hardware: str, batch_sequences: int):
 def evaluated(evaluate: Evaluator, layout) -> dict:
     """The Evaluator's row, crediting contiguous 1F1B with what DDP's gradient buckets overlap: the
     closed form exposes a 1F1B stage's whole all-reduce (one stage per rank), but depth-first
-    accumulation still overlaps it with the last micro-batch's backward (TECHNIQUES §1), which at
+    accumulation still overlaps it with the last micro-batch's backward (docs/strategies/modular_pipeline.md), which at
     m = 1 is the whole backward, as under layered accumulation."""
     row = evaluate(layout)
     if layout.family != "one_f_one_b" or layout.data_degree == 1:
@@ -253,7 +253,7 @@ def memory_breakdown(point, row: dict) -> dict:
 
 def bandwidth_needed(point, row: dict) -> float:
     """Bytes per second per GPU the data-parallel traffic of pipeline rank 0 needs to hide behind the
-    compute it can overlap (TECHNIQUES §1, "Network"): layered accumulation reduces each stage once,
+    compute it can overlap (docs/strategies/modular_pipeline.md, "Network"): layered accumulation reduces each stage once,
     during the backward of all micro-batches (with ZeRO: 2 gathers + 1 reduce-scatter during the
     forward and backward of all micro-batches); depth-first accumulation only has the last
     micro-batch's backward (with ZeRO: the 3 collectives again for every micro-batch)."""
@@ -278,7 +278,7 @@ def bandwidth_needed(point, row: dict) -> float:
 
 def pipeline_transfer_share(point, row: dict) -> float:
     """Share of the step a rank spends receiving activations and their gradients: 2 receives per
-    local stage and micro-batch (v·m each way, TECHNIQUES §1), of the activation piece."""
+    local stage and micro-batch (v·m each way, docs/strategies/modular_pipeline.md), of the activation piece."""
     layout = layout_of(row)
     if layout.pipeline_degree == 1:
         return 0.0

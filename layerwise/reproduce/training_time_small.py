@@ -96,7 +96,7 @@ def small_verdicts(rows: list, ranks: int) -> list:
                 "reproduced" if faster and modular["predicted_ratio"] < 1
                 else "partly" if modular["measured_ratio"] < 1 else "refuted",
                 f"p = {ranks}, m = 4: bubble (p−1)/(v·m+p−1) = {bubble(ranks, 8 // ranks, 4):.0%} at v = {8 // ranks} "
-                f"against {bubble(ranks, 1, 4):.0%} for 1F1B (TECHNIQUES §1); a measured ratio within "
+                f"against {bubble(ranks, 1, 4):.0%} for 1F1B (docs/strategies/modular_pipeline.md); a measured ratio within "
                 f"{SMALL_NOISE:.0%} of 1 counts as no difference"),
         Verdict("plan mode ranks the configurations as they measure",
                 "ranks (fastest first): " + ", ".join(sorted(by_name, key=lambda n: by_name[n]["predicted_rank"])),
@@ -109,7 +109,7 @@ def small_verdicts(rows: list, ranks: int) -> list:
 
 
 def bubble(pipeline: int, loops: int, micro_batches: int) -> float:
-    """Idle fraction of a pipeline flush, (p − 1)/(v·m + p − 1) (TECHNIQUES §1)."""
+    """Idle fraction of a pipeline flush, (p − 1)/(v·m + p − 1) (docs/strategies/modular_pipeline.md)."""
     return (pipeline - 1) / (loops * micro_batches + pipeline - 1)
 
 

@@ -1,6 +1,6 @@
 """Every run leaves evidence: metrics.csv per step, summary.json at the end, progress as it goes.
 
-The numbers are reduced over ranks before rank 0 writes them (DESIGN.md §8): the train loss is the
+The numbers are reduced over ranks before rank 0 writes them (docs/evidence.md): the train loss is the
 world mean of what each rank's strategy returns (every strategy returns a loss whose world mean is
 the global-batch loss), communication bytes and peak memory are the maximum over ranks. The
 callback's history is part of the checkpoint, so a resumed run's summary covers the whole run.
@@ -142,7 +142,7 @@ class RunEvidence(pl.Callback):
     3. step end: the previous step's row is complete (rank 0 writes it); this step's own numbers
        wait for the next exchange, or for a synchronous one before a checkpoint and at the end;
     4. validation: mean loss over batches and ranks, attached to the step's row;
-    5. end (or failure): summary.json with the fixed schema of DESIGN.md.
+    5. end (or failure): summary.json with the fixed schema of docs/evidence.md.
     """
 
     def __init__(self, run_directory: Path, cfg, world_size: int, layout: dict,

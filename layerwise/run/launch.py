@@ -7,7 +7,7 @@ traceback is raised in the parent: a run never hangs on a dead peer and never le
 Start method: CPU ranks are forked (3-5x faster than spawn or Lightning's popen launcher: nothing
 is re-imported). GPU ranks are spawned: a forked child cannot use CUDA if the parent initialised
 it, and spawn makes that impossible whatever the parent imported. The parent itself never
-initialises CUDA either (DESIGN.md §11): it counts GPUs with NVML only (`local_gpu_count`).
+initialises CUDA either (docs/architecture.md, departure 2): it counts GPUs with NVML only (`local_gpu_count`).
 
 Several nodes on one machine (`hardware.nodes` > 1 without Slurm or torchrun) are emulated: rank r
 gets LOCAL_RANK = r mod devices_per_node and NODE_RANK = r div devices_per_node, as a cluster
@@ -56,7 +56,7 @@ def global_rank() -> int:
 
 
 def writes_run_files() -> bool:
-    """Only global rank 0 writes the run directory's files (DESIGN.md §8)."""
+    """Only global rank 0 writes the run directory's files (docs/evidence.md)."""
     return global_rank() == 0
 
 

@@ -1,7 +1,7 @@
 """K-FAC work units as actions, their FLOP cost, and the pass that packs them into a plan's bubbles.
 (The K-FAC math itself, factors and inverses of a model, is strategies/kfac.py.)
 
-Units of stage s (TECHNIQUES.md §2, PipeFisher, Osawa et al. 2023), written compactly:
+Units of stage s (docs/strategies/pipefisher.md, PipeFisher, Osawa et al. 2023), written compactly:
     "sKaq i" curvature A (A += aᵀa) of the qkv Linears, micro-batch i, after F(s,i); q p i o =
              attention.qkv, attention.proj, mlp.fc_in, mlp.fc_out   "sKbq i" curvature B, after B(s,i)
     "sKaqh i", "sKaqt i"  the same over the head / tail half of micro-batch i's tokens (a split unit)

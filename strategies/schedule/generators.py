@@ -225,7 +225,7 @@ def _check_combination(schedule, pipeline_degree, stages, micro_batches, breadth
 
 
 def _check_looped_batches(pipeline_degree, micro_batches, breadth_first) -> None:
-    # With fewer micro-batches in flight than ranks, every loop transition waits for the ring (TECHNIQUES §1).
+    # With fewer micro-batches in flight than ranks, every loop transition waits for the ring (docs/strategies/modular_pipeline.md).
     if micro_batches < pipeline_degree:
         raise ValueError(f"strategy.micro_batches ({micro_batches}) must be >= strategy.pipeline_degree "
                          f"({pipeline_degree}) for a looped schedule, which otherwise stalls at every loop "

@@ -1,4 +1,4 @@
-"""The L2L relay as a plan: a single-rank layered plan plus the host<->device actions (TECHNIQUES §3).
+"""The L2L relay as a plan: a single-rank layered plan plus the host<->device actions (docs/strategies/l2l.md).
 
     plan = add_host_transfers(relay_plan(stages, micro_batches), prefetch=True)
 

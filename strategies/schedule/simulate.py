@@ -67,7 +67,7 @@ class Timeline:
 
 
 def unit_cost(action: Action) -> float:
-    """TECHNIQUES.md §1's unit cost: every compute action takes 1, communication and reductions 0."""
+    """docs/strategies/modular_pipeline.md's unit cost: every compute action takes 1, communication and reductions 0."""
     return 1.0 if action.info.is_compute else 0.0
 
 

@@ -3,7 +3,7 @@
 A *run* is a maximal sequence of one stage's compute actions of one kind on a rank (transfers in
 between do not break it). Layered accumulation has two runs per stage and step (all forwards, all
 backwards), so a stage is gathered twice and reduce-scattered once: 3(n−1)/n·P per step whatever m
-(TECHNIQUES §1, the ZeRO table). Depth-first accumulation has 2m runs: 3m(n−1)/n·P.
+(docs/strategies/zero_layered.md, the ZeRO table). Depth-first accumulation has 2m runs: 3m(n−1)/n·P.
 
     "0Af0"  all-gather stage 0's weights for the forward run starting at micro-batch 0
     "0Ab0"  all-gather them again for the backward run starting at micro-batch 0

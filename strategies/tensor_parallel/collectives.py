@@ -1,6 +1,6 @@
 """Counted collectives along any dimension, and the autograd functions tensor parallelism uses.
 
-Everything passes through the layout's Communicator (so the bytes are counted, DESIGN.md §9).
+Everything passes through the layout's Communicator (so the bytes are counted: parallel/comm.py).
 torch's all_gather_into_tensor / reduce_scatter_tensor work on dim 0; `gather` and `scatter_sum`
 move the wanted dimension to the front and back. A group of one is the identity.
 """
@@ -43,7 +43,7 @@ def sum_copy(communicator, tensor: torch.Tensor, group) -> torch.Tensor:
 class GatherMatmulScatter(torch.autograd.Function):
     """Y = scatter_sum_y( gather_x(X) · gather_w(W) ), the linear of the 2-D and 3-D grids.
 
-    Backward mirrors it (TECHNIQUES §4): dY is gathered where Y was scattered; dX = dY·Wᵀ is
+    Backward mirrors it (docs/strategies/three_d.md): dY is gathered where Y was scattered; dX = dY·Wᵀ is
     summed-and-scattered where X was gathered; dW = Xᵀ·dY likewise where W was gathered. The
     gathered X and W are saved, so the backward repeats no forward gather. A spec is
     (group, dim) or None (no collective); W is stored [in, out].

@@ -49,7 +49,7 @@ class Style:
 
 
 class Grid3D:
-    """q³ ranks, t = i + q·(j + q·k) (TECHNIQUES §4)."""
+    """q³ ranks, t = i + q·(j + q·k) (docs/strategies/three_d.md)."""
 
     name, dimension = "3d", 3
     # family -> the coordinates that vary inside one of its groups: groups of q along one axis,

@@ -29,7 +29,7 @@ class GridLinear(nn.Module):
     """Linear of the 2-D / 3-D grids: y = scatter(gather(x) · gather(W)) + b (GatherMatmulScatter).
 
     `specs` are (family, dim) triples from the grid for this layer's explicit position, so two
-    consecutive layers differ only in the arguments they were given (TECHNIQUES §4).
+    consecutive layers differ only in the arguments they were given (docs/strategies/three_d.md).
     """
 
     def __init__(self, weight, bias, layout, specs):

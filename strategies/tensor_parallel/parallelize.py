@@ -152,7 +152,7 @@ def parallelize_2d(model, layout, device=None) -> TensorParallelForm:
 
 
 def parallelize_3d(model, layout, device=None) -> TensorParallelForm:
-    """3-D on a q³ grid (Bian et al. 2021; TECHNIQUES §4)."""
+    """3-D on a q³ grid (Bian et al. 2021; docs/strategies/three_d.md)."""
     _check_grid(layout, "3d")
     return parallelize(model, layout, device)
 

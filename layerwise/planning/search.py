@@ -202,7 +202,7 @@ class Evaluator:
 
 
 def role_bytes(workload: Workload, layout: Layout, rank: int, stages: int, breadth_first: int, flash: bool) -> dict:
-    """`estimate.memory` of pipeline rank `rank` without its plan row: the stages it holds (looping
+    """`cost.memory.memory` of pipeline rank `rank` without its plan row: the stages it holds (looping
     r, r + p, …; at v = 1 the contiguous placement's one stage r) and the closed-form in-flight counts."""
     loops = stages // layout.pipeline_degree
     held = [rank + loop * layout.pipeline_degree for loop in range(loops)]

@@ -81,7 +81,7 @@ def cross_check(cfg, world_size: int, result: dict, fake_tensors: bool | None = 
 
 def _without_gloo_temporaries(cfg, world_size: int) -> dict:
     """The plan the fake group can be held to: a gloo plan counts gloo's reduce-scatter temporaries
-    (estimate_memory.gloo_temporaries), which the fake process group, like NCCL, never makes."""
+    (cost.memory.gloo_temporaries), which the fake process group, like NCCL, never makes."""
     from omegaconf import OmegaConf
 
     from layerwise.planning.result import plan_result

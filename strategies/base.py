@@ -111,7 +111,8 @@ class OwnedStepStrategy(LayerwiseStrategy):
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         with self.precision_plugin.train_step_context():  # autocast under bf16-mixed / 16-mixed
-            return self.run_step(batch).detach()
+            loss = self.run_step(batch).detach()
+        return self.loss_ready(loss)
 
     @override
     def backward(self, closure_loss, optimizer, *args, **kwargs):

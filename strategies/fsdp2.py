@@ -69,7 +69,7 @@ class Fsdp2Strategy(RunHooks, ModelParallelStrategy):
                 loss = model.loss(model(tokens), targets) / self.micro_batches
             self.precision_plugin.pre_backward(loss, self.lightning_module).backward()
             total += loss.detach()
-        return total
+        return self.loss_ready(total)
 
     @override
     def compute_resident_tensors(self) -> list:

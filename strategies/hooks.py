@@ -29,7 +29,9 @@ class RunHooks:
     6. `bubble_fraction`, `write_evidence`: nothing unless overridden;
     7. `measure_this_step(measuring)`: the evidence callback says, before each step, whether the step
        is a sampled one (trainer.measure_every_n_steps); a technique collects its costly evidence
-       (a pipeline's gathered timeline) only then.
+       (a pipeline's gathered timeline) only then;
+    8. `loss_ready(output)`: every training_step returns its output through it, so the run's
+       evidence (`listen_to_step_loss`) sees the step's loss before Lightning's backward.
     """
 
     layout = None
@@ -38,6 +40,18 @@ class RunHooks:
     setup_peak_bytes = None  # most bytes live while materialising and placing this rank's part
     setup_allocator_peak_bytes = None  # the same from the CUDA caching allocator (None elsewhere)
     measuring = True  # whether this step is sampled (RunEvidence sets it; outside a run every step is)
+
+    step_loss_listener = None  # output -> None: the run's evidence issues the step's exchange there
+
+    def listen_to_step_loss(self, listener) -> None:
+        """Lightning hands no hook the loss before its backward: the run's evidence listens here."""
+        self.step_loss_listener = listener
+
+    def loss_ready(self, output):
+        """Every strategy's training_step returns through here (its loss, as Lightning gets it)."""
+        if self.step_loss_listener is not None:
+            self.step_loss_listener(output)
+        return output
 
     def communicator(self):
         """The counted communicator every collective of this strategy passes through, if any."""

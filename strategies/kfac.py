@@ -279,9 +279,10 @@ class KFACStrategy(RunHooks, KFACInCheckpoint, PortableCheckpoints, SingleDevice
         self.kfac.capturing = capture
         self.tokens = args[0]["tokens"].numel()
         try:
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
         finally:
             self.kfac.capturing = False
+        return self.loss_ready(output)
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):

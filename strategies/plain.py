@@ -29,6 +29,10 @@ class WholeModelHooks(RunHooks):
         super().materialise_model(model)  # DDP wraps the model later: the blocks are patched first
         apply_activation_recompute(model, self.activation_recompute)
 
+    @override
+    def training_step(self, *args, **kwargs):  # Lightning's, returned through the run's hook
+        return self.loss_ready(super().training_step(*args, **kwargs))
+
 
 class SingleStrategy(WholeModelHooks, PortableCheckpoints, SingleDeviceStrategy):
     """One process, one device: forward and backward over the whole global batch, then step."""

@@ -62,7 +62,8 @@ class TensorParallelStrategy(LayerwiseStrategy):
     @override
     def training_step(self, *args, **kwargs):
         with self.precision_plugin.train_step_context():  # autocast under bf16-mixed
-            return self._loss(args[0])  # every rank returns the global-batch loss's value
+            loss = self._loss(args[0])  # every rank returns the global-batch loss's value
+        return self.loss_ready(loss)
 
     @override
     def validation_step(self, *args, **kwargs):

@@ -17,8 +17,7 @@ from layerwise.run.fit import fit_rank, train
 from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
 from strategies.schedule import add_communication, build_plan, validate_plan
-from strategies.schedule.zero import (GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, add_zero,
-                                      gathers_per_step)
+from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, add_zero
 from tests.harness import (EXACT_RTOL, QUICK, assert_same_checkpoints, assert_same_losses, assert_same_parameters,
                            cached_references, compare_under_sgd, compose_config, consolidated_parameters,
                            run_on_ranks)
@@ -200,3 +199,13 @@ def test_bad_zero_input_fails_before_launch(extra, message):
     with pytest.raises(ConfigError) as caught:
         validate(compose_config("strategy=zero_layered", *extra))
     assert message in str(caught.value)
+
+
+def gathers_per_step(plan, rank: int) -> dict:
+    """How many gathers and reduce-scatters rank `rank` runs per stage: the ZeRO table's counts."""
+    counts = {}
+    for action in plan.ranks[rank]:
+        if action is not None and action.kind in (GATHER_FORWARD, GATHER_BACKWARD, REDUCE_SCATTER):
+            counts.setdefault(action.stage, {}).setdefault(action.kind, 0)
+            counts[action.stage][action.kind] += 1
+    return counts

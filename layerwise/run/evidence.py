@@ -207,23 +207,17 @@ class RunEvidence(pl.Callback):
         self.history["setup_allocator_peak_bytes"] = None if allocator is None else maxima[1]
 
     def on_fit_start(self, trainer, module):
-        # Lightning hands no hook the loss before its backward; the strategy's training_step is the
-        # one place every strategy returns it, so the step's exchange is issued there (overlapped
+        # Lightning hands no hook the loss before its backward; every strategy's training_step
+        # returns it through RunHooks.loss_ready, so the step's exchange is issued there (overlapped
         # with the backward, whose gradient reductions keep the ranks together anyway).
         self._device, self._is_global_zero = trainer.strategy.root_device, trainer.is_global_zero
         from layerwise.planning.inputs import device_of  # the peak of the precision in use, read in one place
         self._flops_per_step = model_flops_per_step(self.cfg, module.vocab_size)
         self._peak_flops = device_of(self.cfg).flops_per_second
-        strategy, training_step = trainer.strategy, trainer.strategy.training_step
-
-        def exchanged(*args, **kwargs):
-            output = training_step(*args, **kwargs)
-            self._issue_exchange(trainer, output)
-            return output
-        strategy.training_step = exchanged
+        trainer.strategy.listen_to_step_loss(lambda output: self._issue_exchange(trainer, output))
 
     def teardown(self, trainer, module, stage):
-        trainer.strategy.__dict__.pop("training_step", None)
+        trainer.strategy.listen_to_step_loss(None)
 
     def on_train_batch_start(self, trainer, module, batch, batch_index):
         self._flush_rows(trainer)
@@ -273,7 +267,7 @@ class RunEvidence(pl.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
         step_time = self._timer.stop()
         allocator = allocator_peak_bytes(trainer.strategy.root_device)  # every step (free); None off CUDA
-        if self._exchange is None:  # the strategy's training_step was not reached through the wrapper
+        if self._exchange is None:  # the strategy did not return its loss through loss_ready
             self._issue_exchange(trainer, outputs)
         loss = self.world_loss_sum(trainer) / self.world_size
         peak = self._stop_meter()

@@ -380,38 +380,3 @@ def raw_summary(calls) -> dict:
     for phase, op, group in calls:
         summary[phase][f"{op} on {group}"] += 1
     return {phase: dict(counts) for phase, counts in summary.items()}
-
-
-# ----- the analytic side: cost/traffic.py's formula for the same rank
-
-TENSOR_FAMILIES = {"three_d": "3d", "tp_1d": "1d", "tp_2d": "2d"}
-
-
-def formula_bytes(cfg, world_size: int, pipeline_rank: int, vocabulary: int) -> dict:
-    """cost/traffic.py's bytes per kind for one rank at `pipeline_rank`, for the pipeline
-    strategies (plain, composed with a tensor grid, ZeRO-layered) and the tensor-parallel ones (one
-    stage holding every layer, one micro-batch of the rank's rows, one gradient reduction)."""
-    from layerwise.planning.inputs import PLANNED, training_plan_of, workload_of
-    from cost.step_time import rank_traffic
-    from strategies.schedule import add_communication, add_gradient_reductions, build_plan
-    from cost.inputs import ComposedLayout, GptShape
-    from cost.traffic import all_reduce, step_traffic
-    strategy, name = cfg.strategy, cfg.strategy.name
-    degrees = strategy_entry(name).degrees(cfg, world_size)
-    if name in PLANNED:  # the pipelines: the very workload and plan plan mode uses
-        traffic = rank_traffic(workload_of(cfg, world_size, vocabulary), training_plan_of(cfg), pipeline_rank)
-        return {kind: float(traffic.get(kind, 0.0)) for kind in KINDS}
-    if name not in TENSOR_FAMILIES:
-        raise NotImplementedError(f"no traffic formula wired for strategy {name!r} yet")
-    shape = GptShape(cfg.model.hidden, cfg.model.mlp_ratio, vocabulary, cfg.data.sequence_length,
-                     cfg.model.max_sequence_length)
-    layout = ComposedLayout(degrees.data, 1, TENSOR_FAMILIES[name], strategy.tensor_grid)
-    plan = add_gradient_reductions(add_communication(build_plan("gpipe", pipeline_degree=1, stages=1,
-                                                                micro_batches=1)))
-    traffic = step_traffic(plan, layout, pipeline_rank, shape, cfg.model.layers,
-                           cfg.data.global_batch_size // degrees.data)
-    # Not in traffic.py (its head_traffic is the pipelines' loss, normalised per data rank):
-    # the tensor-parallel strategies normalise over the whole batch (parallelize's
-    # loss_over_data=True), so the loss's valid-token count and total are summed over data too.
-    traffic["all_reduce"] += 2 * all_reduce(1, degrees.data)
-    return {kind: float(traffic.get(kind, 0.0)) for kind in KINDS}

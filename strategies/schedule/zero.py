@@ -114,11 +114,3 @@ def add_zero(plan: Plan) -> Plan:
     return add_gradient_reduce_scatters(add_weight_gathers(plan))
 
 
-def gathers_per_step(plan: Plan, rank: int) -> dict:
-    """How many gathers and reduce-scatters rank `rank` runs per stage: the ZeRO table's counts."""
-    counts = {}
-    for action in plan.ranks[rank]:
-        if action is not None and action.kind in (GATHER_FORWARD, GATHER_BACKWARD, REDUCE_SCATTER):
-            counts.setdefault(action.stage, {}).setdefault(action.kind, 0)
-            counts[action.stage][action.kind] += 1
-    return counts

@@ -15,6 +15,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from omegaconf import OmegaConf
 
 from layerwise.run import data as data_lib
+from layerwise.run.console import console_to_log
 from layerwise.run.evidence import PointToPointOrderCheck, RunEvidence, write_json_atomically
 from layerwise.run.faults import NonFiniteGuard, StopOnSigterm
 from layerwise.run.launch import (RankError, close_process_group, global_rank, launched_externally, run_ranks,
@@ -140,7 +141,13 @@ def load_corpus(cfg):
 
 
 def fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:
-    """Everything one rank does: build, fit (resuming if possible), return the summary path."""
+    """Everything one rank does: build, fit (resuming if possible), return the summary path.
+    Lightning's own lines and the dependencies' warnings go to train.log (layerwise/run/console.py)."""
+    with console_to_log(run_directory, global_rank() if launched_externally() else rank):
+        return _fit_rank(rank, cfg, run_directory, world_size)
+
+
+def _fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:
     pl.seed_everything(cfg.seed, workers=False, verbose=False)
     corpus = load_corpus(cfg)
     objective = objective_of(cfg.model)

@@ -352,3 +352,12 @@ def relay_step(workload: Workload, device: Device, micro_batches: int, host_devi
     seconds += stages[0] * device.optimizer_seconds_per_parameter  # the embedding's eager update, last
     return {"step_seconds": seconds, "compute_seconds": compute, "transfer_seconds": transfer,
             "exposed_transfer_seconds": seconds - compute}
+
+
+def model_flops_utilization(flops_per_step: float, step_time_s, peak_flops_per_second: float,
+                            devices: int):
+    """torchtitan's MFU: the model's training FLOPs of a step over what `devices` devices could do
+    at their peak in that time (None where the hardware profile gives no peak for the precision)."""
+    if not peak_flops_per_second or not step_time_s:
+        return None
+    return flops_per_step / (peak_flops_per_second * devices * step_time_s)

@@ -113,6 +113,11 @@ def local_parameters(grid, q: int, shape: GptShape, embed: bool, blocks: int, he
     return {"all": total, "replicated": replicated}
 
 
+def model_parameters(shape: GptShape, layers: int) -> float:
+    """The whole model's parameter count (every block, the tables and the head): the one count."""
+    return local_parameters(None, 1, shape, True, layers, True)["all"]
+
+
 # ----- a whole step of one rank
 
 

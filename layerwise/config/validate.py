@@ -184,7 +184,8 @@ def check_model(cfg) -> list:
 
 
 def approximate_parameters(model) -> int:
-    """12·L·h² for the blocks (attention 4h², MLP 2·r·h²) plus embeddings; enough for a limit."""
+    """12·L·h² for the blocks (attention 4h², MLP 2·r·h²) plus embeddings: a lower bound for a
+    memory limit (the exact count is cost/traffic.py's model_parameters; the messages quote this)."""
     blocks = model.layers * (4 + 2 * model.mlp_ratio) * model.hidden ** 2
     return blocks + (256 + model.max_sequence_length) * model.hidden
 

@@ -2,6 +2,7 @@
 the header every plan.json starts with (the point, the step, tokens/s, MFU)."""
 
 from cost.inputs import Device, Workload
+from cost.step_time import model_flops_utilization
 from models.transformer import model_flops_per_token
 
 
@@ -33,7 +34,7 @@ def _result_header(cfg, world_size: int, workload: Workload, device: Device, ste
                                   workload.shape.vocabulary, cfg.model.mlp_ratio) * tokens
     return {"strategy": cfg.strategy.name, "model": cfg.model.name, "hardware": cfg.hardware.name,
             "world_size": world_size, "layout": workload.layout.__dict__, "step_seconds": step_seconds,
-            "tokens_per_s": tokens / step_seconds, "mfu": flops / (device.flops_per_second * world_size * step_seconds),
+            "tokens_per_s": tokens / step_seconds, "mfu": model_flops_utilization(flops, step_seconds, device.flops_per_second, world_size),
             "allocator_margin": cfg.plan.allocator_margin, "efficiency_assumed": device.efficiency}
 
 

@@ -29,12 +29,11 @@ from layerwise.planning.inputs import compute_bytes, device_of, shape_of
 from layerwise.planning.result import plan_result
 from models.transformer import model_flops_per_token
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
-from cost.inputs import Workload
-from cost.step_time import closed_form_step
+from cost.inputs import ComposedLayout, Workload
+from cost.step_time import closed_form_step, model_flops_utilization
 from cost.memory import closed_form_in_flight, closed_form_moments, stage_memory
 from strategies.schedule.generators import _check_combination
 from strategies.tensor_parallel.grids import DIMENSION, grid_of
-from cost.inputs import ComposedLayout
 
 GIB = 2 ** 30
 # family -> (schedule, ZeRO, breadth_first_micro_batches); conf/strategy/<family>.yaml sets the same
@@ -194,7 +193,7 @@ class Evaluator:
         total = sum(worst.values()) * (1 + self.cfg.plan.allocator_margin)
         seconds = step["step_seconds"]
         return {**asdict(layout), "step_seconds": seconds, "tokens_per_s": self.tokens / seconds,
-                "mfu": self.model_flops / (self.device.flops_per_second * self.world * seconds),
+                "mfu": model_flops_utilization(self.model_flops, seconds, self.device.flops_per_second, self.world),
                 "bubble_fraction": step["bubble_fraction"], "exposed_data_seconds": step["exposed_data_seconds"],
                 "worst_pipeline_rank": worst_rank, "worst_role_bytes": total,
                 "fits": total <= self.device.memory_bytes}

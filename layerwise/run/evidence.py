@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from cost.step_time import model_flops_utilization
 from parallel.comm import KINDS
 from parallel.memory import ComputeMemoryMeter
 from parallel.timing import StepTimer, allocator_peak_bytes, reset_allocator_peak
@@ -69,15 +70,6 @@ class StepExchange:
             totals = torch.cat([by_rank[:, :1].sum(dim=0), by_rank[:, 1:].amax(dim=0)]).tolist()  # one sync
             self.result = totals[0], totals[1:]
         return self.result
-
-
-def model_flops_utilization(flops_per_step: float, step_time_s, peak_flops_per_second: float,
-                            devices: int):
-    """torchtitan's MFU: the model's training FLOPs of a step over what `devices` devices could do
-    at their peak in that time (None where the hardware profile gives no peak for the precision)."""
-    if not peak_flops_per_second or not step_time_s:
-        return None
-    return flops_per_step / (peak_flops_per_second * devices * step_time_s)
 
 
 def model_flops_per_step(cfg, vocab_size: int) -> float:

@@ -16,6 +16,7 @@ Where they disagree the entry says so, with both numbers; nothing is hidden or a
 
 from __future__ import annotations
 
+from cost.traffic import model_parameters as traffic_model_parameters
 from layerwise.tools.dry_run import dry_run
 from parallel.comm import KINDS
 from parallel.layout import rank_of
@@ -30,10 +31,9 @@ RELATIVE_EXACT = 1e-12  # "equal" for float sums of the same terms in a differen
 
 
 def model_parameters(cfg) -> float:
-    """The whole model's parameter count from its shapes (cost/traffic.py's formula)."""
+    """The whole model's parameter count from its shapes (cost/traffic.py's one count)."""
     from layerwise.planning.inputs import shape_of
-    from cost.traffic import local_parameters
-    return local_parameters(None, 1, shape_of(cfg), True, cfg.model.layers, True)["all"]
+    return traffic_model_parameters(shape_of(cfg), cfg.model.layers)
 
 
 def role_rank(cfg, world_size: int, pipeline_rank: int) -> int:

@@ -17,12 +17,12 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 from omegaconf import OmegaConf
 
 from strategies import strategy_entry
-from strategies.checkpoint import read_checkpoint_file
+from strategies.checkpoint import CheckpointError, read_checkpoint_file
 from strategies.portable import is_portable, portable_path, read_portable
+from strategies.safe_load import UnsafeCheckpointError, read_dcp_tensors
 
 PREFIX = "model."
 
@@ -68,12 +68,9 @@ def merged_state(path: Path, strategy_name: str) -> dict:
 
 
 def _load_distributed_checkpoint(path: Path) -> dict:
-    import tempfile
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    with tempfile.TemporaryDirectory() as scratch:
-        dcp_to_torch_save(path, Path(scratch) / "whole.pt")
-        return torch.load(Path(scratch) / "whole.pt", weights_only=False)["state_dict"]
+    """fsdp2's DCP directory: its model tensors ("state_dict.model.*"), read without running code."""
+    prefix = "state_dict."
+    return {key[len(prefix):]: value for key, value in read_dcp_tensors(path, prefix).items()}
 
 
 def _merge_positions(path: Path, consolidate) -> dict:
@@ -132,7 +129,7 @@ def main() -> None:
     arguments = parser.parse_args()
     try:
         state = export(arguments.run_directory, arguments.out, arguments.checkpoint)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, CheckpointError, UnsafeCheckpointError) as error:  # nothing was written
         print(f"layerwise: {error}", file=sys.stderr)
         sys.exit(2)
     parameters = sum(value.numel() for value in state.values())

@@ -41,7 +41,14 @@ def run_config(run_directory):
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: export reads the run's resolved config, which "
                                 f"train.py writes there")
-    return OmegaConf.load(path)
+    config = OmegaConf.load(path)
+    # train.py writes it resolved, so an interpolation means the file was edited: `${oc.env:...}`
+    # would copy an environment variable (a W&B key) into the exported metadata.
+    if "${" in OmegaConf.to_yaml(config):
+        raise ValueError(f"{path} holds an interpolation (${{...}}), which a config train.py wrote never "
+                         f"does: it was edited by hand. Fix: restore the run's config.yaml, or write the "
+                         f"values in plainly.")
+    return config
 
 
 def plain_state(run_directory, checkpoint: str = "last") -> dict:

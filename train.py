@@ -2,7 +2,8 @@
 
     python train.py                                  the default experiment
     python train.py strategy=single model=bert_tiny  one run, overridden
-    python train.py -m strategy=single,ddp           a sweep: one run directory per point
+    python train.py -m strategy=single,ddp           a sweep: one run directory per point, all checked first
+    python train.py -m strategy=single,ddp mode=check  a dry sweep: the points' validity, nothing run
     python train.py mode=check                       compose and validate only
     python train.py mode=plan hardware=dgx_a100_80g  memory per rank and the predicted step, nothing run
     python train.py mode=calibrate                   measure this machine: conf/hardware/calibrated.yaml

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from layerwise.run.fit import train  # noqa: E402
 from layerwise.preflight import validate  # noqa: E402
-from layerwise.reproduce.measure import overrides  # noqa: E402
+from strategies.checkpoint.per_rank import read_checkpoint_file  # noqa: E402
 from tests.harness import compose_config  # noqa: E402
 
 CASES = [("single", "single", 1), ("1-D", "tp_1d", 8), ("2-D", "tp_2d", 4), ("3-D", "three_d", 8)]
@@ -28,7 +28,7 @@ CASES = [("single", "single", 1), ("1-D", "tp_1d", 8), ("2-D", "tp_2d", 4), ("3-
 def parameter_bytes(directory: Path) -> int:
     path = directory / "checkpoints" / "last.ckpt"
     path = path / "rank0.pt" if path.is_dir() else path
-    state = torch.load(path, weights_only=False, map_location="cpu")["state_dict"]
+    state = read_checkpoint_file(path)["state_dict"]
     return sum(t.numel() * t.element_size() for t in state.values())
 
 

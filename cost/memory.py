@@ -12,8 +12,8 @@ built plan row; the search gives them in closed form (`closed_form_in_flight`, `
 from __future__ import annotations
 
 from collections import Counter
-from strategies.schedule import BACKWARD, FORWARD, RECV_GRADIENT
-from strategies.schedule.ir import POST_RECV_GRADIENT
+from strategies.schedule import BACKWARD, FORWARD, RECV_GRADIENT, SEND_GRADIENT, send_releases
+from strategies.schedule.ir import POST_RECV_ACTIVATION, POST_RECV_GRADIENT, SEND_ARROW, posted_receive
 from cost.traffic import local_parameters
 from cost.inputs import BYTES, OPTIMIZER_STATE, Workload
 
@@ -163,17 +163,49 @@ def in_flight_moments(row) -> tuple:
     return first or 0, later, posted
 
 
+def held_sends(plan, rank: int) -> tuple:
+    """(most at a backward once every local stage has run one; at the row's end) boundary buffers
+    `StageWork` holds that nothing else keeps: sent input gradients, sent outputs whose own
+    backward has run, and (at a backward) activation receives posted and not yet waited for. A send
+    is held until a later message proves its receive issued (schedule `send_releases`, the
+    executor's rule; docs/strategies/pipeline_memory.md); an output awaiting its backward is
+    counted with the forwards in flight, a received input once waited for with the stash.
+    `stage_memory` adds the first to the stash's own peak: exact where both are steady (1F1B), an
+    upper bound under breadth-first schedules, whose held sends grow while their stash drains."""
+    releases = send_releases(plan)[rank]
+    row = [action for action in plan.ranks[rank] if action is not None]
+    stages = {action.stage for action in row if action.kind == FORWARD}
+    held, done, started, posted, later = set(), set(), set(), set(), 0
+    for action in row:
+        if action.kind == BACKWARD:
+            if started == stages:
+                later = max(later, _extra(held, done) + len(posted))
+            started.add(action.stage)
+            done.add((action.stage, action.micro_batch))
+        if action.info.arrow == SEND_ARROW:
+            held.add(action)
+        if action.kind == POST_RECV_ACTIVATION:  # gradient receives: `later` of them, counted apart
+            posted.add(posted_receive(action))
+        posted.discard(action)
+        held.difference_update(releases.get(action, ()))
+    return later, _extra(held, done)
+
+
+def _extra(held: set, done: set) -> int:
+    return sum(send.kind == SEND_GRADIENT or (send.stage, send.micro_batch) in done for send in held)
+
+
 def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True) -> dict:
     """Bytes by kind on one rank of pipeline position `pipeline_rank` (the parts it holds)."""
     row = [action for action in plan.ranks[pipeline_rank] if action is not None]
     stages = sorted({action.stage for action in row if action.kind == FORWARD})
     last_alive, later, posted = in_flight_moments(row)
-    return stage_memory(workload, stages, plan.stages, in_flight(row), flash, later, plan.micro_batches, last_alive,
-                        posted)
+    return stage_memory(workload, stages, plan.stages, in_flight(row), flash, later, last_alive, posted,
+                        held_sends(plan, pipeline_rank))
 
 
 def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int, flash: bool = True,
-                 later: int = None, micro_batches: int = None, last_alive: int = None, posted: int = None) -> dict:
+                 later: int = None, last_alive: int = None, posted: int = None, sends_held: tuple = (0, 0)) -> dict:
     """Bytes by kind on a rank holding `stages` (of `total_stages`) at its peak: what `memory` reads
     off a built plan, and what the search gives in closed form (`closed_form_in_flight`,
     `closed_form_moments`). Parameters and optimizer state stay; the step starts with
@@ -181,18 +213,19 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
       start       last step's gradients (with `gradients_through_forward`, also beside the whole
                   forward's stash and the loss's working set);
       first backward  `alive` forwards' stash (`last_alive` of the last stage with the head's
-                  saved tensors), the sent outputs (kept until the step's end), the `posted`
+                  saved tensors), their outputs (sent, or handed to the next stage), the `posted`
                   gradient receives, and the backward creating its stage's gradients block by
                   block as it frees that micro-batch's saved tensors;
-      later       every gradient, `later` forwards' stash, all m sent outputs, the gradients sent
-                  so far, the receives posted for the forwards in flight, a backward's working set;
-      reduction   every gradient, every send, and the data-parallel reduction's flat copy of a
-                  stage. ZeRO adds its gathered stages to each moment (below).
-    `later`, `micro_batches`, `last_alive`, `posted` default to one group of `alive` micro-batches
-    on one stage: alive − 1, alive, alive, one receive per sent output."""
+      later       every gradient, `later` forwards' stash and outputs, the sends still held and
+                  the receives posted (`sends_held[0]`, `held_sends`), a backward's working set;
+      reduction   every gradient, the sends held at the end (`sends_held[1]`), and the data-parallel
+                  reduction's flat copy of a stage. ZeRO adds its gathered stages to each moment (below).
+    `later`, `last_alive`, `posted` default to one group of `alive` micro-batches on one stage:
+    alive − 1, alive, one receive per sent output; `sends_held` to none (`closed_form_held` gives
+    the search's)."""
     layout, shape, per_stage = workload.layout, workload.shape, workload.layers_per_stage
     later = max(alive - 1, 0) if later is None else later
-    m, last_alive = micro_batches or alive, alive if last_alive is None else last_alive
+    last_alive = alive if last_alive is None else last_alive
     part = {stage: stage_parameters(workload, stage, total_stages) * BYTES for stage in stages}
     held, largest = sum(part.values()), max(part.values())
     sharded = held / layout.data if layout.zero else held
@@ -210,17 +243,17 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     loops, first, last = len(stages), 0 in stages, total_stages - 1 in stages
     head = head_saved_bytes(workload, tokens) if last else 0.0
     working = backward_working_bytes(workload, tokens, last)
-    pipelined = layout.pipeline > 1  # sends are kept until FINISH, receives from their post
+    pipelined = layout.pipeline > 1  # sends are kept until proven received, receives from their post
     sent_first = (alive - (last_alive if last else 0)) * pipelined
     growth = part[max(stages)] + working if layout.zero else _first_backward_growth(
         workload, tokens, stages, total_stages, block, working)
     posted = sent_first if posted is None else posted
     first_backward = alive * kept + last_alive * head + (sent_first + posted) * piece + growth
-    senders, gradient_senders = (loops - last) * pipelined, (loops - first) * pipelined
-    later_buffers = (m * senders + max(0, m * loops - later) * gradient_senders / loops
-                     + later * senders / loops) * piece
+    senders = (loops - last) * pipelined
+    later_buffers = (2 * later * senders / loops + sends_held[0] * pipelined) * piece  # outputs in flight, their
+    # gradient receives, the held sends and activation receives
     later_peak = gradients + later * kept + later / loops * head + later_buffers + working
-    every_send = m * (senders + gradient_senders) * piece
+    every_send = sends_held[1] * pipelined * piece
     flat = largest if layout.data > 1 and not layout.zero else 0  # ZeRO's gathered buffers are counted below
     forward = alive * kept + last_alive * head + working if workload.gradients_through_forward else 0
     moments = {"start": (gradients, 0, 0), "first backward": (0, first_backward, 0), "forward": (gradients, forward, 0),
@@ -316,3 +349,58 @@ def _posted_receives(schedule: str, p: int, loops: int, bf: int, rank: int) -> i
     if schedule == "interleaved_one_f_one_b" and bf > p:
         return 3 if rank < p - 1 else 2
     return (loops - (rank == p - 1)) * bf
+
+
+def closed_form_held(schedule: str, pipeline_degree: int, loops: int, breadth_first: int, micro_batches: int,
+                     rank: int) -> tuple:
+    """`held_sends` of pipeline rank `rank` without the plan: (sends held + activation receives
+    posted, at the worst steady backward; sends held at the end) — tests/test_plan_search.py holds
+    them equal to the built plans'. Rank 0 sends no input gradient, and each of its outputs is
+    proven received by that micro-batch's returning gradient before its backward, so only a looping
+    rank 0 holds sends: its later stages' gradients toward rank p − 1. Otherwise a rank holds the
+    input gradients its peer cannot prove received before the next forward message arrives:
+      gpipe                  a group's bf − 1 at its last backward, bf at its end;
+      one_f_one_b            min(p − r, bf − 1), + 1 at the end (the drain's);
+      interleaved_one_f_one_b  its warm-up count, min(2(p − 1 − r) + (v − 1)p + 1, v·bf − 1), + 1 at
+                             the end; rank 0 (v − 1)p; at p = 2 the one peer proves them early: 1, 2;
+      looped_breadth_first   v·bf − 1, v·bf at the end, rank 0 (v − 1)·bf; at p = 2, where one peer
+                             takes both directions, rank 1 max(bf − 2, 1) and one more at the end in
+                             a single group (or bf = 2), else bf − 1 and bf − 1, rank 0 then 1, 0.
+    Activation receives posted ahead of a steady backward (point_to_point.add_receive_posts): 1F1B's
+    last rank one (bf ≥ 3); with several breadth-first groups, a looping rank 0 the next group's
+    first loop, (v − 1)p interleaved and (v − 1)·bf looped (p ≥ 3); interleaved at p = 2 (bf > p) one on
+    rank 1 and, when m > 2p, on rank 0."""
+    later, end = _held_sends(schedule, pipeline_degree, loops, breadth_first, micro_batches, rank)
+    return later + _posted_activations(schedule, pipeline_degree, loops, breadth_first, micro_batches, rank), end
+
+
+def _held_sends(schedule: str, p: int, v: int, bf: int, micro_batches: int, rank: int) -> tuple:
+    if p == 1:
+        return 0, 0
+    if schedule in ("gpipe", "one_f_one_b") or v == 1:
+        later = 0 if rank == 0 else (bf - 1 if schedule == "gpipe" else min(p - rank, bf - 1))
+        return later, later + (rank > 0)
+    if schedule == "interleaved_one_f_one_b":
+        if p == 2:
+            return (0, 0) if rank == 0 else (1, 2)
+        if rank == 0:
+            return (v - 1) * p, (v - 1) * p
+        later = min(2 * (p - 1 - rank) + (v - 1) * p + 1, v * bf - 1)
+        return later, later + 1
+    if p == 2 and (micro_batches == bf or bf == 2):  # looped_breadth_first, layered: one peer both ways
+        return (0, 0) if rank == 0 else (max(bf - 2, 1), max(bf - 2, 1) + 1)
+    if p == 2:
+        return (1, 0) if rank == 0 else (bf - 1, bf - 1)
+    return ((v - 1) * bf,) * 2 if rank == 0 else (v * bf - 1, v * bf)
+
+
+def _posted_activations(schedule: str, p: int, v: int, bf: int, micro_batches: int, rank: int) -> int:
+    if p == 1:
+        return 0
+    if schedule == "one_f_one_b" or (v == 1 and schedule != "gpipe"):
+        return int(rank == p - 1 and bf >= 3)
+    if schedule == "interleaved_one_f_one_b" and p == 2:
+        return int(bf > p and (rank == 1 or micro_batches > 2 * p))
+    if rank != 0 or bf == micro_batches or (p == 2 and schedule != "interleaved_one_f_one_b"):
+        return 0
+    return (v - 1) * (p if schedule == "interleaved_one_f_one_b" else bf)

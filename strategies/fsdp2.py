@@ -8,6 +8,8 @@ micro-batch: (2m+1)(n−1)/n·P, at the memory cost of a full gradient). FSDP2 c
 directly, so its bytes are not in metrics.csv: the benchmark counts them with a wrapper.
 """
 
+from pathlib import Path
+
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
@@ -18,6 +20,7 @@ from typing_extensions import override
 from parallel.layout import Degrees
 from strategies.hooks import RunHooks
 from strategies.registry import StrategyEntry
+from strategies.checkpoint.safe_load import dcp_load, load_torch_file
 
 
 class Fsdp2Strategy(RunHooks, ModelParallelStrategy):
@@ -85,6 +88,30 @@ class Fsdp2Strategy(RunHooks, ModelParallelStrategy):
     @override
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         return closure_loss  # every micro-batch's backward ran inside training_step
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        """Lightning's sharded-directory load (ModelParallelStrategy, lightning 2.6) through the safe
+        DCP reader and planner (strategies/checkpoint/safe_load.py): Lightning's own lets DCP unpickle `.metadata`
+        and the optimizer's groups with plain pickle. A single file (never written here) goes to
+        Lightning with weights_only=True."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_optimizer_state_dict)
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_file():
+            return super().load_checkpoint(path, weights_only=True)
+        # loops, schedulers, callbacks (Lightning's meta.pt); read first, so a refused file changes nothing
+        metadata = load_torch_file(path / "meta.pt")
+        state = {"state_dict": get_model_state_dict(self.model)}
+        dcp_load(state, path)
+        self.model.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        for index, optimizer in enumerate(self.optimizers):  # one at a time, as Lightning does
+            key = f"optimizer_{index}"
+            state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            dcp_load(state, path)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key],
+                                     options=StateDictOptions(cpu_offload=True))
+        return metadata
 
 
 @torch.no_grad()

@@ -235,7 +235,7 @@ class KFACInCheckpoint:
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=False)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)  # read safely below it
         self._restored = checkpoint.get("kfac")
         if self._restored is None:  # a portable checkpoint: K-FAC state does not move between layouts
             self.rebuild_step = checkpoint["global_step"]

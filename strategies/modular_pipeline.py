@@ -24,7 +24,8 @@ from strategies.recompute import backward_factor, recompute_errors
 from strategies.registry import StrategyEntry, consolidate_replicated
 from strategies.schedule import (FORWARD, POST_RECV_ACTIVATION, RECV_ACTIVATION, SEND_ACTIVATION, Plan,
                                  Timeline, add_communication, add_gradient_reductions, build_plan,
-                                 execute, flop_cost, parse_action, plot_timeline, simulate, validate_plan)
+                                 execute, flop_cost, parse_action, plot_timeline, send_releases, simulate,
+                                 validate_plan)
 from strategies.stages import Peers, StageWork, keep_local_stages
 from strategies.tensor_parallel import consolidate as consolidate_tensor_grid
 from strategies.tensor_parallel import parallelize
@@ -208,8 +209,9 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         return self._broadcast_loss()
 
     def _execute(self, plan: Plan, batch, training: bool):
-        actions = plan.ranks[self.layout.index("pipeline")]
-        self.work.start(batch, training)
+        rank = self.layout.index("pipeline")
+        actions = plan.ranks[rank]
+        self.work.start(batch, training, send_releases(plan)[rank])  # each send freed once proven received
         return execute(actions, self.handlers())
 
     def _broadcast_loss(self) -> torch.Tensor:

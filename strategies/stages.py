@@ -7,6 +7,7 @@ kind of strategies/schedule: the executor calls them in plan order. Every stage 
 this rank, so a backward never reaches across stages: the input's gradient is handed on explicitly.
 """
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -72,7 +73,11 @@ class StepState:
     inputs: dict = field(default_factory=dict)  # leaf input of each stage's forward
     outputs: dict = field(default_factory=dict)  # output (or scaled loss on the last stage)
     output_gradients: dict = field(default_factory=dict)  # gradient arriving for an output
-    pending_sends: list = field(default_factory=list)  # (work, tensor): keep tensors alive
+    # peer rank -> (SEND, work, tensor) in issue order: a sent tensor stays alive until its work completes
+    pending_sends: dict = field(default_factory=dict)
+    proven: set = field(default_factory=set)  # SENDs whose receive the peer has issued (send_releases)
+    releases: dict = field(default_factory=dict)  # RECV -> the SENDs it proves received (the plan's)
+    most_held: int = 0  # most sends held at once this step (tests hold it to the plan's count)
     pending_reductions: list = field(default_factory=list)  # (work, flat gradient) per bucket
     posted_receives: dict = field(default_factory=dict)  # RECV action -> (work, buffer), from its post
     loss: torch.Tensor = None
@@ -85,7 +90,8 @@ class StageWork:
        as a leaf) → blocks of c (+ head and loss/m on the last stage);
     2. BACKWARD(c, i): backpropagate the loss or the received output gradient into ∂W_c and the
        input's gradient, which is what the previous stage receives;
-    3. SEND_* post asynchronous sends; POST_RECV_* post asynchronous receives where the plan says
+    3. SEND_* post asynchronous sends, each tensor kept until its transfer is known complete
+       (`release_sends`); POST_RECV_* post asynchronous receives where the plan says
        (NCCL matches a pair's operations in issue order, so the plan fixes that order); RECV_*
        wait for their posted receive, or post and wait at once when the plan has no post for it;
        REDUCE_GRADIENT(c) starts the data-parallel all-reduces of stage c's gradients, one per
@@ -126,10 +132,11 @@ class StageWork:
                 POST_RECV_ACTIVATION: self.post_receive, POST_RECV_GRADIENT: self.post_receive,
                 REDUCE_GRADIENT: self.reduce_gradient, FINISH: self.finish}
 
-    def start(self, batch: dict, training: bool) -> None:
+    def start(self, batch: dict, training: bool, releases: dict = None) -> None:
         """Reset per-step state and split the batch. Receives are posted by the plan's own
-        POST_RECV_* actions, in the order NCCL needs, never all at once here."""
-        self.state = StepState()
+        POST_RECV_* actions, in the order NCCL needs, never all at once here. `releases` is this
+        rank's `send_releases` of the plan: after which RECV each send may be released."""
+        self.state = StepState(releases=releases or {})
         self.training = training
         self.batch = {key: value.chunk(self.micro_batches) for key, value in batch.items()}
 
@@ -174,19 +181,34 @@ class StageWork:
 
     def send_activation(self, action: Action) -> None:
         tensor = self.state.outputs[(action.stage, action.micro_batch)].detach()
-        self._send(tensor, action.peer_stage, self._tag(action, False))
+        self._send(action, tensor, self._tag(action, False))
 
     def send_gradient(self, action: Action) -> None:
         tensor = self.state.inputs.pop((action.stage, action.micro_batch))
-        self._send(tensor, action.peer_stage, self._tag(action, True))
+        self._send(action, tensor, self._tag(action, True))
 
-    def _send(self, tensor, peer_stage, tag):
+    def _send(self, action: Action, tensor, tag):
         if tensor.dtype != self.activation_dtype:  # the receiver allocated activation_dtype bytes
             raise TypeError(f"stage boundary carries {tensor.dtype}, receivers expect {self.activation_dtype}")
+        self.release_sends()
         tensor = tensor.contiguous()
-        work = self.peers.communicator.send(tensor, self.peers.rank_of_stage[peer_stage],
-                                            self.peers.pipeline_group, tag=tag)
-        self.state.pending_sends.append((work, tensor))
+        peer = self.peers.rank_of_stage[action.peer_stage]
+        work = self.peers.communicator.send(tensor, peer, self.peers.pipeline_group, tag=tag)
+        self.state.pending_sends.setdefault(peer, deque()).append((action, work, tensor))
+        held = sum(len(queue) for queue in self.state.pending_sends.values())
+        self.state.most_held = max(self.state.most_held, held)
+
+    def release_sends(self) -> None:
+        """Drop each sent tensor whose transfer is done, per peer in issue order (NCCL completes a
+        pair's operations in that order, on one stream): when its work reports completion (NCCL), or
+        when the plan proves the peer has issued its receive (`send_releases`), then `wait()` — gloo
+        and the fake group complete a send only there, and with the receive outstanding the wait
+        needs nothing more from this rank, so it cannot deadlock (docs/strategies/pipeline_memory.md)."""
+        for queue in self.state.pending_sends.values():
+            while queue and (queue[0][0] in self.state.proven or queue[0][1].is_completed()):
+                action, work, _ = queue.popleft()
+                work.wait()
+                self.state.proven.discard(action)
 
     def receive_activation(self, action: Action) -> None:
         tensor = self._arrived(action)
@@ -205,6 +227,8 @@ class StageWork:
             self.state.posted_receives[action] = self._post_receive(action)
         work, tensor = self.state.posted_receives.pop(action)
         work.wait()
+        self.state.proven.update(self.state.releases.get(action, ()))  # the peer issued their receives
+        self.release_sends()
         return tensor
 
     def _post_receive(self, action: Action):
@@ -245,8 +269,10 @@ class StageWork:
                         self.peers.communicator)
 
     def finish(self) -> None:
-        for work, _ in self.state.pending_sends:
-            work.wait()
+        """Wait for the sends no later message proved received (the step's last ones)."""
+        for queue in self.state.pending_sends.values():
+            for _, work, _ in queue:
+                work.wait()
         self.state.pending_sends.clear()
 
     def wait_for_reductions(self) -> None:

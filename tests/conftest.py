@@ -7,6 +7,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("WANDB_MODE", "disabled")
 
+# LAYERWISE_DETERMINISTIC=1 runs the session under torch.use_deterministic_algorithms(True) (forked
+# ranks inherit it): with OMP_NUM_THREADS=1 and the default threads, the three settings under which
+# the numerics tests must pass alike, to show their tolerances do not depend on kernel choice (#28).
+DETERMINISTIC = os.environ.get("LAYERWISE_DETERMINISTIC", "") not in ("", "0")
+if DETERMINISTIC:
+    import torch
+    torch.use_deterministic_algorithms(True)
+
+
+def pytest_report_header(config):
+    import torch
+    return (f"torch threads {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}), "
+            f"deterministic algorithms {torch.are_deterministic_algorithms_enabled()}")
+
 
 # ----- the local Slurm cluster (scripts/local_slurm.sh) for tests marked `slurm` (-m slurm)
 

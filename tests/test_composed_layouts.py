@@ -18,9 +18,9 @@ from parallel.comm import KINDS
 from layerwise.planning.inputs import training_plan_of, workload_of
 from cost.step_time import rank_traffic
 from strategies.stages import StageWork
-from tests.harness import (EXACT_RTOL, KFAC_SGD, QUICK, SGD_CASES, SgdComparison, assert_same_losses,
-                           assert_same_parameters, compare_under_sgd, compose_config, consolidated_parameters,
-                           sgd_reference)
+from tests.harness import (EXACT_RTOL, KFAC_SGD, QUICK, SGD_CASES, OptimizerTrace, SgdComparison,
+                           assert_same_losses, assert_same_parameters, compare_under_sgd, compose_config,
+                           consolidated_parameters, sgd_reference, tracing_optimizer)
 
 STEPS = 5
 MODEL = ["model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batches=0",
@@ -37,8 +37,9 @@ def run(directory, *overrides):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     directory = tmp_path_factory.mktemp("single")
-    _, summary = run(directory, "strategy=single")
-    return summary, consolidated_parameters(directory, "single")
+    with tracing_optimizer(directory):
+        _, summary = run(directory, "strategy=single")
+    return summary, consolidated_parameters(directory, "single"), OptimizerTrace.load(directory)
 
 
 def formula_bytes(cfg, summary, vocabulary: int) -> dict:
@@ -50,13 +51,13 @@ def formula_bytes(cfg, summary, vocabulary: int) -> dict:
 
 @pytest.mark.parametrize("case", CASES)
 def test_composed_layout_equals_single_and_moves_the_sum_of_its_parts(case, reference, tmp_path):
-    expected, expected_parameters = reference
+    expected, expected_parameters, trace = reference
     overrides, world, _ = SGD_CASES[case]
     cfg, summary = run(tmp_path, *overrides)
     assert summary["status"] == "completed" and summary["world_size"] == world
     assert summary["layout"]["order"] == ["tensor", "pipeline", "data"]
     assert_same_losses(summary["losses"], expected["losses"])
-    assert_same_parameters(consolidated_parameters(tmp_path, cfg.strategy.name), expected_parameters)
+    assert_same_parameters(consolidated_parameters(tmp_path, cfg.strategy.name), expected_parameters, trace)
     vocabulary = expected_parameters["model.head.output.weight"].shape[0]
     predicted, counted = formula_bytes(cfg, summary, vocabulary), summary["comm_bytes_per_step"]
     print(f"{case}: counted {counted}\n  formula {predicted}")

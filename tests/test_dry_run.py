@@ -6,7 +6,7 @@ process group, measures its second step (parallel/memory.py's meter, parallel/co
 and compares: peak within 5% of the role's analytic bytes, collective bytes per kind equal to the
 plan's: every role of every case (cost/step_time.py `stage_memory` counts what the code
 allocates at its peak moment: autocast's weight copies, fp32 norm inputs, the head's softmax per
-micro-batch in flight, sends kept until the step's end, posted receives, gradients growing in the
+micro-batch in flight, sends held until proven received, posted receives, gradients growing in the
 first backward; docs/plan.md "Dry run").
 No process is forked. Ids: pp{p} pipeline ranks, dp{n} data replicas, p{t} 1-D tensor ranks,
 3d_q{q} a 3-D grid of edge q.

@@ -60,3 +60,17 @@ def test_export_command_writes_the_file_and_names_a_missing_checkpoint(tmp_path)
                              str(tmp_path / "model.safetensors")], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 2 and "checkpoints/last.ckpt does not exist" in result.stderr
+
+
+def test_an_edited_config_with_an_interpolation_is_refused(tmp_path, monkeypatch):
+    """config.yaml is written resolved: `${oc.env:...}` in it means an edit that would copy an
+    environment variable (a W&B key) into the export's metadata."""
+    from layerwise.tools.export import run_config
+    monkeypatch.setenv("PRETEND_SECRET", "do-not-export")
+    cfg = compose_config(*QUICK)
+    OmegaConf.save(cfg, tmp_path / "config.yaml", resolve=True)
+    assert run_config(tmp_path).run_name == cfg.run_name  # the file as train.py writes it reads back
+    (tmp_path / "config.yaml").write_text((tmp_path / "config.yaml").read_text().replace(
+        f"run_name: {cfg.run_name}", "run_name: ${oc.env:PRETEND_SECRET}"))
+    with pytest.raises(ValueError, match="holds an interpolation"):
+        run_config(tmp_path)

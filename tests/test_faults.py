@@ -24,6 +24,7 @@ from layerwise.run.faults import NonFiniteLoss
 from layerwise.run.fit import train
 from layerwise.preflight import validate
 from strategies.checkpoint.per_rank import CheckpointError, load_per_rank, read_checkpoint_file
+from strategies.checkpoint.safe_load import load_torch_file
 from tests.harness import QUICK, RankError, assert_same_checkpoints, compose_config
 
 STEPS, EVERY = 6, 2  # a checkpoint after steps 2, 4, 6: a fault at step 3 or 4 loses ≤ 2 steps
@@ -114,7 +115,7 @@ class Snapshot(pl.Callback):
 
 
 def snapshot(directory: Path, rank: int, step: int) -> dict:
-    return torch.load(directory / f"rank{rank}_step{step}.pt", weights_only=False)
+    return load_torch_file(directory / f"rank{rank}_step{step}.pt")
 
 
 # ============================================================ 1. SIGKILL during a checkpoint write

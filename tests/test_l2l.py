@@ -21,9 +21,9 @@ from strategies.schedule import (BACKWARD, FORWARD, layered, looped_breadth_firs
 from strategies.schedule.ir import parse_action
 from strategies.schedule.offload import (GRADIENT_TO_HOST, RELEASE_BACKWARD, RELEASE_FORWARD, UPDATE_ON_HOST,
                                          WEIGHTS_BACKWARD, WEIGHTS_FORWARD, add_host_transfers, relay_plan)
-from tests.harness import (BF16_VERSUS_FP32_LOSS_RTOL, DEVICE_LOSS_RTOL, QUICK, assert_same_checkpoints,
-                           assert_same_losses, assert_same_parameters, compare_under_sgd, compose_config,
-                           consolidated_parameters)
+from tests.harness import (BF16_VERSUS_FP32_LOSS_RTOL, DEVICE_LOSS_RTOL, QUICK, OptimizerTrace,
+                           assert_same_checkpoints, assert_same_losses, assert_same_parameters, compare_under_sgd,
+                           compose_config, consolidated_parameters, tracing_optimizer)
 
 STEPS = 5
 OPTIMIZER = OmegaConf.create(dict(name="adamw", lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
@@ -170,7 +170,9 @@ def metrics(directory):
 
 @pytest.fixture(scope="module")
 def single_with_dropout(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("single"), "single", "strategy=single", "model.dropout=0.1")
+    directory = tmp_path_factory.mktemp("single")
+    with tracing_optimizer(directory / "single"):
+        return run(directory, "single", "strategy=single", "model.dropout=0.1")
 
 
 @pytest.mark.parametrize("case", VARIANTS, ids=variant_id)
@@ -181,7 +183,8 @@ def test_l2l_reproduces_single_with_dropout(single_with_dropout, tmp_path, case)
                              "trainer.measure_every_n_steps=1")  # peak_compute_bytes is read on every row
     assert_same_losses(summary["losses"], single_with_dropout[0]["losses"])
     parameters = consolidated_parameters(directory, "l2l")
-    assert_same_parameters(parameters, consolidated_parameters(single_with_dropout[1], "single"))
+    assert_same_parameters(parameters, consolidated_parameters(single_with_dropout[1], "single"),
+                           OptimizerTrace.load(single_with_dropout[1]))
     # Transfers: 2 weight copies + 1 gradient copy per layer = 3·4·P bytes (fp32), whatever m; the
     # constant variant also moves the stash: forward x out + in, backward x in, dy in, dx out, for
     # each of the L + 1 stage boundaries: 5·(L+1)·B·s·h·4 more.
@@ -195,12 +198,14 @@ def test_l2l_reproduces_single_with_dropout(single_with_dropout, tmp_path, case)
 def test_l2l_data_parallel_with_tied_weights_reproduces_single(tmp_path):
     """2 ranks relay the same layers; the host reduces gradients; the tied embedding/head is updated once."""
     tied = ["model.tie_embeddings=true"]
-    single, single_directory = run(tmp_path, "single", "strategy=single", *tied)
+    with tracing_optimizer(tmp_path / "single"):
+        single, single_directory = run(tmp_path, "single", "strategy=single", *tied)
     summary, directory = run(tmp_path, "l2l", "strategy=l2l", "strategy.micro_batches=2", *tied)
     assert summary["world_size"] == 2
     assert_same_losses(summary["losses"], single["losses"])
     parameters = consolidated_parameters(directory, "l2l")
-    assert_same_parameters(parameters, consolidated_parameters(single_directory, "single"))
+    assert_same_parameters(parameters, consolidated_parameters(single_directory, "single"),
+                           OptimizerTrace.load(single_directory))
     unique = sum(p.numel() for name, p in parameters.items() if name != "model.head.output.weight")
     tied_weight = parameters["model.embed.token.weight"].numel()  # travels with the embed and with the head
     rows = metrics(directory)
@@ -250,7 +255,7 @@ def test_cuda_relay_matches_cpu():  # pragma: no cover - no GPU on the developme
     cpu_model, gpu_model = tiny_model(dropout=0.0), tiny_model(dropout=0.0)
     for parameter in gpu_model.parameters():
         parameter.data = parameter.data.pin_memory()
-    losses = {}
+    losses, trace = {}, OptimizerTrace()
     for model, device in ((cpu_model, "cpu"), (gpu_model, "cuda")):
         relay = Relay(model, build_optimizer(OPTIMIZER, model.named_parameters()), Communicator(),
                       Group("data", (0,)), 2, device=torch.device(device))
@@ -259,8 +264,12 @@ def test_cuda_relay_matches_cpu():  # pragma: no cover - no GPU on the developme
         for _ in range(3):
             tokens, targets = (torch.randint(0, 64, (4, 16), generator=generator) for _ in range(2))
             relay.store.optimizer.zero_grad(set_to_none=True)
+            if device == "cpu":  # the reference: its AdamW updates are traced for the tolerance
+                trace.before_step(model.named_parameters(remove_duplicate=False), relay.store.optimizer)
             losses[device].append(relay.step(tokens, targets).cpu())
+            if device == "cpu":
+                trace.after_step(model.named_parameters(remove_duplicate=False), relay.store.optimizer)
         relay.close()
     torch.testing.assert_close(torch.stack(losses["cuda"]), torch.stack(losses["cpu"]), rtol=DEVICE_LOSS_RTOL, atol=0)
     assert_same_parameters({name: value.cpu() for name, value in gpu_model.state_dict().items()},
-                           cpu_model.state_dict())
+                           cpu_model.state_dict(), trace)

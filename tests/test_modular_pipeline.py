@@ -11,8 +11,9 @@ import pytest
 from layerwise.run.fit import train
 from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
-from tests.harness import (QUICK, assert_same_checkpoints, assert_same_losses, assert_same_parameters,
-                           cached_references, compare_under_sgd, compose_config, consolidated_parameters)
+from tests.harness import (QUICK, OptimizerTrace, assert_same_checkpoints, assert_same_losses,
+                           assert_same_parameters, cached_references, compare_under_sgd, compose_config,
+                           consolidated_parameters)
 
 STEPS = 5
 
@@ -49,7 +50,8 @@ def test_pipeline_equals_single(case, references, tmp_path):
     assert summary["status"] == "completed" and summary["world_size"] == ranks
     assert_same_losses(summary["losses"], expected["losses"])
     assert_same_parameters(consolidated_parameters(tmp_path, strategy),
-                           consolidated_parameters(reference_directory, "single"))
+                           consolidated_parameters(reference_directory, "single"),
+                           OptimizerTrace.load(reference_directory))
 
 
 @pytest.mark.parametrize("case", ["modular_pipeline_pp2_v2_m4", "modular_pipeline_pp2_dp2_v2_m4", "gpipe_pp2_m4",

@@ -22,8 +22,10 @@ from strategies.stages import StageWork, stage_parameters
 from strategies.tensor_parallel.grids import Style
 from strategies.tensor_parallel.parallelize import BLOCK_PLAN
 from strategies.zero_layered import ShardedStageWork
-from tests.harness import (PARAMETER_ATOL, PARAMETER_RTOL, QUICK, SGD_CASES, SGD_MODEL, SGD_OVERRIDES,
-                           compare_under_sgd, compose_config, sgd_reference)
+from tests.harness import (LOSS_RTOL, PARAMETER_RTOL, QUICK, SGD_CASES, SGD_MODEL, SGD_OVERRIDES, OptimizerTrace,
+                           adam_parameter_excess, assert_same_losses, assert_same_parameters, compare_under_sgd,
+                           compose_config, consolidated_parameters, optimizer_trace_callback, sgd_parameter_atol,
+                           sgd_reference, tolerance_excess, train_with_callbacks)
 
 
 @pytest.fixture(autouse=True)
@@ -178,6 +180,83 @@ def test_l2l_stale_gradient_is_caught(monkeypatch, tmp_path, tmp_path_factory):
     assert excess["gradients"][0] <= 1 < excess["parameters"][0], excess
 
 
+# ----- AdamW: the update rule's tolerance (harness.adam_tolerance) still sees optimizer bugs
+#
+# AdamW normalises a gradient's scale away (that is what the SGD comparisons are for), but a bug in
+# the optimizer itself must still fail an "equals single" AdamW comparison: losses of every step and
+# parameters within harness.adam_tolerance. 5 steps of the default AdamW (lr 3e-3, warm-up 20).
+
+ADAMW_STEPS = 5
+ADAMW_MODEL = ["model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batches=0",
+               f"trainer.val_check_interval={ADAMW_STEPS}", f"trainer.max_steps={ADAMW_STEPS}"]
+ADAMW_CASE = "zero_layered_dp2_m4"  # ZeRO keeps the optimizer state in flat shards: a bug's likely home
+
+
+def adamw_run(directory, *overrides, trace=False):
+    cfg = compose_config(*QUICK, *ADAMW_MODEL, *overrides)
+    callbacks = [optimizer_trace_callback(directory)] if trace else []
+    summary = train_with_callbacks(cfg, directory, callbacks, one_thread=True)
+    assert summary["status"] == "completed", summary.get("error")
+    return summary, consolidated_parameters(directory, cfg.strategy.name)
+
+
+@pytest.fixture(scope="module")
+def adamw_reference(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("adamw_single")
+    summary, parameters = adamw_run(directory, "strategy=single", trace=True)
+    return summary, parameters, OptimizerTrace.load(directory)
+
+
+def assert_caught_under_adamw(reference, actual, bug: str) -> dict:
+    """The AdamW comparison (losses, then parameters) must fail; returns the worst excess of each."""
+    expected_summary, expected, trace = reference
+    summary, parameters = actual
+    excess = {"losses": (tolerance_excess(torch.tensor(summary["losses"]), torch.tensor(expected_summary["losses"]),
+                                          LOSS_RTOL, 0.0), "losses"),
+              **adam_parameter_excess(parameters, expected, trace)}
+    print(f"\n[mutation] {bug}: " + ", ".join(f"{kind} {value:.3g}× tolerance ({where})"
+                                             for kind, (value, where) in excess.items()))
+    with pytest.raises(AssertionError):
+        assert_same_losses(summary["losses"], expected_summary["losses"])
+        assert_same_parameters(parameters, expected, trace)
+    assert max(value for value, _ in excess.values()) > 1
+    return excess
+
+
+def test_adamw_rule_passes_the_unmutated_case(adamw_reference, tmp_path):
+    """The control: the same case without a bug is within every tolerance."""
+    expected_summary, expected, trace = adamw_reference
+    summary, parameters = adamw_run(tmp_path, *SGD_CASES[ADAMW_CASE].overrides)
+    assert_same_losses(summary["losses"], expected_summary["losses"])
+    assert_same_parameters(parameters, expected, trace)
+
+
+def test_adamw_wrong_learning_rate_is_caught(adamw_reference, monkeypatch, tmp_path):
+    """The warm-up is one step ahead (lr·(t+1)/20 at step t): every step a little too long."""
+    from layerwise.run import optim
+    original = optim.learning_rate_factor
+    monkeypatch.setattr(optim, "learning_rate_factor", lambda step, config, steps: original(step + 1, config, steps))
+    excess = assert_caught_under_adamw(adamw_reference, adamw_run(tmp_path, *SGD_CASES[ADAMW_CASE].overrides),
+                                       "AdamW warm-up one step ahead")
+    assert excess["masked"][0] > 10, excess
+
+
+def test_adamw_dropped_optimizer_state_is_caught(adamw_reference, monkeypatch, tmp_path):
+    """Each rank's AdamW forgets its moments before step 3 (as a rebuilt or reloaded-empty optimizer
+    would): step 3 is a bias-corrected first step, sign(g)·lr, instead of m̂/√v̂."""
+    original, calls = torch.optim.AdamW.step, []
+
+    def step_forgetting_the_state(self, *arguments, **keywords):
+        calls.append(1)
+        if len(calls) == 3:
+            self.state.clear()
+        return original(self, *arguments, **keywords)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_forgetting_the_state)
+    excess = assert_caught_under_adamw(adamw_reference, adamw_run(tmp_path, *SGD_CASES[ADAMW_CASE].overrides),
+                                       "AdamW moments dropped before step 3")
+    assert excess["masked"][0] > 10, excess
+
+
 # ----- the oracle's own inputs
 
 def test_initial_weights_are_the_seeded_model(tmp_path_factory):
@@ -201,9 +280,9 @@ def test_sgd_learning_rates_make_a_factor_two_visible(reference, tmp_path_factor
     most elements with a gradient that is many times the parameter tolerance (the margin)."""
     case = {"single": (), "kfac": SGD_CASES["pipefisher_gpipe_pp2_dp2_m4_k2"].reference}[reference]
     run = sgd_reference(tmp_path_factory, *case)
-    gradients = run.gradients(run.initial)
+    gradients, atol = run.gradients(run.initial), sgd_parameter_atol(run.trajectory, run.learning_rate)
     ratios = torch.cat([(run.learning_rate * gradients[name].abs()
-                         / (PARAMETER_ATOL + PARAMETER_RTOL * run.first[name].abs())).reshape(-1)
+                         / (atol[name] + PARAMETER_RTOL * run.first[name].abs())).reshape(-1)
                         for name in gradients])
     ratios = ratios[torch.cat([g.reshape(-1) for g in gradients.values()]) != 0]
     visible = float((ratios > 1).double().mean())

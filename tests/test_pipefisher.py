@@ -16,8 +16,9 @@ from strategies.schedule import (Action, PlanError, add_communication, add_gradi
                                  simulate, validate_plan)
 from strategies.kfac import KFAC as KFACMath  # KFAC below is the override list
 from strategies.schedule import curvature as units
-from tests.harness import (FLOAT64_ATOL, FLOAT64_RTOL, LOSS_RTOL, QUICK, assert_same_checkpoints, assert_same_losses,
-                           assert_same_parameters, compare_under_sgd, compose_config, consolidated_parameters)
+from tests.harness import (FLOAT64_ATOL, FLOAT64_RTOL, LOSS_RTOL, QUICK, OptimizerTrace, assert_same_checkpoints,
+                           assert_same_losses, assert_same_parameters, compare_under_sgd, compose_config,
+                           consolidated_parameters, tracing_optimizer)
 
 STEPS = 6
 KFAC = ["optimizer=lamb", "optimizer.warmup_steps=2", "model.layers=4"]
@@ -33,8 +34,9 @@ def run(directory, *overrides, steps=STEPS):
 def oracle(tmp_path_factory):
     """One-process K-FAC, k = 2, m = 4 micro-batch chunks, LAMB outside."""
     directory = tmp_path_factory.mktemp("kfac")
-    summary = run(directory, "strategy=kfac", "strategy.refresh_interval=2", "strategy.micro_batches=4")
-    return summary, consolidated_parameters(directory, "kfac")
+    with tracing_optimizer(directory):
+        summary = run(directory, "strategy=kfac", "strategy.refresh_interval=2", "strategy.micro_batches=4")
+    return summary, consolidated_parameters(directory, "kfac"), OptimizerTrace.load(directory)
 
 
 CASES = {
@@ -52,7 +54,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipefisher_equals_one_process_kfac(case, oracle, tmp_path):
-    expected, parameters = oracle
+    expected, parameters, trace = oracle
     summary = run(tmp_path, "strategy=pipefisher", "strategy.refresh_interval=2", "strategy.micro_batches=4",
                   *CASES[case])
     assert summary["status"] == "completed"
@@ -60,7 +62,7 @@ def test_pipefisher_equals_one_process_kfac(case, oracle, tmp_path):
     assert summary["bubble_fraction"]["split_in_token_halves"] == ["Kao", "Kbi"]  # the equality covers split units
     assert summary["bubble_fraction"]["simulated_with_kfac"] < summary["bubble_fraction"]["simulated"]
     assert_same_losses(summary["losses"], expected["losses"])
-    assert_same_parameters(consolidated_parameters(tmp_path, "pipefisher"), parameters)
+    assert_same_parameters(consolidated_parameters(tmp_path, "pipefisher"), parameters, trace)
 
 
 def test_pipefisher_equals_one_process_kfac_under_sgd(tmp_path, tmp_path_factory):
@@ -73,7 +75,7 @@ def test_pipefisher_equals_one_process_kfac_under_sgd(tmp_path, tmp_path_factory
 
 def test_kfac_is_not_the_first_order_optimizer(oracle, tmp_path):
     """Guards the oracle itself: preconditioning must change the trajectory."""
-    expected, _ = oracle
+    expected, _, _ = oracle
     plain = run(tmp_path, "strategy=single")
     assert plain["losses"][0] == pytest.approx(expected["losses"][0], rel=LOSS_RTOL)
     assert abs(plain["losses"][-1] - expected["losses"][-1]) > 1e-4

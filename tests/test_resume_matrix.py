@@ -4,7 +4,8 @@ at another world size, and continues exactly as the uninterrupted `single` run.
 The matrix is two chains: link i resumes from link i−1's `checkpoints/last` (portable) under
 another strategy and layout and runs one more step, so 12 pairs cost 12 one-step runs. (Chains of 6:
 SGD at lr 0.5 amplifies round-off step by step, so one chain of 12 drifts to ~1.4× the parameter
-tolerance after 13 steps — as an uninterrupted run of another strategy would.) After each link,
+tolerance after 13 steps — as an uninterrupted run of another strategy would; measured against the
+fixed 1e-5 parameter tolerance the harness had before issue 28.) After each link,
 its losses (every step, the carried evidence history included) and its parameters (read from its
 own portable checkpoint, layout-free) are compared with the reference's after the same step.
 Under AdamW the optimizer state (exp_avg, exp_avg_sq, step) is compared too, and a mutation that
@@ -14,8 +15,9 @@ resuming strategy rebuilds them (tested with refresh_interval=1, where the rebui
 
 import pytest
 
-from tests.harness import (GRADIENT_SCALE_ATOL, KFAC_SGD, LOSS_RTOL, PARAMETER_ATOL, PARAMETER_RTOL, QUICK,
-                           SGD_MODEL, SGD_OVERRIDES, compose_config, tolerance_excess, train_saving_steps)
+from tests.harness import (GRADIENT_SCALE_ATOL, KFAC_SGD, KFAC_SGD_LEARNING_RATE, LOSS_RTOL, PARAMETER_RTOL, QUICK,
+                           SGD_LEARNING_RATE, SGD_MODEL, SGD_OVERRIDES, OptimizerTrace, adam_parameter_excess,
+                           compose_config, sgd_parameter_atol, tolerance_excess, train_saving_steps)
 
 ADAMW = ["optimizer=adamw", "optimizer.warmup_steps=0", "optimizer.lr_schedule=constant", "optimizer.lr=0.01",
          "optimizer.weight_decay=0.01"]
@@ -50,11 +52,12 @@ ADAMW_CHAIN = [
 ]
 
 
-def run(directory, optimizer, steps, *overrides, resume_from=None, save_steps=()):
-    """One run of `steps` steps (in all, counting those it resumes from), its summary."""
+def run(directory, optimizer, steps, *overrides, resume_from=None, save_steps=(), trace=False):
+    """One run of `steps` steps (in all, counting those it resumes from), its summary; `trace`: the
+    one-process AdamW reference leaves its OptimizerTrace (harness.assert_same_parameters)."""
     resume = [f"resume_from={resume_from}"] if resume_from else []
     cfg = compose_config(*QUICK, *SGD_MODEL, *optimizer, f"trainer.max_steps={steps}", *overrides, *resume)
-    summary = train_saving_steps(cfg, directory, save_steps)
+    summary = train_saving_steps(cfg, directory, save_steps, trace=trace)
     assert summary["status"] == "completed", summary.get("error")
     assert summary["steps"] == steps
     return summary
@@ -72,9 +75,17 @@ def excess(actual: dict, expected: dict, rtol: float, atol_of) -> tuple:
                for name in expected)
 
 
-def parameter_excess(directory, reference, step) -> tuple:
-    return excess(portable(directory), portable(reference, f"step{step}"), PARAMETER_RTOL,
-                  lambda expected: PARAMETER_ATOL)
+def parameter_excess(directory, reference, step, learning_rate=SGD_LEARNING_RATE) -> tuple:
+    """Under SGD, lr × the gradient tolerance of each of the `step` steps (harness.sgd_parameter_atol,
+    from the reference's weights after every step); under AdamW (the reference left an
+    OptimizerTrace), the update rule's bound after `step` steps (harness.adam_tolerance)."""
+    actual, expected = portable(directory), portable(reference, f"step{step}")
+    if (reference / OptimizerTrace.FILE).is_file():
+        worst = adam_parameter_excess(actual, expected, OptimizerTrace.load(reference), steps=step)
+        return max(worst.values())
+    atol = sgd_parameter_atol([portable(reference, f"step{t}") for t in range(step + 1)], learning_rate)
+    return max((tolerance_excess(actual[name], expected[name], PARAMETER_RTOL, atol[name]), name)
+               for name in expected)
 
 
 def optimizer_excess(directory, reference, step) -> tuple:
@@ -121,14 +132,14 @@ def sgd_reference(tmp_path_factory):
     """The uninterrupted single run under SGD, with a checkpoint after every step."""
     directory = tmp_path_factory.mktemp("sgd_single")
     steps = max(map(len, SGD_CHAINS.values())) + 1
-    return directory, run(directory, SGD_OVERRIDES, steps, "strategy=single", save_steps=range(1, steps + 1))
+    return directory, run(directory, SGD_OVERRIDES, steps, "strategy=single", save_steps=range(0, steps + 1))
 
 
 @pytest.fixture(scope="module")
 def adamw_reference(tmp_path_factory):
     directory = tmp_path_factory.mktemp("adamw_single")
     steps = len(ADAMW_CHAIN) + 1
-    return directory, run(directory, ADAMW, steps, "strategy=single", save_steps=range(1, steps + 1))
+    return directory, run(directory, ADAMW, steps, "strategy=single", save_steps=range(1, steps + 1), trace=True)
 
 
 @pytest.mark.parametrize("chain", SGD_CHAINS)
@@ -148,7 +159,9 @@ def test_adamw_state_moves_with_its_parameters(tmp_path, adamw_reference):
 
 def test_resetting_the_adamw_state_on_resume_is_seen(tmp_path, adamw_reference, monkeypatch):
     """The mutation: a resume that drops the optimizer state (AdamW restarts from zero moments)
-    must fail the comparison of the test above."""
+    must fail the comparison of the test above. The masked elements' bound is ~2% of the summed
+    steps (harness.adam_tolerance, ADAM_HEADROOM); a reset state changes step 2 by a sizeable part
+    of a step, so > 10× (41× measured; it was > 100× against the fixed 1e-5 before issue 28)."""
     from strategies.checkpoint import portable as portable_module
     monkeypatch.setattr(portable_module.PortableState, "_add_state", lambda *arguments: None)
     directory, reference_summary = adamw_reference
@@ -156,7 +169,7 @@ def test_resetting_the_adamw_state_on_resume_is_seen(tmp_path, adamw_reference, 
     run(tmp_path / name, ADAMW, 2, *overrides, resume_from=directory / "checkpoints" / "step1")
     worst, where = parameter_excess(tmp_path / name, directory, 2)
     print(f"reset optimizer state: parameters {worst:.3g}× their tolerance ({where})")
-    assert worst > 100
+    assert worst > 10
 
 
 def test_pipefisher_to_kfac_rebuilds_the_curvature(tmp_path, tmp_path_factory, capfd):
@@ -165,14 +178,14 @@ def test_pipefisher_to_kfac_rebuilds_the_curvature(tmp_path, tmp_path_factory, c
     step builds its own curvature, so the rebuilt run equals the uninterrupted kfac one."""
     kfac = [*SGD_OVERRIDES, *KFAC_SGD, "strategy.refresh_interval=1"]
     reference = tmp_path_factory.mktemp("kfac")
-    reference_summary = run(reference, kfac, 3, "strategy=kfac", save_steps=(3,))
+    reference_summary = run(reference, kfac, 3, "strategy=kfac", save_steps=range(4))
     source = tmp_path / "pipefisher"
     run(source, kfac, 2, "strategy=pipefisher", "strategy.schedule=gpipe", "strategy.layers_per_stage=2",
         "hardware.devices_per_node=4")
     capfd.readouterr()
     summary = run(tmp_path / "kfac", kfac, 3, "strategy=kfac", resume_from=source / "checkpoints" / "last")
     assert "K-FAC factors and inverses are not carried between layouts: rebuilt" in capfd.readouterr().out
-    losses, (parameters, where) = loss_excess(summary, reference_summary), parameter_excess(tmp_path / "kfac", reference, 3)
+    losses, (parameters, where) = loss_excess(summary, reference_summary), parameter_excess(tmp_path / "kfac", reference, 3, KFAC_SGD_LEARNING_RATE)
     print(f"pipefisher_pp2_dp2 -> kfac: losses {losses:.3g}, parameters {parameters:.3g} ({where})")
     assert losses <= 1 and parameters <= 1
 

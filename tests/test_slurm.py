@@ -129,7 +129,7 @@ def test_sweep_with_one_invalid_point_submits_nothing(tmp_path):
                       "debug=fast", "data.global_batch_size=8", f"hydra.sweep.dir={sweep}",
                       environment={"PATH": f"{bin_directory}:{os.environ['PATH']}"})
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "nothing was submitted" in result.stderr
+    assert "nothing was started or submitted" in result.stderr
     assert "2 of 4 points invalid" in result.stderr
     for number, strategy in ((1, "ddp"), (3, "modular_pipeline")):
         assert re.search(rf"point #{number} \(strategy={strategy} model.heads=3 .*\): "

@@ -22,8 +22,9 @@ from strategies.tensor_parallel.parallelize import cut
 from strategies.tensor_parallel.layers import (GridLinear, ParallelEmbedding, ParallelLayerNorm,
                                                VocabularyParallelLoss)
 from tests.harness import (EXACT_RTOL, OPERATOR_RTOL, OPERATOR_SCALE_ATOL, QUICK, SAVED_AT_ANOTHER_HOOK,
-                           assert_same_checkpoints, assert_same_losses, assert_same_parameters, compare_under_sgd,
-                           compose_config, consolidated_parameters, run_on_ranks)
+                           OptimizerTrace, assert_same_checkpoints, assert_same_losses, assert_same_parameters,
+                           compare_under_sgd, compose_config, consolidated_parameters, run_on_ranks,
+                           tracing_optimizer)
 
 Q = 2
 STEPS = 6
@@ -180,7 +181,9 @@ def run(directory, *overrides):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("single") / "single", "strategy=single")
+    directory = tmp_path_factory.mktemp("single") / "single"
+    with tracing_optimizer(directory):
+        return run(directory, "strategy=single")
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +197,8 @@ def assert_reproduces(result, reference, strategy):
     assert summary["status"] == "completed" and summary["steps"] == STEPS
     assert_same_losses(summary["losses"], expected["losses"])
     assert_same_parameters(consolidated_parameters(directory, strategy),
-                           consolidated_parameters(expected_directory, "single"))
+                           consolidated_parameters(expected_directory, "single"),
+                           OptimizerTrace.load(expected_directory))
 
 
 def test_q2_reproduces_single(three_d_run, reference):

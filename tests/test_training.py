@@ -3,12 +3,12 @@
 import csv
 
 import pytest
-import torch
 
 from layerwise.run.fit import train
 from layerwise.preflight import validate
-from tests.harness import (QUICK, SAVED_AT_ANOTHER_HOOK, assert_same_checkpoints, assert_same_losses,
-                           assert_same_parameters, compare_under_sgd, compose_config)
+from strategies.checkpoint.per_rank import read_checkpoint_file
+from tests.harness import (QUICK, SAVED_AT_ANOTHER_HOOK, OptimizerTrace, assert_same_checkpoints, assert_same_losses,
+                           assert_same_parameters, compare_under_sgd, compose_config, tracing_optimizer)
 
 STEPS = 10
 
@@ -23,7 +23,7 @@ def run(tmp_path, name, *overrides):  # noqa: D103
 
 
 def final_parameters(directory):  # single and ddp write one file
-    state = torch.load(directory / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    state = read_checkpoint_file(directory / "checkpoints" / "last.ckpt")["state_dict"]
     return {name.removeprefix("module."): value for name, value in state.items()}
 
 
@@ -35,7 +35,9 @@ def metrics(directory):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     # every step measured: the schema test reads peak_compute_bytes on every row
-    return run(tmp_path_factory.mktemp("single"), "single", "strategy=single", "trainer.measure_every_n_steps=1")
+    directory = tmp_path_factory.mktemp("single")
+    with tracing_optimizer(directory / "single"):
+        return run(directory, "single", "strategy=single", "trainer.measure_every_n_steps=1")
 
 
 def test_ddp_reproduces_single(reference, tmp_path):
@@ -43,7 +45,8 @@ def test_ddp_reproduces_single(reference, tmp_path):
     ddp_summary, ddp_directory = run(tmp_path, "ddp", "strategy=ddp")
     assert ddp_summary["status"] == "completed" and ddp_summary["world_size"] == 2
     assert_same_losses(ddp_summary["losses"], single_summary["losses"])
-    assert_same_parameters(final_parameters(ddp_directory), final_parameters(single_directory))
+    assert_same_parameters(final_parameters(ddp_directory), final_parameters(single_directory),
+                           OptimizerTrace.load(single_directory))
 
 
 def test_ddp_equals_single_under_sgd(tmp_path, tmp_path_factory):

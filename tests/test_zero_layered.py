@@ -18,9 +18,9 @@ from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
 from strategies.schedule import add_communication, build_plan, validate_plan
 from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, add_zero
-from tests.harness import (EXACT_RTOL, QUICK, assert_same_checkpoints, assert_same_losses, assert_same_parameters,
-                           cached_references, compare_under_sgd, compose_config, consolidated_parameters,
-                           run_on_ranks)
+from tests.harness import (EXACT_RTOL, QUICK, OptimizerTrace, assert_same_checkpoints, assert_same_losses,
+                           assert_same_parameters, cached_references, compare_under_sgd, compose_config,
+                           consolidated_parameters, run_on_ranks)
 
 STEPS = 5
 BATCH = ["data.global_batch_size=16"]  # splits into n=4 ranks × m=4 and n=2 × m=8
@@ -120,7 +120,8 @@ def test_zero_equals_single_and_moves_3_n_minus_1_over_n_P(case, references, tmp
                                    f"hardware.devices_per_node={ranks}", f"strategy.pipeline_degree={pipeline}")
     assert summary["status"] == "completed" and summary["world_size"] == ranks
     assert_same_losses(summary["losses"], expected["losses"])
-    assert_same_parameters(consolidated_parameters(tmp_path, strategy), parameters)
+    assert_same_parameters(consolidated_parameters(tmp_path, strategy), parameters,
+                           OptimizerTrace.load(reference_directory))
     data = ranks // pipeline
     per_rank = [padded_parameters(parameters, layers, range(r, layers, pipeline), data) for r in range(pipeline)]
     # transfers = 2 gathers + 1 reduce-scatter per run pair: 3 (layered), 3m (depth-first); P counted once each

@@ -2,12 +2,14 @@
 
 `python train.py -m strategy=ddp,modular_pipeline hardware.nodes=2 hydra/launcher=slurm` does:
 
-1. submission (this machine, `SlurmLauncher.launch`): compose every point's config and validate it
+1. submission (this machine, `SlurmLauncher.launch`): every point's config composed and validated
    (the strategy's checks, and launcher vs Trainer: nodes, tasks per node, GPUs) — one invalid
-   point rejects the whole sweep before anything is submitted, naming the point and the field;
-   then fill each point's resources from its hardware profile (nodes = hardware.nodes, tasks per
-   node = GPUs per node = hardware.devices_per_node; one task for single-process strategies) and
-   submit one Slurm job array per distinct resource shape;
+   point rejects the whole sweep before anything is submitted, naming the point and the field.
+   The check is layerwise/sweep.py's, done for every launcher before the first point (the
+   `sweep_check` callback); the launcher takes its checked points. Each point's resources follow
+   from its hardware profile (nodes = hardware.nodes, tasks per node = GPUs per node =
+   hardware.devices_per_node; one task for single-process strategies); one Slurm job array is
+   submitted per distinct resource shape;
 2. job (every task of every job, `SlurmLauncher.__call__`): each Slurm task is one rank. Rank 0
    alone writes Hydra's files and the job log; the ranks run `train.py`'s task function, which
    sees `launched_externally()` and fits in place with Lightning's `SLURMEnvironment(auto_requeue=
@@ -26,8 +28,8 @@
    failed `summary.json` (with `failed_rank`) for a point whose ranks could not, and reports the
    sweep as failed while the other points complete.
 
-`LocalLauncher` (hydra/launcher=local) is the laptop equivalent: the same validation of every
-point first, then the points one after another in this process (each forks its ranks).
+`LocalLauncher` (hydra/launcher=local) is the laptop equivalent: the points, checked the same way,
+run one after another in this process (each forks its ranks), then one line per point.
 """
 
 import dataclasses
@@ -41,12 +43,11 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as _SubmititSlurm
 from omegaconf import OmegaConf, open_dict, read_write
 
-from layerwise.config.errors import ConfigError
 from layerwise.run.preemption import PREEMPTION, TIMEOUT_VARIABLE, exit_after_requeue, install_preemption_handler
 
 OWN_KEYS = ("process_group_timeout_s", "max_requeues")  # launcher keys of ours, not submitit's
@@ -60,10 +61,6 @@ SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.*)")
 
 
 # ============================================================== submission side: every point first
-
-class SweepRejected(SystemExit):
-    """Raised (as exit code 2) when a point is invalid: nothing has been submitted."""
-
 
 class SweepFailed(RuntimeError):
     """At least one point failed; the others ran to their end. The message lists the failures."""
@@ -134,45 +131,8 @@ def memory_problems(raw: dict, resolved: dict, hardware) -> list:
     return []
 
 
-def point_config(launcher, overrides: Sequence[str], number: int):
-    """The point's composed config as its job will see it (job number set, so its directory)."""
-    cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
-    with read_write(cfg.hydra.job), open_dict(cfg.hydra.job):
-        cfg.hydra.job.num = number
-    return cfg
-
-
 def point_directory(cfg) -> Path:
     return Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
-
-
-def validate_points(launcher, job_overrides, initial_job_idx: int, with_resources: bool) -> list:
-    """Compose and validate every point (with the launcher's `preflight`); exit 2 listing every
-    problem by point, or return them."""
-    points, problems = [], []
-    for offset, overrides in enumerate(job_overrides):
-        number = initial_job_idx + offset
-        name = " ".join(filter_overrides(overrides)) or "(no overrides)"
-        cfg = point_config(launcher, overrides, number)
-        errors, resources = [], None
-        try:
-            world = launcher.preflight(cfg, submitting=with_resources)
-        except ConfigError as error:
-            errors, world = list(error.problems), None
-        if world is not None and with_resources:
-            resources, launcher_errors = job_resources(cfg, world)
-            errors += launcher_errors
-        problems += [f"point #{number} ({name}): {error}" for error in errors]
-        points.append({"number": number, "name": name, "overrides": list(overrides), "cfg": cfg,
-                       "resources": resources})
-    if problems:
-        lines = "\n".join(f"  - {problem}" for problem in problems)
-        bad = len({p.split(":")[0] for p in problems})
-        print(f"layerwise: sweep rejected before submission: {bad} of {len(points)} point"
-              f"{'s' if len(points) > 1 else ''} invalid, nothing was submitted:\n{lines}",
-              file=sys.stderr, flush=True)
-        raise SweepRejected(2)
-    return points
 
 
 def report(points: list, outcomes: list, title: str) -> None:
@@ -202,14 +162,16 @@ def sweep_result(points: list, outcomes: list, returns: list) -> list:
 # ================================================================================ the launchers
 
 class LocalLauncher(BasicLauncher):
-    """hydra/launcher=local: validate every point, then run them here one after another."""
+    """hydra/launcher=local: the checked points run here one after another, then one line each."""
 
-    # cfg, submitting -> world size: layerwise.preflight.validate, set by hydra_plugins/layerwise_launchers
-    # (the pre-flight is above every room of layerwise/, this one included)
-    preflight = None
+    # (config_loader, config, job_overrides, first number) -> the checked points: layerwise.sweep's
+    # check_points, set by hydra_plugins/layerwise_launchers (the sweep check runs the pre-flight,
+    # which is above every room of layerwise/, this one included)
+    check_points = None
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        points = validate_points(self, job_overrides, initial_job_idx, with_resources=False)
+        # checked already by the sweep_check callback (layerwise/sweep.py): this returns its result
+        points = self.check_points(self.hydra_context.config_loader, self.config, job_overrides, initial_job_idx)
         returns = list(super().launch(job_overrides, initial_job_idx))
         outcomes = []
         for point, returned in zip(points, returns):
@@ -228,7 +190,7 @@ class SlurmLauncher(_SubmititSlurm):
     array per resource shape; wait for all, report each point. Job: see `__call__`.
     """
 
-    preflight = None  # as LocalLauncher's
+    check_points = None  # as LocalLauncher's
 
     def __init__(self, **params: Any) -> None:
         unknown = sorted(set(params) - set(SUBMITIT_KEYS) - set(OWN_KEYS) - {"_target_"})
@@ -263,7 +225,8 @@ class SlurmLauncher(_SubmititSlurm):
         return executor
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        points = validate_points(self, job_overrides, initial_job_idx, with_resources=True)
+        # checked already by the sweep_check callback (layerwise/sweep.py), the job resources too
+        points = self.check_points(self.hydra_context.config_loader, self.config, job_overrides, initial_job_idx)
         sweep_directory = Path(str(self.config.hydra.sweep.dir))
         sweep_directory.mkdir(parents=True, exist_ok=True)
         shapes: Dict[str, list] = {}

@@ -31,7 +31,7 @@ from models.transformer import model_flops_per_token
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
 from cost.inputs import ComposedLayout, Workload
 from cost.step_time import closed_form_step, model_flops_utilization
-from cost.memory import closed_form_in_flight, closed_form_moments, stage_memory
+from cost.memory import closed_form_held, closed_form_in_flight, closed_form_moments, stage_memory
 from strategies.schedule.generators import _check_combination
 from strategies.tensor_parallel.grids import DIMENSION, grid_of
 
@@ -208,7 +208,8 @@ def role_bytes(workload: Workload, layout: Layout, rank: int, stages: int, bread
     alive = closed_form_in_flight(layout.schedule, layout.pipeline_degree, loops, breadth_first, rank)
     last_alive, later, posted = closed_form_moments(layout.schedule, layout.pipeline_degree, loops, breadth_first,
                                                     layout.micro_batches, rank)
-    return stage_memory(workload, held, stages, alive, flash, later, layout.micro_batches, last_alive, posted)
+    sends = closed_form_held(layout.schedule, layout.pipeline_degree, loops, breadth_first, layout.micro_batches, rank)
+    return stage_memory(workload, held, stages, alive, flash, later, last_alive, posted, sends)
 
 
 # ----- 3. and 4. rank, print, write, re-plan, and the sweep line

@@ -17,12 +17,12 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 from omegaconf import OmegaConf
 
 from strategies import strategy_entry
-from strategies.checkpoint.per_rank import read_checkpoint_file
+from strategies.checkpoint.per_rank import CheckpointError, read_checkpoint_file
 from strategies.checkpoint.portable import is_portable, portable_path, read_portable
+from strategies.checkpoint.safe_load import UnsafeCheckpointError, read_dcp_tensors
 
 PREFIX = "model."
 
@@ -41,7 +41,14 @@ def run_config(run_directory):
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: export reads the run's resolved config, which "
                                 f"train.py writes there")
-    return OmegaConf.load(path)
+    config = OmegaConf.load(path)
+    # train.py writes it resolved, so an interpolation means the file was edited: `${oc.env:...}`
+    # would copy an environment variable (a W&B key) into the exported metadata.
+    if "${" in OmegaConf.to_yaml(config):
+        raise ValueError(f"{path} holds an interpolation (${{...}}), which a config train.py wrote never "
+                         f"does: it was edited by hand. Fix: restore the run's config.yaml, or write the "
+                         f"values in plainly.")
+    return config
 
 
 def plain_state(run_directory, checkpoint: str = "last") -> dict:
@@ -68,12 +75,9 @@ def merged_state(path: Path, strategy_name: str) -> dict:
 
 
 def _load_distributed_checkpoint(path: Path) -> dict:
-    import tempfile
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    with tempfile.TemporaryDirectory() as scratch:
-        dcp_to_torch_save(path, Path(scratch) / "whole.pt")
-        return torch.load(Path(scratch) / "whole.pt", weights_only=False)["state_dict"]
+    """fsdp2's DCP directory: its model tensors ("state_dict.model.*"), read without running code."""
+    prefix = "state_dict."
+    return {key[len(prefix):]: value for key, value in read_dcp_tensors(path, prefix).items()}
 
 
 def _merge_positions(path: Path, consolidate) -> dict:
@@ -132,7 +136,7 @@ def main() -> None:
     arguments = parser.parse_args()
     try:
         state = export(arguments.run_directory, arguments.out, arguments.checkpoint)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, CheckpointError, UnsafeCheckpointError) as error:  # nothing was written
         print(f"layerwise: {error}", file=sys.stderr)
         sys.exit(2)
     parameters = sum(value.numel() for value in state.values())

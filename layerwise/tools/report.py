@@ -1,9 +1,9 @@
 """A sweep ends with its answer: `sweep_summary.csv` and `sweep_report.md` (a table and plots).
 
-    python train.py -m strategy=modular_pipeline,zero_layered strategy.micro_batches=1,2,4
-        at the end of the multirun (local or Slurm launcher, also when points failed) the sweep
-        directory gets the report and the launcher prints the table (`SweepReport`, a Hydra
-        callback registered under hydra.callbacks in conf/config.yaml)
+    python train.py -m strategy=modular_pipeline,zero_layered strategy.micro_batches=2,4
+        at the end of the multirun (any launcher, also when points failed; a mode=plan sweep:
+        its predictions only) the sweep directory gets the report and the launcher prints the
+        table (`SweepReport`, a Hydra callback registered under hydra.callbacks in conf/config.yaml)
     python -m layerwise.report SWEEP_DIR                 regenerate one sweep's report
     python -m layerwise.report SWEEP_A SWEEP_B --out DIR  regenerate both and compare them
 
@@ -35,6 +35,7 @@ COLUMNS = ["point", "overrides", "strategy", "status", "failure_reason", "steps"
     + ["prediction", "directory"]
 SUMMARY_FILE, MARKDOWN_FILE, FIGURE_FILE = "sweep_summary.csv", "sweep_report.md", "sweep_report.png"
 MIB = 2 ** 20
+FINISHED = ("completed", "planned")  # a point's status when it did its work: trained, or planned (mode=plan)
 REASON_LENGTH = 240  # a failure reason in one table cell; the point's summary.json has it all
 
 
@@ -117,21 +118,48 @@ def prediction(cfg, world_size: int) -> dict:
     return {"predicted_step_time_s": step["step_seconds"], "predicted_bubble": step["bubble_fraction"],
             "predicted_peak_bytes": sum(breakdown.values()),
             "predicted_bytes_per_step": max(sum(rank.values()) for rank in step["bytes_by_rank"]),
-            "prediction": f"plan mode, hardware={cfg.hardware.name} at plan.efficiency={cfg.plan.efficiency} "
-                          f"of its peak (assumed, not calibrated)"}
+            "prediction": prediction_source(cfg)}
+
+
+def prediction_source(cfg) -> str:
+    """Where a point's predicted columns come from (the `prediction` column)."""
+    return (f"plan mode, hardware={cfg.hardware.name} at plan.efficiency={cfg.plan.efficiency} of its peak "
+            f"(assumed, not calibrated)")
+
+
+def planned(directory: Path, cfg) -> dict:
+    """A mode=plan point's columns: the plan.json it wrote (layerwise/planning/mode.py), predictions only."""
+    result = read_json(directory / "plan.json")
+    if result is None:
+        return {"status": "failed", "prediction": "none: the point wrote no plan.json",
+                "failure_reason": "no plan.json: the point stopped before its plan was written (see its train.log)"}
+    per_rank = result.get("bytes_by_pipeline_rank") or []  # L2L's relay plan has no pipeline ranks
+    return {"status": "planned", "strategy": result["strategy"], "failure_reason": "",
+            "predicted_step_time_s": result["step_seconds"], "predicted_bubble": result["bubble_fraction"],
+            # without the allocator margin, as prediction() gives it beside a measurement
+            "predicted_peak_bytes": max(sum(role["bytes"].values()) for role in result["roles"]),
+            "predicted_bytes_per_step": max((sum(rank.values()) for rank in per_rank), default=None),
+            "prediction": prediction_source(cfg)}
 
 
 def point_row(directory: Path) -> dict:
-    """One point as a row of COLUMNS (empty values where the point did not measure or predict)."""
+    """One point as a row of COLUMNS (empty values where the point did not measure or predict); a
+    mode=plan point's row holds its plan's predictions only."""
     summary = read_json(directory / "summary.json")
     row = dict.fromkeys(COLUMNS)
     overrides = point_overrides(directory)
     row.update(point=int(directory.name.split("_", 1)[0]), overrides=" ".join(overrides), override_list=overrides,
                directory=str(directory), status=(summary or {}).get("status", "failed"))
+    config_path = directory / "config.yaml"
+    if summary is None and config_path.exists():
+        from omegaconf import OmegaConf
+        cfg = OmegaConf.load(config_path)
+        if cfg.mode == "plan":
+            row.update({"strategy": cfg.strategy.name, **planned(directory, cfg)})
+            return row
     row["failure_reason"] = "" if row["status"] == "completed" else failure_reason(summary)
     if summary is not None:
         row.update(strategy=summary.get("strategy"), steps=summary.get("steps"), **measurements(summary))
-    config_path = directory / "config.yaml"
     if config_path.exists() and summary is not None and summary.get("world_size"):
         from omegaconf import OmegaConf
         cfg = OmegaConf.load(config_path)
@@ -159,6 +187,12 @@ def validation_curve(directory: Path) -> list:
 
 
 # ================================================================================ writing the answer
+
+def finished(rows: list) -> str:
+    """`5 of 6 points completed`, or `planned` for a mode=plan sweep (its points predict only)."""
+    verb = "planned" if any(row["status"] == "planned" for row in rows) else "completed"
+    return f"{sum(row['status'] in FINISHED for row in rows)} of {len(rows)} points {verb}"
+
 
 def varying_overrides(rows: list) -> tuple:
     """(overrides every point shares, each point's own ones): the label of a point is what differs."""
@@ -201,7 +235,7 @@ def text_table(headers: list, cells: list) -> str:
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(cell, widths)) for cell in cells]
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def markdown_table(headers: list, cells: list) -> str:
@@ -214,15 +248,18 @@ def write_markdown(title: str, rows: list, labels: list, shared: list, path: Pat
     """sweep_report.md: the counts, the table, where predictions come from, failures, the figure."""
     headers, cells = formatted(rows, labels)
     failed = [f"- #{row['point']} ({label}): {row['status']}: {row['failure_reason']}"
-              for row, label in zip(rows, labels) if row["status"] != "completed"]
+              for row, label in zip(rows, labels) if row["status"] not in FINISHED]
     notes = sorted({row["prediction"] for row in rows if row["prediction"]})
-    text = [f"# {title}", "", f"{len(rows) - len(failed)} of {len(rows)} points completed. "
+    text = [f"# {title}", "", f"{finished(rows)}. "
             f"Every point: `{' '.join(shared) or '(no shared overrides)'}`.", "",
             markdown_table(headers, cells), "",
             "Measured: medians over the steps of each point's `summary.json` (step time is the slowest "
             "rank's; MiB/step: logical bytes per rank per step, all kinds). `pred.`: plan mode's analytic "
             "prediction for the point's config; empty where there is none:", ""]
     text += [f"- {note}" for note in notes] + [""]
+    if any(row["status"] == "planned" for row in rows):
+        text += ["`planned`: a mode=plan point, nothing trained: its row holds the predictions of the "
+                 "`plan.json` it wrote, no measurement.", ""]
     if failed:
         text += ["Failed points:", ""] + failed + [""]
     text += [f"![validation loss, step time, memory, bytes, predicted vs measured]({FIGURE_FILE})", "",
@@ -253,6 +290,23 @@ def plot(rows: list, labels: list, curves: list, path: Path, title: str) -> Path
                               "plan mode (busiest pipeline rank)": [_scaled(r["predicted_peak_bytes"], MIB)
                                                                     for r in rows]},
           "MiB", "memory: predicted vs measured (no bar: not planned)")
+    figure.savefig(path, dpi=80)
+    return path
+
+
+def plot_predictions(rows: list, labels: list, path: Path, title: str) -> Path:
+    """A mode=plan sweep's figure: plan mode's predicted step time, memory, bytes and bubble per point."""
+    from matplotlib.figure import Figure
+    figure = Figure(figsize=(14, 9), layout="constrained")
+    figure.suptitle(f"{title}: plan mode's predictions (nothing run)", fontsize=11)
+    grid = figure.subplots(2, 2)
+    ticks = [f"#{row['point']}\n" + "\n".join(map(short_override, label.split())) for row, label in zip(rows, labels)]
+    panels = ((grid[0][0], "predicted_step_time_s", 1e-3, "ms per step", "predicted step time"),
+              (grid[0][1], "predicted_peak_bytes", MIB, "MiB", "predicted memory (busiest pipeline rank)"),
+              (grid[1][0], "predicted_bytes_per_step", MIB, "MiB per rank per step", "predicted bytes per step"),
+              (grid[1][1], "predicted_bubble", 1e-2, "% of the step", "predicted bubble"))
+    for axes, column, scale, unit, name in panels:
+        _bars(axes, ticks, {name: [_scaled(row[column], scale) for row in rows]}, unit, name)
     figure.savefig(path, dpi=80)
     return path
 
@@ -291,13 +345,15 @@ def _plot_curves(axes, curves: list, names: list) -> None:
 
 def _bars(axes, ticks: list, series: dict, unit: str, title: str) -> None:
     """Grouped bars, one group per point; a missing value draws no bar."""
-    width = 0.8 / len(series)
+    width, drawn = 0.8 / len(series), False
     for index, (name, values) in enumerate(series.items()):
         positions = [i + (index - (len(series) - 1) / 2) * width for i in range(len(ticks))]
         present = [(x, v) for x, v in zip(positions, values) if v is not None]
         if present:
             axes.bar(*zip(*present), width=width, color=f"C{index}", label=name)
-    _finish_bars(axes, ticks, unit, title, legend=len(series) > 1)
+            drawn = True
+    # a mode=plan sweep measured nothing: a chart of measurements alone stays empty, without a legend
+    _finish_bars(axes, ticks, unit, title, legend=len(series) > 1 and drawn)
 
 
 def _stacked(axes, ticks: list, series: dict, unit: str, title: str) -> None:
@@ -327,9 +383,17 @@ def write_report(sweep: Path) -> list:
     shared, labels = varying_overrides(rows)
     write_csv(rows, sweep / SUMMARY_FILE)
     title = f"sweep {sweep.name}"
-    plot(rows, labels, [validation_curve(d) for d in directories], sweep / FIGURE_FILE, title)
+    if predictions_only(rows):
+        plot_predictions(rows, labels, sweep / FIGURE_FILE, title)
+    else:
+        plot(rows, labels, [validation_curve(d) for d in directories], sweep / FIGURE_FILE, title)
     write_markdown(title, rows, labels, shared, sweep / MARKDOWN_FILE)
     return rows
+
+
+def predictions_only(rows: list) -> bool:
+    """A mode=plan sweep: points planned, none trained (so none measured)."""
+    return any(row["status"] == "planned" for row in rows) and all(row["steps"] is None for row in rows)
 
 
 def compare(sweeps: list, out: Path) -> list:
@@ -358,12 +422,16 @@ def print_table(rows: list, title: str) -> None:
 # ================================================================================ W&B and TensorBoard
 
 def wandb_settings(rows: list):
-    """(logger config, mode) of the sweep's points when they logged to W&B, else None."""
+    """(logger config, mode) of the sweep's points when they logged to W&B, else None (mode=plan
+    points log nothing)."""
     from omegaconf import OmegaConf
     for row in rows:
         path = Path(row["directory"]) / "config.yaml"
         if path.exists():
-            logger = OmegaConf.load(path).logger
+            cfg = OmegaConf.load(path)
+            if cfg.mode == "plan":
+                continue
+            logger = cfg.logger
             mode = os.environ.get("WANDB_MODE") or logger.mode
             return (logger, mode) if logger.name == "wandb" and mode != "disabled" else None
     return None
@@ -402,7 +470,7 @@ class SweepReport(Callback):
         self.sweep, self.process, self.done = None, None, False
 
     def on_multirun_start(self, config, **kwargs) -> None:
-        if config.get("mode", "fit") != "fit":  # mode=check / mode=plan sweeps train nothing to compare
+        if config.get("mode", "fit") not in ("fit", "plan"):  # a dry sweep (mode=check) runs no point
             return
         self.sweep, self.process = Path(str(config.hydra.sweep.dir)), os.getpid()
         atexit.register(self._at_exit)
@@ -423,8 +491,7 @@ class SweepReport(Callback):
             rows = write_report(self.sweep)
         except NotASweep:  # the sweep was refused before any point ran
             return
-        print_table(rows, f"sweep {self.sweep}: {sum(r['status'] == 'completed' for r in rows)} of "
-                          f"{len(rows)} points completed; {self.sweep / MARKDOWN_FILE}")
+        print_table(rows, f"sweep {self.sweep}: {finished(rows)}; {self.sweep / MARKDOWN_FILE}")
         log_report_to_wandb(self.sweep, rows)
 
 

@@ -8,7 +8,8 @@ at any instant leaves either the previous complete checkpoint or the new one, ne
 Faults (docs/faults.md): the checkpoint before `last` is kept as `previous.ckpt`, so a `last` that
 turns out truncated or corrupt (every file's zip CRCs are checked on load) is skipped with a message
 naming the file, and the run resumes from `previous`; every rank must agree, so the ranks vote. A
-write that fails (disk full) removes its partial file and leaves `last` as it was.
+write that fails (disk full) removes its partial file and leaves `last` as it was. Files are read
+without running code from them (strategies/checkpoint/safe_load.py); a file asking to is refused, not skipped.
 
 Two formats, and why. These per-rank files are the same-layout resume: bit-identical, CRC-checked
 per file, voted fall-back to `previous`. Every save also writes a portable checkpoint beside it
@@ -32,6 +33,8 @@ from pathlib import Path
 
 import torch
 from typing_extensions import override
+
+from strategies.checkpoint.safe_load import load_torch_file
 
 
 def _old(path: Path) -> Path:
@@ -117,10 +120,11 @@ def verify_zip(file: Path) -> None:
 
 
 def read_checkpoint_file(file: Path) -> dict:
-    """One checkpoint file, checked; CheckpointError naming the file if it is damaged."""
+    """One checkpoint file, checked; CheckpointError naming the file if it is damaged, and
+    UnsafeCheckpointError (no fallback) if it asks to run code (strategies/checkpoint/safe_load.py)."""
     try:
         verify_zip(file)
-        return torch.load(file, map_location="cpu", weights_only=False)
+        return load_torch_file(file)
     except UNREADABLE as error:
         raise CheckpointError(f"{file} is unreadable ({type(error).__name__}: "
                               f"{str(error).splitlines()[0] if str(error) else 'empty'})") from error

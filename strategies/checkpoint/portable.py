@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from typing_extensions import override
 
-from strategies.checkpoint.per_rank import CheckpointError, swap_in
+from strategies.checkpoint.per_rank import UNREADABLE, CheckpointError, swap_in
+from strategies.checkpoint.safe_load import UnsafeCheckpointError, dcp_load, dcp_metadata, load_torch_file, read_dcp_tensors
 
 SIDECAR = "lightning.pt"
 MODEL, OPTIMIZER = "model.", "optimizer."
@@ -88,7 +89,10 @@ def resume_errors(path, expected_shapes) -> list:
                 f"{resolved}). Fix: point it at runs/<run_name>/checkpoints/last, which every run writes "
                 f"beside last.ckpt."]
     try:
+        read_sidecar(resolved)  # refused here, before any process starts, if it would run code
         saved = plain_shapes(resolved)
+    except UnsafeCheckpointError as error:
+        return [f"resume_from={path}: {error}"]
     except Exception as error:  # noqa: BLE001 - a damaged .metadata: say which file
         return [f"resume_from={path}: {resolved / '.metadata'} is unreadable ({type(error).__name__}). "
                 f"Fix: resume from its previous checkpoint ({resolved.with_name('previous')})."]
@@ -356,17 +360,13 @@ def _initialise_optimizer_state(optimizers, keys_by_optimizer) -> None:
 def load_portable(strategy, path) -> dict:
     """A Lightning checkpoint for this rank, read from the portable checkpoint `path` into the
     pieces this strategy materialised (the model and optimizers must exist: restore after setup)."""
-    import torch.distributed.checkpoint as dcp
     path = Path(path)
-    try:
-        saved = torch.load(path / SIDECAR, map_location="cpu", weights_only=False)
-    except Exception as error:  # noqa: BLE001 - any unreadable file gets the same message
-        raise CheckpointError(f"{path / SIDECAR} is unreadable ({type(error).__name__}: {error})") from error
+    saved = read_sidecar(path)
     optimizers = strategy.optimizers
     _initialise_optimizer_state(optimizers, saved.get("optimizer_state_keys", []))
     state = PortableState(strategy.lightning_module, optimizers, strategy_layout(strategy), strategy.global_rank)
     buffers = state.gather(strategy.world_size)
-    dcp.load(buffers, checkpoint_id=str(path))
+    dcp_load(buffers, path)
     state.scatter(buffers)
     checkpoint = {key: value for key, value in saved.items()
                   if key not in ("optimizer_param_groups", "optimizer_state_keys")}
@@ -374,6 +374,15 @@ def load_portable(strategy, path) -> dict:
     checkpoint["optimizer_states"] = [_with_groups(optimizer.state_dict(), groups, path) for optimizer, groups
                                       in zip(optimizers, saved.get("optimizer_param_groups", []))]
     return checkpoint
+
+
+def read_sidecar(path) -> dict:
+    """The portable checkpoint's `lightning.pt`, read without running code (strategies/checkpoint/safe_load.py)."""
+    file = Path(path) / SIDECAR
+    try:
+        return load_torch_file(file)
+    except UNREADABLE as error:  # damage, not a refusal (UnsafeCheckpointError passes through)
+        raise CheckpointError(f"{file} is unreadable ({type(error).__name__}: {error})") from error
 
 
 def _with_groups(state: dict, saved_groups: list, path: Path) -> dict:
@@ -388,8 +397,7 @@ def _with_groups(state: dict, saved_groups: list, path: Path) -> dict:
 
 def plain_shapes(path) -> dict:
     """{plain parameter name: shape} recorded in a portable checkpoint (validation reads it)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = dcp_metadata(path).state_dict_metadata
     return {key[len(MODEL):]: tuple(value.size) for key, value in metadata.items()
             if key.startswith(MODEL) and hasattr(value, "size")}
 
@@ -397,15 +405,7 @@ def plain_shapes(path) -> dict:
 def read_portable(path, prefix: str = MODEL) -> dict:
     """Every tensor of a portable checkpoint whose key starts with `prefix` ("model.": the plain
     model's state dict; "optimizer.": its optimizer state), whole, read in this one process."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    state = {key: torch.empty(tuple(value.size), dtype=value.properties.dtype)  # host: offline reading
-             for key, value in metadata.items()
-             if key.startswith(prefix) and isinstance(value, TensorStorageMetadata)}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state
+    return read_dcp_tensors(path, prefix)
 
 
 class PortableCheckpoints:

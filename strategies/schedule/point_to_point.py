@@ -28,6 +28,7 @@ accepts has an order both sides follow.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 from collections import defaultdict
 from typing import NamedTuple
@@ -35,7 +36,8 @@ from typing import NamedTuple
 from .ir import (SEND_ARROW, Action, Plan, PlanError, counterpart, is_post, post_of, posted_receive)
 from .simulate import simulate, unit_cost
 
-__all__ = ["add_receive_posts", "check_point_to_point_order", "issue_sequences", "pair_orders"]
+__all__ = ["add_receive_posts", "check_point_to_point_order", "issue_sequences", "most_sends_held", "pair_orders",
+           "send_releases"]
 
 
 class Message(NamedTuple):
@@ -219,3 +221,73 @@ def _describe(issued: Issued | None) -> str:
         return "nothing (its sequence ends)"
     role = "the send" if issued.action == issued.message else "the receive"
     return f"{role} {issued.action} (message {issued.message}, slot {issued.slot})"
+
+
+# -----------------------------------------------------------------------------
+# When a send's buffer may be released
+
+
+@functools.lru_cache(maxsize=16)  # plans are frozen; every step of a run asks for the same few
+def send_releases(plan: Plan) -> dict[int, dict[Action, tuple[Action, ...]]]:
+    """rank -> {RECV on that rank: the rank's sends whose receive the peer is proven to have issued
+    once this RECV has been waited for} (docs/strategies/pipeline_memory.md: why this cannot deadlock).
+
+    The proof is the pair's own traffic: the peer issued the receive of our send S before it sent the
+    message M this RECV waits for (its post, or its RECV when it has none, stands earlier in the
+    peer's row than M's SEND). So when M has arrived, S's receive is outstanding at the peer and S's
+    `wait()` needs nothing more from this rank. A send proven before it is issued is listed at the
+    first RECV after it. Sends toward one peer are proven in issue order, since the peer issues
+    their receives in that order (NCCL's rule, `check_point_to_point_order`); sends never proven
+    (the step's last ones) are waited for in FINISH."""
+    where = {action: (rank, slot) for rank, slot, action in plan.positions()}
+    issued_at = {}  # message (its SEND) -> slot on the receiver where its receive is issued
+    for (rank, _), sequence in issue_sequences(plan).items():
+        for issued in sequence:
+            if issued.action != issued.message:
+                issued_at[issued.message] = issued.slot
+    releases = {}
+    for rank, row in enumerate(plan.ranks):
+        releases[rank] = _releases_of_row(plan, rank, row, where, issued_at)
+    return releases
+
+
+def _releases_of_row(plan: Plan, rank: int, row, where: dict, issued_at: dict) -> dict:
+    proven = defaultdict(lambda: -1)  # peer rank -> latest slot of its row known to have run
+    unproven, releases = defaultdict(list), {}  # peer rank -> its sends not yet proven, in issue order
+    for slot, action in enumerate(row):
+        if action is None:
+            continue
+        if action.info.arrow == SEND_ARROW and counterpart(action) in where:
+            unproven[where[counterpart(action)][0]].append(action)
+        elif action.info.arrow is not None and not is_post(action):  # a RECV: its message has arrived
+            sender, send_slot = where[counterpart(action)]
+            proven[sender] = max(proven[sender], send_slot)
+            ready = [send for peer, sends in unproven.items() for send in _proven_prefix(sends, issued_at, proven[peer])]
+            if ready:
+                releases[action] = tuple(ready)
+    return releases
+
+
+def _proven_prefix(sends: list, issued_at: dict, proven: int) -> list:
+    """Pop and return the leading sends whose receive the peer issued before slot `proven` (the
+    peer issues them in this order, so the proven ones are a prefix)."""
+    count = next((index for index, send in enumerate(sends) if issued_at[send] >= proven), len(sends))
+    ready = sends[:count]
+    del sends[:count]
+    return ready
+
+
+def most_sends_held(plan: Plan, rank: int) -> int:
+    """Most sends `StageWork` holds at once on `rank` when only the plan's proofs release them (gloo
+    and the fake group, whose sends never report completion before `wait()`): the executor's
+    `most_held` on those backends, an upper bound on NCCL, whose sends may complete earlier."""
+    releases = send_releases(plan)[rank]
+    held, most = set(), 0
+    for action in plan.ranks[rank]:
+        if action is None:
+            continue
+        if action.info.arrow == SEND_ARROW:
+            held.add(action)
+            most = max(most, len(held))
+        held.difference_update(releases.get(action, ()))
+    return most

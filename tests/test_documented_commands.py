@@ -1,0 +1,581 @@
+"""Every command the documentation tells a user to type runs here and does what the text says.
+
+Why: nothing ran the documented commands, so a change that broke the README's first paper-claim
+command landed unnoticed (issue 28). This file collects every command a user may copy:
+
+- each line of a fenced block in README.md and docs/**/*.md that starts `python train.py`,
+  `python -m layerwise...` or `make run` (a `$ ` prompt dropped, `\\` continuations joined, the
+  trailing `# comment` kept apart: it is where a command that cannot run here says so);
+- `python train.py experiment=<name>` for every conf/experiment/*.yaml;
+
+and runs each one the way HOW says, keyed by the command's text, so documents and this table cannot
+drift apart: a command without an entry, or an entry whose command is no longer documented, fails.
+
+- `real`: as typed.
+- `capped`: as typed plus a step cap (TRAINING_CAP: 2 steps), for a command that trains for minutes.
+- `check`: plus `mode=check`: a paper-scale, GPU, cluster or more-ranks-than-cores command, or one
+  that trains for minutes with no step knob; `why` names what runs it for real.
+- `plan`: plus `mode=plan`: a GPU command, planned on its own profile.
+
+Each must exit 0, or the exit code its document shows (a `$ ` command followed by its output: the
+output is asserted too), and leave its evidence: a training run `summary.json` with status
+`completed`, plan mode `plan.json`, a reproduction its `results.json`, mode=check its "valid" line
+and no run. A command that cannot run here carries its reason next to it in the document (`mark`:
+"(needs a GPU)", "(needs Slurm)"); that the mark is there is tested, nothing is skipped silently.
+
+Every command runs in its own temporary directory (runs/ lands there, not in the repository), at most
+two at once (this machine has 2 cores); a command that reads another's output (`after`) runs in that
+one's directory once it has finished.
+"""
+
+import contextlib
+import csv
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+EXPERIMENTS = sorted((ROOT / "conf" / "experiment").glob("*.yaml"))
+# A command a user types: the interpreter (python, python3, .venv/bin/python) then train.py or a
+# layerwise module; or the Makefile's run target.
+COMMAND = re.compile(r"^((\S*/)?python3?\s+(train\.py|-m\s+layerwise)\b|make\s+run\b)")
+# train.py without an interpreter, followed by an override: not what a user can type as is.
+BARE_TRAIN_PY = re.compile(r"^train\.py\s+(-\S+|\S+=)")
+PROMPT = re.compile(r"^\$\s+")
+CAP_STEPS = 2
+TRAINING_CAP = (f"trainer.max_steps={CAP_STEPS}", f"trainer.val_check_interval={CAP_STEPS}",
+                "trainer.limit_val_batches=1", f"trainer.checkpoint_every_n_steps={CAP_STEPS}",
+                "data.max_bytes=2000000")  # a slice of the corpus: reading all of it dominates 2 steps
+QUICK_CALIBRATION = ("calibrate.quick=true", "calibrate.repeats=3")  # the same terms at small sizes
+WORKERS = max(1, min(2, os.cpu_count() or 1))
+TIMEOUT_S = 900
+GPU = "(needs a GPU)"
+SLURM = "(needs Slurm)"
+
+
+# ================================================================ what the documents say
+
+@dataclass
+class Documented:
+    text: str  # as typed: continuation lines joined, whitespace collapsed, no prompt, no comment
+    where: List[str]  # "README.md:57", one per occurrence
+    comments: List[str]  # each occurrence's trailing comment(s): where its mark stands
+    output: Tuple[str, ...] = ()  # what the document shows it prints (a `$ ` command's block)
+
+
+def fenced_blocks(text: str):
+    """(first line number, lines) of every fenced block."""
+    inside, start, lines = False, 0, []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.lstrip().startswith("```"):
+            if inside:
+                yield start, lines
+            inside, start, lines = not inside, number + 1, []
+        elif inside:
+            lines.append(line)
+
+
+def split_comment(line: str) -> Tuple[str, str]:
+    code, _, comment = line.partition(" #")
+    if line.lstrip().startswith("#"):
+        return "", line.strip().lstrip("#").strip()
+    return code.rstrip(), comment.strip()
+
+
+def commands_in_block(start: int, lines: List[str]):
+    """(text, line number, comment, shown output) of each command in one fenced block."""
+    index = 0
+    while index < len(lines):
+        number, prompted = start + index, bool(PROMPT.match(lines[index].strip()))
+        code, comment = split_comment(PROMPT.sub("", lines[index].strip()))
+        parts, comments = [], [comment]
+        while code.endswith("\\") and index + 1 < len(lines):  # a continuation line
+            parts.append(code[:-1])
+            index += 1
+            code, comment = split_comment(lines[index].strip())
+            comments.append(comment)
+        parts.append(code)
+        index += 1
+        # its comment continued on indented comment lines (an unindented one introduces what follows)
+        while index < len(lines) and lines[index][:1].isspace() and lines[index].strip().startswith("#"):
+            comments.append(split_comment(lines[index])[1])
+            index += 1
+        output = []
+        while prompted and index < len(lines) and not PROMPT.match(lines[index].strip()):
+            output.append(lines[index].strip())
+            index += 1
+        text = " ".join(" ".join(parts).split())
+        if COMMAND.match(text) or BARE_TRAIN_PY.match(text):
+            yield text, number, " ".join(c for c in comments if c), tuple(o for o in output if o)
+
+
+def documented_commands() -> Dict[str, Documented]:
+    found: Dict[str, Documented] = {}
+    for document in DOCUMENTS:
+        name = str(document.relative_to(ROOT))
+        for start, lines in fenced_blocks(document.read_text()):
+            for text, number, comment, output in commands_in_block(start, lines):
+                entry = found.setdefault(text, Documented(text, [], []))
+                entry.where.append(f"{name}:{number}")
+                entry.comments.append(comment)
+                entry.output = entry.output or output
+    for experiment in EXPERIMENTS:
+        text = f"python train.py experiment={experiment.stem}"
+        entry = found.setdefault(text, Documented(text, [], []))
+        entry.where.append(str(experiment.relative_to(ROOT)))
+    return found
+
+
+DOCUMENTED = documented_commands()
+
+
+# ================================================================ what a run must leave
+
+@dataclass
+class Outcome:
+    command: str
+    argv: List[str]
+    cwd: Path
+    code: int
+    stdout: str
+    stderr: str
+    seconds: float
+    started: float  # time.time() when it started
+
+    def tail(self) -> str:
+        return (f"$ {' '.join(self.argv)}   (in {self.cwd}, exit {self.code}, {self.seconds:.0f} s)\n"
+                f"--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}")
+
+
+def exits(outcome: Outcome, code: int = 0) -> None:
+    assert outcome.code == code, f"expected exit {code}\n{outcome.tail()}"
+
+
+def one(pattern: str, cwd: Path) -> Path:
+    found = sorted(cwd.glob(pattern))
+    assert len(found) == 1, f"expected one {pattern} in {cwd}, found {[str(p) for p in found]}"
+    return found[0]
+
+
+def completed_summary(directory: Path, steps: int) -> dict:
+    summary = json.loads((directory / "summary.json").read_text())
+    assert summary["status"] == "completed", summary
+    assert summary["steps"] == steps and len(summary["losses"]) == steps, summary
+    with (directory / "metrics.csv").open() as handle:
+        assert [int(row["step"]) for row in csv.DictReader(handle)] == list(range(1, steps + 1))
+    return summary
+
+
+def trained(steps: int = CAP_STEPS) -> Callable:
+    """One training run that completed its steps: summary.json and metrics.csv say so."""
+    def check(outcome: Outcome) -> None:
+        exits(outcome)
+        completed_summary(one("runs/*/summary.json", outcome.cwd).parent, steps)
+        assert "completed: validation loss" in outcome.stdout
+    return check
+
+
+def swept(points: int, steps: int = CAP_STEPS) -> Callable:
+    """A multirun: every point completed, and the sweep's own report written."""
+    def check(outcome: Outcome) -> None:
+        exits(outcome)
+        sweep = one("runs/multirun/*", outcome.cwd)
+        summaries = sorted(sweep.glob("*/summary.json"))
+        assert len(summaries) == points, summaries
+        for summary in summaries:
+            completed_summary(summary.parent, steps)
+        assert (sweep / "sweep_summary.csv").exists() and (sweep / "sweep_report.md").exists()
+    return check
+
+
+def nothing_trained(cwd: Path) -> None:
+    assert not list(cwd.rglob("metrics.csv")) and not list(cwd.rglob("summary.json")), "mode=check ran something"
+
+
+def valid(outcome: Outcome) -> None:
+    """mode=check: the configuration is valid and nothing started."""
+    exits(outcome)
+    assert "configuration is valid" in outcome.stdout
+    nothing_trained(outcome.cwd)
+
+
+def valid_sweep(points: int) -> Callable:
+    """mode=check over a multirun (layerwise/sweep.py): every point valid, nothing run or submitted."""
+    def check(outcome: Outcome) -> None:
+        exits(outcome)
+        assert f"{points} of {points} points valid" in outcome.stdout
+        nothing_trained(outcome.cwd)
+    return check
+
+
+def planned_sweep(points: int) -> Callable:
+    """A mode=plan multirun: each point's plan.json, and the sweep report of the predictions."""
+    def check(outcome: Outcome) -> None:
+        exits(outcome)
+        sweep = one("runs/multirun/*", outcome.cwd)
+        assert len(list(sweep.glob("*/plan.json"))) == points
+        with (sweep / "sweep_summary.csv").open() as handle:
+            assert [row["status"] for row in csv.DictReader(handle)] == ["planned"] * points
+        nothing_trained(outcome.cwd)
+    return check
+
+
+def planned(outcome: Outcome) -> None:
+    """mode=plan: plan.json with every role's memory, nothing trained."""
+    exits(outcome)
+    plan = json.loads(one("runs/*/plan.json", outcome.cwd).read_text())
+    assert plan["roles"] and all(role["total_bytes"] > 0 and "fits" in role for role in plan["roles"])
+    assert plan["step_seconds"] > 0
+    nothing_trained(outcome.cwd)
+
+
+def dry_run_planned(outcome: Outcome) -> None:
+    """plan.dry_run=true: each role's dry run beside its analytic plan."""
+    planned(outcome)
+    plan = json.loads(one("runs/*/plan.json", outcome.cwd).read_text())
+    assert all("dry_run" in role for role in plan["roles"]), plan["roles"]
+
+
+def searched(outcome: Outcome) -> None:
+    """plan.search=true: plan_search.csv ranks the layouts that fit."""
+    exits(outcome)
+    with one("runs/*/plan_search.csv", outcome.cwd).open() as handle:
+        assert list(csv.DictReader(handle)), "no layout fits"
+
+
+def calibrated(outcome: Outcome) -> None:
+    """mode=calibrate: the profile and its measurements, under conf/hardware of the working directory."""
+    exits(outcome)
+    assert (outcome.cwd / "conf/hardware/calibrated.yaml").exists()
+    assert (outcome.cwd / "conf/hardware/calibrated.calibration.json").exists()
+
+
+def reproduced(run_name: str) -> Callable:
+    """mode=reproduce: the claim's results.json and results.md in runs/<run_name>."""
+    def check(outcome: Outcome) -> None:
+        exits(outcome)
+        results = outcome.cwd / "runs" / run_name
+        assert json.loads((results / "results.json").read_text()), "empty results.json"
+        assert (results / "results.md").exists()
+    return check
+
+
+def rejected(outcome: Outcome) -> None:
+    """Bad input: exit 2 and the very lines the document shows."""
+    exits(outcome, 2)
+    documented = DOCUMENTED[outcome.command].output
+    assert documented, "the document shows no output for this command"
+    for line in documented:
+        assert line in outcome.stderr, f"documented line not printed: {line!r}\n{outcome.tail()}"
+    nothing_trained(outcome.cwd)
+
+
+def helped(outcome: Outcome) -> None:
+    """--help lists every config group with its options."""
+    exits(outcome)
+    for group in sorted(p for p in (ROOT / "conf").iterdir() if p.is_dir() and p.name != "hydra"):
+        options = ", ".join(sorted(option.stem for option in group.glob("*.yaml")))
+        assert f"{group.name}: {options}" in outcome.stdout, group.name
+
+
+def exported(outcome: Outcome) -> None:
+    """layerwise.tools.export: a safetensors file that loads into the plain model."""
+    from layerwise.tools.export import load_exported
+    exits(outcome)
+    model, model_config = load_exported(outcome.cwd / "model.safetensors")
+    assert model_config.name == "gpt_tiny" and sum(p.numel() for p in model.parameters()) > 0
+
+
+def reported(outcome: Outcome) -> None:
+    """layerwise.tools.report regenerates the sweep's table and report (written again by this run)."""
+    exits(outcome)
+    sweep = one("runs/multirun/*", outcome.cwd)
+    for name in ("sweep_summary.csv", "sweep_report.md"):
+        assert (sweep / name).stat().st_mtime >= outcome.started, f"{name} not written again"
+    with (sweep / "sweep_summary.csv").open() as handle:
+        assert [row["status"] for row in csv.DictReader(handle)] == ["completed"] * 3
+
+
+# ================================================================ how each command runs here
+
+@dataclass(frozen=True)
+class How:
+    run: str  # real | capped | check | plan
+    expect: Callable[[Outcome], None]
+    why: str = ""  # why not as typed, and what runs it for real
+    mark: str = ""  # cannot run here: this must stand in the command's comment in its document
+    after: str = ""  # a documented command whose working directory this one reads
+    cap: Tuple[str, ...] = TRAINING_CAP  # for run="capped"
+    extra: Tuple[str, ...] = ()  # appended to every run; {cwd} is the working directory
+
+
+TRAINS_FOR_MINUTES = "trains 600 steps (minutes): capped at 2"
+SMALL_CLAIM = "trains here for minutes and has no step knob; {test} tests its module on tiny inputs"
+
+
+def more_ranks(ranks: int, test: str) -> str:
+    return f"{ranks} ranks on this 2-core machine; {test} trains layouts of this kind against single"
+
+
+HOW: Dict[str, How] = {
+    # ----- README: quick start and "Choosing what to run"
+    "make run": How("capped", trained(), why="Makefile `run`: .venv/bin/python train.py $(ARGS); "
+                    + TRAINS_FOR_MINUTES),
+    "python train.py --help": How("real", helped),
+    "python train.py strategy=ddp": How("capped", trained(), why=TRAINS_FOR_MINUTES),
+    "python train.py strategy=gpipe model=bert_tiny data.global_batch_size=32":
+        How("capped", trained(), why=TRAINS_FOR_MINUTES),
+    "python train.py strategy=modular_pipeline hardware.devices_per_node=4 strategy.pipeline_degree=4 "
+    "model.layers=8 strategy.micro_batches=8":
+        How("check", valid, why=more_ranks(4, "tests/test_modular_pipeline.py")),
+    "python train.py -m strategy=single,ddp,modular_pipeline":
+        How("capped", swept(3), why=TRAINS_FOR_MINUTES + " (each point)"),
+    "python train.py mode=check model=gpt3_175b data.sequence_length=2048 hardware=dgx_a100_80g "
+    "hardware.nodes=16 data.global_batch_size=256 strategy=zero_layered strategy.tensor_parallel=2d "
+    "strategy.tensor_grid=2 strategy.micro_batches=2 strategy.activation_recompute=full": How("real", valid),
+    "python train.py mode=plan model=gpt3_175b hardware=dgx_a100_80g hardware.nodes=64 strategy=one_f_one_b "
+    "strategy.pipeline_degree=16 strategy.layers_per_stage=6 strategy.tensor_parallel=1d strategy.tensor_grid=8 "
+    "strategy.micro_batches=64 strategy.activation_recompute=full data.global_batch_size=1536 "
+    "data.sequence_length=2048": How("real", planned),
+    "python train.py mode=plan plan.search=true model=gpt3_175b hardware=dgx_a100_80g hardware.nodes=128 "
+    "data.global_batch_size=1536 data.sequence_length=2048": How("real", searched),
+    "python train.py mode=calibrate": How("capped", calibrated, cap=QUICK_CALIBRATION,
+                                          why="~15 s of measurements; quick: the same terms at small sizes"),
+    "python train.py mode=plan hardware=calibrated plan.efficiency=1 strategy=tp_1d strategy.tensor_grid=2":
+        How("real", planned, after="python train.py mode=calibrate",
+            extra=("hydra.searchpath=[file://{cwd}/conf]",)),  # the profile calibrate wrote there
+    "python train.py mode=plan plan.dry_run=true strategy=one_f_one_b": How("real", dry_run_planned),
+    "python train.py experiment=repro_l2l": How("real", reproduced("repro_l2l")),
+    "python train.py experiment=repro_l2l_small":
+        How("check", valid, why=SMALL_CLAIM.format(test="tests/test_reproduce_l2l.py")),
+    "python train.py debug=fast": How("real", trained(5)),
+    "python -m layerwise.export runs/modular_pipeline-gpt_tiny-cpu --out model.safetensors":
+        How("real", exported, after="make run"),
+    "python train.py strategy=ddp data.global_batch_size=3 model.heads=3": How("real", rejected),
+    # ----- README: sweeps
+    "python train.py -m strategy=modular_pipeline,zero_layered strategy.micro_batches=2,4 debug=fast "
+    "data.global_batch_size=8":
+        How("check", valid_sweep(4), why="4 training runs; the quick start's sweep runs for real"),
+    "python train.py -m strategy=modular_pipeline,zero_layered strategy.micro_batches=2,4 debug=fast "
+    "data.global_batch_size=8 mode=check": How("real", valid_sweep(4)),
+    "python train.py -m strategy=modular_pipeline,gpipe strategy.micro_batches=2,4 mode=plan "
+    "data.global_batch_size=8": How("real", planned_sweep(4)),
+    "python train.py -m strategy=modular_pipeline,zero_layered strategy.micro_batches=2,4 debug=fast":
+        How("real", rejected),
+    "python -m layerwise.report runs/multirun/<date>_<time>":
+        How("real", reported, after="python train.py -m strategy=single,ddp,modular_pipeline"),
+    # ----- README: GPUs and clusters
+    "python train.py hardware=dgx_a100_80g strategy=modular_pipeline":
+        How("plan", planned, mark=GPU, why="8 A100 ranks, planned on their profile"),
+    "python train.py -m strategy=modular_pipeline,zero_layered model=gpt_small data.global_batch_size=128 "
+    "hardware=dgx_a100_80g hardware.nodes=4 hydra/launcher=slurm hydra.launcher.partition=gpu "
+    "hydra.launcher.account=myproject hydra.launcher.timeout_min=240":
+        How("check", valid_sweep(2), mark=SLURM, why="a GPU cluster; every point checked as for submission"),
+    "python train.py -m strategy=ddp,modular_pipeline hardware.nodes=2 data.global_batch_size=8 debug=fast "
+    "hydra/launcher=slurm":
+        How("check", valid_sweep(2), mark=SLURM,
+            why="the local Slurm of scripts/local_slurm.sh (root, apt); tests/test_slurm.py "
+                "(pytest -m slurm) runs such sweeps on it"),
+    # ----- docs/reliability.md
+    "python train.py optimizer.lr=-1 model.dropout=1.5": How("real", rejected),
+    # ----- docs/results/: the papers' claims (paper scale: plan mode; small scale: trains here)
+    "python train.py experiment=repro_pipefisher": How("real", reproduced("repro_pipefisher")),
+    "python train.py experiment=repro_pipefisher_small":
+        How("check", valid, why=SMALL_CLAIM.format(test="tests/test_reproduce_pipefisher.py")),
+    "python train.py experiment=repro_three_d": How("real", reproduced("repro_three_d")),
+    "python train.py experiment=repro_three_d_small":
+        How("check", valid, why=SMALL_CLAIM.format(test="tests/test_reproduce_three_d.py")),
+    "python train.py experiment=repro_three_d model.hidden=6144":
+        How("check", valid, why="the same module as experiment=repro_three_d at another width (~15 s)"),
+    "python train.py experiment=repro_training_time":
+        How("check", valid, why="paper scale: ~3 min of plan mode over 1B-1T models; "
+            "tests/test_reproduce_training_time.py tests its module"),
+    "python train.py experiment=repro_training_time_small":
+        How("check", valid, why=SMALL_CLAIM.format(test="tests/test_reproduce_training_time.py")),
+    "python train.py experiment=repro_training_time_small hardware.devices_per_node=4 strategy.pipeline_degree=4 "
+    "run_name=repro_training_time_small_4":
+        How("check", valid, why=SMALL_CLAIM.format(test="tests/test_reproduce_training_time.py")),
+    # ----- docs/strategies/
+    "python train.py strategy=modular_pipeline strategy.pipeline_degree=2 strategy.tensor_parallel=1d "
+    "strategy.tensor_grid=2 hardware.devices_per_node=4":
+        How("check", valid, why=more_ranks(4, "tests/test_composed_layouts.py")),
+    "python train.py strategy=modular_pipeline strategy.tensor_parallel=2d strategy.tensor_grid=2 "
+    "hardware.devices_per_node=8 model.layers=4":
+        How("check", valid, why=more_ranks(8, "tests/test_composed_layouts.py")),
+    "python train.py strategy=zero_layered strategy.pipeline_degree=2 strategy.tensor_parallel=1d "
+    "strategy.tensor_grid=2 hardware.devices_per_node=8":
+        How("check", valid, why=more_ranks(8, "tests/test_composed_layouts.py")),
+    "python train.py strategy=one_f_one_b strategy.tensor_parallel=3d strategy.tensor_grid=2 "
+    "hardware.devices_per_node=16":
+        How("check", valid, why=more_ranks(16, "tests/test_composed_layouts.py")),
+    "python train.py strategy=l2l hardware.devices_per_node=1 strategy.micro_batches=4":
+        How("capped", trained(), why=TRAINS_FOR_MINUTES),
+    "python train.py strategy=l2l strategy.constant_memory=true": How("capped", trained(), why=TRAINS_FOR_MINUTES),
+    "python train.py strategy=three_d strategy.tensor_grid=2 hardware.devices_per_node=8":
+        How("check", valid, why=more_ranks(8, "tests/test_three_d.py")),
+    "python train.py strategy=tp_2d strategy.tensor_grid=2 hardware.devices_per_node=4":
+        How("check", valid, why=more_ranks(4, "tests/test_three_d.py")),
+    "python train.py strategy=tp_1d strategy.tensor_grid=8 hardware.devices_per_node=8 model.heads=8":
+        How("check", valid, why=more_ranks(8, "tests/test_three_d.py")),
+    "python train.py strategy=zero_layered strategy.micro_batches=4 hardware.devices_per_node=4":
+        How("check", valid, why=more_ranks(4, "tests/test_zero_layered.py")),
+    "python train.py strategy=zero_depth_first strategy.micro_batches=4 hardware.devices_per_node=4":
+        How("check", valid, why=more_ranks(4, "tests/test_zero_layered.py")),
+    "python train.py strategy=zero_layered strategy.pipeline_degree=2 model.layers=4 hardware.devices_per_node=4":
+        How("check", valid, why=more_ranks(4, "tests/test_zero_layered.py")),
+    "python train.py strategy=fsdp2 strategy.sync_every_micro_batch=false":
+        How("capped", trained(), why=TRAINS_FOR_MINUTES),
+    # ----- conf/experiment/ (those not named in a document)
+    "python train.py experiment=default": How("check", valid, why="composes to `make run`'s config, "
+                                              "which runs above"),
+}
+
+
+# ================================================================ running them
+
+def argv_of(command: str, how: How, cwd: Path) -> List[str]:
+    """The command as this machine runs it: this interpreter, train.py by its path, the run kind's
+    arguments appended, a `<placeholder>` path replaced by the one path it names in `cwd`."""
+    words = shlex.split(command)
+    if words[:2] == ["make", "run"]:  # the Makefile's run target is `$(BIN)/python train.py $(ARGS)`
+        words = ["python", "train.py", *words[2:]]
+    words[0] = sys.executable
+    if words[1] == "train.py":
+        words[1] = str(ROOT / "train.py")
+    words = [str(one(re.sub(r"<[^>]+>", "*", w), cwd).relative_to(cwd)) if "<" in w else w for w in words]
+    added = {"real": (), "capped": how.cap, "check": ("mode=check",), "plan": ("mode=plan",)}[how.run]
+    return words + list(added) + [argument.format(cwd=cwd) for argument in how.extra]
+
+
+def run_in(argv: List[str], cwd: Path) -> Tuple[int, str, str, float]:
+    """Run in a session of its own, so that on a timeout its forked ranks go with it."""
+    environment = {**os.environ, "WANDB_MODE": "disabled"}
+    started = time.monotonic()
+    process = subprocess.Popen(argv, cwd=cwd, env=environment, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        stderr += f"\n[killed after {TIMEOUT_S} s]"
+    with contextlib.suppress(ProcessLookupError):  # a rank left behind by a failed run
+        os.killpg(process.pid, signal.SIGKILL)
+    return process.returncode, stdout, stderr, time.monotonic() - started
+
+
+class Runner:
+    """Runs the commands at most WORKERS at once, each once per session, prerequisites first."""
+
+    def __init__(self, root: Path):
+        self.root, self.futures = root, {}
+        self.pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="documented")
+
+    def start(self, command: str):
+        if command not in self.futures:
+            how = HOW[command]
+            prerequisite = self.start(how.after) if how.after else None
+            cwd = self.root / f"{len(self.futures):02d}"
+            self.futures[command] = self.pool.submit(self._run, command, how, cwd, prerequisite)
+        return self.futures[command]
+
+    def _run(self, command: str, how: How, cwd: Path, prerequisite) -> Outcome:
+        if prerequisite is not None:  # submitted earlier: already running or done
+            before = prerequisite.result()
+            assert before.code == 0, f"prerequisite `{before.command}` failed"
+            # a copy: the prerequisite's own test may be reading its directory meanwhile
+            shutil.copytree(before.cwd, cwd, symlinks=True)
+        else:
+            cwd.mkdir()
+        argv = argv_of(command, how, cwd)
+        started = time.time()
+        code, stdout, stderr, seconds = run_in(argv, cwd)
+        return Outcome(command, argv, cwd, code, stdout, stderr, seconds, started)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        done = [f.result() for f in self.futures.values() if f.done() and not f.cancelled() and not f.exception()]
+        print(f"\n[documented commands] {len(done)} run, {sum(o.seconds for o in done):.0f} s of wall time "
+              f"in all ({WORKERS} at once):")
+        for outcome in sorted(done, key=lambda o: -o.seconds):
+            print(f"  {outcome.seconds:6.1f} s  exit {outcome.code}  {HOW[outcome.command].run:6}  {outcome.command}")
+
+
+@pytest.fixture(scope="module")
+def runner(request, tmp_path_factory):
+    """Starts every selected command at once (in document order), so two run side by side."""
+    runner = Runner(tmp_path_factory.mktemp("documented"))
+    for item in request.session.items:
+        command = getattr(getattr(item, "callspec", None), "params", {}).get("command")
+        if item.module is request.module and command in HOW:
+            runner.start(command)
+    yield runner
+    runner.close()
+
+
+# ================================================================ the tests
+
+def short(command: str) -> str:
+    words = command.replace("python train.py", "train.py").replace("python -m ", "")
+    return words if len(words) <= 70 else words[:67] + "..."
+
+
+@pytest.mark.parametrize("command", list(DOCUMENTED), ids=[short(c) for c in DOCUMENTED])
+def test_documented_command_runs(command, runner):
+    assert command in HOW, f"not in HOW: {command}"  # test_every_documented_command_is_classified says more
+    outcome = runner.start(command).result()
+    HOW[command].expect(outcome)
+
+
+def test_every_documented_command_is_classified():
+    """A new command in a document, or a changed one, needs its entry: the docs and HOW move together."""
+    unknown = {text: entry.where for text, entry in DOCUMENTED.items() if text not in HOW}
+    assert not unknown, ("documented commands with no entry in HOW (say how each runs here: real, capped, "
+                         "check or plan, and what it must leave):\n"
+                         + "\n".join(f"  {where}: {text}" for text, where in unknown.items()))
+
+
+def test_every_entry_is_still_documented():
+    stale = [text for text in HOW if text not in DOCUMENTED]
+    assert not stale, "entries in HOW for commands no document shows any more:\n" + "\n".join(stale)
+
+
+def test_commands_that_cannot_run_here_say_so_where_they_are_documented():
+    for text, how in HOW.items():
+        if how.mark and text in DOCUMENTED:
+            for where, comment in zip(DOCUMENTED[text].where, DOCUMENTED[text].comments):
+                assert how.mark in comment, f"{where}: `{text}` needs the mark {how.mark!r} in its comment"
+
+
+def test_entries_that_do_not_run_as_typed_say_why():
+    for text, how in HOW.items():
+        assert how.run in ("real", "capped", "check", "plan"), text
+        assert how.run == "real" or how.why or how.mark, f"`{text}` runs as {how.run}: say why in HOW"
+        assert not how.after or how.after in HOW, f"`{text}` runs after an unknown command"
+
+
+def test_documents_show_commands_a_user_can_type():
+    """Every command is complete as written: an interpreter before train.py, no `...` in place of
+    arguments."""
+    for text, entry in DOCUMENTED.items():
+        assert not BARE_TRAIN_PY.match(text), f"{entry.where}: write `python {text}`"
+        assert "..." not in text, f"{entry.where}: `{text}` is not a complete command"
+
+
+def test_make_run_is_train_py():
+    """`make run` runs above as `python train.py`: what the Makefile's run target does."""
+    recipe = (ROOT / "Makefile").read_text().split("\nrun:")[1].split("\n\n")[0]
+    assert "$(BIN)/python train.py $(ARGS)" in recipe, recipe

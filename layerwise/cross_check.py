@@ -81,12 +81,17 @@ def cross_check(cfg, world_size: int, result: dict, fake_tensors: bool | None = 
 
 def _without_gloo_temporaries(cfg, world_size: int) -> dict:
     """The plan the fake group can be held to: a gloo plan counts gloo's reduce-scatter temporaries
-    (estimate_memory.gloo_temporaries), which the fake process group, like NCCL, never makes."""
-    from omegaconf import OmegaConf
-
-    from layerwise.plan import plan_result
-    like_nccl = OmegaConf.merge(cfg, {"hardware": {"process_group_backend": "nccl"}})
-    return plan_result(like_nccl, world_size)
+    (estimate_memory.gloo_temporaries), which the fake process group, like NCCL, never makes. Only
+    they are taken out: the sends held stay gloo's, which the dry run's fake group also completes
+    only in `wait()` (docs/strategies/pipeline_memory.md)."""
+    from layerwise.plan import plan_result, workload_of
+    from strategies.estimate_memory import gloo_temporaries
+    result = plan_result(cfg, world_size)
+    workload = workload_of(cfg, world_size)
+    temporaries = gloo_temporaries(workload, workload.micro_batch_rows * workload.shape.length)
+    for role in result["roles"]:
+        role["bytes"] = {**role["bytes"], "buffers": role["bytes"]["buffers"] - temporaries}
+    return result
 
 
 def describe(entry: dict) -> str:

@@ -54,7 +54,8 @@ def compare(role: dict, analytic_kinds: dict, measured: dict) -> dict:
             "analytic_bytes_by_kind": {kind: float(analytic_kinds.get(kind, 0.0)) for kind in KINDS},
             "dry_run_bytes_by_kind": dict(dry_kinds), "collective_bytes_equal": not differing,
             "kinds_differing": differing, "fake_tensors": measured["fake_tensors"],
-            "emulated": measured["emulated"], "seconds": measured["seconds"]}
+            "emulated": measured["emulated"], "seconds": measured["seconds"],
+            "most_sends_held": measured.get("most_sends_held")}
 
 
 def _equal(a: float, b: float) -> bool:

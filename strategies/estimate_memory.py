@@ -380,12 +380,12 @@ def closed_form_held(schedule: str, pipeline_degree: int, loops: int, breadth_fi
     rank 1 and, when m > 2p, on rank 0.
     With `completes_when_received` (NCCL): add_receive_posts issues each receive one pair operation
     ahead, so on the built plans a send completes by the executor's next check or the one after and
-    a rank holds at most one input gradient at a backward and at the end (rank 0 none unless it loops). That
-    bound is used (found on the plans, not proven in general): above the built plans' `held_sends(...,
-    completes_when_received=True)` by at most one piece (tests/test_pipeline_memory.py checks both
-    sides on every tested (schedule, p, v, m, bf))."""
+    a rank holds at most one input gradient at a backward and at the end (rank 0 none unless it
+    loops). That bound is used (found on the plans, not proven in general): above the built plans'
+    `held_sends(..., completes_when_received=True)` by at most one piece (tests/test_pipeline_memory.py
+    checks both sides on every tested (schedule, p, v, m, bf))."""
     if completes_when_received:
-        later = end = int(pipeline_degree > 1 and (rank > 0 or loops > 1))  # a looping rank 0 sends gradients too
+        later = end = int(pipeline_degree > 1 and (rank > 0 or loops > 1))  # a looping rank 0 sends gradients
     else:
         later, end = _held_sends(schedule, pipeline_degree, loops, breadth_first, micro_batches, rank)
     return later + _posted_activations(schedule, pipeline_degree, loops, breadth_first, micro_batches, rank), end

@@ -38,7 +38,8 @@ CASES = {  # id: (overrides, a rank whose role is not rank 0's)
     # GPU profiles (NCCL): the dry run's sends complete when the plan's peer has posted the receive
     "modular_pipeline_pp2_v2_dp32_a100": ([*A100, "strategy=modular_pipeline", "strategy.pipeline_degree=2",
                                            "model.layers=4"], 33),
-    "zero_layered_pp2_dp32_a100": ([*A100, "strategy=zero_layered", "strategy.pipeline_degree=2", "model.layers=4"], 63),
+    "zero_layered_pp2_dp32_a100": ([*A100, "strategy=zero_layered", "strategy.pipeline_degree=2",
+                                    "model.layers=4"], 63),
     "gpipe_pp4_m8_dp16_a100": ([*A100, "strategy=gpipe", "strategy.pipeline_degree=4", "model.layers=4",
                                 "strategy.layers_per_stage=1", "strategy.micro_batches=8"], 17),
 }

@@ -38,7 +38,8 @@ __all__ = [
     "PLACEMENTS", "SCHEDULES", "stage_placement", "gpipe", "one_f_one_b", "looped_breadth_first",
     "interleaved_one_f_one_b", "layered", "build_plan",
     "add_communication", "add_gradient_reductions", "validate_plan",
-    "add_receive_posts", "check_point_to_point_order", "issue_sequences", "pair_orders", "send_releases", "most_sends_held", "release_points", "send_completions",
+    "add_receive_posts", "check_point_to_point_order", "issue_sequences", "pair_orders", "send_releases", "most_sends_held",
+    "release_points", "send_completions",
     "Timeline", "TimedAction", "simulate", "unit_cost", "flop_cost", "plot_timeline",
     "execute", "ExecutedAction", "FINISH",
 ]

@@ -294,9 +294,8 @@ def send_completions(plan: Plan) -> dict[int, dict[Action, int | None]]:
                       for issued in sequence if issued.action != issued.message}
     completions = {}
     for rank, row in enumerate(plan.ranks):
-        completions[rank] = {action: _first_slot_from(row, slot, max(start[action], start[receive_issued[action]]), start)
-                             for slot, action in enumerate(row)
-                             if action is not None and action in receive_issued}
+        completions[rank] = {send: _first_slot_from(row, slot, max(start[send], start[receive_issued[send]]), start)
+                             for slot, send in enumerate(row) if send in receive_issued}
     return completions
 
 
@@ -316,9 +315,11 @@ def release_points(plan: Plan, rank: int, completes_when_received: bool = False)
     queues, proven, points = defaultdict(list), set(), {}
     for slot, action in enumerate(plan.ranks[rank]):
         if action is None or action.info.arrow is None or is_post(action):
-            continue
+            continue  # the executor checks only at a SEND and after a RECV's wait
         proven.update(proofs.get(action, ()))
-        done = lambda send: send in proven or (completions.get(send) is not None and completions[send] <= slot)  # noqa: E731
+
+        def done(send, now=slot) -> bool:
+            return send in proven or completions.get(send, len(plan.ranks[rank])) <= now
         released = tuple(send for queue in queues.values() for send in _pop_while(queue, done))
         if released:
             points[action] = released

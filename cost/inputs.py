@@ -85,7 +85,9 @@ class Workload:
     # forward, not before it as the pipeline strategies do: last step's gradients see the whole stash.
     gradients_through_forward: bool = False
     # gloo's reduce-scatter (the 2-D/3-D grids') makes two full-size temporaries on the calling thread,
-    # which the meter counts; NCCL's buffers are not PyTorch's (cost.memory.gloo_temporaries).
+    # which the meter counts; NCCL's buffers are not PyTorch's (cost.memory.gloo_temporaries). And
+    # a gloo send completes only in wait(), an NCCL one once its receive is posted: the sends held
+    # differ (cost.memory.held_sends, docs/strategies/pipeline_memory.md).
     gloo: bool = False
 
     @property

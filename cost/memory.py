@@ -12,7 +12,7 @@ built plan row; the search gives them in closed form (`closed_form_in_flight`, `
 from __future__ import annotations
 
 from collections import Counter
-from strategies.schedule import BACKWARD, FORWARD, RECV_GRADIENT, SEND_GRADIENT, send_releases
+from strategies.schedule import BACKWARD, FORWARD, RECV_GRADIENT, SEND_GRADIENT, release_points
 from strategies.schedule.ir import POST_RECV_ACTIVATION, POST_RECV_GRADIENT, SEND_ARROW, posted_receive
 from cost.traffic import local_parameters
 from cost.inputs import BYTES, OPTIMIZER_STATE, Workload
@@ -163,16 +163,18 @@ def in_flight_moments(row) -> tuple:
     return first or 0, later, posted
 
 
-def held_sends(plan, rank: int) -> tuple:
+def held_sends(plan, rank: int, completes_when_received: bool = False) -> tuple:
     """(most at a backward once every local stage has run one; at the row's end) boundary buffers
     `StageWork` holds that nothing else keeps: sent input gradients, sent outputs whose own
     backward has run, and (at a backward) activation receives posted and not yet waited for. A send
-    is held until a later message proves its receive issued (schedule `send_releases`, the
-    executor's rule; docs/strategies/pipeline_memory.md); an output awaiting its backward is
-    counted with the forwards in flight, a received input once waited for with the stash.
-    `stage_memory` adds the first to the stash's own peak: exact where both are steady (1F1B), an
-    upper bound under breadth-first schedules, whose held sends grow while their stash drains."""
-    releases = send_releases(plan)[rank]
+    is held until the executor drops it (schedule `release_points`): once a later message proves its
+    receive issued (gloo, the fake group) or, `completes_when_received` (NCCL), once the peer has
+    issued its receive in the plan's timeline (docs/strategies/pipeline_memory.md); an output
+    awaiting its backward is counted with the forwards in flight, a received input once waited for
+    with the stash. `stage_memory` adds the first to the stash's own peak: exact where both are
+    steady (1F1B), an upper bound under breadth-first schedules, whose held sends grow while their
+    stash drains."""
+    releases = release_points(plan, rank, completes_when_received)
     row = [action for action in plan.ranks[rank] if action is not None]
     stages = {action.stage for action in row if action.kind == FORWARD}
     held, done, started, posted, later = set(), set(), set(), set(), 0
@@ -182,12 +184,12 @@ def held_sends(plan, rank: int) -> tuple:
                 later = max(later, _extra(held, done) + len(posted))
             started.add(action.stage)
             done.add((action.stage, action.micro_batch))
+        held.difference_update(releases.get(action, ()))  # the executor drops them before its own send
         if action.info.arrow == SEND_ARROW:
             held.add(action)
         if action.kind == POST_RECV_ACTIVATION:  # gradient receives: `later` of them, counted apart
             posted.add(posted_receive(action))
         posted.discard(action)
-        held.difference_update(releases.get(action, ()))
     return later, _extra(held, done)
 
 
@@ -201,7 +203,7 @@ def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True) -> 
     stages = sorted({action.stage for action in row if action.kind == FORWARD})
     last_alive, later, posted = in_flight_moments(row)
     return stage_memory(workload, stages, plan.stages, in_flight(row), flash, later, last_alive, posted,
-                        held_sends(plan, pipeline_rank))
+                        held_sends(plan, pipeline_rank, completes_when_received=not workload.gloo))
 
 
 def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int, flash: bool = True,
@@ -352,7 +354,7 @@ def _posted_receives(schedule: str, p: int, loops: int, bf: int, rank: int) -> i
 
 
 def closed_form_held(schedule: str, pipeline_degree: int, loops: int, breadth_first: int, micro_batches: int,
-                     rank: int) -> tuple:
+                     rank: int, completes_when_received: bool = False) -> tuple:
     """`held_sends` of pipeline rank `rank` without the plan: (sends held + activation receives
     posted, at the worst steady backward; sends held at the end) — tests/test_plan_search.py holds
     them equal to the built plans'. Rank 0 sends no input gradient, and each of its outputs is
@@ -369,8 +371,17 @@ def closed_form_held(schedule: str, pipeline_degree: int, loops: int, breadth_fi
     Activation receives posted ahead of a steady backward (point_to_point.add_receive_posts): 1F1B's
     last rank one (bf ≥ 3); with several breadth-first groups, a looping rank 0 the next group's
     first loop, (v − 1)p interleaved and (v − 1)·bf looped (p ≥ 3); interleaved at p = 2 (bf > p) one on
-    rank 1 and, when m > 2p, on rank 0."""
-    later, end = _held_sends(schedule, pipeline_degree, loops, breadth_first, micro_batches, rank)
+    rank 1 and, when m > 2p, on rank 0.
+    With `completes_when_received` (NCCL): add_receive_posts issues each receive one pair operation
+    ahead, so on the built plans a send completes by the executor's next check or the one after and
+    a rank holds at most one input gradient at a backward and at the end (rank 0 none unless it
+    loops). That bound is used (found on the plans, not proven in general): above the built plans'
+    `held_sends(..., completes_when_received=True)` by at most one piece (tests/test_pipeline_memory.py
+    checks both sides on every tested (schedule, p, v, m, bf))."""
+    if completes_when_received:
+        later = end = int(pipeline_degree > 1 and (rank > 0 or loops > 1))  # a looping rank 0 sends gradients
+    else:
+        later, end = _held_sends(schedule, pipeline_degree, loops, breadth_first, micro_batches, rank)
     return later + _posted_activations(schedule, pipeline_degree, loops, breadth_first, micro_batches, rank), end
 
 

@@ -208,7 +208,8 @@ def role_bytes(workload: Workload, layout: Layout, rank: int, stages: int, bread
     alive = closed_form_in_flight(layout.schedule, layout.pipeline_degree, loops, breadth_first, rank)
     last_alive, later, posted = closed_form_moments(layout.schedule, layout.pipeline_degree, loops, breadth_first,
                                                     layout.micro_batches, rank)
-    sends = closed_form_held(layout.schedule, layout.pipeline_degree, loops, breadth_first, layout.micro_batches, rank)
+    sends = closed_form_held(layout.schedule, layout.pipeline_degree, loops, breadth_first, layout.micro_batches, rank,
+                             completes_when_received=not workload.gloo)  # NCCL frees a send once received
     return stage_memory(workload, held, stages, alive, flash, later, last_alive, posted, sends)
 
 

@@ -54,7 +54,8 @@ def compare(role: dict, analytic_kinds: dict, measured: dict) -> dict:
             "analytic_bytes_by_kind": {kind: float(analytic_kinds.get(kind, 0.0)) for kind in KINDS},
             "dry_run_bytes_by_kind": dict(dry_kinds), "collective_bytes_equal": not differing,
             "kinds_differing": differing, "fake_tensors": measured["fake_tensors"],
-            "emulated": measured["emulated"], "seconds": measured["seconds"]}
+            "emulated": measured["emulated"], "seconds": measured["seconds"],
+            "most_sends_held": measured.get("most_sends_held")}
 
 
 def _equal(a: float, b: float) -> bool:
@@ -81,12 +82,18 @@ def cross_check(cfg, world_size: int, result: dict, fake_tensors: bool | None = 
 
 def _without_gloo_temporaries(cfg, world_size: int) -> dict:
     """The plan the fake group can be held to: a gloo plan counts gloo's reduce-scatter temporaries
-    (cost.memory.gloo_temporaries), which the fake process group, like NCCL, never makes."""
-    from omegaconf import OmegaConf
-
+    (estimate_memory.gloo_temporaries), which the fake process group, like NCCL, never makes. Only
+    they are taken out: the sends held stay gloo's, which the dry run's fake group also completes
+    only in `wait()` (docs/strategies/pipeline_memory.md)."""
     from layerwise.planning.result import plan_result
-    like_nccl = OmegaConf.merge(cfg, {"hardware": {"process_group_backend": "nccl"}})
-    return plan_result(like_nccl, world_size)
+    from layerwise.planning.inputs import workload_of
+    from cost.memory import gloo_temporaries
+    result = plan_result(cfg, world_size)
+    workload = workload_of(cfg, world_size)
+    temporaries = gloo_temporaries(workload, workload.micro_batch_rows * workload.shape.length)
+    for role in result["roles"]:
+        role["bytes"] = {**role["bytes"], "buffers": role["bytes"]["buffers"] - temporaries}
+    return result
 
 
 def describe(entry: dict) -> str:

@@ -107,6 +107,7 @@ class DryRunProbe(pl.Callback):
         self.step_seconds = None
         self.peak_compute_bytes = None
         self.matrix_product_dtypes = {}
+        self.most_sends_held = None  # a pipeline rank's most sends held at once in the measured step
         self._meter = None
         self._started = None
 
@@ -145,6 +146,8 @@ class DryRunProbe(pl.Callback):
         self._meter.__exit__(None, None, None)
         self.peak_compute_bytes = float(self._meter.peak_bytes)
         self.matrix_product_dtypes = dict(self._meter.matrix_product_dtypes)
+        state = getattr(getattr(trainer.strategy, "work", None), "state", None)  # a pipeline's StageWork
+        self.most_sends_held = getattr(state, "most_held", None)
         self._meter = None
         self.phase["name"] = "after"
 
@@ -204,16 +207,19 @@ def dry_run(cfg, rank: int, world_size: int, fake_tensors: bool = False) -> dict
     nodes, per_node = node_split(cfg, world_size)
     started = time.perf_counter()
     with fake_world(rank, world_size, per_node):
-        result = one_rank_step(cfg, world_size, emulate_object_broadcast=True, fake_tensors=fake_tensors)
+        result = one_rank_step(cfg, world_size, emulate_object_broadcast=True, fake_tensors=fake_tensors,
+                               emulate_nccl_completion=cfg.hardware.process_group_backend == "nccl")
     result["seconds"] = time.perf_counter() - started
     return result
 
 
 def one_rank_step(cfg, world_size: int, emulate_object_broadcast: bool = False,
-                  fake_tensors: bool = False) -> dict:
+                  fake_tensors: bool = False, emulate_nccl_completion: bool = False) -> dict:
     """This process's rank (from the rendezvous variables): build, set up and run two steps,
     recording as the module docstring says. Under the fake group (dry_run) or a real one (a rank
-    started by layerwise.run.launch.run_ranks: the per-rank reference a dry run is checked against)."""
+    started by layerwise.run.launch.run_ranks: the per-rank reference a dry run is checked against).
+    emulate_nccl_completion: the pipeline's sends report completion where NCCL's would
+    (`_completing_as_nccl`), not only in `wait()` as the fake group's do."""
     nodes, per_node = node_split(cfg, world_size)
     entry = strategy_entry(cfg.strategy.name)
     pl.seed_everything(cfg.seed, workers=False, verbose=False)
@@ -231,6 +237,8 @@ def one_rank_step(cfg, world_size: int, emulate_object_broadcast: bool = False,
     emulated = Counter()
     if emulate_object_broadcast:
         strategy.broadcast = _local_object_broadcast(strategy, emulated)
+    if emulate_nccl_completion and hasattr(strategy, "_execute"):  # the pipelines' executor
+        _completing_as_nccl(strategy, emulated)
     if fake_tensors:
         _under_fake_tensors(strategy, emulated)
         # Lightning moves the module to the root device after setup and to the CPU at teardown:
@@ -256,6 +264,7 @@ def one_rank_step(cfg, world_size: int, emulate_object_broadcast: bool = False,
         "peak_compute_bytes": probe.peak_compute_bytes,
         "setup_peak_bytes": strategy.setup_peak_bytes,
         "matrix_product_dtypes": probe.matrix_product_dtypes,
+        "most_sends_held": probe.most_sends_held,
         "steps": trainer.global_step,
         "step_seconds": probe.step_seconds,
     }
@@ -327,6 +336,57 @@ def _fake_to_empty():
         yield
     finally:
         torch.nn.Module.to_empty = original
+
+
+class CompletesWhenReceived:
+    """A fake group's send work that reports completion where NCCL's would: from the slot of the
+    sender's row at which the plan's peer has issued the matching receive (schedule
+    `send_completions`; docs/strategies/pipeline_memory.md). The fake group's own work never
+    completes before `wait()`; everything else is delegated to it."""
+
+    def __init__(self, work, completes_at, progress: dict):
+        self.work, self.completes_at, self.progress = work, completes_at, progress
+
+    def is_completed(self) -> bool:
+        return self.completes_at is not None and self.progress["slot"] >= self.completes_at
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _completing_as_nccl(strategy, emulated: Counter) -> None:
+    """Issue 28 item 1: "emulate completion in the dry run ... model when the matching receive is
+    posted, which the plan knows". For each executed plan, the handlers record which slot of the
+    row runs, and each pipeline send's work is a `CompletesWhenReceived` — the executor itself is
+    unchanged (StageWork.release_sends asks `is_completed()` as it does on NCCL)."""
+    from strategies.schedule import FINISH, send_completions
+    execute_plan = strategy._execute
+
+    def _execute(plan, batch, training):
+        rank = strategy.layout.index("pipeline")
+        slots = {action: slot for slot, action in enumerate(plan.ranks[rank]) if action is not None}
+        completions, progress = send_completions(plan)[rank], {"slot": -1, "action": None}
+        handlers, communicator = strategy.handlers, strategy.layout.communicator
+        send = communicator.send
+
+        def tracked(handler):
+            def run(action):
+                progress["slot"], progress["action"] = slots[action], action
+                return handler(action)
+            return run
+
+        def completing_send(tensor, destination, group, tag=0):
+            emulated["pipeline send completes when received (NCCL)"] += 1
+            return CompletesWhenReceived(send(tensor, destination, group, tag=tag),
+                                         completions.get(progress["action"]), progress)
+        strategy.handlers = lambda: {kind: handler if kind == FINISH else tracked(handler)
+                                     for kind, handler in handlers().items()}
+        communicator.send = completing_send
+        try:
+            return execute_plan(plan, batch, training)
+        finally:
+            del strategy.handlers, communicator.send
+    strategy._execute = _execute
 
 
 def _local_object_broadcast(strategy, emulated: Counter):

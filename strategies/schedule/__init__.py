@@ -21,7 +21,7 @@ from .ir import (BACKWARD, FORWARD, KINDS, POST_RECV_ACTIVATION, POST_RECV_GRADI
                  dependencies, is_post, kind_of, parse_action, parse_row, post_of, posted_receive, register_kinds)
 from .passes import add_communication, add_gradient_reductions
 from .point_to_point import (add_receive_posts, check_point_to_point_order, issue_sequences, most_sends_held,
-                             pair_orders, send_releases)
+                             pair_orders, release_points, send_completions, send_releases)
 from .plot import plot_timeline
 from .simulate import TimedAction, Timeline, flop_cost, simulate, unit_cost
 from .validate import validate_plan
@@ -39,6 +39,7 @@ __all__ = [
     "interleaved_one_f_one_b", "layered", "build_plan",
     "add_communication", "add_gradient_reductions", "validate_plan",
     "add_receive_posts", "check_point_to_point_order", "issue_sequences", "pair_orders", "send_releases", "most_sends_held",
+    "release_points", "send_completions",
     "Timeline", "TimedAction", "simulate", "unit_cost", "flop_cost", "plot_timeline",
     "execute", "ExecutedAction", "FINISH",
 ]

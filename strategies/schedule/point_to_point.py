@@ -37,7 +37,7 @@ from .ir import (SEND_ARROW, Action, Plan, PlanError, counterpart, is_post, post
 from .simulate import simulate, unit_cost
 
 __all__ = ["add_receive_posts", "check_point_to_point_order", "issue_sequences", "most_sends_held", "pair_orders",
-           "send_releases"]
+           "release_points", "send_completions", "send_releases"]
 
 
 class Message(NamedTuple):
@@ -277,17 +277,74 @@ def _proven_prefix(sends: list, issued_at: dict, proven: int) -> list:
     return ready
 
 
-def most_sends_held(plan: Plan, rank: int) -> int:
-    """Most sends `StageWork` holds at once on `rank` when only the plan's proofs release them (gloo
-    and the fake group, whose sends never report completion before `wait()`): the executor's
-    `most_held` on those backends, an upper bound on NCCL, whose sends may complete earlier."""
-    releases = send_releases(plan)[rank]
+@functools.lru_cache(maxsize=16)
+def send_completions(plan: Plan) -> dict[int, dict[Action, int | None]]:
+    """rank -> {SEND on that rank: the slot of the rank's row from which NCCL reports it complete
+    (`work.is_completed()`), None if not before the step's end} (docs/strategies/pipeline_memory.md).
+
+    An NCCL send completes once the transfer has run, which needs its receive issued at the peer:
+    no earlier than the later of its own issue and the peer's post (or RECV, when it has none) of
+    it. Both are read off the plan's unit-cost simulated timeline — the one `add_receive_posts`
+    orders each pair by, so the count is a property of the plan (and has the closed form the
+    search uses) and not of one device's speeds; transfers take no time there. The send is
+    complete from the first later action of its row that starts at or after that time."""
+    timeline = simulate(plan, unit_cost)
+    start = {record.action: record.start for row in timeline.ranks for record in row}
+    receive_issued = {issued.message: issued.action for (rank, _), sequence in issue_sequences(plan).items()
+                      for issued in sequence if issued.action != issued.message}
+    completions = {}
+    for rank, row in enumerate(plan.ranks):
+        completions[rank] = {send: _first_slot_from(row, slot, max(start[send], start[receive_issued[send]]), start)
+                             for slot, send in enumerate(row) if send in receive_issued}
+    return completions
+
+
+def _first_slot_from(row, slot: int, time: float, start: dict) -> int | None:
+    return next((later for later in range(slot + 1, len(row)) if row[later] is not None and start[row[later]] >= time),
+                None)
+
+
+def release_points(plan: Plan, rank: int, completes_when_received: bool = False) -> dict[Action, tuple[Action, ...]]:
+    """{action of `rank`'s row: the sends `StageWork.release_sends` drops when it runs} — the
+    executor's rule replayed: it checks before each SEND and after each RECV's wait, per peer in
+    issue order, and drops a send the plan proves received (`send_releases`: gloo and the fake
+    group, whose sends complete only in `wait()`) or, with `completes_when_received` (NCCL), one
+    whose work reports completion (`send_completions`). The drop at a SEND comes before its own send."""
+    proofs, completions = send_releases(plan)[rank], send_completions(plan)[rank] if completes_when_received else {}
+    where = {action: (peer, slot) for peer, slot, action in plan.positions()}
+    queues, proven, points = defaultdict(list), set(), {}
+    for slot, action in enumerate(plan.ranks[rank]):
+        if action is None or action.info.arrow is None or is_post(action):
+            continue  # the executor checks only at a SEND and after a RECV's wait
+        proven.update(proofs.get(action, ()))
+
+        def done(send, now=slot) -> bool:
+            return send in proven or completions.get(send, len(plan.ranks[rank])) <= now
+        released = tuple(send for queue in queues.values() for send in _pop_while(queue, done))
+        if released:
+            points[action] = released
+        if action.info.arrow == SEND_ARROW and counterpart(action) in where:
+            queues[where[counterpart(action)][0]].append(action)
+    return points
+
+
+def _pop_while(queue: list, done) -> list:
+    count = next((index for index, send in enumerate(queue) if not done(send)), len(queue))
+    ready = queue[:count]
+    del queue[:count]
+    return ready
+
+
+def most_sends_held(plan: Plan, rank: int, completes_when_received: bool = False) -> int:
+    """Most sends `StageWork` holds at once on `rank` (`release_points`): the executor's `most_held`
+    on gloo and in the dry run, and on NCCL with `completes_when_received`."""
+    releases = release_points(plan, rank, completes_when_received)
     held, most = set(), 0
     for action in plan.ranks[rank]:
         if action is None:
             continue
+        held.difference_update(releases.get(action, ()))
         if action.info.arrow == SEND_ARROW:
             held.add(action)
             most = max(most, len(held))
-        held.difference_update(releases.get(action, ()))
     return most

@@ -99,11 +99,10 @@ def chart_name(model: str, schedule: str) -> str:
 
 
 def flop_model_rows() -> list:
-    """benchmarks/pipefisher_packing.py's table: one BERT-Base block per stage, FLOPs only (no
+    """The packing table (reproduce/packing.py): one BERT-Base block per stage, FLOPs only (no
     transfer time, no head), the cost model the paper's ≈1.6 is closest to."""
-    import pipefisher_packing as packing
-    cost = units.pipefisher_cost(packing.BERT_BASE, flops_per_second=packing.V100_FP32)
-    return [packing.row(schedule, stages, cost, drawn=()) for schedule, stages in packing.SCHEDULES.items()]
+    from layerwise.reproduce.packing import table_rows
+    return table_rows()
 
 
 # ----- training time to the target: measured steps × predicted step time

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 from typing_extensions import override
 
-from strategies.checkpoint.per_rank import UNREADABLE, CheckpointError, swap_in
-from strategies.checkpoint.safe_load import UnsafeCheckpointError, dcp_load, dcp_metadata, load_torch_file, read_dcp_tensors
+from strategies.checkpoint.per_rank import CheckpointError, read_checkpoint_file, swap_in
+from strategies.checkpoint.safe_load import UnsafeCheckpointError, dcp_load, dcp_metadata, read_dcp_tensors
 
 SIDECAR = "lightning.pt"
 MODEL, OPTIMIZER = "model.", "optimizer."
@@ -377,12 +377,9 @@ def load_portable(strategy, path) -> dict:
 
 
 def read_sidecar(path) -> dict:
-    """The portable checkpoint's `lightning.pt`, read without running code (strategies/checkpoint/safe_load.py)."""
-    file = Path(path) / SIDECAR
-    try:
-        return load_torch_file(file)
-    except UNREADABLE as error:  # damage, not a refusal (UnsafeCheckpointError passes through)
-        raise CheckpointError(f"{file} is unreadable ({type(error).__name__}: {error})") from error
+    """The portable checkpoint's `lightning.pt`: CRC-checked and read without running code, as every
+    checkpoint file is (per_rank.read_checkpoint_file; a refusal is not damage and passes through)."""
+    return read_checkpoint_file(Path(path) / SIDECAR)
 
 
 def _with_groups(state: dict, saved_groups: list, path: Path) -> dict:

@@ -22,6 +22,23 @@ def pytest_report_header(config):
             f"deterministic algorithms {torch.are_deterministic_algorithms_enabled()}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def mfu_never_above_one(tmp_path_factory, request):
+    """At the session's end, every MFU any run of the suite wrote (summary.json, plan.json, metrics.csv,
+    sweep_summary.csv) is at most 1: a fraction of the machine's true peak (#31, tests/mfu_audit.py)."""
+    yield
+    from tests.mfu_audit import audit
+    files, values, above = audit(tmp_path_factory.getbasetemp())
+    request.config._mfu_audit = (files, values)
+    assert not above, "MFU above 1 (the hardware profile's peak is too low):\n" + "\n".join(above[:20])
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if getattr(config, "_mfu_audit", None):
+        files, values = config._mfu_audit
+        terminalreporter.write_line(f"MFU audit: {values} values in {files} run files, none above 1")
+
+
 # ----- the local Slurm cluster (scripts/local_slurm.sh) for tests marked `slurm` (-m slurm)
 
 def pytest_configure(config):

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from layerwise.run.charts import log_run_evidence
 from layerwise.tools import report
@@ -29,7 +30,13 @@ TINY = ["debug=fast", "model.layers=2", "data.global_batch_size=8", "data.max_by
         "trainer.max_steps=4", "trainer.val_check_interval=2"]
 SWEEP = ["strategy=modular_pipeline,zero_layered", "strategy.micro_batches=1,2,4", "logger.name=wandb"]
 FAILING = ["strategy=single", "optimizer.lr=1e30"]
-PEAK_FP32 = 5.0e10  # conf/hardware/cpu.yaml peak_flops.fp32
+
+
+def rank_peak_fp32(directory: Path, ranks: int) -> float:
+    """The peak one of `ranks` ranks was given: conf/hardware/cpu.yaml's peak per core (this machine's,
+    as the run's config.yaml resolved it) × the node's cores shared among its ranks."""
+    hardware = yaml.safe_load((directory / "config.yaml").read_text())["hardware"]
+    return hardware["peak_flops"]["fp32"] * hardware["compute_units_per_node"] / ranks
 
 
 def start_sweep(directory: Path, overrides: list, wandb_mode: str):
@@ -116,12 +123,13 @@ def test_mfu_and_tokens_per_device_follow_the_formula(sweeps):
         flops = flops_per_token(2, 128, 32, 256) * 8 * 32  # gpt_tiny, 2 layers, 8 × 32 tokens
         world = summary["world_size"]
         assert world == 2
-        assert summary["mfu"] == pytest.approx(flops / (PEAK_FP32 * world * summary["step_time_s_median"]))
+        peak = rank_peak_fp32(Path(row["directory"]), world)
+        assert summary["mfu"] == pytest.approx(flops / (peak * world * summary["step_time_s_median"]))
         assert 0 < summary["mfu"] < 1
         metrics = csv_rows(Path(row["directory"]) / "metrics.csv")
         assert len(metrics) == 4
         for step in metrics:
-            assert number(step["mfu"]) == pytest.approx(flops / (PEAK_FP32 * world * number(step["step_time_s"])))
+            assert number(step["mfu"]) == pytest.approx(flops / (peak * world * number(step["step_time_s"])))
             assert number(step["tokens_per_s_per_device"]) == pytest.approx(number(step["tokens_per_s"]) / world)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from layerwise.config.machine import core_peak_flops, machine_cores
 from layerwise.config.schema import SCHEMAS, Config
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -30,6 +31,9 @@ def register_schemas() -> None:
     """Put every schema in Hydra's ConfigStore and our resolvers in OmegaConf (idempotent;
     train.py calls it before composing)."""
     OmegaConf.register_new_resolver("point_directory", point_directory, replace=True)
+    # conf/hardware/cpu.yaml: this machine's peak per core and its cores (layerwise/config/machine.py)
+    OmegaConf.register_new_resolver("machine_peak_flops", core_peak_flops, replace=True)
+    OmegaConf.register_new_resolver("machine_cores", machine_cores, replace=True)
     store = ConfigStore.instance()
     store.store(name="config_schema", node=Config)
     for group, schemas in SCHEMAS.items():

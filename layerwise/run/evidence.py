@@ -205,7 +205,7 @@ class RunEvidence(pl.Callback):
         self._device, self._is_global_zero = trainer.strategy.root_device, trainer.is_global_zero
         from layerwise.planning.inputs import device_of  # the peak of the precision in use, read in one place
         self._flops_per_step = model_flops_per_step(self.cfg, module.vocab_size)
-        self._peak_flops = device_of(self.cfg).flops_per_second
+        self._peak_flops = device_of(self.cfg, self.world_size).flops_per_second
         trainer.strategy.listen_to_step_loss(lambda output: self._issue_exchange(trainer, output))
 
     def teardown(self, trainer, module, stage):

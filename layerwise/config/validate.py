@@ -312,6 +312,8 @@ def wrong_type_problem(message: str, cause) -> str:
         pass
     if OmegaConf.is_config(current):
         current = OmegaConf.to_container(current)
+    if isinstance(current, dict):  # an entry a resolver computes (cpu.yaml's peaks) is typed, not shown
+        current = {k: "<value>" if str(v).startswith("${") else v for k, v in current.items()}
     words = TYPE_WORDS.get(type(current), "a value of the schema's type")
     example = ("{" + ",".join(f"{k}:{v}" for k, v in current.items()) + "}" if isinstance(current, dict)
                else str(current).lower() if isinstance(current, bool) else current)

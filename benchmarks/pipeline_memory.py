@@ -76,7 +76,7 @@ def planned(schedule: str, micro_batches: int) -> float:
     cfg = config(schedule, micro_batches)
     result = plan_result(cfg, validate(cfg))
     role = next(role for role in result["roles"] if 0 in role["pipeline_ranks"])
-    return sum(role["bytes"].values())
+    return role["peak_compute_bytes"]
 
 
 def main() -> None:

@@ -88,9 +88,9 @@ def compare(name: str, overrides: list, steps: int) -> dict:
         predicted = plan(cfg, validate(cfg), Path(directory) / "plan")
         cfg = compose_config(*COMMON, *overrides, f"trainer.max_steps={steps}", "trainer.measure_every_n_steps=1")
         measured = train(cfg, Path(directory) / "run", validate(cfg))
-    peak = max(sum(role["bytes"].values()) for role in predicted["roles"])
+    peak = max(role["peak_compute_bytes"] for role in predicted["roles"])
     return {"name": name, "predicted": peak, "measured": measured["peak_compute_bytes"],
-            "predicted_s": predicted["step_seconds"], "measured_s": measured["step_time_s_median"]}
+            "predicted_s": predicted["step_time_s"], "measured_s": measured["step_time_s_median"]}
 
 
 def compare_time(name: str, overrides: list, steps: int) -> dict:
@@ -100,7 +100,7 @@ def compare_time(name: str, overrides: list, steps: int) -> dict:
         predicted = plan(cfg, validate(cfg), Path(directory) / "plan")
         cfg = compose_config(*calibrated, f"trainer.max_steps={steps}", f"trainer.measure_every_n_steps={steps}")
         measured = train(cfg, Path(directory) / "run", validate(cfg))
-    return {"name": name, "predicted_s": predicted["step_seconds"], "measured_s": measured["step_time_s_median"]}
+    return {"name": name, "predicted_s": predicted["step_time_s"], "measured_s": measured["step_time_s_median"]}
 
 
 def time_table(steps: int, only=None, repeats: int = 3) -> None:

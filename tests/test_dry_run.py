@@ -63,7 +63,7 @@ def test_every_roles_dry_run_agrees_with_the_analytic_plan(case):
     for entry in entries:
         print(case, describe(entry))
         assert entry["memory_agrees"] and abs(entry["ratio"] - 1) <= MEMORY_TOLERANCE, entry["ratio"]
-        assert sum(entry["dry_run_bytes_by_kind"].values()) > 0
+        assert sum(entry["dry_run_comm_bytes_per_step"].values()) > 0
         # Tensor-parallel strategies included: their loss's two scalars summed over data are in the plan.
         assert entry["collective_bytes_equal"] and entry["kinds_differing"] == []
 

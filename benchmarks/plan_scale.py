@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from layerwise.planning.result import plan_result  # noqa: E402
 from layerwise.planning.search import search  # noqa: E402
 from layerwise.preflight import validate  # noqa: E402
-from tests.harness import compose_config  # noqa: E402
+from benchmarks.common import compose_config  # noqa: E402
 
 # model -> pipeline degree (one stage per rank): GPT-3 as Narayanan et al. 2021 ran it at this scale;
 # the 1T model needs 64, as they ran it (at 16 its first stage holds 140 GiB, at 32 82 GiB)

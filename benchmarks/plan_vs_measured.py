@@ -30,7 +30,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 from layerwise.planning.mode import plan  # noqa: E402
 from layerwise.run.fit import train  # noqa: E402
 from layerwise.preflight import validate  # noqa: E402
-from tests.harness import compose_config  # noqa: E402
+from benchmarks.common import compose_config  # noqa: E402
 
 COMMON = ["logger=none", "trainer.progress=none", "trainer.limit_val_batches=0", "model.layers=8"]
 CONFIGS = {

@@ -6,14 +6,13 @@ a rank holds: per stage, matrices and vectors each padded to a multiple of n (wh
 """
 
 import csv
-import inspect
 import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from layerwise.run.fit import fit_rank, train
+from layerwise.reproduce.measure import counted_fit
+from layerwise.run.fit import train
 from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
 from strategies.schedule import add_communication, build_plan, validate_plan
@@ -36,30 +35,7 @@ def run(directory, *extra, steps=STEPS):
     return train(cfg, directory, validate(cfg))
 
 
-# ----- an independent counter: wrap torch.distributed's collectives inside each rank
-
-def counted_fit(rank, cfg, directory, world):
-    """fit_rank with all-gather / reduce-scatter tallied from the raw tensors (not the Communicator)."""
-    import torch.distributed.distributed_c10d as c10d
-    tally = {"all_gather": 0.0, "reduce_scatter": 0.0}
-
-    def wrap(name, kind, full_argument):
-        original = getattr(c10d, name)
-        signature = inspect.signature(original)
-
-        def counted(*args, **kwargs):
-            arguments = signature.bind(*args, **kwargs).arguments
-            full = list(arguments.values())[full_argument]
-            size = dist.get_world_size(arguments.get("group"))
-            tally[kind] += full.numel() * full.element_size() * (size - 1) / size
-            return original(*args, **kwargs)
-        setattr(c10d, name, counted)
-        setattr(dist, name, counted)
-    wrap("all_gather_single", "all_gather", 0)  # (output, input, group, async_op): output is full
-    wrap("reduce_scatter_single", "reduce_scatter", 1)  # (output, input, op, group, ...): input is full
-    fit_rank(rank, cfg, directory, world)
-    return tally
-
+# ----- an independent counter (layerwise/reproduce/measure.py: raw torch.distributed tensors)
 
 def run_counted(directory, *extra, steps=STEPS):
     """Run with validation off (its gathers are not a training step's) and return the summary + tallies."""

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
-from tests.harness import compose_config
+from tests.ranks import compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"

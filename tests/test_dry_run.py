@@ -24,7 +24,7 @@ from layerwise.planning.result import plan_result
 from parallel.comm import KINDS
 from strategies import strategy_entry
 from strategies.schedule import most_sends_held
-from tests.harness import QUICK, compose_config
+from tests.ranks import QUICK, compose_config
 
 WORLD = 64
 A100 = ["hardware=dgx_a100_80g", "hardware.nodes=8"]  # 8 nodes × 8: world 64

@@ -363,11 +363,11 @@ def test_the_floor_checks_catch_a_planted_cycle_and_an_upward_import(tmp_path):
                        "layerwise/__init__.py": "", "layerwise/run/__init__.py": "",
                        "layerwise/run/fit.py": "from layerwise.tools.x import y\n",
                        "layerwise/tools/__init__.py": "", "layerwise/tools/x.py": "y = 1\n",
-                       "tests/__init__.py": "", "tests/harness.py": "z = 1\n",
-                       "benchmarks/b.py": "def g():\n    from tests.harness import z\n"}.items():
+                       "tests/__init__.py": "", "tests/ranks.py": "z = 1\n",
+                       "benchmarks/b.py": "def g():\n    from tests.ranks import z\n"}.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     graph = import_graph(tmp_path)
     assert cycles(graph) == [["cost.a", "cost.b"]]
     assert upward_imports(graph) == ["cost.b -> layerwise.run.fit", "layerwise.run.fit -> layerwise.tools.x"]
-    assert benchmark_imports_of_tests(graph) == ["benchmarks.b -> tests.harness"]
+    assert benchmark_imports_of_tests(graph) == ["benchmarks.b -> tests.ranks"]

@@ -18,7 +18,7 @@ from layerwise.run.fit import train
 from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
 from cost.memory import backward_working_bytes, block_extra_bytes, block_saved_bytes, head_saved_bytes, in_flight
-from tests.harness import QUICK, compose_config
+from tests.ranks import QUICK, compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT3 = ["mode=plan", "model=gpt3_175b", "hardware=dgx_a100_80g", "hardware.nodes=64", "logger=none",

@@ -17,7 +17,7 @@ from models import build_model
 from cost.kfac import factor_dimensions
 from strategies.kfac import KFAC, block_linears
 from strategies.stages import keep_local_stages
-from tests.harness import compose_config
+from tests.ranks import compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = ["logger=none", "model=gpt_tiny", "model.layers=4", "strategy.pipeline_degree=2",

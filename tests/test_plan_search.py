@@ -27,7 +27,7 @@ from strategies.schedule.generators import build_plan
 from strategies.schedule.passes import add_communication
 from cost.inputs import ComposedLayout, GptShape
 from strategies.zero_layered import ZeroLayeredStrategy
-from tests.harness import compose_config
+from tests.ranks import compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 A100 = Device(3.12e14, 0.5, 8e10, 3e11, 2.5e10, 8)

@@ -116,7 +116,7 @@ def test_a_plan_json_written_before_issue_27_reports_as_a_new_one(tmp_path):
     from omegaconf import OmegaConf
     from layerwise.planning.result import plan_result
     from layerwise.preflight import validate
-    from tests.harness import compose_config
+    from tests.ranks import compose_config
     cfg = compose_config("mode=plan", "strategy=modular_pipeline", "strategy.pipeline_degree=2",
                          "strategy.micro_batches=4", "hardware.devices_per_node=2", "model.layers=4")
     current = plan_result(cfg, validate(cfg))

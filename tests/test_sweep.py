@@ -26,7 +26,7 @@ from hydra.types import RunMode
 
 from layerwise import sweep as sweep_module
 from layerwise.config.store import register_schemas
-from tests.harness import CONFIG_DIRECTORY
+from tests.ranks import CONFIG_DIRECTORY
 
 ROOT = Path(__file__).resolve().parent.parent
 ISSUE_SWEEP = ["strategy=modular_pipeline,zero_layered", "strategy.micro_batches=2,4", "debug=fast"]

@@ -17,9 +17,10 @@ from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
 from strategies.schedule import add_communication, build_plan, validate_plan
 from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, add_zero
-from tests.harness import (EXACT_RTOL, QUICK, OptimizerTrace, assert_same_checkpoints, assert_same_losses,
-                           assert_same_parameters, cached_references, compare_under_sgd, compose_config,
-                           consolidated_parameters, run_on_ranks)
+from tests.ranks import QUICK, compose_config, run_on_ranks
+from tests.references import cached_references, compare_under_sgd, consolidated_parameters
+from tests.same_checkpoints import assert_same_checkpoints
+from tests.tolerances import EXACT_RTOL, OptimizerTrace, assert_same_losses, assert_same_parameters
 
 STEPS = 5
 BATCH = ["data.global_batch_size=16"]  # splits into n=4 ranks × m=4 and n=2 × m=8
@@ -116,8 +117,8 @@ def test_zero_equals_single_and_moves_3_n_minus_1_over_n_P(case, references, tmp
 @pytest.mark.parametrize("case", ["zero_layered_dp2_m4", "zero_layered_pp2_dp2_m4", "zero_depth_first_dp2_m4",
                                   "fsdp2_dp2_m4"])
 def test_zero_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
-    """Plain SGD sees the gradient's scale, which AdamW normalises away (harness.SgdComparison):
-    losses, the first step's gradients and the parameters after harness.SGD_STEPS steps. fsdp2 is
+    """Plain SGD sees the gradient's scale, which AdamW normalises away (references.SgdComparison):
+    losses, the first step's gradients and the parameters after references.SGD_STEPS steps. fsdp2 is
     PyTorch's ZeRO-3, the baseline."""
     compare_under_sgd(case, tmp_path, tmp_path_factory).check()
 

@@ -70,6 +70,7 @@ def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
     shape = shape_of(cfg, vocabulary)
     layout = ComposedLayout(degrees.data, degrees.pipeline, tensor_parallel(cfg.strategy),
                             cfg.strategy.tensor_grid, cfg.strategy.name.startswith("zero"))
+    assert layout.degrees == degrees, (layout, degrees)  # one layout: the cost model's is the run's
     return Workload(shape, cfg.model.layers, cfg.model.heads, layout, cfg.strategy.layers_per_stage,
                     cfg.data.global_batch_size // (degrees.data * cfg.strategy.micro_batches),
                     cfg.optimizer.name, cfg.strategy.activation_recompute == "full",

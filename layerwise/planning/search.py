@@ -68,8 +68,14 @@ class Layout:
         return FAMILIES[self.family][2]
 
     @property
+    def composed(self) -> ComposedLayout:
+        """The point's layout as planning and the cost model describe every layout (cost.inputs)."""
+        grid = None if self.tensor_parallel == "none" else self.tensor_parallel
+        return ComposedLayout(self.data_degree, self.pipeline_degree, grid, self.tensor_grid, FAMILIES[self.family][1])
+
+    @property
     def tensor_ranks(self) -> int:
-        return self.tensor_grid ** DIMENSION[self.tensor_parallel] if self.tensor_parallel != "none" else 1
+        return self.composed.tensor
 
     def strategy_fields(self) -> dict:
         """What the point's `strategy` node holds (the family's yaml plus these)."""
@@ -170,11 +176,8 @@ class Evaluator:
         self.activation_bytes = compute_bytes(cfg)
 
     def workload(self, layout: Layout) -> Workload:
-        zero = FAMILIES[layout.family][1]
-        grid = None if layout.tensor_parallel == "none" else layout.tensor_parallel
-        composed = ComposedLayout(layout.data_degree, layout.pipeline_degree, grid, layout.tensor_grid, zero)
         rows = self.cfg.data.global_batch_size // (layout.data_degree * layout.micro_batches)
-        return Workload(self.shape, self.cfg.model.layers, self.cfg.model.heads, composed, layout.layers_per_stage,
+        return Workload(self.shape, self.cfg.model.layers, self.cfg.model.heads, layout.composed, layout.layers_per_stage,
                         rows, self.cfg.optimizer.name, layout.activation_recompute == "full", self.activation_bytes,
                         gloo=self.cfg.hardware.process_group_backend == "gloo")
 

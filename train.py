@@ -85,7 +85,7 @@ def main(cfg):
     if cfg.mode == "plan":  # the analytic plan of this layout; nothing is built or started
         from layerwise.planning.mode import plan
         from layerwise.tools.cross_check import annotate  # plan.dry_run=true: the second estimator
-        return plan(cfg, world_size, run_directory, annotate)["step_seconds"] if writes_run_files() else None
+        return plan(cfg, world_size, run_directory, annotate)["step_time_s"] if writes_run_files() else None
     from layerwise.run.evidence import outcome  # imports Lightning: not needed by --help, check or plan
     from layerwise.run.fit import train
     summary = train(cfg, run_directory, world_size)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from layerwise.run.fit import train  # noqa: E402
 from layerwise.preflight import validate  # noqa: E402
-from tests.harness import compose_config  # noqa: E402
+from benchmarks.common import compose_config  # noqa: E402
 
 STRATEGIES = {"modular_pipeline": ["strategy=modular_pipeline", "strategy.pipeline_degree=1"],
               "l2l": ["strategy=l2l"]}

@@ -31,7 +31,7 @@ from layerwise.tools.dry_run import one_rank_step  # noqa: E402
 from layerwise.run.launch import run_ranks  # noqa: E402
 from layerwise.planning.result import plan_result  # noqa: E402
 from layerwise.preflight import validate  # noqa: E402
-from tests.harness import compose_config  # noqa: E402
+from benchmarks.common import compose_config  # noqa: E402
 
 MIB = 2 ** 20
 SHAPE = ["logger=none", "trainer.progress=none", "model.hidden=256", "model.heads=4", "data.sequence_length=512",
@@ -76,7 +76,7 @@ def planned(schedule: str, micro_batches: int) -> float:
     cfg = config(schedule, micro_batches)
     result = plan_result(cfg, validate(cfg))
     role = next(role for role in result["roles"] if 0 in role["pipeline_ranks"])
-    return sum(role["bytes"].values())
+    return role["peak_compute_bytes"]
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from layerwise.planning.result import plan_result  # noqa: E402
 from layerwise.planning.search import search  # noqa: E402
 from layerwise.preflight import validate  # noqa: E402
-from tests.harness import compose_config  # noqa: E402
+from benchmarks.common import compose_config  # noqa: E402
 
 # model -> pipeline degree (one stage per rank): GPT-3 as Narayanan et al. 2021 ran it at this scale;
 # the 1T model needs 64, as they ran it (at 16 its first stage holds 140 GiB, at 32 82 GiB)
@@ -61,9 +61,9 @@ def main() -> None:
     for model in MODELS:
         for nodes in arguments.nodes:
             seconds, result, micro = time_plan(model, nodes)
-            worst = max(role["total_bytes"] for role in result["roles"]) / 2 ** 30
+            worst = max(role["peak_with_margin_bytes"] for role in result["roles"]) / 2 ** 30
             layout = f"{MODELS[model]}×{GRID}×{nodes * 8 // (MODELS[model] * GRID)}"
-            print(f"{model:10s} {nodes:5d} {nodes * 8:5d} {layout:>9s} {micro:4d} {seconds:7.2f} {result['step_seconds']:8.2f} "
+            print(f"{model:10s} {nodes:5d} {nodes * 8:5d} {layout:>9s} {micro:4d} {seconds:7.2f} {result['step_time_s']:8.2f} "
                   f"{result['mfu']:6.1%} {result['bubble_fraction']:7.1%} {worst:17.1f} "
                   f"{'yes' if all(role['fits'] for role in result['roles']) else 'NO'}", flush=True)
     print(f"load average (1 min) after the plans: {os.getloadavg()[0]:.2f}")

@@ -30,7 +30,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 from layerwise.planning.mode import plan  # noqa: E402
 from layerwise.run.fit import train  # noqa: E402
 from layerwise.preflight import validate  # noqa: E402
-from tests.harness import compose_config  # noqa: E402
+from benchmarks.common import compose_config  # noqa: E402
 
 COMMON = ["logger=none", "trainer.progress=none", "trainer.limit_val_batches=0", "model.layers=8"]
 CONFIGS = {
@@ -88,9 +88,9 @@ def compare(name: str, overrides: list, steps: int) -> dict:
         predicted = plan(cfg, validate(cfg), Path(directory) / "plan")
         cfg = compose_config(*COMMON, *overrides, f"trainer.max_steps={steps}", "trainer.measure_every_n_steps=1")
         measured = train(cfg, Path(directory) / "run", validate(cfg))
-    peak = max(sum(role["bytes"].values()) for role in predicted["roles"])
+    peak = max(role["peak_compute_bytes"] for role in predicted["roles"])
     return {"name": name, "predicted": peak, "measured": measured["peak_compute_bytes"],
-            "predicted_s": predicted["step_seconds"], "measured_s": measured["step_time_s_median"]}
+            "predicted_s": predicted["step_time_s"], "measured_s": measured["step_time_s_median"]}
 
 
 def compare_time(name: str, overrides: list, steps: int) -> dict:
@@ -100,7 +100,7 @@ def compare_time(name: str, overrides: list, steps: int) -> dict:
         predicted = plan(cfg, validate(cfg), Path(directory) / "plan")
         cfg = compose_config(*calibrated, f"trainer.max_steps={steps}", f"trainer.measure_every_n_steps={steps}")
         measured = train(cfg, Path(directory) / "run", validate(cfg))
-    return {"name": name, "predicted_s": predicted["step_seconds"], "measured_s": measured["step_time_s_median"]}
+    return {"name": name, "predicted_s": predicted["step_time_s"], "measured_s": measured["step_time_s_median"]}
 
 
 def time_table(steps: int, only=None, repeats: int = 3) -> None:

@@ -19,8 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from layerwise.run.fit import train  # noqa: E402
 from layerwise.preflight import validate  # noqa: E402
+from layerwise.reproduce.measure import overrides  # noqa: E402
 from strategies.checkpoint.per_rank import read_checkpoint_file  # noqa: E402
-from tests.harness import compose_config  # noqa: E402
+from benchmarks.common import compose_config  # noqa: E402
 
 CASES = [("single", "single", 1), ("1-D", "tp_1d", 8), ("2-D", "tp_2d", 4), ("3-D", "three_d", 8)]
 

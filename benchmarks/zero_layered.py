@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from layerwise.preflight import validate  # noqa: E402
-from tests.harness import compose_config, run_on_ranks  # noqa: E402
-from tests.test_zero_layered import counted_fit  # noqa: E402  (the independent counter)
+from benchmarks.common import compose_config, run_on_ranks  # noqa: E402
+from layerwise.reproduce.measure import counted_fit  # noqa: E402  (the independent counter)
 
 VARIANTS = {
     "layered": ["strategy=zero_layered"],

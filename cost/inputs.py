@@ -7,6 +7,7 @@ costs (kfac.py) and the traffic formulas (traffic.py); nothing here computes a c
 import math
 from dataclasses import dataclass
 
+from parallel.layout import Degrees
 from strategies.tensor_parallel.grids import DIMENSION, grid_of, local_activation_shape
 
 
@@ -33,13 +34,25 @@ class GptShape:
 
 @dataclass(frozen=True)
 class ComposedLayout:
-    """Degrees and the grid; `zero`: the stage parameters are flat ZeRO-3 shards over data."""
+    """The run's degrees (parallel.layout.Degrees: data × pipeline × tensor) with how the tensor
+    ranks are arranged — the grid of edge q, q^dimension ranks — and `zero`: the stage parameters
+    are flat ZeRO-3 shards over data. Planning and search describe a layout with this one type;
+    `degrees` is the run's view of it (torchtitan's ParallelDims plays both parts)."""
 
     data: int
     pipeline: int
     tensor_grid: str = None  # None | "1d" | "2d" | "3d"
     edge: int = 1
     zero: bool = False
+
+    @property
+    def tensor(self) -> int:
+        """Ranks of one tensor block: q^dimension of the grid, 1 without one."""
+        return self.edge ** DIMENSION[self.tensor_grid] if self.tensor_grid else 1
+
+    @property
+    def degrees(self) -> Degrees:
+        return Degrees(self.data, self.pipeline, self.tensor)
 
 
 @dataclass(frozen=True)
@@ -97,8 +110,7 @@ class Workload:
 
     @property
     def tensor_ranks(self) -> int:
-        grid = self.layout.tensor_grid
-        return self.layout.edge ** DIMENSION[grid] if grid else 1
+        return self.layout.tensor
 
 
 OPTIMIZER_STATE = {"adamw": 2, "lamb": 2, "sgd": 1}  # fp32 tensors per parameter (SGD: momentum)

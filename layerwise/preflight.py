@@ -13,10 +13,10 @@ from omegaconf import OmegaConf
 from layerwise.config.errors import ConfigError
 from layerwise.config.validate import (CHOICES, check_choices, check_hardware, check_model, check_ranges,
                                        check_schema_keys, check_strategy, memory_errors, world_size)
-from layerwise.planning.fits import memory_problems
-from layerwise.planning.inputs import plan_problems
+from layerwise.planning.fits import planned_memory_errors
+from layerwise.planning.inputs import plan_mode_errors
 from layerwise.reproduce import CHOICES as CLAIM_CHOICES
-from layerwise.run.rules import check_data, check_resume_from, gpu_problems
+from layerwise.run.rules import check_data, check_resume_from, gpu_errors
 
 
 def validate(cfg, submitting: bool = False) -> int:
@@ -30,15 +30,15 @@ def validate(cfg, submitting: bool = False) -> int:
         raise ConfigError(errors)
     world = world_size(cfg)
     searching = cfg.mode == "plan" and cfg.plan.search  # layerwise/planning/search.py validates each layout it keeps
-    errors = (check_model(cfg) + check_hardware(cfg) + gpu_problems(cfg, submitting) + memory_errors(cfg, world)
+    errors = (check_model(cfg) + check_hardware(cfg) + gpu_errors(cfg, submitting) + memory_errors(cfg, world)
               + check_data(cfg)
               + ([] if searching else check_strategy(cfg, world)) + check_resume_from(cfg))
     if errors:
         raise ConfigError(errors)
     if cfg.mode != "plan":  # plan mode reports memory itself, fitting or not
-        errors = memory_problems(cfg, world)  # the layout is sound: its plan can be built
+        errors = planned_memory_errors(cfg, world)  # the layout is sound: its plan can be built
     elif not searching:
-        errors = plan_problems(cfg)
+        errors = plan_mode_errors(cfg)
     if errors:
         raise ConfigError(errors)
     OmegaConf.set_readonly(cfg, True)

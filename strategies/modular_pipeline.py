@@ -328,7 +328,7 @@ def check(cfg, world_size: int) -> list:
     if cfg.model.tie_embeddings and strategy.pipeline_degree > 1:
         errors.append("model.tie_embeddings=true puts one weight on the first and the last stage. "
                       "Fix: model.tie_embeddings=false for pipeline strategies.")
-    return errors or plan_errors(cfg)
+    return errors or schedule_errors(cfg)
 
 
 def check_recomputing(cfg, world_size: int) -> list:
@@ -336,8 +336,8 @@ def check_recomputing(cfg, world_size: int) -> list:
     return recompute_errors(cfg.strategy) + check(cfg, world_size)
 
 
-def plan_errors(cfg) -> list:
-    """Build and validate the plan now, so a bad combination fails before any rank starts."""
+def schedule_errors(cfg) -> list:
+    """Build and validate the schedule (the per-rank action lists) now, so a bad combination fails before any rank starts."""
     if cfg.model.layers % cfg.strategy.layers_per_stage:
         return []
     try:

@@ -14,7 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 from layerwise.config.errors import ConfigError
 from layerwise.config.validate import composition_problem
 from layerwise.preflight import validate
-from tests.harness import compose_config
+from tests.ranks import compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

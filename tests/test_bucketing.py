@@ -19,7 +19,8 @@ from models import build_model
 from strategies.buckets import bucket_bytes, parameter_buckets
 from strategies.l2l import stage_modules
 from strategies.stages import stage_parameters
-from tests.harness import QUICK, compose_config, consolidated_parameters
+from tests.ranks import QUICK, compose_config
+from tests.references import consolidated_parameters
 
 STEPS = 2
 BYTE_VOCABULARY = 256  # the stdlib corpus is read as bytes

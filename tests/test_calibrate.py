@@ -7,7 +7,7 @@ import pytest
 
 from layerwise.tools.calibrate import calibrate, fit_fixed_plus_rate, worst_residual
 from layerwise.preflight import validate
-from tests.harness import compose_config
+from tests.ranks import compose_config
 
 
 def test_fit_recovers_a_fixed_cost_and_a_rate():

@@ -1,11 +1,11 @@
-"""harness.assert_same_checkpoints, the resume tests' comparison, sees a one-ulp change anywhere."""
+"""same_checkpoints.assert_same_checkpoints, the resume tests' comparison, sees a one-ulp change anywhere."""
 
 import copy
 
 import pytest
 import torch
 
-from tests.harness import SAVED_AT_ANOTHER_HOOK, assert_same_checkpoints
+from tests.same_checkpoints import SAVED_AT_ANOTHER_HOOK, assert_same_checkpoints
 
 
 def rank_checkpoint(rank: int) -> dict:

@@ -1,7 +1,7 @@
 """Layouts compose: a tensor grid inside each pipeline stage, × data replicas or ZeRO-layered shards.
 
 Every composed layout reproduces `single` (AdamW: 5 steps of losses and the final parameters; plain
-SGD: losses, the first step's gradients and the parameters, harness.SgdComparison), and the logical
+SGD: losses, the first step's gradients and the parameters, references.SgdComparison), and the logical
 bytes it counts per step equal, kind by kind, the sum of its parts' formulas (cost/traffic.py:
 pipeline sends × the activation piece, the grid's collectives per block, head and loss, replicated
 gradients, data all-reduce or ZeRO gathers). A mutation (the grid's replicated gradients not summed)
@@ -18,9 +18,10 @@ from parallel.comm import KINDS
 from layerwise.planning.inputs import training_plan_of, workload_of
 from cost.step_time import rank_traffic
 from strategies.stages import StageWork
-from tests.harness import (EXACT_RTOL, KFAC_SGD, QUICK, SGD_CASES, OptimizerTrace, SgdComparison,
-                           assert_same_losses, assert_same_parameters, compare_under_sgd, compose_config,
-                           consolidated_parameters, sgd_reference, tracing_optimizer)
+from tests.ranks import QUICK, compose_config
+from tests.references import (KFAC_SGD, SGD_CASES, SgdComparison, compare_under_sgd, consolidated_parameters,
+                              sgd_reference, tracing_optimizer)
+from tests.tolerances import EXACT_RTOL, OptimizerTrace, assert_same_losses, assert_same_parameters
 
 STEPS = 5
 MODEL = ["model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batches=0",
@@ -68,7 +69,7 @@ def test_composed_layout_equals_single_and_moves_the_sum_of_its_parts(case, refe
 
 @pytest.mark.parametrize("case", CASES)
 def test_composed_layout_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
-    """Plain SGD sees the gradient's scale, which AdamW normalises away (harness.SgdComparison)."""
+    """Plain SGD sees the gradient's scale, which AdamW normalises away (references.SgdComparison)."""
     compare_under_sgd(case, tmp_path, tmp_path_factory).check()
 
 

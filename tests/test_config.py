@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
-from tests.harness import compose_config
+from tests.ranks import compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -47,7 +47,7 @@ def cfg_layers(shape: str) -> int:
 
 
 def test_planning_shapes_compose_and_validate_in_check_mode():
-    """On hardware and a layout whose plan fits (layerwise.planning.fits.memory_problems); the same shape on
+    """On hardware and a layout whose plan fits (layerwise.planning.fits.planned_memory_errors); the same shape on
     a layout that does not fit is refused with the role, its breakdown and a change that fits."""
     fitting = ["strategy=one_f_one_b", "strategy.tensor_parallel=1d", "strategy.tensor_grid=8",
                "strategy.micro_batches=64", "strategy.activation_recompute=full", "data.global_batch_size=1536"]

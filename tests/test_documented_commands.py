@@ -237,8 +237,8 @@ def planned(outcome: Outcome) -> None:
     """mode=plan: plan.json with every role's memory, nothing trained."""
     exits(outcome)
     plan = json.loads(one("runs/*/plan.json", outcome.cwd).read_text())
-    assert plan["roles"] and all(role["total_bytes"] > 0 and "fits" in role for role in plan["roles"])
-    assert plan["step_seconds"] > 0
+    assert plan["roles"] and all(role["peak_with_margin_bytes"] > 0 and "fits" in role for role in plan["roles"])
+    assert plan["step_time_s"] > 0
     nothing_trained(outcome.cwd)
 
 

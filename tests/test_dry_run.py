@@ -24,7 +24,7 @@ from layerwise.planning.result import plan_result
 from parallel.comm import KINDS
 from strategies import strategy_entry
 from strategies.schedule import most_sends_held
-from tests.harness import QUICK, compose_config
+from tests.ranks import QUICK, compose_config
 
 WORLD = 64
 A100 = ["hardware=dgx_a100_80g", "hardware.nodes=8"]  # 8 nodes × 8: world 64
@@ -63,7 +63,7 @@ def test_every_roles_dry_run_agrees_with_the_analytic_plan(case):
     for entry in entries:
         print(case, describe(entry))
         assert entry["memory_agrees"] and abs(entry["ratio"] - 1) <= MEMORY_TOLERANCE, entry["ratio"]
-        assert sum(entry["dry_run_bytes_by_kind"].values()) > 0
+        assert sum(entry["dry_run_comm_bytes_per_step"].values()) > 0
         # Tensor-parallel strategies included: their loss's two scalars summed over data are in the plan.
         assert entry["collective_bytes_equal"] and entry["kinds_differing"] == []
 

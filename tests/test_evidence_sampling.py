@@ -13,7 +13,7 @@ import torch.distributed as dist
 from layerwise.run.evidence import RunEvidence, is_measured_step
 from layerwise.run.fit import fit_rank, train
 from layerwise.preflight import validate
-from tests.harness import QUICK, compose_config, run_on_ranks
+from tests.ranks import QUICK, compose_config, run_on_ranks
 
 # Everything torch.distributed offers that involves every rank of a group (sends are not collectives).
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object",

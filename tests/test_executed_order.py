@@ -27,7 +27,7 @@ from strategies.modular_pipeline import training_plan
 from strategies.schedule import (BACKWARD, FORWARD, POST_RECV_ACTIVATION, POST_RECV_GRADIENT, RECV_ACTIVATION,
                                  RECV_GRADIENT, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, is_post,
                                  issue_sequences, parse_action, posted_receive)
-from tests.harness import QUICK, compose_config, run_on_ranks
+from tests.ranks import QUICK, compose_config, run_on_ranks
 
 RANKS = 2
 MICRO_BATCHES = 4

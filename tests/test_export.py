@@ -17,7 +17,8 @@ from layerwise.tools.export import export, load_exported
 from layerwise.run.fit import load_corpus, train
 from layerwise.run.task import objective_of
 from layerwise.preflight import validate
-from tests.harness import QUICK, compose_config, consolidated_parameters
+from tests.ranks import QUICK, compose_config
+from tests.references import consolidated_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {

@@ -25,7 +25,9 @@ from layerwise.run.fit import train
 from layerwise.preflight import validate
 from strategies.checkpoint.per_rank import CheckpointError, load_per_rank, read_checkpoint_file
 from strategies.checkpoint.safe_load import load_torch_file
-from tests.harness import QUICK, RankError, assert_same_checkpoints, compose_config
+from layerwise.run.launch import RankError
+from tests.ranks import QUICK, compose_config
+from tests.same_checkpoints import assert_same_checkpoints
 
 STEPS, EVERY = 6, 2  # a checkpoint after steps 2, 4, 6: a fault at step 3 or 4 loses ≤ 2 steps
 BASE = [*QUICK, f"trainer.max_steps={STEPS}", f"trainer.val_check_interval={STEPS}",
@@ -280,7 +282,7 @@ def launcher_config(*overrides):
     from hydra import compose, initialize_config_dir
 
     from layerwise.config.store import register_schemas
-    from tests.harness import CONFIG_DIRECTORY
+    from tests.ranks import CONFIG_DIRECTORY
     register_schemas()
     with initialize_config_dir(config_dir=CONFIG_DIRECTORY, version_base="1.3"):
         return compose(config_name="config", overrides=["hydra/launcher=slurm", *overrides],

@@ -11,7 +11,8 @@ from pathlib import Path
 from layerwise.tools import gpu_check
 from layerwise.run.fit import train
 from layerwise.preflight import validate
-from tests.harness import LOSS_RTOL, compose_config
+from tests.ranks import compose_config
+from tests.tolerances import LOSS_RTOL
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.layers=2", "model.hidden=32", "model.heads=2", "data.sequence_length=32",

@@ -21,9 +21,11 @@ from strategies.schedule import (BACKWARD, FORWARD, layered, looped_breadth_firs
 from strategies.schedule.ir import parse_action
 from strategies.schedule.offload import (GRADIENT_TO_HOST, RELEASE_BACKWARD, RELEASE_FORWARD, UPDATE_ON_HOST,
                                          WEIGHTS_BACKWARD, WEIGHTS_FORWARD, add_host_transfers, relay_plan)
-from tests.harness import (BF16_VERSUS_FP32_LOSS_RTOL, DEVICE_LOSS_RTOL, QUICK, OptimizerTrace,
-                           assert_same_checkpoints, assert_same_losses, assert_same_parameters, compare_under_sgd,
-                           compose_config, consolidated_parameters, tracing_optimizer)
+from tests.ranks import QUICK, compose_config
+from tests.references import compare_under_sgd, consolidated_parameters, tracing_optimizer
+from tests.same_checkpoints import assert_same_checkpoints
+from tests.tolerances import (BF16_VERSUS_FP32_LOSS_RTOL, DEVICE_LOSS_RTOL, OptimizerTrace, assert_same_losses,
+                              assert_same_parameters)
 
 STEPS = 5
 OPTIMIZER = OmegaConf.create(dict(name="adamw", lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
@@ -215,8 +217,8 @@ def test_l2l_data_parallel_with_tied_weights_reproduces_single(tmp_path):
 
 @pytest.mark.parametrize("case", ["l2l_m4", "l2l_dp2_m2_const"])
 def test_l2l_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
-    """Plain SGD sees the gradient's scale, which AdamW normalises away (harness.SgdComparison):
-    losses, the first step's gradients and the parameters after harness.SGD_STEPS steps."""
+    """Plain SGD sees the gradient's scale, which AdamW normalises away (references.SgdComparison):
+    losses, the first step's gradients and the parameters after references.SGD_STEPS steps."""
     compare_under_sgd(case, tmp_path, tmp_path_factory).check()
 
 

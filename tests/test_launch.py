@@ -19,7 +19,7 @@ from layerwise.run import launch
 from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
 from tests.fake_gpu import pretend_gpus
-from tests.harness import QUICK, compose_config, run_on_ranks
+from tests.ranks import QUICK, compose_config, run_on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_RUN = ["strategy=ddp", "hardware=dgx_a100_80g", "hardware.devices_per_node=2",

@@ -344,16 +344,30 @@ def test_library_never_imports_tests_or_benchmarks_nor_edits_sys_path():
     assert bare == []
 
 
+def test_benchmarks_import_the_library_never_tests():
+    """A benchmark is a command line over the library (benchmarks/common.py composes and forks ranks
+    with the library's own pieces): it never imports tests/, whose helpers serve the tests only."""
+    assert benchmark_imports_of_tests(import_graph(REPOSITORY)) == []
+
+
+def benchmark_imports_of_tests(graph: dict) -> list:
+    return sorted(f"{source} -> {target}" for source, targets in graph.items() if source.split(".")[0] == "benchmarks"
+                  for target in targets if target.split(".")[0] == "tests")
+
+
 def test_the_floor_checks_catch_a_planted_cycle_and_an_upward_import(tmp_path):
     """The checks above, on a planted tree: a lazy import closing a circle, a cost module importing
-    the run, a room importing a later room."""
+    the run, a room importing a later room, a benchmark importing tests/ lazily."""
     for name, text in {"cost/__init__.py": "", "cost/a.py": "def f():\n    from cost import b\n",
                        "cost/b.py": "from cost.a import f\nimport layerwise.run.fit\n",
                        "layerwise/__init__.py": "", "layerwise/run/__init__.py": "",
                        "layerwise/run/fit.py": "from layerwise.tools.x import y\n",
-                       "layerwise/tools/__init__.py": "", "layerwise/tools/x.py": "y = 1\n"}.items():
+                       "layerwise/tools/__init__.py": "", "layerwise/tools/x.py": "y = 1\n",
+                       "tests/__init__.py": "", "tests/ranks.py": "z = 1\n",
+                       "benchmarks/b.py": "def g():\n    from tests.ranks import z\n"}.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     graph = import_graph(tmp_path)
     assert cycles(graph) == [["cost.a", "cost.b"]]
     assert upward_imports(graph) == ["cost.b -> layerwise.run.fit", "layerwise.run.fit -> layerwise.tools.x"]
+    assert benchmark_imports_of_tests(graph) == ["benchmarks.b -> tests.ranks"]

@@ -11,9 +11,10 @@ import pytest
 from layerwise.run.fit import train
 from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
-from tests.harness import (QUICK, OptimizerTrace, assert_same_checkpoints, assert_same_losses,
-                           assert_same_parameters, cached_references, compare_under_sgd, compose_config,
-                           consolidated_parameters)
+from tests.ranks import QUICK, compose_config
+from tests.references import cached_references, compare_under_sgd, consolidated_parameters
+from tests.same_checkpoints import assert_same_checkpoints
+from tests.tolerances import OptimizerTrace, assert_same_losses, assert_same_parameters
 
 STEPS = 5
 
@@ -57,8 +58,8 @@ def test_pipeline_equals_single(case, references, tmp_path):
 @pytest.mark.parametrize("case", ["modular_pipeline_pp2_v2_m4", "modular_pipeline_pp2_dp2_v2_m4", "gpipe_pp2_m4",
                                   "one_f_one_b_pp2_m4", "interleaved_1f1b_pp2_v2_m4"])
 def test_pipeline_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
-    """Plain SGD sees the gradient's scale, which AdamW normalises away (harness.SgdComparison):
-    losses, the first step's gradients and the parameters after harness.SGD_STEPS steps."""
+    """Plain SGD sees the gradient's scale, which AdamW normalises away (references.SgdComparison):
+    losses, the first step's gradients and the parameters after references.SGD_STEPS steps."""
     compare_under_sgd(case, tmp_path, tmp_path_factory).check()
 
 

@@ -1,8 +1,8 @@
 """The equality oracles can fail: each test injects one known bug and the SGD comparison catches it.
 
-Every test runs a case of harness.SGD_CASES, the very run and assertions of an "equals single under
-SGD" test (harness.SgdComparison.check: losses, first-step gradients, parameters after
-SGD_STEPS steps, with the tolerances of the table in harness.py), with one bug patched in. Ranks are
+Every test runs a case of references.SGD_CASES, the very run and assertions of an "equals single under
+SGD" test (references.SgdComparison.check: losses, first-step gradients, parameters after
+SGD_STEPS steps, with the tolerances of the table in tolerances.py), with one bug patched in. Ranks are
 forked from this process, so a monkeypatch applied here reaches them. Each test prints by how much
 every comparison exceeded its tolerance (worst |actual − expected| / (atol + rtol·|expected|), above
 1 fails) and the AssertionError that check() raised; run with -s to see them.
@@ -22,10 +22,12 @@ from strategies.stages import StageWork, stage_parameters
 from strategies.tensor_parallel.grids import Style
 from strategies.tensor_parallel.parallelize import BLOCK_PLAN
 from strategies.zero_layered import ShardedStageWork
-from tests.harness import (LOSS_RTOL, PARAMETER_RTOL, QUICK, SGD_CASES, SGD_MODEL, SGD_OVERRIDES, OptimizerTrace,
-                           adam_parameter_excess, assert_same_losses, assert_same_parameters, compare_under_sgd,
-                           compose_config, consolidated_parameters, optimizer_trace_callback, sgd_parameter_atol,
-                           sgd_reference, tolerance_excess, train_with_callbacks)
+from tests.ranks import QUICK, compose_config
+from tests.references import (SGD_CASES, SGD_MODEL, SGD_OVERRIDES, compare_under_sgd, consolidated_parameters,
+                              sgd_reference, train_with_callbacks)
+from tests.tolerances import (LOSS_RTOL, OptimizerTrace, PARAMETER_RTOL, adam_parameter_excess, assert_same_losses,
+                              assert_same_parameters, optimizer_trace_callback, sgd_parameter_atol,
+                              tolerance_excess)
 
 
 @pytest.fixture(autouse=True)
@@ -180,11 +182,11 @@ def test_l2l_stale_gradient_is_caught(monkeypatch, tmp_path, tmp_path_factory):
     assert excess["gradients"][0] <= 1 < excess["parameters"][0], excess
 
 
-# ----- AdamW: the update rule's tolerance (harness.adam_tolerance) still sees optimizer bugs
+# ----- AdamW: the update rule's tolerance (tolerances.adam_tolerance) still sees optimizer bugs
 #
 # AdamW normalises a gradient's scale away (that is what the SGD comparisons are for), but a bug in
 # the optimizer itself must still fail an "equals single" AdamW comparison: losses of every step and
-# parameters within harness.adam_tolerance. 5 steps of the default AdamW (lr 3e-3, warm-up 20).
+# parameters within tolerances.adam_tolerance. 5 steps of the default AdamW (lr 3e-3, warm-up 20).
 
 ADAMW_STEPS = 5
 ADAMW_MODEL = ["model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batches=0",

@@ -16,9 +16,11 @@ from strategies.schedule import (Action, PlanError, add_communication, add_gradi
                                  simulate, validate_plan)
 from strategies.kfac import KFAC as KFACMath  # KFAC below is the override list
 from strategies.schedule import curvature as units
-from tests.harness import (FLOAT64_ATOL, FLOAT64_RTOL, LOSS_RTOL, QUICK, OptimizerTrace, assert_same_checkpoints,
-                           assert_same_losses, assert_same_parameters, compare_under_sgd, compose_config,
-                           consolidated_parameters, tracing_optimizer)
+from tests.ranks import QUICK, compose_config
+from tests.references import compare_under_sgd, consolidated_parameters, tracing_optimizer
+from tests.same_checkpoints import assert_same_checkpoints
+from tests.tolerances import (FLOAT64_ATOL, FLOAT64_RTOL, LOSS_RTOL, OptimizerTrace, assert_same_losses,
+                              assert_same_parameters)
 
 STEPS = 6
 KFAC = ["optimizer=lamb", "optimizer.warmup_steps=2", "model.layers=4"]
@@ -67,8 +69,8 @@ def test_pipefisher_equals_one_process_kfac(case, oracle, tmp_path):
 
 def test_pipefisher_equals_one_process_kfac_under_sgd(tmp_path, tmp_path_factory):
     """LAMB (above) normalises away a gradient's scale; plain SGD outside K-FAC does not
-    (harness.SgdComparison): losses, the first step's preconditioned gradients and the parameters
-    after harness.SGD_STEPS steps, against `kfac` under the same SGD. Data-parallel, so the factor
+    (references.SgdComparison): losses, the first step's preconditioned gradients and the parameters
+    after references.SGD_STEPS steps, against `kfac` under the same SGD. Data-parallel, so the factor
     sync is covered."""
     compare_under_sgd("pipefisher_gpipe_pp2_dp2_m4_k2", tmp_path, tmp_path_factory).check()
 

@@ -21,7 +21,7 @@ from cost.memory import closed_form_held, held_sends
 from strategies.modular_pipeline import training_plan
 from strategies.schedule import (add_communication, add_gradient_reductions, build_plan, most_sends_held,
                                  send_completions)
-from tests.harness import QUICK, compose_config, run_on_ranks
+from tests.ranks import QUICK, compose_config, run_on_ranks
 
 
 def built(schedule: str, pipeline: int, loops: int, micro_batches: int, breadth_first=None):

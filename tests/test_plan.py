@@ -18,7 +18,7 @@ from layerwise.run.fit import train
 from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
 from cost.memory import backward_working_bytes, block_extra_bytes, block_saved_bytes, head_saved_bytes, in_flight
-from tests.harness import QUICK, compose_config
+from tests.ranks import QUICK, compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT3 = ["mode=plan", "model=gpt3_175b", "hardware=dgx_a100_80g", "hardware.nodes=64", "logger=none",
@@ -42,11 +42,11 @@ def test_gpt3_on_512_gpus_plans_in_seconds_with_a_role_per_pipeline_position(tmp
     assert result["world_size"] == 512 and seconds < 60, seconds
     assert result["layout"] == {"data": 4, "pipeline": 16, "tensor_grid": "1d", "edge": 8, "zero": False}
     written = json.loads((tmp_path / "plan.json").read_text())
-    assert written["step_seconds"] == result["step_seconds"] > 0 and 0 < written["mfu"] < 1
+    assert written["step_time_s"] == result["step_time_s"] > 0 and 0 < written["mfu"] < 1
     assert (tmp_path / "plan.png").stat().st_size > 10_000 and (tmp_path / "plan_memory.png").stat().st_size > 5_000
     # 1F1B keeps p − r micro-batches in flight on pipeline rank r: the first stage holds the most.
     roles = result["roles"]
-    activations = [role["bytes"]["activations"] for role in roles]
+    activations = [role["memory_bytes"]["activations"] for role in roles]
     assert activations == sorted(activations, reverse=True)
     assert sorted(rank for role in roles for rank in role["pipeline_ranks"]) == list(range(16))
     # StageWork releases each send once a later message proves it received (issue 28; before, it kept
@@ -55,9 +55,9 @@ def test_gpt3_on_512_gpus_plans_in_seconds_with_a_role_per_pipeline_position(tmp
     # profile) one input gradient: each completes once rank 0 has posted its receive, which it did one
     # pair operation ahead (on gloo 15, the drain's p − r, which no later message proves:
     # docs/strategies/pipeline_memory.md).
-    assert all(role["fits"] == (role["total_bytes"] <= cfg.hardware.device_memory_bytes) for role in roles)
+    assert all(role["fits"] == (role["peak_with_margin_bytes"] <= cfg.hardware.device_memory_bytes) for role in roles)
     assert all(role["fits"] for role in roles)
-    assert roles[1]["bytes"]["buffers"] == pytest.approx((2 * 15 + 1) * 6 * 2048 * 12288 * 4)
+    assert roles[1]["memory_bytes"]["buffers"] == pytest.approx((2 * 15 + 1) * 6 * 2048 * 12288 * 4)
 
 
 def test_stash_is_the_plans_in_flight_forwards_times_a_stages_saved_bytes(tmp_path):
@@ -72,13 +72,13 @@ def test_stash_is_the_plans_in_flight_forwards_times_a_stages_saved_bytes(tmp_pa
         stash = (16 - rank) * cfg.strategy.layers_per_stage * block  # beside every gradient (the steady state)
         head = head_saved_bytes(workload, tokens) if rank == 15 else 0  # the head's log-probabilities: 1 in flight
         working = backward_working_bytes(workload, tokens, rank == 15)
-        assert role["bytes"]["activations"] == pytest.approx(stash + head + working, rel=1e-12)
+        assert role["memory_bytes"]["activations"] == pytest.approx(stash + head + working, rel=1e-12)
 
 
 def test_breadth_first_with_64_micro_batches_does_not_fit_and_says_so(tmp_path):
     _, result = planned(tmp_path, "strategy=modular_pipeline")
     assert not any(role["fits"] for role in result["roles"])
-    assert result["roles"][0]["bytes"]["activations"] > 80e9  # all 64 micro-batches' stash
+    assert result["roles"][0]["memory_bytes"]["activations"] > 80e9  # all 64 micro-batches' stash
 
 
 @pytest.mark.parametrize("overrides", [
@@ -92,7 +92,7 @@ def test_predicted_peak_memory_is_within_5_percent_of_the_measured_one(overrides
     (benchmarks/plan_vs_measured.py has 12 configurations; 2-D/3-D grids are not yet this close)."""
     common = [*PLAN_VS_MEASURED, *overrides]
     cfg = compose_config(*common, "mode=plan")
-    predicted = max(sum(role["bytes"].values()) for role in plan(cfg, validate(cfg), tmp_path / "plan")["roles"])
+    predicted = max(sum(role["memory_bytes"].values()) for role in plan(cfg, validate(cfg), tmp_path / "plan")["roles"])
     cfg = compose_config(*common, "trainer.max_steps=3", "trainer.measure_every_n_steps=1")
     measured = train(cfg, tmp_path / "run", validate(cfg))["peak_compute_bytes"]
     print(f"predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
@@ -126,9 +126,9 @@ def test_a_tensor_strategy_is_planned_as_the_one_stage_pipeline_it_equals(strate
                               f"strategy.tensor_parallel={grid}", f"strategy.tensor_grid={edge}")
     ours, theirs = plan_result(tensor, validate(tensor)), plan_result(pipeline, validate(pipeline))
     assert ours["strategy"] == strategy and ours["layout"] == theirs["layout"]
-    assert ours["step_seconds"] == theirs["step_seconds"] and same_but_gradients(ours["roles"], theirs["roles"])
+    assert ours["step_time_s"] == theirs["step_time_s"] and same_but_gradients(ours["roles"], theirs["roles"])
     wider = compose_config(*shape, f"strategy={strategy}", f"strategy.tensor_grid={edge * 2}", "hardware.nodes=8")
-    assert plan_result(wider, validate(wider))["bytes_by_pipeline_rank"] != ours["bytes_by_pipeline_rank"]
+    assert plan_result(wider, validate(wider))["comm_bytes_per_step_by_pipeline_rank"] != ours["comm_bytes_per_step_by_pipeline_rank"]
 
 
 def same_but_gradients(tensor_roles: list, pipeline_roles: list) -> bool:
@@ -136,9 +136,9 @@ def same_but_gradients(tensor_roles: list, pipeline_roles: list) -> bool:
     strategies, single, ddp) zeroes gradients after the forward: last step's gradients stay through
     it, one more moment that can be the peak (never below the pipeline's)."""
     def held(role):
-        return role["bytes"]["parameters"], role["bytes"]["optimizer"]
+        return role["memory_bytes"]["parameters"], role["memory_bytes"]["optimizer"]
     return [held(role) for role in tensor_roles] == [held(role) for role in pipeline_roles] and all(
-        sum(ours["bytes"].values()) >= sum(theirs["bytes"].values()) for ours, theirs in zip(tensor_roles, pipeline_roles))
+        sum(ours["memory_bytes"].values()) >= sum(theirs["memory_bytes"].values()) for ours, theirs in zip(tensor_roles, pipeline_roles))
 
 
 def test_single_and_ddp_are_planned_as_one_stage_data_replicas():
@@ -152,8 +152,8 @@ def test_single_and_ddp_are_planned_as_one_stage_data_replicas():
                                   "strategy.micro_batches=1", f"hardware.devices_per_node={devices}")
         mine, theirs = plan_result(ours, validate(ours)), plan_result(pipeline, validate(pipeline))
         assert mine["strategy"] == strategy and mine["layout"]["data"] == devices and mine["layout"]["pipeline"] == 1
-        assert mine["step_seconds"] == theirs["step_seconds"] and same_but_gradients(mine["roles"], theirs["roles"])
-        activations[strategy] = mine["roles"][0]["bytes"]["activations"]
+        assert mine["step_time_s"] == theirs["step_time_s"] and same_but_gradients(mine["roles"], theirs["roles"])
+        activations[strategy] = mine["roles"][0]["memory_bytes"]["activations"]
     # Each replica holds half the batch; the peak (recomputation: the first backward creating the
     # stage's gradients) also holds gradients, which do not halve.
     assert activations["single"] / 2 < activations["ddp"] < activations["single"]
@@ -171,14 +171,14 @@ def test_l2l_is_planned_with_its_host_store_and_constant_device_memory_in_depth(
 
     shallow, cfg = planned(4, True)
     deep, standard_deep = planned(16, True)[0], planned(16, False)[0]
-    device = [result["roles"][0]["total_bytes"] for result in (shallow, deep, planned(4, False)[0], standard_deep)]
+    device = [result["roles"][0]["peak_with_margin_bytes"] for result in (shallow, deep, planned(4, False)[0], standard_deep)]
     assert device[0] == device[1] and device[3] > device[2]  # constant: flat in depth; standard: grows
     model = build_model("gpt", device="meta", **model_arguments(cfg.model, 256, cfg.seed))
     parameters = sum(p.numel() for p in model.parameters())
     # the host keeps fp32 masters, gradients and AdamW's two moments: 16 bytes per parameter
     host = shallow["host_bytes"]
     assert host["parameters"] == host["gradients"] == 4 * parameters and host["optimizer"] == 8 * parameters
-    assert shallow["step_seconds"] < deep["step_seconds"]
+    assert shallow["step_time_s"] < deep["step_time_s"]
 
 
 def test_calibrated_fixed_costs_add_one_overhead_per_product_and_one_latency_per_message():

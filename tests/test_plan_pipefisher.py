@@ -17,7 +17,7 @@ from models import build_model
 from cost.kfac import factor_dimensions
 from strategies.kfac import KFAC, block_linears
 from strategies.stages import keep_local_stages
-from tests.harness import compose_config
+from tests.ranks import compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = ["logger=none", "model=gpt_tiny", "model.layers=4", "strategy.pipeline_degree=2",
@@ -50,7 +50,7 @@ def test_kfac_bytes_are_the_factors_and_inverses_by_hand_plus_what_passes_at_the
         assert allocated_factor_bytes(cfg, role["pipeline_ranks"][0]) == factors
         assert (kfac["factors"], kfac["inverses"], kfac["captures"]) == (factors, factors, 0)
         assert kfac["fresh_inverses"] <= factors and kfac["inversion_workspace"] <= 4 * wide * wide * 8
-        assert role["bytes"]["kfac"] == sum(kfac.values())
+        assert role["memory_bytes"]["kfac"] == sum(kfac.values())
     # GPipe's last rank has no bubble at its stash peak (its forwards run back to back into its backwards)
     assert result["roles"][1]["kfac_bytes"]["fresh_inverses"] == result["roles"][1]["kfac_bytes"]["inversion_workspace"] == 0
 
@@ -70,9 +70,9 @@ def test_other_kinds_are_the_same_layouts_modular_pipeline_plan():
     _, theirs = planned("strategy=modular_pipeline", "strategy.schedule=gpipe")
     assert [role["pipeline_ranks"] for role in ours["roles"]] == [role["pipeline_ranks"] for role in theirs["roles"]]
     for mine, first_order in zip(ours["roles"], theirs["roles"]):
-        assert {k: v for k, v in mine["bytes"].items() if k != "kfac"} == first_order["bytes"]
-    assert ours["step_first_order_seconds"] == theirs["step_seconds"]
-    assert ours["bubble_first_order"] == theirs["bubble_fraction"] > ours["bubble_fraction"]
+        assert {k: v for k, v in mine["memory_bytes"].items() if k != "kfac"} == first_order["memory_bytes"]
+    assert ours["step_time_first_order_s"] == theirs["step_time_s"]
+    assert ours["bubble_fraction_first_order"] == theirs["bubble_fraction"] > ours["bubble_fraction"]
 
 
 def test_step_is_the_reproduction_modules_schedule_row():
@@ -80,7 +80,7 @@ def test_step_is_the_reproduction_modules_schedule_row():
     cfg, result = planned("strategy=pipefisher")
     first_order = compose_config(*LAYOUT, "strategy=gpipe")
     row = schedule_row(first_order, validate(first_order))
-    assert result["step_seconds"] == row["step_pipefisher_s"] > row["step_first_order_s"]
+    assert result["step_time_s"] == row["step_pipefisher_s"] > row["step_first_order_s"]
     assert (result["refresh_interval"], result["kfac_work_per_bubble"]) == (row["k_needed"], row["kfac_work_per_bubble"])
 
 
@@ -100,17 +100,17 @@ def test_train_py_mode_plan_strategy_pipefisher(tmp_path):
     assert "kfac" in result.stdout and "PipeFisher: first-order step" in result.stdout
     written = json.loads((tmp_path / "plan.json").read_text())
     assert written["strategy"] == "pipefisher" and written["refresh_interval"] >= 1
-    assert written["step_seconds"] >= written["step_first_order_seconds"] > 0
-    assert all(role["bytes"]["kfac"] > 0 for role in written["roles"])
+    assert written["step_time_s"] >= written["step_time_first_order_s"] > 0
+    assert all(role["memory_bytes"]["kfac"] > 0 for role in written["roles"])
     assert (tmp_path / "plan.png").stat().st_size > 10_000 and (tmp_path / "plan_memory.png").stat().st_size > 5_000
 
 
 
 def test_check_refuses_a_layout_whose_kfac_bytes_do_not_fit():
     _, result = planned("strategy=pipefisher")
-    worst = max(result["roles"], key=lambda role: role["total_bytes"])
-    first_order = worst["total_bytes"] * (1 - worst["bytes"]["kfac"] / sum(worst["bytes"].values()))
-    limit = int((first_order + worst["total_bytes"]) / 2)  # the pipeline fits, with K-FAC it does not
+    worst = max(result["roles"], key=lambda role: role["peak_with_margin_bytes"])
+    first_order = worst["peak_with_margin_bytes"] * (1 - worst["memory_bytes"]["kfac"] / sum(worst["memory_bytes"].values()))
+    limit = int((first_order + worst["peak_with_margin_bytes"]) / 2)  # the pipeline fits, with K-FAC it does not
     cfg = compose_config(*SHAPE, "mode=check", "strategy=pipefisher", f"hardware.device_memory_bytes={limit}")
     with pytest.raises(ConfigError) as error:
         validate(cfg)
@@ -128,7 +128,7 @@ def test_predicted_peak_memory_is_within_5_percent_of_a_measured_pipefisher_run(
               "strategy=pipefisher", "strategy.layers_per_stage=4"]
     cfg = compose_config(*common, "mode=plan")
     result = plan(cfg, validate(cfg), tmp_path / "plan")
-    predicted = max(sum(role["bytes"].values()) for role in result["roles"])
+    predicted = max(sum(role["memory_bytes"].values()) for role in result["roles"])
     assert result["refresh_interval_fit"] > 2 and max(role["kfac_bytes"]["captures"] for role in result["roles"]) > 0
     cfg = compose_config(*common, "trainer.max_steps=3", "trainer.measure_every_n_steps=1")
     measured = train(cfg, tmp_path / "run", validate(cfg))["peak_compute_bytes"]

@@ -27,7 +27,7 @@ from strategies.schedule.generators import build_plan
 from strategies.schedule.passes import add_communication
 from cost.inputs import ComposedLayout, GptShape
 from strategies.zero_layered import ZeroLayeredStrategy
-from tests.harness import compose_config
+from tests.ranks import compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 A100 = Device(3.12e14, 0.5, 8e10, 3e11, 2.5e10, 8)
@@ -142,15 +142,15 @@ def test_search_writes_the_evaluators_rows_and_a_sweep_line_that_validates(tmp_p
         written = list(csv.DictReader(file))
     assert len(written) == result["fitting"] > 10 and result["layouts"] > result["fitting"]
     evaluate = Evaluator(cfg, world)
-    steps = [float(row["step_seconds"]) for row in written]
+    steps = [float(row["step_time_s"]) for row in written]
     assert steps == sorted(steps)
     for row, top in zip(written, result["top"]):
         expected = evaluate(layout_of(top))
-        assert expected == top and float(row["step_seconds"]) == pytest.approx(expected["step_seconds"], rel=1e-12)
+        assert expected == top and float(row["step_time_s"]) == pytest.approx(expected["step_time_s"], rel=1e-12)
         assert float(row["worst_role_bytes"]) == pytest.approx(expected["worst_role_bytes"], rel=1e-12)
     for entry, top in zip(result["replanned"], result["top"]):  # the full path, side by side
         full = plan_result(point_config(cfg, layout_of(top)), world)
-        assert entry["simulated_step_seconds"] == full["step_seconds"]
+        assert entry["simulated_step_time_s"] == full["step_time_s"]
     assert "layouts per minute" in output
     line = next(text.strip() for text in output.splitlines() if text.strip().startswith("python train.py -m"))
     arguments = shlex.split(line)[3:]

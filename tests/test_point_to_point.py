@@ -19,7 +19,8 @@ from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule import (add_communication, add_gradient_reductions, execute, looped_breadth_first,
                                  validate_plan)
 from strategies.stages import Peers, StageWork, keep_local_stages
-from tests.harness import QUICK, RankError, compose_config, run_on_ranks
+from layerwise.run.launch import RankError
+from tests.ranks import QUICK, compose_config, run_on_ranks
 from tests.test_schedule import posts_at_step_start
 
 

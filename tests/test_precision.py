@@ -10,7 +10,8 @@ import pytest
 from layerwise.run.fit import train
 from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
-from tests.harness import BF16_LOSS_RTOL, LOSS_RTOL, QUICK, compose_config
+from tests.ranks import QUICK, compose_config
+from tests.tolerances import BF16_LOSS_RTOL, LOSS_RTOL
 
 STEPS = 5
 BF16 = "hardware.precision=bf16-mixed"

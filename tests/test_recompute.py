@@ -14,7 +14,8 @@ from layerwise.preflight import validate
 from strategies.modular_pipeline import build
 from strategies.recompute import backward_factor
 from strategies.schedule import flop_cost, simulate
-from tests.harness import QUICK, compose_config, consolidated_parameters
+from tests.ranks import QUICK, compose_config
+from tests.references import consolidated_parameters
 
 STEPS = 3
 # Ids: dp2 two data replicas, pp2 two pipeline stages, q2 a tensor grid of edge 2 (1-D: 2 ranks,

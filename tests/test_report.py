@@ -94,8 +94,8 @@ def test_sweep_summary_has_one_row_per_point_equal_to_its_summary(sweeps):
             assert number(row[key]) == pytest.approx(summary[key], rel=1e-12), key
         for kind, value in summary["comm_bytes_per_step"].items():
             assert number(row[f"comm_bytes_{kind}"]) == value
-        assert number(row["bubble_simulated"]) == summary["bubble_fraction"]["simulated"]
-        assert number(row["bubble_measured"]) == pytest.approx(summary["bubble_fraction"]["measured"], rel=1e-12)
+        assert number(row["bubble_fraction_simulated"]) == summary["bubble_fraction"]["simulated"]
+        assert number(row["bubble_fraction_measured"]) == pytest.approx(summary["bubble_fraction"]["measured"], rel=1e-12)
         assert row["allocator_peak_bytes"] == ""  # CUDA only
     # ZeRO moves 3(n-1)/n·P bytes per step whatever m; the pipeline only activations
     zero = [number(r["comm_bytes_all_gather"]) + number(r["comm_bytes_reduce_scatter"]) for r in rows[3:]]
@@ -107,14 +107,44 @@ def test_plan_prediction_stands_next_to_the_measurement(sweeps):
     same numbers the run's own plan.json holds (written at the end of the run, layerwise/planning/mode.py)."""
     for row in csv_rows(sweeps["sweep"] / "sweep_summary.csv"):
         planned = json.loads((Path(row["directory"]) / "plan.json").read_text())
-        assert number(row["predicted_step_time_s"]) == pytest.approx(planned["step_seconds"], rel=1e-12)
-        assert number(row["predicted_bubble"]) == pytest.approx(planned["bubble_fraction"], rel=1e-12)
-        busiest = max(sum(role["bytes"].values()) for role in planned["roles"])
-        assert number(row["predicted_peak_bytes"]) == pytest.approx(busiest, rel=1e-12)
+        assert number(row["predicted_step_time_s"]) == pytest.approx(planned["step_time_s"], rel=1e-12)
+        assert number(row["predicted_bubble_fraction"]) == pytest.approx(planned["bubble_fraction"], rel=1e-12)
+        busiest = max(sum(role["memory_bytes"].values()) for role in planned["roles"])
+        assert number(row["predicted_peak_compute_bytes"]) == pytest.approx(busiest, rel=1e-12)
         assert row["prediction"].startswith("plan mode, hardware=cpu")
         # the analytic traffic formulas are exact: prediction and counter agree to the byte
         measured = sum(number(row[f"comm_bytes_{kind}"]) for kind in report.KINDS)
-        assert number(row["predicted_bytes_per_step"]) == measured
+        assert number(row["predicted_comm_bytes_per_step"]) == measured
+
+
+def test_a_plan_json_written_before_issue_27_reports_as_a_new_one(tmp_path):
+    """One vocabulary (docs/evidence.md, "Migration (issue 27)"): a mode=plan point whose plan.json
+    has the old names (`step_seconds`, roles' `bytes`, ...) gives the same row as today's plan.json."""
+    from omegaconf import OmegaConf
+    from layerwise.planning.result import plan_result
+    from layerwise.preflight import validate
+    from tests.ranks import compose_config
+    cfg = compose_config("mode=plan", "strategy=modular_pipeline", "strategy.pipeline_degree=2",
+                         "strategy.micro_batches=4", "hardware.devices_per_node=2", "model.layers=4")
+    current = plan_result(cfg, validate(cfg))
+    old_names = {new: old for old, new in report.PLAN_NAMES_BEFORE_27.items()}
+    old_role_names = {new: old for old, new in report.ROLE_NAMES_BEFORE_27.items()}
+    old = {old_names.get(key, key): value for key, value in current.items()}
+    old["roles"] = [{old_role_names.get(key, key): value for key, value in role.items() if key != "peak_compute_bytes"}
+                    for role in current["roles"]]
+    assert "step_seconds" in old and "bytes" in old["roles"][0] and "step_time_s" not in old
+    rows = {}
+    for number_, (name, written) in enumerate((("new", current), ("old", old))):
+        point = tmp_path / "sweep" / f"{number_}_{name}"
+        (point / ".hydra").mkdir(parents=True)
+        OmegaConf.save(cfg, point / "config.yaml")
+        (point / "plan.json").write_text(json.dumps(written))
+        rows[name] = report.point_row(point)
+    for column in report.PREDICTED:
+        assert rows["old"][column] == rows["new"][column] is not None, column
+    assert rows["old"]["status"] == rows["new"]["status"] == "planned"
+    assert rows["new"]["predicted_step_time_s"] == current["step_time_s"] > 0
+    assert len(report.write_report(tmp_path / "sweep")) == 2
 
 
 def test_mfu_and_tokens_per_device_follow_the_formula(sweeps):

@@ -10,7 +10,7 @@ import pytest
 
 from layerwise.reproduce import three_d
 from parallel.comm import KINDS
-from tests.harness import compose_config
+from tests.ranks import compose_config
 
 PAPER = ["experiment=repro_three_d"]
 

@@ -93,12 +93,12 @@ def test_one_f_one_b_is_credited_at_most_one_micro_batch_backward(base):
     for micro in (1, 8):
         layout = Layout("one_f_one_b", 4, "1d", 8, 8, micro, "none", 8)
         raw, credited = evaluate(layout), tt.evaluated(evaluate, layout)
-        credit = raw["step_seconds"] - credited["step_seconds"]
-        assert 0 < credit <= raw["exposed_data_seconds"] + 1e-12
-        assert credited["overlap_credit_seconds"] == pytest.approx(credit)
-        assert credited["mfu"] * credited["step_seconds"] == pytest.approx(raw["mfu"] * raw["step_seconds"])
+        credit = raw["step_time_s"] - credited["step_time_s"]
+        assert 0 < credit <= raw["exposed_data_s"] + 1e-12
+        assert credited["overlap_credit_s"] == pytest.approx(credit)
+        assert credited["mfu"] * credited["step_time_s"] == pytest.approx(raw["mfu"] * raw["step_time_s"])
     layered = Layout("modular_pipeline", 4, "1d", 8, 8, 8, "none", 8)
-    assert tt.evaluated(evaluate, layered)["step_seconds"] == evaluate(layered)["step_seconds"]
+    assert tt.evaluated(evaluate, layered)["step_time_s"] == evaluate(layered)["step_time_s"]
 
 
 def test_scan_finds_the_fastest_efficient_fitting_layout(base):
@@ -113,13 +113,13 @@ def test_scan_finds_the_fastest_efficient_fitting_layout(base):
     evaluate = Evaluator(point, best["gpus"])
     rivals = [tt.evaluated(evaluate, layout) for layout in tt.layouts(point, best["gpus"])
               if tt.configuration_of(layout, 24) == "layered_zero"]
-    assert min(row["step_seconds"] for row in rivals if row["fits"] and tt.efficient(point, row)) \
-        == pytest.approx(best["step_seconds"])
+    assert min(row["step_time_s"] for row in rivals if row["fits"] and tt.efficient(point, row)) \
+        == pytest.approx(best["step_time_s"])
     # fewer GPUs than the best take longer (the scan's reason to stop)
     steps = dict(entry["curve"])
-    assert all(steps[g] >= best["step_seconds"] for g in steps if g < best["gpus"] and not math.isnan(steps[g]))
+    assert all(steps[g] >= best["step_time_s"] for g in steps if g < best["gpus"] and not math.isnan(steps[g]))
     row = tt.summary_row(point, budget, "layered_zero", entry)
-    assert row["days"] == pytest.approx(budget["steps"] * best["step_seconds"] / 86400)
+    assert row["days"] == pytest.approx(budget["steps"] * best["step_time_s"] / 86400)
     assert 0 <= row["state_fraction"] <= row["memory_fraction"] <= 1
 
 
@@ -127,7 +127,7 @@ def test_scan_finds_the_fastest_efficient_fitting_layout(base):
 
 def _row(model, hardware, configuration, days, **extra):
     return {"model": model, "hardware": hardware, "configuration": configuration, "days": days,
-            "parameters": 1, "step_seconds": 1.0, "unconstrained_days": days, **extra}
+            "parameters": 1, "step_time_s": 1.0, "unconstrained_days": days, **extra}
 
 
 def test_halving_is_the_median_of_best_improved_over_best_baseline():

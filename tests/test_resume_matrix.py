@@ -5,7 +5,7 @@ The matrix is two chains: link i resumes from link i−1's `checkpoints/last` (p
 another strategy and layout and runs one more step, so 12 pairs cost 12 one-step runs. (Chains of 6:
 SGD at lr 0.5 amplifies round-off step by step, so one chain of 12 drifts to ~1.4× the parameter
 tolerance after 13 steps — as an uninterrupted run of another strategy would; measured against the
-fixed 1e-5 parameter tolerance the harness had before issue 28.) After each link,
+fixed 1e-5 parameter tolerance the tests had before issue 28.) After each link,
 its losses (every step, the carried evidence history included) and its parameters (read from its
 own portable checkpoint, layout-free) are compared with the reference's after the same step.
 Under AdamW the optimizer state (exp_avg, exp_avg_sq, step) is compared too, and a mutation that
@@ -15,13 +15,15 @@ resuming strategy rebuilds them (tested with refresh_interval=1, where the rebui
 
 import pytest
 
-from tests.harness import (GRADIENT_SCALE_ATOL, KFAC_SGD, KFAC_SGD_LEARNING_RATE, LOSS_RTOL, PARAMETER_RTOL, QUICK,
-                           SGD_LEARNING_RATE, SGD_MODEL, SGD_OVERRIDES, OptimizerTrace, adam_parameter_excess,
-                           compose_config, sgd_parameter_atol, tolerance_excess, train_saving_steps)
+from tests.ranks import QUICK, compose_config
+from tests.references import (KFAC_SGD, KFAC_SGD_LEARNING_RATE, SGD_LEARNING_RATE, SGD_MODEL, SGD_OVERRIDES,
+                              train_saving_steps)
+from tests.tolerances import (GRADIENT_SCALE_ATOL, LOSS_RTOL, OptimizerTrace, PARAMETER_RTOL,
+                              adam_parameter_excess, sgd_parameter_atol, tolerance_excess)
 
 ADAMW = ["optimizer=adamw", "optimizer.warmup_steps=0", "optimizer.lr_schedule=constant", "optimizer.lr=0.01",
          "optimizer.weight_decay=0.01"]
-# Optimizer moments are averages of gradients: like gradients (harness GRADIENT_SCALE_ATOL), entries
+# Optimizer moments are averages of gradients: like gradients (tolerances.GRADIENT_SCALE_ATOL), entries
 # that are sums of cancelling terms carry round-off of the tensor's scale, not their own.
 OPTIMIZER_STATE_RTOL = 1e-5
 
@@ -54,7 +56,7 @@ ADAMW_CHAIN = [
 
 def run(directory, optimizer, steps, *overrides, resume_from=None, save_steps=(), trace=False):
     """One run of `steps` steps (in all, counting those it resumes from), its summary; `trace`: the
-    one-process AdamW reference leaves its OptimizerTrace (harness.assert_same_parameters)."""
+    one-process AdamW reference leaves its OptimizerTrace (tolerances.assert_same_parameters)."""
     resume = [f"resume_from={resume_from}"] if resume_from else []
     cfg = compose_config(*QUICK, *SGD_MODEL, *optimizer, f"trainer.max_steps={steps}", *overrides, *resume)
     summary = train_saving_steps(cfg, directory, save_steps, trace=trace)
@@ -76,9 +78,9 @@ def excess(actual: dict, expected: dict, rtol: float, atol_of) -> tuple:
 
 
 def parameter_excess(directory, reference, step, learning_rate=SGD_LEARNING_RATE) -> tuple:
-    """Under SGD, lr × the gradient tolerance of each of the `step` steps (harness.sgd_parameter_atol,
+    """Under SGD, lr × the gradient tolerance of each of the `step` steps (tolerances.sgd_parameter_atol,
     from the reference's weights after every step); under AdamW (the reference left an
-    OptimizerTrace), the update rule's bound after `step` steps (harness.adam_tolerance)."""
+    OptimizerTrace), the update rule's bound after `step` steps (tolerances.adam_tolerance)."""
     actual, expected = portable(directory), portable(reference, f"step{step}")
     if (reference / OptimizerTrace.FILE).is_file():
         worst = adam_parameter_excess(actual, expected, OptimizerTrace.load(reference), steps=step)
@@ -160,7 +162,7 @@ def test_adamw_state_moves_with_its_parameters(tmp_path, adamw_reference):
 def test_resetting_the_adamw_state_on_resume_is_seen(tmp_path, adamw_reference, monkeypatch):
     """The mutation: a resume that drops the optimizer state (AdamW restarts from zero moments)
     must fail the comparison of the test above. The masked elements' bound is ~2% of the summed
-    steps (harness.adam_tolerance, ADAM_HEADROOM); a reset state changes step 2 by a sizeable part
+    steps (tolerances.adam_tolerance, ADAM_HEADROOM); a reset state changes step 2 by a sizeable part
     of a step, so > 10× (41× measured; it was > 100× against the fixed 1e-5 before issue 28)."""
     from strategies.checkpoint import portable as portable_module
     monkeypatch.setattr(portable_module.PortableState, "_add_state", lambda *arguments: None)

@@ -24,7 +24,7 @@ from layerwise.run.fit import train
 from layerwise.preflight import validate
 from strategies.checkpoint.portable import read_portable, resume_errors
 from strategies.checkpoint.safe_load import UnsafeCheckpointError, dcp_metadata, load_torch_file
-from tests.harness import QUICK, compose_config
+from tests.ranks import QUICK, compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CALLABLE = "pathlib.Path"  # what the payload names (Path.touch; protocol 2 spells it getattr(Path, "touch"))

@@ -15,7 +15,7 @@ from layerwise.preflight import validate
 from models import build_model
 from models.transformer import on_meta
 from strategies.sharding import FlatShard
-from tests.harness import QUICK, compose_config
+from tests.ranks import QUICK, compose_config
 
 SHAPE = dict(vocab_size=61, sequence_length=16, layers=4, hidden=32, heads=2, seed=3)
 

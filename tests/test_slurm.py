@@ -20,7 +20,8 @@ from hydra import compose, initialize_config_dir
 from layerwise.config.store import register_schemas
 from layerwise.cluster.slurm import job_resources
 from layerwise.preflight import validate
-from tests.harness import CONFIG_DIRECTORY, assert_same_losses
+from tests.ranks import CONFIG_DIRECTORY
+from tests.tolerances import assert_same_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 16

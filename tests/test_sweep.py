@@ -26,7 +26,7 @@ from hydra.types import RunMode
 
 from layerwise import sweep as sweep_module
 from layerwise.config.store import register_schemas
-from tests.harness import CONFIG_DIRECTORY
+from tests.ranks import CONFIG_DIRECTORY
 
 ROOT = Path(__file__).resolve().parent.parent
 ISSUE_SWEEP = ["strategy=modular_pipeline,zero_layered", "strategy.micro_batches=2,4", "debug=fast"]
@@ -134,15 +134,15 @@ def test_mode_plan_over_a_sweep_writes_the_report_with_predictions_only(tmp_path
     for row in rows:
         point = Path(row["directory"])
         plan = json.loads((point / "plan.json").read_text())
-        assert float(row["predicted_step_time_s"]) == pytest.approx(plan["step_seconds"], rel=1e-12)
-        assert float(row["predicted_bubble"]) == pytest.approx(plan["bubble_fraction"], rel=1e-12)
-        assert float(row["predicted_peak_bytes"]) == max(sum(role["bytes"].values()) for role in plan["roles"])
+        assert float(row["predicted_step_time_s"]) == pytest.approx(plan["step_time_s"], rel=1e-12)
+        assert float(row["predicted_bubble_fraction"]) == pytest.approx(plan["bubble_fraction"], rel=1e-12)
+        assert float(row["predicted_peak_compute_bytes"]) == max(sum(role["memory_bytes"].values()) for role in plan["roles"])
         assert row["prediction"].startswith("plan mode, hardware=cpu")
         measured = ("steps", "final_val_loss", "step_time_s_median", "peak_compute_bytes", "comm_bytes_send_recv")
         assert all(row[column] == "" for column in measured), "nothing was run, nothing measured"
         assert not (point / "summary.json").exists() and not (point / "checkpoints").exists()
     # more micro-batches, smaller bubble: the predictions differ per point
-    assert float(rows[1]["predicted_bubble"]) < float(rows[0]["predicted_bubble"])
+    assert float(rows[1]["predicted_bubble_fraction"]) < float(rows[0]["predicted_bubble_fraction"])
     report = (sweep / "sweep_report.md").read_text()
     assert "4 of 4 points planned" in report and "| planned |" in report and "Failed points" not in report
     assert (sweep / "sweep_report.png").exists() and not (sweep / "wandb").exists()

@@ -21,10 +21,11 @@ from strategies.tensor_parallel.grids import Style, grid_of, layout_arguments
 from strategies.tensor_parallel.parallelize import cut
 from strategies.tensor_parallel.layers import (GridLinear, ParallelEmbedding, ParallelLayerNorm,
                                                VocabularyParallelLoss)
-from tests.harness import (EXACT_RTOL, OPERATOR_RTOL, OPERATOR_SCALE_ATOL, QUICK, SAVED_AT_ANOTHER_HOOK,
-                           OptimizerTrace, assert_same_checkpoints, assert_same_losses, assert_same_parameters,
-                           compare_under_sgd, compose_config, consolidated_parameters, run_on_ranks,
-                           tracing_optimizer)
+from tests.ranks import QUICK, compose_config, run_on_ranks
+from tests.references import compare_under_sgd, consolidated_parameters, tracing_optimizer
+from tests.same_checkpoints import SAVED_AT_ANOTHER_HOOK, assert_same_checkpoints
+from tests.tolerances import (EXACT_RTOL, OPERATOR_RTOL, OPERATOR_SCALE_ATOL, OptimizerTrace, assert_same_losses,
+                              assert_same_parameters)
 
 Q = 2
 STEPS = 6
@@ -33,7 +34,7 @@ STEPS = 6
 # ----------------------------------------------------------------------------- operator level
 
 def close(actual, expected):
-    """fp32, relative to the tensor's scale, so entries near zero do not fail spuriously (harness table)."""
+    """fp32, relative to the tensor's scale, so entries near zero do not fail spuriously (tests/tolerances.py table)."""
     torch.testing.assert_close(actual, expected, rtol=OPERATOR_RTOL,
                                atol=OPERATOR_SCALE_ATOL * expected.abs().max().item())
 
@@ -217,8 +218,8 @@ def test_baselines_reproduce_single(strategy, devices, reference, tmp_path):
 
 @pytest.mark.parametrize("case", ["three_d_q2", "tp_1d_p2", "tp_2d_q2"])
 def test_tensor_parallel_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
-    """Plain SGD sees the gradient's scale, which AdamW normalises away (harness.SgdComparison):
-    losses, the first step's gradients and the parameters after harness.SGD_STEPS steps. One q=2
+    """Plain SGD sees the gradient's scale, which AdamW normalises away (references.SgdComparison):
+    losses, the first step's gradients and the parameters after references.SGD_STEPS steps. One q=2
     run (8 ranks); 1-D over 2 ranks."""
     compare_under_sgd(case, tmp_path, tmp_path_factory).check()
 

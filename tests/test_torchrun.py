@@ -18,7 +18,8 @@ from pathlib import Path
 from layerwise.run.launch import free_port
 from layerwise.run.fit import train
 from layerwise.preflight import validate
-from tests.harness import assert_same_losses, compose_config
+from tests.ranks import compose_config
+from tests.tolerances import assert_same_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))

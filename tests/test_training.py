@@ -7,8 +7,10 @@ import pytest
 from layerwise.run.fit import train
 from layerwise.preflight import validate
 from strategies.checkpoint.per_rank import read_checkpoint_file
-from tests.harness import (QUICK, SAVED_AT_ANOTHER_HOOK, OptimizerTrace, assert_same_checkpoints, assert_same_losses,
-                           assert_same_parameters, compare_under_sgd, compose_config, tracing_optimizer)
+from tests.ranks import QUICK, compose_config
+from tests.references import compare_under_sgd, tracing_optimizer
+from tests.same_checkpoints import SAVED_AT_ANOTHER_HOOK, assert_same_checkpoints
+from tests.tolerances import OptimizerTrace, assert_same_losses, assert_same_parameters
 
 STEPS = 10
 
@@ -50,8 +52,8 @@ def test_ddp_reproduces_single(reference, tmp_path):
 
 
 def test_ddp_equals_single_under_sgd(tmp_path, tmp_path_factory):
-    """Plain SGD sees the gradient's scale, which AdamW normalises away (harness.SgdComparison):
-    losses, the first step's gradients and the parameters after harness.SGD_STEPS steps."""
+    """Plain SGD sees the gradient's scale, which AdamW normalises away (references.SgdComparison):
+    losses, the first step's gradients and the parameters after references.SGD_STEPS steps."""
     compare_under_sgd("ddp_dp2", tmp_path, tmp_path_factory).check()
 
 

@@ -6,21 +6,21 @@ a rank holds: per stage, matrices and vectors each padded to a multiple of n (wh
 """
 
 import csv
-import inspect
 import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from layerwise.run.fit import fit_rank, train
+from layerwise.reproduce.measure import counted_fit
+from layerwise.run.fit import train
 from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
 from strategies.schedule import add_communication, build_plan, validate_plan
 from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, add_zero
-from tests.harness import (EXACT_RTOL, QUICK, OptimizerTrace, assert_same_checkpoints, assert_same_losses,
-                           assert_same_parameters, cached_references, compare_under_sgd, compose_config,
-                           consolidated_parameters, run_on_ranks)
+from tests.ranks import QUICK, compose_config, run_on_ranks
+from tests.references import cached_references, compare_under_sgd, consolidated_parameters
+from tests.same_checkpoints import assert_same_checkpoints
+from tests.tolerances import EXACT_RTOL, OptimizerTrace, assert_same_losses, assert_same_parameters
 
 STEPS = 5
 BATCH = ["data.global_batch_size=16"]  # splits into n=4 ranks × m=4 and n=2 × m=8
@@ -36,30 +36,7 @@ def run(directory, *extra, steps=STEPS):
     return train(cfg, directory, validate(cfg))
 
 
-# ----- an independent counter: wrap torch.distributed's collectives inside each rank
-
-def counted_fit(rank, cfg, directory, world):
-    """fit_rank with all-gather / reduce-scatter tallied from the raw tensors (not the Communicator)."""
-    import torch.distributed.distributed_c10d as c10d
-    tally = {"all_gather": 0.0, "reduce_scatter": 0.0}
-
-    def wrap(name, kind, full_argument):
-        original = getattr(c10d, name)
-        signature = inspect.signature(original)
-
-        def counted(*args, **kwargs):
-            arguments = signature.bind(*args, **kwargs).arguments
-            full = list(arguments.values())[full_argument]
-            size = dist.get_world_size(arguments.get("group"))
-            tally[kind] += full.numel() * full.element_size() * (size - 1) / size
-            return original(*args, **kwargs)
-        setattr(c10d, name, counted)
-        setattr(dist, name, counted)
-    wrap("all_gather_single", "all_gather", 0)  # (output, input, group, async_op): output is full
-    wrap("reduce_scatter_single", "reduce_scatter", 1)  # (output, input, op, group, ...): input is full
-    fit_rank(rank, cfg, directory, world)
-    return tally
-
+# ----- an independent counter (layerwise/reproduce/measure.py: raw torch.distributed tensors)
 
 def run_counted(directory, *extra, steps=STEPS):
     """Run with validation off (its gathers are not a training step's) and return the summary + tallies."""
@@ -140,8 +117,8 @@ def test_zero_equals_single_and_moves_3_n_minus_1_over_n_P(case, references, tmp
 @pytest.mark.parametrize("case", ["zero_layered_dp2_m4", "zero_layered_pp2_dp2_m4", "zero_depth_first_dp2_m4",
                                   "fsdp2_dp2_m4"])
 def test_zero_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
-    """Plain SGD sees the gradient's scale, which AdamW normalises away (harness.SgdComparison):
-    losses, the first step's gradients and the parameters after harness.SGD_STEPS steps. fsdp2 is
+    """Plain SGD sees the gradient's scale, which AdamW normalises away (references.SgdComparison):
+    losses, the first step's gradients and the parameters after references.SGD_STEPS steps. fsdp2 is
     PyTorch's ZeRO-3, the baseline."""
     compare_under_sgd(case, tmp_path, tmp_path_factory).check()
 

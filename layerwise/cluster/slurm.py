@@ -94,7 +94,7 @@ def job_resources(cfg, world_size: int) -> tuple:
             problems.append(f"hydra.launcher.{key}={resolved[key]} but {why}; Lightning would stop "
                             f"the job. Fix: drop hydra.launcher.{key} (it follows {source[key]}) or "
                             f"set {source[key]}={resolved[key]}.")
-    problems += memory_problems(raw, resolved, hardware)
+    problems += slurm_memory_errors(raw, resolved, hardware)
     gpus = resolved.get("gpus_per_node")
     if hardware.accelerator == "gpu":
         if gpus is None or _is_interpolation(raw.get("gpus_per_node")):
@@ -117,7 +117,7 @@ def node_memory_gb(hardware):
     return int(SCHEDULABLE_MEMORY_FRACTION * hardware.host_memory_bytes / 2 ** 30)
 
 
-def memory_problems(raw: dict, resolved: dict, hardware) -> list:
+def slurm_memory_errors(raw: dict, resolved: dict, hardware) -> list:
     """Fill mem_gb from the hardware profile unless set; an explicit one must fit the node."""
     derived = node_memory_gb(hardware)
     if raw.get("mem_gb") is None or _is_interpolation(raw.get("mem_gb")):

@@ -25,7 +25,7 @@ def worst_role(cfg, world_size: int) -> tuple:
     return label, breakdown, sum(breakdown.values()) * (1 + cfg.plan.allocator_margin)
 
 
-def memory_problems(cfg, world_size: int) -> list:
+def planned_memory_errors(cfg, world_size: int) -> list:
     """For validate: refuse a pipeline layout whose plan does not fit hardware.device_memory_bytes,
     naming the role, its breakdown and the single changes that would fit (each planned too)."""
     if planned_as(cfg.strategy.name) not in ("pipeline", "pipefisher") or not cfg.hardware.device_memory_bytes:

@@ -21,7 +21,7 @@ WHOLE_MODEL = strategies_planned_as("whole_model")  # likewise: one stage, no gr
 ONE_STAGE = TENSOR_ONLY + WHOLE_MODEL
 
 
-def plan_problems(cfg) -> list:
+def plan_mode_errors(cfg) -> list:
     """For validate in mode=plan: a strategy plan mode cannot price, or a price it lacks."""
     name = cfg.strategy.name
     if planned_as(name) is None:
@@ -63,13 +63,14 @@ def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
     """The model, layout and batch of a validated config, as the estimators see them; `vocabulary`
     defaults to the data group's (bytes: 256, token_bin: data.vocab_size; + [MASK] for BERT)."""
     if cfg.strategy.name not in PLANNED + ONE_STAGE:  # l2l: relay_plan_result
-        raise ConfigError(plan_problems(cfg))
+        raise ConfigError(plan_mode_errors(cfg))
     through_forward = cfg.strategy.name in ONE_STAGE  # Lightning's closure zeroes gradients after the forward
     cfg = as_planned(cfg)
     degrees = strategy_entry(cfg.strategy.name).degrees(cfg, world_size)
     shape = shape_of(cfg, vocabulary)
     layout = ComposedLayout(degrees.data, degrees.pipeline, tensor_parallel(cfg.strategy),
                             cfg.strategy.tensor_grid, cfg.strategy.name.startswith("zero"))
+    assert layout.degrees == degrees, (layout, degrees)  # one layout: the cost model's is the run's
     return Workload(shape, cfg.model.layers, cfg.model.heads, layout, cfg.strategy.layers_per_stage,
                     cfg.data.global_batch_size // (degrees.data * cfg.strategy.micro_batches),
                     cfg.optimizer.name, cfg.strategy.activation_recompute == "full",

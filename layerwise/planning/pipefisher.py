@@ -66,15 +66,15 @@ def pipefisher_plan_result(cfg, world_size: int) -> tuple:
     margin = cfg.plan.allocator_margin
     merged = roles([breakdown for breakdown, _ in per_rank])
     result = {**_result_header(cfg, world_size, workload, device, step["step_seconds"]),
-              "bubble_fraction": step["bubble_with_kfac"], "bubble_first_order": first["bubble_fraction"],
-              "step_first_order_seconds": first["step_seconds"],
-              "step_kfac_no_bubbles_seconds": step["no_bubbles_seconds"],
-              "preconditioning_seconds": step["preconditioning_seconds"],
+              "bubble_fraction": step["bubble_with_kfac"], "bubble_fraction_first_order": first["bubble_fraction"],
+              "step_time_first_order_s": first["step_seconds"],
+              "step_time_kfac_no_bubbles_s": step["no_bubbles_seconds"],
+              "preconditioning_s": step["preconditioning_seconds"],
               "refresh_interval": cycle.refresh_interval, "refresh_interval_needed": needed.refresh_interval if step["fits_bubbles"] else None,
               "refresh_interval_fit": fit_cycle.refresh_interval,  # strategies/pipefisher.py packs by FLOPs
               "kfac_work_per_bubble": needed.ratio, "packing": cycle.report(),
-              "exposed_data_seconds": first["exposed_data_seconds"],
-              "bytes_by_pipeline_rank": [{**traffic, "kfac_sync_all_reduce": sync_bytes_per_step(
+              "exposed_data_s": first["exposed_data_seconds"],
+              "comm_bytes_per_step_by_pipeline_rank": [{**traffic, "kfac_sync_all_reduce": sync_bytes_per_step(
                   workload, schedule, rank, cycle.refresh_interval)}
                   for rank, traffic in enumerate(first["bytes_by_rank"])],
               "roles": [{**_role(label, ranks, breakdown, margin, device), "kfac_bytes": per_rank[ranks[0]][1]}

@@ -10,28 +10,28 @@ from strategies.schedule import plot_timeline
 
 def table(result: dict, device: Device) -> str:
     lines = [f"plan: {result['strategy']} × {result['model']} × {result['hardware']} on {result['world_size']} "
-             f"devices; predicted step {result['step_seconds']:.3f} s, {result['tokens_per_s']:.0f} tokens/s, "
+             f"devices; predicted step {result['step_time_s']:.3f} s, {result['tokens_per_s']:.0f} tokens/s, "
              f"MFU {result['mfu']:.1%}, bubble {result['bubble_fraction']:.1%} (efficiency "
              f"{result['efficiency_assumed']:.0%} assumed, "
              f"{'hardware measured by mode=calibrate' if device.activation_seconds_per_element else 'not calibrated'})",
              f"{'role':40s} {'params':>8s} {'grads':>8s} {'optim':>8s} {'activ':>8s} {'buffers':>8s} "
              + "".join(f"{kind:>8s} " for kind in _extra_kinds(result)) + f"{'total GiB':>10s} {'device':>7s} fits"]
     for role in result["roles"]:
-        b = role["bytes"]
+        b = role["memory_bytes"]
         lines.append(f"{role['role']:40s} " + " ".join(f"{b[k] / GIB:8.2f}" for k in
                      ("parameters", "gradients", "optimizer", "activations", "buffers", *_extra_kinds(result)))
-                     + f" {role['total_bytes'] / GIB:10.2f} {device.memory_bytes / GIB:7.1f} "
+                     + f" {role['peak_with_margin_bytes'] / GIB:10.2f} {device.memory_bytes / GIB:7.1f} "
                      f"{'yes' if role['fits'] else 'NO'}")
     if "refresh_interval" in result:  # PipeFisher (layerwise/planning/pipefisher.py)
-        lines.append(f"PipeFisher: first-order step {result['step_first_order_seconds']:.3f} s, bubble "
-                     f"{result['bubble_first_order']:.1%} → {result['bubble_fraction']:.1%} with K-FAC packed into "
+        lines.append(f"PipeFisher: first-order step {result['step_time_first_order_s']:.3f} s, bubble "
+                     f"{result['bubble_fraction_first_order']:.1%} → {result['bubble_fraction']:.1%} with K-FAC packed into "
                      f"a {result['refresh_interval']}-step cycle (K-FAC work / bubble {result['kfac_work_per_bubble']:.2f})")
     return "\n".join(lines)
 
 
 def _extra_kinds(result: dict) -> list:
     """Kinds of bytes beyond the five every plan has (PipeFisher's "kfac"), as the roles list them."""
-    return [kind for kind in result["roles"][0]["bytes"]
+    return [kind for kind in result["roles"][0]["memory_bytes"]
             if kind not in ("parameters", "gradients", "optimizer", "activations", "buffers")]
 
 
@@ -48,10 +48,10 @@ def _plot_memory(result: dict, path: Path, device_memory_bytes: float) -> None:
     from matplotlib.figure import Figure
     figure = Figure(figsize=(9, 1.5 + 0.45 * len(result["roles"])), layout="constrained")
     axes = figure.add_subplot()
-    kinds = list(result["roles"][0]["bytes"])
+    kinds = list(result["roles"][0]["memory_bytes"])
     for colour, kind in enumerate(kinds):
-        lefts = [sum(role["bytes"][k] for k in kinds[:colour]) / GIB for role in result["roles"]]
-        widths = [role["bytes"][kind] / GIB for role in result["roles"]]
+        lefts = [sum(role["memory_bytes"][k] for k in kinds[:colour]) / GIB for role in result["roles"]]
+        widths = [role["memory_bytes"][kind] / GIB for role in result["roles"]]
         axes.barh(range(len(widths)), widths, left=lefts, color=f"C{colour}", label=kind)
     axes.axvline(device_memory_bytes / (1 + result["allocator_margin"]) / GIB, color="black", linestyle="--",
                  label="device memory less the allocator margin")

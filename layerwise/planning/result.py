@@ -26,7 +26,7 @@ def relay_plan_result(cfg, world_size: int) -> dict:
                                 cfg.plan.flash_attention)
     host_bytes = relay_host_memory(workload, strategy.micro_batches, strategy.constant_memory)
     return {**_result_header(cfg, world_size, workload, device, step["step_seconds"]),
-            "bubble_fraction": 0.0, "exposed_transfer_seconds": step["exposed_transfer_seconds"],
+            "bubble_fraction": 0.0, "exposed_transfer_s": step["exposed_transfer_seconds"],
             "host_bytes": host_bytes, "host_fits": sum(host_bytes.values()) <= cfg.hardware.host_memory_bytes,
             "roles": [_role("every data rank (device)", [0], device_bytes, margin, device)]}
 
@@ -47,7 +47,7 @@ def plan_result(cfg, world_size: int, with_timeline: bool = False):
     per_rank = [memory(workload, schedule, rank, cfg.plan.flash_attention) for rank in range(schedule.pipeline_degree)]
     margin = cfg.plan.allocator_margin
     result = {**_result_header(cfg, world_size, workload, device, step["step_seconds"]),
-              "bubble_fraction": step["bubble_fraction"], "exposed_data_seconds": step["exposed_data_seconds"],
-              "bytes_by_pipeline_rank": step["bytes_by_rank"],
+              "bubble_fraction": step["bubble_fraction"], "exposed_data_s": step["exposed_data_seconds"],
+              "comm_bytes_per_step_by_pipeline_rank": step["bytes_by_rank"],
               "roles": [_role(label, ranks, breakdown, margin, device) for label, ranks, breakdown in roles(per_rank)]}
     return (result, step["timeline"]) if with_timeline else result

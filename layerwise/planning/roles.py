@@ -28,17 +28,22 @@ def _label(ranks: list, last: int) -> str:
 
 
 def _result_header(cfg, world_size: int, workload: Workload, device: Device, step_seconds: float) -> dict:
-    """What every plan.json starts with: the point, the step, tokens/s and MFU."""
+    """What every plan.json starts with: the point, the step, tokens/s and MFU (summary.json's names
+    where they mean the same thing, units in the name: docs/evidence.md)."""
     tokens = cfg.data.global_batch_size * cfg.data.sequence_length
     flops = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
                                   workload.shape.vocabulary, cfg.model.mlp_ratio) * tokens
     return {"strategy": cfg.strategy.name, "model": cfg.model.name, "hardware": cfg.hardware.name,
-            "world_size": world_size, "layout": workload.layout.__dict__, "step_seconds": step_seconds,
+            "world_size": world_size, "layout": workload.layout.__dict__, "step_time_s": step_seconds,
             "tokens_per_s": tokens / step_seconds, "mfu": model_flops_utilization(flops, step_seconds, device.flops_per_second, world_size),
             "allocator_margin": cfg.plan.allocator_margin, "efficiency_assumed": device.efficiency}
 
 
 def _role(label: str, ranks: list, breakdown: dict, margin: float, device: Device) -> dict:
-    total = sum(breakdown.values()) * (1 + margin)
-    return {"role": label, "pipeline_ranks": ranks, "bytes": breakdown, "total_bytes": total,
-            "fits": total <= device.memory_bytes}
+    """One role of plan.json: its pipeline ranks, its bytes by kind (`memory_bytes`), their sum (the
+    predicted `peak_compute_bytes`, summary.json's measure) and that sum with the allocator margin,
+    which must fit the device."""
+    peak = sum(breakdown.values())
+    total = peak * (1 + margin)
+    return {"role": label, "pipeline_ranks": ranks, "memory_bytes": breakdown, "peak_compute_bytes": peak,
+            "peak_with_margin_bytes": total, "fits": total <= device.memory_bytes}

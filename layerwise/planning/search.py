@@ -68,8 +68,14 @@ class Layout:
         return FAMILIES[self.family][2]
 
     @property
+    def composed(self) -> ComposedLayout:
+        """The point's layout as planning and the cost model describe every layout (cost.inputs)."""
+        grid = None if self.tensor_parallel == "none" else self.tensor_parallel
+        return ComposedLayout(self.data_degree, self.pipeline_degree, grid, self.tensor_grid, FAMILIES[self.family][1])
+
+    @property
     def tensor_ranks(self) -> int:
-        return self.tensor_grid ** DIMENSION[self.tensor_parallel] if self.tensor_parallel != "none" else 1
+        return self.composed.tensor
 
     def strategy_fields(self) -> dict:
         """What the point's `strategy` node holds (the family's yaml plus these)."""
@@ -170,11 +176,8 @@ class Evaluator:
         self.activation_bytes = compute_bytes(cfg)
 
     def workload(self, layout: Layout) -> Workload:
-        zero = FAMILIES[layout.family][1]
-        grid = None if layout.tensor_parallel == "none" else layout.tensor_parallel
-        composed = ComposedLayout(layout.data_degree, layout.pipeline_degree, grid, layout.tensor_grid, zero)
         rows = self.cfg.data.global_batch_size // (layout.data_degree * layout.micro_batches)
-        return Workload(self.shape, self.cfg.model.layers, self.cfg.model.heads, composed, layout.layers_per_stage,
+        return Workload(self.shape, self.cfg.model.layers, self.cfg.model.heads, layout.composed, layout.layers_per_stage,
                         rows, self.cfg.optimizer.name, layout.activation_recompute == "full", self.activation_bytes,
                         gloo=self.cfg.hardware.process_group_backend == "gloo")
 
@@ -192,9 +195,9 @@ class Evaluator:
                                  for rank in {0, min(1, p - 1), p - 1}), key=lambda pair: sum(pair[1].values()))
         total = sum(worst.values()) * (1 + self.cfg.plan.allocator_margin)
         seconds = step["step_seconds"]
-        return {**asdict(layout), "step_seconds": seconds, "tokens_per_s": self.tokens / seconds,
+        return {**asdict(layout), "step_time_s": seconds, "tokens_per_s": self.tokens / seconds,
                 "mfu": model_flops_utilization(self.model_flops, seconds, self.device.flops_per_second, self.world),
-                "bubble_fraction": step["bubble_fraction"], "exposed_data_seconds": step["exposed_data_seconds"],
+                "bubble_fraction": step["bubble_fraction"], "exposed_data_s": step["exposed_data_seconds"],
                 "worst_pipeline_rank": worst_rank, "worst_role_bytes": total,
                 "fits": total <= self.device.memory_bytes}
 
@@ -221,7 +224,7 @@ def search(cfg, world: int, run_directory) -> dict:
     evaluate = Evaluator(cfg, world)
     rows = [evaluate(layout) for layout in layouts(cfg, world)]
     seconds = time.perf_counter() - started
-    fitting = sorted((row for row in rows if row["fits"]), key=lambda row: row["step_seconds"])
+    fitting = sorted((row for row in rows if row["fits"]), key=lambda row: row["step_time_s"])
     directory = Path(run_directory)
     directory.mkdir(parents=True, exist_ok=True)
     write_csv(fitting, directory / "plan_search.csv")
@@ -239,7 +242,7 @@ def search(cfg, world: int, run_directory) -> dict:
     rate = len(rows) / seconds * 60 if seconds else float("inf")
     print(f"searched {len(rows)} layouts in {seconds:.2f} s: {rate:,.0f} layouts per minute "
           f"(plan_search.csv in {directory})")
-    return {"step_seconds": top[0]["step_seconds"] if top else float("nan"), "layouts": len(rows),
+    return {"step_time_s": top[0]["step_time_s"] if top else float("nan"), "layouts": len(rows),
             "fitting": len(fitting), "search_seconds": seconds, "layouts_per_minute": rate, "top": top,
             "replanned": replanned}
 
@@ -260,7 +263,7 @@ def top_table(rows: list) -> str:
     lines = [f"{'#':>3s} {'layout':58s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>6s} {'bubble':>7s} "
              f"{'largest role GiB':>17s}"]
     for number, row in enumerate(rows, 1):
-        lines.append(f"{number:3d} {layout_of(row).describe():58s} {row['step_seconds']:8.4g} "
+        lines.append(f"{number:3d} {layout_of(row).describe():58s} {row['step_time_s']:8.4g} "
                      f"{row['tokens_per_s']:10.0f} {row['mfu']:6.1%} {row['bubble_fraction']:7.1%} "
                      f"{row['worst_role_bytes'] / GIB:17.3g}")
     return "\n".join(lines)
@@ -288,9 +291,9 @@ def replan(cfg, world: int, row: dict) -> dict:
         raise ConfigError([f"search produced a layout validation refuses ({layout_of(row).describe()}): "
                            + "; ".join(problems)])
     full = plan_result(point, world)
-    worst = max(role["total_bytes"] for role in full["roles"])
-    return {"layout": layout_of(row).describe(), "closed_form_step_seconds": row["step_seconds"],
-            "simulated_step_seconds": full["step_seconds"], "closed_form_worst_role_bytes": row["worst_role_bytes"],
+    worst = max(role["peak_with_margin_bytes"] for role in full["roles"])
+    return {"layout": layout_of(row).describe(), "closed_form_step_time_s": row["step_time_s"],
+            "simulated_step_time_s": full["step_time_s"], "closed_form_worst_role_bytes": row["worst_role_bytes"],
             "planned_worst_role_bytes": worst, "closed_form_mfu": row["mfu"], "simulated_mfu": full["mfu"]}
 
 
@@ -298,8 +301,8 @@ def replan_table(replanned: list) -> str:
     lines = ["re-planned through the full plan path (closed form | simulated plan):",
              f"{'layout':58s} {'step s':>19s} {'largest role GiB':>21s}"]
     for entry in replanned:
-        lines.append(f"{entry['layout']:58s} {entry['closed_form_step_seconds']:8.4g} | "
-                     f"{entry['simulated_step_seconds']:8.4g} {entry['closed_form_worst_role_bytes'] / GIB:9.3g} | "
+        lines.append(f"{entry['layout']:58s} {entry['closed_form_step_time_s']:8.4g} | "
+                     f"{entry['simulated_step_time_s']:8.4g} {entry['closed_form_worst_role_bytes'] / GIB:9.3g} | "
                      f"{entry['planned_worst_role_bytes'] / GIB:9.3g}")
     return "\n".join(lines)
 

@@ -1,6 +1,10 @@
 """What the claims measure at small scale, shared with the benchmarks that print the same numbers:
-L2L's compute-side peaks (benchmarks/l2l_memory.py) and the tensor-parallel runs' overrides
-(benchmarks/tensor_parallel.py)."""
+L2L's compute-side peaks (benchmarks/l2l_memory.py), the tensor-parallel runs' overrides
+(benchmarks/tensor_parallel.py) and an all-gather / reduce-scatter counter independent of
+parallel/comm.py's (benchmarks/zero_layered.py, tests/test_zero_layered.py)."""
+
+import inspect
+from contextlib import contextmanager
 
 import torch
 from omegaconf import OmegaConf
@@ -64,3 +68,50 @@ def overrides(arguments, strategy: str, devices: int) -> list:
              f"trainer.max_steps={arguments.steps}", "data.max_bytes=2000000",
              f"strategy={strategy}", f"hardware.devices_per_node={devices}"]
             + shape + ([GRIDS[strategy]] if strategy in GRIDS else []))
+
+
+# ----- an independent counter: torch.distributed's collectives tallied from their raw tensors
+
+COUNTED = (("all_gather_single", "all_gather", 0),  # (output, input, group, async_op): output is full
+           ("reduce_scatter_single", "reduce_scatter", 1))  # (output, input, op, group, ...): input is full
+
+
+@contextmanager
+def counted_collectives():
+    """Inside the block, every all-gather / reduce-scatter through torch.distributed adds its ring
+    bytes, full tensor × (n − 1)/n, to the yielded tally by kind: read from the tensors the call is
+    given, not from parallel/comm.py's Communicator, so the two counts check each other. The
+    functions are wrapped for the block only and restored on leaving it."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    tally = {kind: 0.0 for _, kind, _ in COUNTED}
+    originals = {name: (getattr(c10d, name), getattr(dist, name)) for name, _, _ in COUNTED}
+
+    def counting(name, kind, full_argument):
+        original, signature = originals[name][0], inspect.signature(originals[name][0])
+
+        def counted(*args, **kwargs):
+            arguments = signature.bind(*args, **kwargs).arguments
+            full = list(arguments.values())[full_argument]
+            size = dist.get_world_size(arguments.get("group"))
+            tally[kind] += full.numel() * full.element_size() * (size - 1) / size
+            return original(*args, **kwargs)
+        return counted
+    try:
+        for name, kind, full_argument in COUNTED:
+            wrapped = counting(name, kind, full_argument)
+            setattr(c10d, name, wrapped)
+            setattr(dist, name, wrapped)
+        yield tally
+    finally:
+        for name, (in_c10d, in_dist) in originals.items():
+            setattr(c10d, name, in_c10d)
+            setattr(dist, name, in_dist)
+
+
+def counted_fit(rank, cfg, directory, world) -> dict:
+    """`fit_rank` (one forked rank of a run) under `counted_collectives`; returns the rank's tally."""
+    from layerwise.run.fit import fit_rank
+    with counted_collectives() as tally:
+        fit_rank(rank, cfg, directory, world)
+    return tally

@@ -70,12 +70,12 @@ def plan_point(cfg, grid: str, ranks: int, batch: int, **hardware) -> dict:
     planned = planned_config(cfg, grid, ranks, batch, **hardware)
     result = plan_result(planned, ranks)
     communication = grid_seconds(workload_of(planned, ranks), device_of(planned), 0, 1)
-    role = max(result["roles"], key=lambda r: r["total_bytes"])
+    role = max(result["roles"], key=lambda r: r["peak_with_margin_bytes"])
     return {"grid": LABEL[grid], "GPUs": ranks, "q": edge(grid, ranks), "batch": batch,
-            "step_s": result["step_seconds"], "communication_s": communication,
-            "compute_s": result["step_seconds"] - communication,
-            "GB_per_GPU_per_step": sum(result["bytes_by_pipeline_rank"][0].values()) / GB,
-            "memory_GiB": role["total_bytes"] / GIB, "fits": role["fits"]}
+            "step_s": result["step_time_s"], "communication_s": communication,
+            "compute_s": result["step_time_s"] - communication,
+            "GB_per_GPU_per_step": sum(result["comm_bytes_per_step_by_pipeline_rank"][0].values()) / GB,
+            "memory_GiB": role["peak_with_margin_bytes"] / GIB, "fits": role["fits"]}
 
 
 # ----- at the paper's scale
@@ -202,7 +202,7 @@ def small_shape(cfg, arguments: Namespace):
 
 def predicted_bytes(cfg, grid: str, ranks: int, batch: int) -> dict:
     """Plan mode's logical bytes by kind for one rank of this grid (cost/traffic.py)."""
-    return plan_result(planned_config(cfg, grid, ranks, batch), ranks)["bytes_by_pipeline_rank"][0]
+    return plan_result(planned_config(cfg, grid, ranks, batch), ranks)["comm_bytes_per_step_by_pipeline_rank"][0]
 
 
 def compare(grid: str, ranks: int, measured: dict, predicted: dict) -> list:

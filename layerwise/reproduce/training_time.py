@@ -169,13 +169,13 @@ def evaluated(evaluate: Evaluator, layout) -> dict:
     m = 1 is the whole backward, as under layered accumulation."""
     row = evaluate(layout)
     if layout.family != "one_f_one_b" or layout.data_degree == 1:
-        return {**row, "overlap_credit_seconds": 0.0}
+        return {**row, "overlap_credit_s": 0.0}
     stages = evaluate.cfg.model.layers // layout.layers_per_stage
     backward = stage_seconds(evaluate.workload(layout), evaluate.device, 0, stages)[1]
-    credit = min(row["exposed_data_seconds"], backward)
-    step = row["step_seconds"] - credit
-    return {**row, "step_seconds": step, "tokens_per_s": row["tokens_per_s"] * row["step_seconds"] / step,
-            "mfu": row["mfu"] * row["step_seconds"] / step, "overlap_credit_seconds": credit}
+    credit = min(row["exposed_data_s"], backward)
+    step = row["step_time_s"] - credit
+    return {**row, "step_time_s": step, "tokens_per_s": row["tokens_per_s"] * row["step_time_s"] / step,
+            "mfu": row["mfu"] * row["step_time_s"] / step, "overlap_credit_s": credit}
 
 
 def efficient(point, row: dict) -> bool:
@@ -197,9 +197,9 @@ def fastest_per_configuration(point, gpus: int, configurations) -> dict:
         if not efficient(point, row):
             continue
         fitting, unconstrained = best.get(name, (None, None))
-        if row["fits"] and (fitting is None or row["step_seconds"] < fitting["step_seconds"]):
+        if row["fits"] and (fitting is None or row["step_time_s"] < fitting["step_time_s"]):
             fitting = row
-        if unconstrained is None or row["step_seconds"] < unconstrained["step_seconds"]:
+        if unconstrained is None or row["step_time_s"] < unconstrained["step_time_s"]:
             unconstrained = row
         best[name] = (fitting, unconstrained)
     return best
@@ -227,11 +227,11 @@ def scan(point) -> dict:
         best = fastest_per_configuration(point, gpus, active)
         for name in active:
             entry, (fitting, unconstrained) = found[name], best.get(name, (None, None))
-            entry["curve"].append((gpus, fitting["step_seconds"] if fitting else math.nan))
+            entry["curve"].append((gpus, fitting["step_time_s"] if fitting else math.nan))
             if unconstrained and (entry["unconstrained"] is None
-                                  or unconstrained["step_seconds"] < entry["unconstrained"]["step_seconds"]):
+                                  or unconstrained["step_time_s"] < entry["unconstrained"]["step_time_s"]):
                 entry["unconstrained"] = {**unconstrained, "gpus": gpus}
-            if fitting and (entry["fitting"] is None or fitting["step_seconds"] < entry["fitting"]["step_seconds"]):
+            if fitting and (entry["fitting"] is None or fitting["step_time_s"] < entry["fitting"]["step_time_s"]):
                 entry["fitting"], entry["stale"] = {**fitting, "gpus": gpus}, 0
             elif entry["fitting"] is not None:
                 entry["stale"] += 1
@@ -285,14 +285,14 @@ def pipeline_transfer_share(point, row: dict) -> float:
     evaluate = Evaluator(point, row["gpus"])
     loops = point.model.layers // (layout.layers_per_stage * layout.pipeline_degree)
     receives = 2 * loops * layout.micro_batches
-    return receives * receive_seconds(evaluate.workload(layout), evaluate.device) / row["step_seconds"]
+    return receives * receive_seconds(evaluate.workload(layout), evaluate.device) / row["step_time_s"]
 
 
 def network_free_step(point, row: dict) -> float:
     """The same layout's step with infinitely fast links: the compute-bound step."""
     evaluate = Evaluator(point, row["gpus"])
     evaluate.device = replace(evaluate.device, intra_node_bandwidth=math.inf, inter_node_bandwidth=math.inf)
-    return evaluated(evaluate, layout_of(row))["step_seconds"]
+    return evaluated(evaluate, layout_of(row))["step_time_s"]
 
 
 def missing_row(point, budget: dict, configuration: str, entry: dict) -> dict:
@@ -302,7 +302,7 @@ def missing_row(point, budget: dict, configuration: str, entry: dict) -> dict:
     free = entry["unconstrained"]
     return {"model": point.model.name, "hardware": point.hardware.name, "configuration": configuration,
             "reason": reason,
-            "unconstrained_days": budget["steps"] * free["step_seconds"] / 86400 if free else math.nan,
+            "unconstrained_days": budget["steps"] * free["step_time_s"] / 86400 if free else math.nan,
             "unconstrained_layout": layout_of(free).describe() if free else ""}
 
 
@@ -320,17 +320,17 @@ def summary_row(point, budget: dict, configuration: str, entry: dict) -> dict:
             "at_gpu_cap": row["gpus"] == MAXIMUM_GPUS,  # more GPUs might still shorten it
             "layout": layout.describe(),
             "loops": point.model.layers // (layout.layers_per_stage * layout.pipeline_degree),
-            "step_seconds": row["step_seconds"], "days": budget["steps"] * row["step_seconds"] / 86400,
-            "overlap_credit_seconds": row["overlap_credit_seconds"],
+            "step_time_s": row["step_time_s"], "days": budget["steps"] * row["step_time_s"] / 86400,
+            "overlap_credit_s": row["overlap_credit_s"],
             "mfu": row["mfu"], "bubble_fraction": row["bubble_fraction"],
-            "network_overhead": 1 - network_free_step(point, row) / row["step_seconds"],
+            "network_overhead": 1 - network_free_step(point, row) / row["step_time_s"],
             "pipeline_transfer_share": pipeline_transfer_share(point, row),
             "bandwidth_needed_gb_s": bandwidth_needed(point, row) / 1e9,
             "bandwidth_achieved_gb_s": link_bandwidth(evaluate.device, row["gpus"]) / 1e9,
             "memory_gib": row["worst_role_bytes"] / GIB, "memory_fraction": row["worst_role_bytes"] / memory,
             "state_fraction": state / memory,
-            "unconstrained_days": budget["steps"] * entry["unconstrained"]["step_seconds"] / 86400,
-            "unconstrained_step_ratio": row["step_seconds"] / entry["unconstrained"]["step_seconds"]}
+            "unconstrained_days": budget["steps"] * entry["unconstrained"]["step_time_s"] / 86400,
+            "unconstrained_step_ratio": row["step_time_s"] / entry["unconstrained"]["step_time_s"]}
 
 
 # ----- 5. at the paper's scale

@@ -41,7 +41,7 @@ def predicted_steps(ranks: int) -> dict:
     simulator) with the hardware=cpu profile."""
     from layerwise.config.store import compose
     from layerwise.planning.result import plan_result
-    return {name: plan_result(compose([*overrides, "mode=plan"]), ranks)["step_seconds"]
+    return {name: plan_result(compose([*overrides, "mode=plan"]), ranks)["step_time_s"]
             for name, overrides in small_variants(ranks).items()}
 
 
@@ -57,13 +57,13 @@ def measured_steps(directory: Path, ranks: int, run=None) -> tuple:
             summary = run([*overrides, f"trainer.max_steps={SMALL_STEPS}"], run_directory)
             if summary.get("status") != "completed":
                 raise RuntimeError(f"{name} failed: {summary.get('error')} (log in {run_directory})")
-            runs.append({"variant": name, "round": round_number, "step_seconds": summary["step_time_s_median"],
+            runs.append({"variant": name, "round": round_number, "step_time_s": summary["step_time_s_median"],
                          "bubble_measured": (summary.get("bubble_fraction") or {}).get("measured", math.nan),
                          "bubble_simulated": (summary.get("bubble_fraction") or {}).get("simulated", math.nan),
                          "final_train_loss": summary.get("final_train_loss")})
-            print(f"[training_time] {name} round {round_number}: median step {runs[-1]['step_seconds']:.3f} s",
+            print(f"[training_time] {name} round {round_number}: median step {runs[-1]['step_time_s']:.3f} s",
                   flush=True)
-    means = {name: sum(r["step_seconds"] for r in runs if r["variant"] == name) / SMALL_ROUNDS for name in variants}
+    means = {name: sum(r["step_time_s"] for r in runs if r["variant"] == name) / SMALL_ROUNDS for name in variants}
     return means, runs
 
 

@@ -18,7 +18,7 @@ def gpu_available() -> bool:
     return local_gpu_count() > 0
 
 
-def gpu_problems(cfg, submitting: bool = False) -> list:
+def gpu_errors(cfg, submitting: bool = False) -> list:
     """A GPU profile to fit here needs a GPU here; submitting (hydra/launcher=slurm): the GPUs are on
     the cluster's nodes, not on this machine."""
     hardware = cfg.hardware

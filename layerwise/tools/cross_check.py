@@ -9,7 +9,7 @@ sets the rank up at the full world size under the fake process group and measure
    against the role's analytic bytes before the allocator margin; they agree when the ratio
    dry / analytic is within 1 ± MEMORY_TOLERANCE;
 2. communication: the step's logical bytes per kind (parallel/comm.py's Communicator) against the
-   plan's `bytes_by_pipeline_rank` (cost/traffic.py); they agree only when every kind is equal.
+   plan's `comm_bytes_per_step_by_pipeline_rank` (cost/traffic.py); they agree only when every kind is equal.
 
 Where they disagree the entry says so, with both numbers; nothing is hidden or averaged away.
 """
@@ -44,17 +44,17 @@ def role_rank(cfg, world_size: int, pipeline_rank: int) -> int:
 
 def compare(role: dict, analytic_kinds: dict, measured: dict) -> dict:
     """One role's comparison (module docstring): the numbers, the ratio and what disagrees."""
-    analytic = sum(role["bytes"].values())
+    analytic = sum(role["memory_bytes"].values())
     peak = measured["peak_compute_bytes"]
     dry_kinds = measured["bytes_by_kind"]
     differing = [kind for kind in KINDS if not _equal(analytic_kinds.get(kind, 0.0), dry_kinds.get(kind, 0.0))]
     return {"role": role["role"], "pipeline_rank": role["pipeline_ranks"][0], "rank": measured["rank"],
-            "analytic_bytes": analytic, "dry_run_peak_bytes": peak, "ratio": peak / analytic,
+            "analytic_peak_compute_bytes": analytic, "dry_run_peak_compute_bytes": peak, "ratio": peak / analytic,
             "memory_agrees": abs(peak / analytic - 1) <= MEMORY_TOLERANCE,
-            "analytic_bytes_by_kind": {kind: float(analytic_kinds.get(kind, 0.0)) for kind in KINDS},
-            "dry_run_bytes_by_kind": dict(dry_kinds), "collective_bytes_equal": not differing,
+            "analytic_comm_bytes_per_step": {kind: float(analytic_kinds.get(kind, 0.0)) for kind in KINDS},
+            "dry_run_comm_bytes_per_step": dict(dry_kinds), "collective_bytes_equal": not differing,
             "kinds_differing": differing, "fake_tensors": measured["fake_tensors"],
-            "emulated": measured["emulated"], "seconds": measured["seconds"],
+            "emulated": measured["emulated"], "wall_time_s": measured["seconds"],
             "most_sends_held": measured.get("most_sends_held")}
 
 
@@ -65,7 +65,7 @@ def _equal(a: float, b: float) -> bool:
 def cross_check(cfg, world_size: int, result: dict, fake_tensors: bool | None = None) -> list:
     """Dry-run one rank of each role of `result` (plan_result's) and compare (module docstring).
     fake_tensors: None chooses by the model's parameter count (FAKE_TENSORS_ABOVE)."""
-    if "bytes_by_pipeline_rank" not in result:  # l2l's relay: priced in closed form, not dry-run yet
+    if "comm_bytes_per_step_by_pipeline_rank" not in result:  # l2l's relay: priced in closed form, not dry-run yet
         return []
     if fake_tensors is None:
         fake_tensors = model_parameters(cfg) > FAKE_TENSORS_ABOVE
@@ -76,7 +76,7 @@ def cross_check(cfg, world_size: int, result: dict, fake_tensors: bool | None = 
         pipeline_rank = role["pipeline_ranks"][0]
         measured = dry_run(cfg, role_rank(cfg, world_size, pipeline_rank), world_size, fake_tensors=fake_tensors)
         measured["fake_tensors"] = fake_tensors
-        entries.append(compare(role, result["bytes_by_pipeline_rank"][pipeline_rank], measured))
+        entries.append(compare(role, result["comm_bytes_per_step_by_pipeline_rank"][pipeline_rank], measured))
     return entries
 
 
@@ -92,7 +92,7 @@ def _without_gloo_temporaries(cfg, world_size: int) -> dict:
     workload = workload_of(cfg, world_size)
     temporaries = gloo_temporaries(workload, workload.micro_batch_rows * workload.shape.length)
     for role in result["roles"]:
-        role["bytes"] = {**role["bytes"], "buffers": role["bytes"]["buffers"] - temporaries}
+        role["memory_bytes"] = {**role["memory_bytes"], "buffers": role["memory_bytes"]["buffers"] - temporaries}
     return result
 
 
@@ -101,12 +101,12 @@ def describe(entry: dict) -> str:
     mib = 2 ** 20
     memory = "agree" if entry["memory_agrees"] else f"DISAGREE (beyond {MEMORY_TOLERANCE:.0%})"
     collectives = "equal" if entry["collective_bytes_equal"] else "DIFFER in " + ", ".join(
-        f"{kind} (analytic {entry['analytic_bytes_by_kind'][kind]:.6g}, dry run "
-        f"{entry['dry_run_bytes_by_kind'][kind]:.6g})" for kind in entry["kinds_differing"])
-    return (f"dry run rank {entry['rank']} for {entry['role']}: peak {entry['dry_run_peak_bytes'] / mib:.2f} MiB "
-            f"vs analytic {entry['analytic_bytes'] / mib:.2f} MiB, ratio {entry['ratio']:.3f}: {memory}; "
+        f"{kind} (analytic {entry['analytic_comm_bytes_per_step'][kind]:.6g}, dry run "
+        f"{entry['dry_run_comm_bytes_per_step'][kind]:.6g})" for kind in entry["kinds_differing"])
+    return (f"dry run rank {entry['rank']} for {entry['role']}: peak {entry['dry_run_peak_compute_bytes'] / mib:.2f} MiB "
+            f"vs analytic {entry['analytic_peak_compute_bytes'] / mib:.2f} MiB, ratio {entry['ratio']:.3f}: {memory}; "
             f"collective bytes {collectives} ({'fake' if entry['fake_tensors'] else 'real'} tensors, "
-            f"{entry['seconds']:.1f} s)")
+            f"{entry['wall_time_s']:.1f} s)")
 
 
 def annotate(cfg, world_size: int, result: dict) -> None:

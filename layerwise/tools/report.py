@@ -29,8 +29,11 @@ from parallel.comm import KINDS
 
 SUMMARY_VALUES = ["final_val_loss", "step_time_s_median", "tokens_per_s_median", "tokens_per_s_per_device", "mfu",
                   "peak_compute_bytes", "allocator_peak_bytes"]  # copied under their summary.json names
-MEASURED = SUMMARY_VALUES + [f"comm_bytes_{kind}" for kind in KINDS] + ["bubble_simulated", "bubble_measured"]
-PREDICTED = ["predicted_step_time_s", "predicted_peak_bytes", "predicted_bubble", "predicted_bytes_per_step"]
+MEASURED = SUMMARY_VALUES + [f"comm_bytes_{kind}" for kind in KINDS] + ["bubble_fraction_simulated",
+                                                                         "bubble_fraction_measured"]
+# plan mode's figure of the same name, predicted (comm_bytes_per_step: all kinds, the busiest pipeline rank)
+PREDICTED = ["predicted_step_time_s", "predicted_peak_compute_bytes", "predicted_bubble_fraction",
+             "predicted_comm_bytes_per_step"]
 COLUMNS = ["point", "overrides", "strategy", "status", "failure_reason", "steps"] + MEASURED + PREDICTED \
     + ["prediction", "directory"]
 SUMMARY_FILE, MARKDOWN_FILE, FIGURE_FILE = "sweep_summary.csv", "sweep_report.md", "sweep_report.png"
@@ -99,7 +102,7 @@ def measurements(summary: dict) -> dict:
     bubble = summary.get("bubble_fraction") or {}
     values = {key: summary.get(key) for key in SUMMARY_VALUES}
     values.update({f"comm_bytes_{kind}": comm.get(kind) for kind in KINDS})
-    values.update(bubble_simulated=bubble.get("simulated"), bubble_measured=bubble.get("measured"))
+    values.update(bubble_fraction_simulated=bubble.get("simulated"), bubble_fraction_measured=bubble.get("measured"))
     return values
 
 
@@ -115,9 +118,9 @@ def prediction(cfg, world_size: int) -> dict:
                               f"(layerwise.planning.inputs.PLANNED: {', '.join(PLANNED)})"}
     step = predict_step(workload_of(cfg, world_size), device_of(cfg), training_plan_of(cfg))
     _, breakdown, _ = worst_role(cfg, world_size)
-    return {"predicted_step_time_s": step["step_seconds"], "predicted_bubble": step["bubble_fraction"],
-            "predicted_peak_bytes": sum(breakdown.values()),
-            "predicted_bytes_per_step": max(sum(rank.values()) for rank in step["bytes_by_rank"]),
+    return {"predicted_step_time_s": step["step_seconds"], "predicted_bubble_fraction": step["bubble_fraction"],
+            "predicted_peak_compute_bytes": sum(breakdown.values()),
+            "predicted_comm_bytes_per_step": max(sum(rank.values()) for rank in step["bytes_by_rank"]),
             "prediction": prediction_source(cfg)}
 
 
@@ -129,17 +132,38 @@ def prediction_source(cfg) -> str:
 
 def planned(directory: Path, cfg) -> dict:
     """A mode=plan point's columns: the plan.json it wrote (layerwise/planning/mode.py), predictions only."""
-    result = read_json(directory / "plan.json")
+    result = plan_with_current_names(read_json(directory / "plan.json"))
     if result is None:
         return {"status": "failed", "prediction": "none: the point wrote no plan.json",
                 "failure_reason": "no plan.json: the point stopped before its plan was written (see its train.log)"}
-    per_rank = result.get("bytes_by_pipeline_rank") or []  # L2L's relay plan has no pipeline ranks
+    per_rank = result.get("comm_bytes_per_step_by_pipeline_rank") or []  # L2L's relay plan has no pipeline ranks
     return {"status": "planned", "strategy": result["strategy"], "failure_reason": "",
-            "predicted_step_time_s": result["step_seconds"], "predicted_bubble": result["bubble_fraction"],
+            "predicted_step_time_s": result["step_time_s"], "predicted_bubble_fraction": result["bubble_fraction"],
             # without the allocator margin, as prediction() gives it beside a measurement
-            "predicted_peak_bytes": max(sum(role["bytes"].values()) for role in result["roles"]),
-            "predicted_bytes_per_step": max((sum(rank.values()) for rank in per_rank), default=None),
+            "predicted_peak_compute_bytes": max(sum(role["memory_bytes"].values()) for role in result["roles"]),
+            "predicted_comm_bytes_per_step": max((sum(rank.values()) for rank in per_rank), default=None),
             "prediction": prediction_source(cfg)}
+
+
+# plan.json's names before issue 27 gave it summary.json's vocabulary (docs/evidence.md, "Migration
+# (issue 27)"): a run directory written before then still reports.
+PLAN_NAMES_BEFORE_27 = {"step_seconds": "step_time_s", "bytes_by_pipeline_rank": "comm_bytes_per_step_by_pipeline_rank",
+                        "exposed_data_seconds": "exposed_data_s", "exposed_transfer_seconds": "exposed_transfer_s",
+                        "bubble_first_order": "bubble_fraction_first_order",
+                        "step_first_order_seconds": "step_time_first_order_s",
+                        "step_kfac_no_bubbles_seconds": "step_time_kfac_no_bubbles_s",
+                        "preconditioning_seconds": "preconditioning_s"}
+ROLE_NAMES_BEFORE_27 = {"bytes": "memory_bytes", "total_bytes": "peak_with_margin_bytes"}
+
+
+def plan_with_current_names(result):
+    """A plan.json's object under today's names, whichever issue wrote it (None stays None)."""
+    if result is None:
+        return None
+    renamed = {PLAN_NAMES_BEFORE_27.get(key, key): value for key, value in result.items()}
+    renamed["roles"] = [{ROLE_NAMES_BEFORE_27.get(key, key): value for key, value in role.items()}
+                        for role in result.get("roles", [])]
+    return renamed
 
 
 def point_row(directory: Path) -> dict:
@@ -218,13 +242,13 @@ def formatted(rows: list, labels: list) -> tuple:
     cells = []
     for row, label in zip(rows, labels):
         moved = [row[f"comm_bytes_{kind}"] for kind in KINDS if row[f"comm_bytes_{kind}"] is not None]
-        bubbles = [row["bubble_simulated"], row["bubble_measured"], row["predicted_bubble"]]
+        bubbles = [row["bubble_fraction_simulated"], row["bubble_fraction_measured"], row["predicted_bubble_fraction"]]
         cells.append([str(row["point"]), label, row["status"], number(row["final_val_loss"], digits=4),
                       number(row["step_time_s_median"], 1e-3, 1), number(row["predicted_step_time_s"], 1e-3, 1),
                       number(row["tokens_per_s_median"], digits=0), number(row["tokens_per_s_per_device"], digits=0),
                       number(row["mfu"], 1e-2, 2), number(row["peak_compute_bytes"], MIB, 2),
-                      number(row["predicted_peak_bytes"], MIB, 2), number(row["allocator_peak_bytes"], MIB, 2),
-                      number(sum(moved), MIB, 3) if moved else "", number(row["predicted_bytes_per_step"], MIB, 3),
+                      number(row["predicted_peak_compute_bytes"], MIB, 2), number(row["allocator_peak_bytes"], MIB, 2),
+                      number(sum(moved), MIB, 3) if moved else "", number(row["predicted_comm_bytes_per_step"], MIB, 3),
                       "/".join(number(b, digits=2) or "–" for b in bubbles) if any(b is not None for b in bubbles)
                       else ""])
     return headers, cells
@@ -287,7 +311,7 @@ def plot(rows: list, labels: list, curves: list, path: Path, title: str) -> Path
                               "plan mode": [_scaled(r["predicted_step_time_s"], 1e-3) for r in rows]},
           "ms per step", "step time: predicted vs measured (no bar: not planned)")
     _bars(grid[2][1], ticks, {"measured compute-side peak": [_scaled(r["peak_compute_bytes"], MIB) for r in rows],
-                              "plan mode (busiest pipeline rank)": [_scaled(r["predicted_peak_bytes"], MIB)
+                              "plan mode (busiest pipeline rank)": [_scaled(r["predicted_peak_compute_bytes"], MIB)
                                                                     for r in rows]},
           "MiB", "memory: predicted vs measured (no bar: not planned)")
     figure.savefig(path, dpi=80)
@@ -302,9 +326,9 @@ def plot_predictions(rows: list, labels: list, path: Path, title: str) -> Path:
     grid = figure.subplots(2, 2)
     ticks = [f"#{row['point']}\n" + "\n".join(map(short_override, label.split())) for row, label in zip(rows, labels)]
     panels = ((grid[0][0], "predicted_step_time_s", 1e-3, "ms per step", "predicted step time"),
-              (grid[0][1], "predicted_peak_bytes", MIB, "MiB", "predicted memory (busiest pipeline rank)"),
-              (grid[1][0], "predicted_bytes_per_step", MIB, "MiB per rank per step", "predicted bytes per step"),
-              (grid[1][1], "predicted_bubble", 1e-2, "% of the step", "predicted bubble"))
+              (grid[0][1], "predicted_peak_compute_bytes", MIB, "MiB", "predicted memory (busiest pipeline rank)"),
+              (grid[1][0], "predicted_comm_bytes_per_step", MIB, "MiB per rank per step", "predicted bytes per step"),
+              (grid[1][1], "predicted_bubble_fraction", 1e-2, "% of the step", "predicted bubble"))
     for axes, column, scale, unit, name in panels:
         _bars(axes, ticks, {name: [_scaled(row[column], scale) for row in rows]}, unit, name)
     figure.savefig(path, dpi=80)

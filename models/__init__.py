@@ -8,6 +8,7 @@
 
 from models.bert import BERT
 from models.gpt import GPT
+from models.llama import Llama
 from models.transformer import (
     Block,
     LanguageModel,
@@ -18,11 +19,11 @@ from models.transformer import (
     parameter_count,
 )
 
-ARCHITECTURES = {"gpt": GPT, "bert": BERT}
+ARCHITECTURES = {"gpt": GPT, "bert": BERT, "llama": Llama}
 
 
 def build_model(architecture: str, **kwargs) -> LanguageModel:
-    """The model named by `architecture` ("gpt" | "bert"), built from the keyword arguments."""
+    """The model named by `architecture` ("gpt" | "bert" | "llama"), built from the keyword arguments."""
     if architecture not in ARCHITECTURES:
         raise ValueError(
             f"model.architecture: unknown {architecture!r}; "
@@ -32,6 +33,6 @@ def build_model(architecture: str, **kwargs) -> LanguageModel:
 
 
 __all__ = [
-    "ARCHITECTURES", "BERT", "Block", "GPT", "LanguageModel", "build_block", "build_model",
+    "ARCHITECTURES", "BERT", "Block", "GPT", "Llama", "LanguageModel", "build_block", "build_model",
     "initialize_block", "model_flops_per_token", "on_meta", "parameter_count",
 ]

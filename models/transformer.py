@@ -38,9 +38,9 @@ def initialize(module: nn.Module, *, seed: int, name, residual_std: float = INIT
     """
     generator = torch.Generator(device="cpu").manual_seed(derived_seed(seed, name))
     for module_name, child in module.named_modules():
-        if isinstance(child, nn.LayerNorm):
+        if isinstance(child, (nn.LayerNorm, nn.RMSNorm)):
             _fill(child.weight, 1.0)
-            _fill(child.bias, 0.0)
+            _fill(getattr(child, "bias", None), 0.0)
         elif isinstance(child, (nn.Linear, nn.Embedding)):
             is_residual_output = module_name.split(".")[-1] in ("proj", "fc_out")
             std = residual_std if is_residual_output else INIT_STD
@@ -197,7 +197,7 @@ def on_meta(module: nn.Module) -> bool:
 class LanguageModel(nn.Module):
     """embed -> blocks "0".."L-1" -> head, with a cross-entropy loss; GPT and BERT subclass it.
 
-    Subclasses set `causal` and implement `make_head`. forward is a plain loop over blocks, so a
+    Subclasses set `causal` and implement `make_head` (Llama also `make_block`, `make_embed`). forward is a plain loop over blocks, so a
     strategy can run any contiguous or looping subset of layers by indexing `blocks` by name.
     Built with device="meta" the model holds shapes only, and a process materialises just the
     parts it owns (`materialise`), or builds a part's seeded values alone (`build_part`).
@@ -236,12 +236,10 @@ class LanguageModel(nn.Module):
     def build_part(self, part: str, device) -> nn.Module:
         """The part named `part`, alone, with the values it has in the full model seeded `seed`."""
         if part.startswith("blocks."):
-            return build_block(hidden=self.hidden, heads=self.heads, mlp_ratio=self.mlp_ratio,
-                               dropout=self.dropout, causal=self.causal, seed=self.seed,
-                               index=int(part.removeprefix("blocks.")), layers=self.layers,
-                               device=device)
-        makers = {"embed": lambda: Embedding(self.vocab_size, self.sequence_length, self.hidden, self.dropout),
-                  "head": lambda: self.make_head(self.hidden, self.vocab_size)}
+            return seeded_module(self.make_block, device, seed=self.seed,
+                                 name=int(part.removeprefix("blocks.")),
+                                 residual_std=residual_init_std(self.layers))
+        makers = {"embed": self.make_embed, "head": lambda: self.make_head(self.hidden, self.vocab_size)}
         if part not in makers:
             raise ValueError(f"unknown part {part!r}: embed, blocks.<index> or head")
         return seeded_module(makers[part], device, seed=self.seed, name=part)
@@ -261,6 +259,12 @@ class LanguageModel(nn.Module):
         # After the head's own init, so the shared Parameter keeps the embedding's values.
         if self.tie_embeddings and self.embed is not None and self.head is not None:
             self.head.output.weight = self.embed.token.weight
+
+    def make_block(self) -> nn.Module:
+        return Block(self.hidden, self.heads, self.mlp_ratio, self.dropout, self.causal)
+
+    def make_embed(self) -> nn.Module:
+        return Embedding(self.vocab_size, self.sequence_length, self.hidden, self.dropout)
 
     def make_head(self, hidden: int, vocab_size: int) -> nn.Module:
         raise NotImplementedError

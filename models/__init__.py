@@ -8,9 +8,12 @@
 
 from models.bert import BERT
 from models.gpt import GPT
-from models.llama import Llama
+from models.llama import Llama, describe_llama_block
 from models.transformer import (
     Block,
+    BlockDescription,
+    LinearShape,
+    describe_gpt_block,
     LanguageModel,
     build_block,
     initialize_block,
@@ -20,6 +23,13 @@ from models.transformer import (
 )
 
 ARCHITECTURES = {"gpt": GPT, "bert": BERT, "llama": Llama}
+DESCRIPTIONS = {"gpt": describe_gpt_block, "bert": describe_gpt_block, "llama": describe_llama_block}
+
+
+def describe_block(architecture: str, **shape) -> BlockDescription:
+    """One block of `architecture` as data (norms, linears with fan-in/out and role, heads):
+    `shape` holds the model config's fields (hidden, heads, mlp_ratio, kv_heads, ffn_hidden, ...)."""
+    return DESCRIPTIONS[architecture](**shape)
 
 
 def build_model(architecture: str, **kwargs) -> LanguageModel:
@@ -33,6 +43,6 @@ def build_model(architecture: str, **kwargs) -> LanguageModel:
 
 
 __all__ = [
-    "ARCHITECTURES", "BERT", "Block", "GPT", "Llama", "LanguageModel", "build_block", "build_model",
+    "ARCHITECTURES", "BERT", "Block", "BlockDescription", "GPT", "Llama", "LinearShape", "describe_block", "LanguageModel", "build_block", "build_model",
     "initialize_block", "model_flops_per_token", "on_meta", "parameter_count",
 ]

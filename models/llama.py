@@ -13,7 +13,24 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.transformer import LanguageModel
+from models.transformer import BlockDescription, LanguageModel, LinearShape
+
+
+def describe_llama_block(hidden: int, heads: int, kv_heads: int = None, ffn_hidden: int = None,
+                         mlp_ratio: int = 4, qkv_bias: bool = False, **_) -> BlockDescription:
+    """The Llama block (`LlamaBlock`) as data: q/k/v column linears (k, v kv_heads·d wide), the
+    output projection and SwiGLU's down row linears, gate/up column linears."""
+    kv, ffn, d = kv_heads or heads, ffn_hidden or mlp_ratio * hidden, hidden // heads
+    return BlockDescription(
+        norms=("norm_attention", "norm_mlp"), norm="rms",
+        linears=(LinearShape("attention.q", hidden, heads * d, "column", bias=qkv_bias),
+                 LinearShape("attention.k", hidden, kv * d, "column", bias=qkv_bias),
+                 LinearShape("attention.v", hidden, kv * d, "column", bias=qkv_bias),
+                 LinearShape("attention.proj", heads * d, hidden, "row", bias=False),
+                 LinearShape("mlp.gate", hidden, ffn, "column", bias=False),
+                 LinearShape("mlp.up", hidden, ffn, "column", bias=False),
+                 LinearShape("mlp.fc_out", ffn, hidden, "row", bias=False)),
+        hidden=hidden, heads=heads, kv_heads=kv, mlp_width=ffn, gated=True, rotary=True)
 
 
 def rotary_frequencies(head_dim: int, theta: float, scaling=None) -> torch.Tensor:

@@ -9,6 +9,7 @@ shapes only; `materialise` gives chosen parts storage and their seeded values, o
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -66,6 +67,69 @@ def residual_init_std(layers: int) -> float:
     return INIT_STD / math.sqrt(2 * layers)
 
 
+# ----------------------------------------------------------------------------- the block as data
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One linear of a block: its module name, fan-in, fan-out, whether it has a bias, and its role
+    in Megatron's pair (Shoeybi et al. 2019, §3): "column" splits its outputs (its input whole),
+    "row" its inputs (after a column linear, whose split output it consumes). `fused` outputs sit
+    side by side ([Q|K|V] = 3) and are split each on its own."""
+
+    name: str
+    fan_in: int
+    fan_out: int
+    role: str
+    fused: int = 1
+    bias: bool = True
+
+
+@dataclass(frozen=True)
+class BlockDescription:
+    """A transformer block as data: its norms, its linears, its attention heads, its MLP.
+
+    The tensor-parallel plan (strategies/tensor_parallel), the FLOP count and the parameter count
+    derive from it, so each architecture is a description, not a code path. `mlp_width` is the
+    activation's width (ffn); `gated`: SwiGLU (two column linears feed it) or GELU.
+    """
+
+    norms: tuple
+    norm: str  # "layer" (LayerNorm: weight and bias) | "rms" (RMSNorm: weight)
+    linears: tuple
+    hidden: int
+    heads: int
+    kv_heads: int
+    mlp_width: int
+    gated: bool
+    rotary: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def matmul_weights(self) -> int:
+        """Weights that take part in a matrix product, per block."""
+        return sum(linear.fan_in * linear.fan_out for linear in self.linears)
+
+    def parameters(self) -> int:
+        norm_width = 2 if self.norm == "layer" else 1
+        return (self.matmul_weights() + sum(linear.fan_out for linear in self.linears if linear.bias)
+                + len(self.norms) * norm_width * self.hidden)
+
+
+def describe_gpt_block(hidden: int, heads: int, mlp_ratio: int = 4, **_) -> BlockDescription:
+    """The pre-LayerNorm GPT/BERT block (`Block`) as data."""
+    wide = mlp_ratio * hidden
+    return BlockDescription(
+        norms=("norm_attention", "norm_mlp"), norm="layer",
+        linears=(LinearShape("attention.qkv", hidden, 3 * hidden, "column", fused=3),
+                 LinearShape("attention.proj", hidden, hidden, "row"),
+                 LinearShape("mlp.fc_in", hidden, wide, "column"),
+                 LinearShape("mlp.fc_out", wide, hidden, "row")),
+        hidden=hidden, heads=heads, kv_heads=heads, mlp_width=wide, gated=False, rotary=False)
+
+
 # ----------------------------------------------------------------------------- layers
 
 
@@ -103,7 +167,7 @@ class Attention(nn.Module):
         super().__init__()
         if hidden % heads != 0:
             raise ValueError(f"model.heads: hidden {hidden} is not divisible by heads {heads}")
-        self.heads = heads
+        self.heads = self.kv_heads = heads
         self.causal = causal
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
@@ -112,16 +176,13 @@ class Attention(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, hidden = x.shape
-        query, key, value = self.qkv(x).split(hidden, dim=-1)
-        # [b, s, h] -> [b, heads, s, h/heads], the layout scaled_dot_product_attention expects
-        query, key, value = (
-            t.view(batch, length, self.heads, hidden // self.heads).transpose(1, 2)
-            for t in (query, key, value)
-        )
+        batch, length = x.shape[:2]
+        # [b, s, heads·d] -> [b, heads, s, d], the layout scaled_dot_product_attention expects. Widths
+        # come from `heads`, not x: a tensor-parallel rank holds fewer heads (and features of x).
+        query, key, value = (t.view(batch, length, self.heads, -1).transpose(1, 2)
+                             for t in self.qkv(x).chunk(3, dim=-1))
         y = F.scaled_dot_product_attention(query, key, value, is_causal=self.causal)
-        y = y.transpose(1, 2).reshape(batch, length, hidden)
-        return self.dropout(self.proj(y))
+        return self.dropout(self.proj(y.transpose(1, 2).reshape(batch, length, -1)))
 
 
 class MLP(nn.Module):

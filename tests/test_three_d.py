@@ -19,7 +19,7 @@ from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
 from strategies.tensor_parallel.grids import Style, grid_of, layout_arguments
 from strategies.tensor_parallel.parallelize import cut
-from strategies.tensor_parallel.layers import (GridLinear, ParallelEmbedding, ParallelLayerNorm,
+from strategies.tensor_parallel.layers import (GridLinear, ParallelEmbedding, ParallelNorm,
                                                VocabularyParallelLoss)
 from tests.harness import (EXACT_RTOL, OPERATOR_RTOL, OPERATOR_SCALE_ATOL, QUICK, SAVED_AT_ANOTHER_HOOK,
                            OptimizerTrace, assert_same_checkpoints, assert_same_losses, assert_same_parameters,
@@ -102,7 +102,7 @@ def check_layer_norm(layout, grid):
     full = [t.clone().requires_grad_() for t in (x, weight, bias)]
     (F.layer_norm(full[0], (8,), full[1], full[2]) * upstream).sum().backward()
     style, q, c = Style("norm"), grid.q, grid.c
-    layer = ParallelLayerNorm(cut(grid, style, "weight", weight), cut(grid, style, "bias", bias),
+    layer = ParallelNorm(cut(grid, style, "weight", weight), cut(grid, style, "bias", bias),
                               1e-5, layout, grid.norm_family)
     where = ((c["i"] * q + c["j"], q * q), (c["k"], q))
     x_local = rows_features(x, *where).clone().requires_grad_()

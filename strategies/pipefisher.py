@@ -56,8 +56,9 @@ class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
         self.kfac = KFAC(block_linears(model), self.damping, whole_trace=self._whole_trace)
         self.restore_kfac()
         for stage in self.plan.stages_on(self.layout.index("pipeline")):
-            self._stage_linears[stage] = [f"blocks.{block}.{path}" for block in stage_blocks(
-                stage, self.layers_per_stage) for path in units.LINEAR_PARTS.values()]
+            self._stage_linears[stage] = [name for block in stage_blocks(stage, self.layers_per_stage)
+                                          for paths in units.LINEAR_PARTS.values() for path in paths
+                                          if (name := f"blocks.{block}.{path}") in self.kfac.linears]
 
     def _whole_trace(self, name: str, factor: str, matrix) -> tuple:
         """(trace, dim) of the whole factor: over a 1-D grid, the split factor's block traces are

@@ -25,7 +25,11 @@ from .ir import BACKWARD, FORWARD, SEND_ARROW, Action, KindInfo, Plan, PlanError
 from .simulate import Cost, TimedAction, Timeline, simulate
 from .validate import validate_plan
 
-LINEAR_PARTS = {"q": "attention.qkv", "p": "attention.proj", "i": "mlp.fc_in", "o": "mlp.fc_out"}
+# A unit's part: the block's linears of one role (models.BlockDescription): the attention's column
+# linears (GPT's fused qkv, Llama's q, k, v), its row linear, the MLP's column linears (fc_in; SwiGLU's
+# gate and up) and its row linear. Name suffixes; a block holds one architecture's.
+LINEAR_PARTS = {"q": ("attention.qkv", "attention.q", "attention.k", "attention.v"), "p": ("attention.proj",),
+                "i": ("mlp.fc_in", "mlp.gate", "mlp.up"), "o": ("mlp.fc_out",)}
 CURVATURE = {(factor, part): f"KFAC_CURVATURE_{factor}_{part}" for factor in "AB" for part in LINEAR_PARTS}
 SYNC_A, SYNC_B = "KFAC_SYNC_A", "KFAC_SYNC_B"
 INVERT_A, INVERT_B = "KFAC_INVERT_A", "KFAC_INVERT_B"

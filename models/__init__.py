@@ -32,6 +32,13 @@ def describe_block(architecture: str, **shape) -> BlockDescription:
     return DESCRIPTIONS[architecture](**shape)
 
 
+def block_of(model_config) -> BlockDescription:
+    """The block of a model config group (`cfg.model`) as data."""
+    fields = ("hidden", "heads", "mlp_ratio", "kv_heads", "ffn_hidden", "qkv_bias")
+    return describe_block(model_config.architecture,
+                          **{name: model_config.get(name) for name in fields if model_config.get(name) is not None})
+
+
 def build_model(architecture: str, **kwargs) -> LanguageModel:
     """The model named by `architecture` ("gpt" | "bert" | "llama"), built from the keyword arguments."""
     if architecture not in ARCHITECTURES:
@@ -43,6 +50,6 @@ def build_model(architecture: str, **kwargs) -> LanguageModel:
 
 
 __all__ = [
-    "ARCHITECTURES", "BERT", "Block", "BlockDescription", "GPT", "Llama", "LinearShape", "describe_block", "LanguageModel", "build_block", "build_model",
+    "ARCHITECTURES", "BERT", "Block", "BlockDescription", "GPT", "Llama", "LinearShape", "block_of", "describe_block", "LanguageModel", "build_block", "build_model",
     "initialize_block", "model_flops_per_token", "on_meta", "parameter_count",
 ]

@@ -351,12 +351,15 @@ def parameter_count(model: nn.Module) -> int:
 
 
 def model_flops_per_token(layers: int, hidden: int, sequence_length: int, vocab_size: int,
-                          mlp_ratio: int = 4) -> int:
+                          mlp_ratio: int = 4, block: BlockDescription = None) -> int:
     """Training FLOPs per token: 6·N for the matrix multiplies plus 12·L·h·s for attention.
 
-    N counts the weights that take part in a matmul: (4 + 2·mlp_ratio)·h² per block and the h·V
+    N counts the weights that take part in a matmul: the block's linears (GPT: (4 + 2·mlp_ratio)·h²;
+    Llama: 2h² for q/o, 2·h·kv·d for k/v, 3·h·ffn for SwiGLU; `block`'s description) and the h·V
     output projection (embedding lookups are free). The attention term is PaLM's (Chowdhery et al.
-    2022, appendix B): QKᵀ and AV, forward and backward, without discounting the causal mask.
+    2022, appendix B): QKᵀ and AV, forward and backward, without discounting the causal mask
+    (grouped-query attention shares K/V, not these products).
     """
-    matmul_weights = layers * (4 + 2 * mlp_ratio) * hidden**2 + hidden * vocab_size
+    per_block = block.matmul_weights() if block is not None else (4 + 2 * mlp_ratio) * hidden**2
+    matmul_weights = layers * per_block + hidden * vocab_size
     return 6 * matmul_weights + 12 * layers * hidden * sequence_length

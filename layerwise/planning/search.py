@@ -166,7 +166,7 @@ class Evaluator:
         self.shape, self.device = shape_of(cfg), device_of(cfg)
         self.tokens = cfg.data.global_batch_size * cfg.data.sequence_length
         self.model_flops = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
-                                                 self.shape.vocabulary, cfg.model.mlp_ratio) * self.tokens
+                                                 self.shape.vocabulary, cfg.model.mlp_ratio, self.shape.block) * self.tokens
         self.activation_bytes = compute_bytes(cfg)
 
     def workload(self, layout: Layout) -> Workload:

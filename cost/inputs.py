@@ -48,6 +48,17 @@ class GptShape:
         return self.vocabulary + (self.max_length if self.position_table else 0)
 
     @property
+    def norm_saves(self) -> int:
+        """Feature-wide tensors autograd keeps per norm (whole features): LayerNorm's fused kernel
+        its input and the output the next product saves (2); RMSNorm, composed of element-wise
+        operators, also its normalised input before the weight (3)."""
+        return 2 if self.block.norm == "layer" else 3
+
+    def rotary_elements(self) -> int:
+        """cos and sin of one micro-batch's positions ([s, d/2] each), kept once per block by RoPE."""
+        return self.length * self.block.head_dim if self.block.rotary else 0
+
+    @property
     def norm_vectors(self) -> int:
         """Parameter vectors (and split-feature sums each way) of one norm: LayerNorm 2, RMSNorm 1."""
         return 2 if self.block.norm == "layer" else 1

@@ -29,7 +29,8 @@ def stage_parameters(workload: "Workload", stage: int, stages: int) -> float:
 def block_saved_bytes(workload: "Workload", tokens: float, flash: bool) -> float:
     """Bytes a block keeps for its backward, per micro-batch, as autograd saves them: on the
     residual stream the two norms' inputs and outputs (x, N₁(x), x₂, N₂(x₂): 4h per token; the
-    sub-layers' outputs feed only additions, which save nothing), split by the grid the attention's
+    sub-layers' outputs feed only additions, which save nothing; RMSNorm also its normalised
+    input, 6h: GptShape.norm_saves), RoPE's cos and sin (s·d per micro-batch), split by the grid the attention's
     q, k, v (k and v kv_heads·d wide under GQA; Llama's after RoPE) and context (`_attention_saved`),
     the MLP's wide activations (`_mlp_saved`: GELU's input and output 2·ffn; SwiGLU's gate, silu(gate),
     up and their product 4·ffn), and with the math attention kernel the softmax probabilities
@@ -40,9 +41,9 @@ def block_saved_bytes(workload: "Workload", tokens: float, flash: bool) -> float
     scores = 0 if flash else workload.heads * shape.length
     if workload.layout.tensor_grid in ("2d", "3d"):
         return grid_block_saved_elements(workload, tokens, scores) * workload.activation_bytes
-    residual = 4 * h / (1 if workload.layout.tensor_grid == "1d" else ranks)
+    residual = len(shape.block.norms) * shape.norm_saves * h / (1 if workload.layout.tensor_grid == "1d" else ranks)
     split = (_attention_saved(shape) + _mlp_saved(shape) + scores) / ranks
-    return (residual + split) * tokens * workload.activation_bytes
+    return ((residual + split) * tokens + shape.rotary_elements()) * workload.activation_bytes
 
 
 def _attention_saved(shape) -> int:
@@ -69,7 +70,7 @@ def grid_block_saved_elements(workload: "Workload", tokens: float, scores: float
     gather = q if workload.layout.tensor_grid == "2d" else q * q
     linears = sum(tokens * fan_in / gather + fan_in * fan_out / gather for fan_in, fan_out, _, _ in shape.linears())
     pieces = tokens * (2 * 2 * h + _attention_saved(shape) + _mlp_saved(shape, grid=True) + scores) / ranks
-    return linears + pieces
+    return linears + pieces + shape.rotary_elements()
 
 
 def block_extra_bytes(workload: "Workload", tokens: float) -> float:
@@ -89,7 +90,9 @@ def block_extra_bytes(workload: "Workload", tokens: float) -> float:
     statistics = tokens * (norm_statistics + workload.heads / ranks) * BYTES
     if workload.activation_bytes >= BYTES:
         return statistics
-    residual = 2 * h * tokens / (1 if workload.layout.tensor_grid == "1d" else ranks)
+    # each norm's fp32 tensors: its input (LayerNorm), also its normalised input (RMSNorm)
+    fp32 = len(shape.block.norms) * (shape.norm_saves - 1)
+    residual = fp32 * h * tokens / (1 if workload.layout.tensor_grid == "1d" else ranks)
     weights = shape.block.matmul_weights() / ranks
     return statistics + residual * (BYTES - workload.activation_bytes) + weights * workload.activation_bytes
 
@@ -101,7 +104,8 @@ def head_saved_bytes(workload: "Workload", tokens: float) -> float:
     parallel softmax: fp32, split by vocabulary) — one per micro-batch in flight, not one per step."""
     shape, ranks = workload.shape, workload.tensor_ranks
     whole = 1 if workload.layout.tensor_grid in (None, "1d") else ranks
-    norm = tokens * (shape.hidden / whole * (BYTES + workload.activation_bytes) + 2 * BYTES)
+    fp32 = 1 if workload.layout.tensor_grid in ("2d", "3d") else shape.norm_saves - 1  # GptShape.norm_saves
+    norm = tokens * (shape.hidden / whole * (fp32 * BYTES + workload.activation_bytes) + shape.norm_vectors * BYTES)
     cast = shape.vocabulary * shape.hidden / ranks * workload.activation_bytes if workload.activation_bytes < BYTES else 0
     if workload.layout.tensor_grid in ("2d", "3d"):  # the head's GridLinear saves its gathered X and W
         cast = (tokens + shape.vocabulary) * shape.hidden / _gathered(workload) * workload.activation_bytes

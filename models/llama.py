@@ -49,14 +49,18 @@ def rotary_frequencies(head_dim: int, theta: float, scaling=None) -> torch.Tenso
                        torch.where(wavelength < original / high, inverse, mixed))
 
 
-def apply_rotary(x: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
-    """Rotate each (x_i, x_{i+d/2}) pair of x[b, n, s, d] by angle position·frequency_i (the
+def rotary_angles(length: int, frequencies: torch.Tensor, dtype, device) -> tuple:
+    """(cos, sin) of position·frequency_i, [s, 1, d/2]: computed once per forward, shared by q and k
+    (autograd then keeps one pair per block, not one per use)."""
+    angles = torch.outer(torch.arange(length, dtype=torch.float64, device=device), frequencies.to(device))
+    return angles.cos().to(dtype).unsqueeze(1), angles.sin().to(dtype).unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (x_i, x_{i+d/2}) pair of x[b, s, n, d] by angle position·frequency_i (the
     half-split pairing of the Hugging Face Llama; Meta's interleaved pairing differs by a
-    permutation of the q/k weights' rows)."""
-    length = x.shape[-2]
-    angles = torch.outer(torch.arange(length, dtype=torch.float64, device=x.device),
-                         frequencies.to(x.device))
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    permutation of the q/k weights' rows). Applied in [b, s, n, d] so attention's output keeps
+    that layout and merging the heads is a view, as in the GPT (no copy for autograd to keep)."""
     first, second = x.chunk(2, dim=-1)
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
@@ -87,11 +91,14 @@ class GroupedQueryAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length = x.shape[:2]
-        frequencies = rotary_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
-        query, key, value = (linear(x).view(batch, length, heads, self.head_dim).transpose(1, 2)
+        query, key, value = (linear(x).view(batch, length, heads, self.head_dim)
                              for linear, heads in ((self.q, self.heads), (self.k, self.kv_heads),
                                                    (self.v, self.kv_heads)))
-        query, key = apply_rotary(query, frequencies), apply_rotary(key, frequencies)
+        cos, sin = rotary_angles(length, rotary_frequencies(self.head_dim, self.rope_theta, self.rope_scaling),
+                                 query.dtype, x.device)
+        # [b, s, n, d] -> [b, n, s, d], the layout scaled_dot_product_attention expects
+        query, key, value = (apply_rotary(query, cos, sin).transpose(1, 2),
+                             apply_rotary(key, cos, sin).transpose(1, 2), value.transpose(1, 2))
         y = F.scaled_dot_product_attention(query, key, value, is_causal=True,
                                            enable_gqa=self.kv_heads != self.heads)
         return self.proj(y.transpose(1, 2).reshape(batch, length, -1))

@@ -494,6 +494,12 @@ SGD_CASES = {
     "llama_modular_pipeline_pp2_v2_2d_q2_m4": SgdCase(["strategy=modular_pipeline", "strategy.tensor_parallel=2d",
                                                        "strategy.tensor_grid=2", "hardware.devices_per_node=8",
                                                        *LLAMA], 8, LLAMA_REFERENCE),
+    "llama_zero_layered_pp2_p2_dp2_m4": SgdCase(["strategy=zero_layered", "strategy.pipeline_degree=2",
+                                                 "strategy.tensor_parallel=1d", "strategy.tensor_grid=2",
+                                                 "hardware.devices_per_node=8", *LLAMA], 8, LLAMA_REFERENCE),
+    "llama_one_f_one_b_pp2_3d_q2_m4": SgdCase(["strategy=one_f_one_b", "strategy.tensor_parallel=3d",
+                                               "strategy.tensor_grid=2", "hardware.devices_per_node=16", *LLAMA],
+                                              16, LLAMA_REFERENCE),
     "llama_pipefisher_gpipe_pp2_p2_dp2_m4_k2": SgdCase(
         ["strategy=pipefisher", "strategy.schedule=gpipe", "strategy.layers_per_stage=2",
          "strategy.tensor_parallel=1d", "strategy.tensor_grid=2", "hardware.devices_per_node=8", *KFAC_SGD, *LLAMA],

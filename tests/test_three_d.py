@@ -215,7 +215,8 @@ def test_baselines_reproduce_single(strategy, devices, reference, tmp_path):
     assert_reproduces(result, reference, strategy)
 
 
-@pytest.mark.parametrize("case", ["three_d_q2", "tp_1d_p2", "tp_2d_q2"])
+@pytest.mark.parametrize("case", ["three_d_q2", "tp_1d_p2", "tp_2d_q2", "llama_three_d_q2", "llama_tp_1d_p2",
+                                  "llama_tp_2d_q2"])
 def test_tensor_parallel_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
     """Plain SGD sees the gradient's scale, which AdamW normalises away (harness.SgdComparison):
     losses, the first step's gradients and the parameters after harness.SGD_STEPS steps. One q=2

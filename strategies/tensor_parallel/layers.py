@@ -53,10 +53,24 @@ class MegatronLinear(nn.Module):
 
 
 class ColumnParallelLinear(MegatronLinear):
-    """Megatron: W split by output rows; input gradient summed over the group (f)."""
+    """Megatron: W split by output rows. Its input's gradient is summed over the group by the f
+    after the norm that feeds it (`CopyToGroup`), once for all the column linears reading it."""
 
     def forward(self, x):
-        return F.linear(copy_to_group(x, self.communicator, self.group), self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class CopyToGroup:
+    """Forward hook putting Megatron's f (identity forward, gradient summed over the group backward;
+    Shoeybi et al. 2019, §3) on a norm's output, which every column-parallel linear of the sub-layer
+    reads (GPT's qkv; Llama's q, k, v, or gate and up; the head): one all-reduce of the summed input
+    gradients, not one per linear."""
+
+    def __init__(self, layout):
+        self.communicator, self.group = layout.communicator, layout.group("tensor")
+
+    def __call__(self, module, arguments, output):
+        return copy_to_group(output, self.communicator, self.group)
 
 
 class RowParallelLinear(MegatronLinear):

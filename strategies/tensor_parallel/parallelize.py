@@ -18,6 +18,7 @@ from models import DESCRIPTIONS, describe_block
 from strategies.tensor_parallel.grids import Style, grid_of, interleave_fused
 from strategies.tensor_parallel.layers import (
     ColumnParallelLinear,
+    CopyToGroup,
     GridLinear,
     ParallelEmbedding,
     ParallelNorm,
@@ -95,8 +96,9 @@ def parallel_module(module: nn.Module, style: Style, grid, layout) -> nn.Module:
     weight = cut(grid, style, "weight", module.weight)
     bias = cut(grid, style, "bias", getattr(module, "bias", None))
     if style.kind == "norm":
-        if grid.norm_family is None:
-            return module  # 1-D: features whole, the plain LayerNorm / RMSNorm is already right
+        if grid.norm_family is None:  # 1-D: features whole, the plain LayerNorm / RMSNorm is right;
+            module.register_forward_hook(CopyToGroup(layout))  # its output feeds column linears
+            return module
         return ParallelNorm(weight, bias, module.eps, layout, grid.norm_family)
     if grid.name != "1d":
         return GridLinear(weight, bias, layout, grid.linear_specs(style.position))

@@ -120,3 +120,44 @@ def test_bad_llama_configs_name_the_field_and_the_fix(overrides, message):
     with pytest.raises(ConfigError) as error:
         validate(cfg)
     assert message in str(error.value) and "Fix: model.kv_heads=" in str(error.value), str(error.value)
+
+
+# ----- AdamW against single for the strategies tests/test_composed_layouts.py does not reach with Llama
+# (pipelines, ZeRO and the tensor grids are there: AdamW and counted bytes; every family under SGD:
+# tests/harness.py SGD_CASES "llama_*")
+
+ADAM_STEPS = 4
+
+
+def adam_run(directory, *overrides):
+    from layerwise.run.fit import train
+    from layerwise.preflight import validate
+    from tests.harness import LLAMA, QUICK
+    cfg = compose_config(*QUICK, *LLAMA, "model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batches=0",
+                         f"trainer.max_steps={ADAM_STEPS}", f"trainer.val_check_interval={ADAM_STEPS}", *overrides)
+    summary = train(cfg, directory, validate(cfg))
+    assert summary["status"] == "completed", summary.get("error")
+    return summary
+
+
+@pytest.fixture(scope="module")
+def adam_reference(tmp_path_factory):
+    from tests.harness import OptimizerTrace, consolidated_parameters, tracing_optimizer
+    directory = tmp_path_factory.mktemp("llama_single")
+    with tracing_optimizer(directory):
+        summary = adam_run(directory, "strategy=single")
+    return summary, consolidated_parameters(directory, "single"), OptimizerTrace.load(directory)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["strategy=ddp"],
+    ["strategy=fsdp2"],
+    ["strategy=l2l", "strategy.micro_batches=2", "strategy.constant_memory=true"],
+], ids=["ddp_dp2", "fsdp2_dp2_m4", "l2l_dp2_m2_const"])
+def test_llama_equals_single_under_adamw(overrides, adam_reference, tmp_path):
+    from tests.harness import assert_same_losses, assert_same_parameters, consolidated_parameters
+    expected, parameters, trace = adam_reference
+    summary = adam_run(tmp_path, *overrides)
+    assert summary["world_size"] == 2
+    assert_same_losses(summary["losses"], expected["losses"])
+    assert_same_parameters(consolidated_parameters(tmp_path, summary["strategy"]), parameters, trace)

@@ -118,7 +118,7 @@ def gradient_groups(model: nn.Module, plan, grid, layout) -> Dict[str, Tuple]:
 
 @torch.no_grad()
 def parallelize(model: nn.Module, layout, device=None, parts=None, loss_over_data: bool = True) -> TensorParallelForm:
-    """Turn a plain GPT into its form on `layout.tensor_grid`, in place (torchtitan-style), part
+    """Turn a plain GPT or Llama into its form on `layout.tensor_grid`, in place (torchtitan-style), part
     by part; parts still on meta are first materialised on `device` with their seeded values.
 
     `parts`: only these (default: every part the model holds; a pipeline rank holds its stages').
@@ -153,7 +153,7 @@ def _check_grid(layout, expected: str):
 
 
 def parallelize_1d(model, layout, device=None) -> TensorParallelForm:
-    """Megatron 1-D: column-parallel qkv/fc_in/head, row-parallel proj/fc_out."""
+    """Megatron 1-D: column-parallel linears (qkv, fc_in; q, k, v, gate, up) and head, row-parallel proj and fc_out."""
     _check_grid(layout, "1d")
     return parallelize(model, layout, device)
 

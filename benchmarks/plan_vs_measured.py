@@ -83,6 +83,7 @@ CONFIGS.update({
                                         "hardware.devices_per_node=4"],
     "llama one_f_one_b p2 × 2d q2": [*LLAMA, "strategy=one_f_one_b", "strategy.layers_per_stage=4",
                                      "strategy.tensor_parallel=2d", "hardware.devices_per_node=8"],
+    "llama pipefisher p2 (GPipe)": [*LLAMA, "strategy=pipefisher", "strategy.layers_per_stage=4"],
 })
 
 # PipeFisher's memory (its K-FAC factors, inverses and captures beside the pipeline's; a run must reach

@@ -17,6 +17,7 @@ from strategies.kfac import (KFAC, KFACInCheckpoint, block_linears, kfac_errors,
                             split_factor, unit_scales)
 from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule import FORWARD, plot_timeline, simulate, validate_plan
+from models import block_of
 from strategies.schedule import curvature as units
 from strategies.registry import StrategyEntry
 from strategies.stages import stage_blocks
@@ -26,7 +27,7 @@ def block_shape(cfg, data_degree: int) -> units.BlockShape:
     """The shapes the FLOP cost model needs, for this run's model and micro-batch."""
     tokens = cfg.data.global_batch_size // (data_degree * cfg.strategy.micro_batches) * cfg.data.sequence_length
     return units.BlockShape(cfg.model.hidden, cfg.model.mlp_ratio, cfg.data.sequence_length, tokens,
-                            cfg.strategy.layers_per_stage)
+                            cfg.strategy.layers_per_stage, units.block_linears(block_of(cfg.model)))
 
 
 class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):

@@ -161,3 +161,21 @@ def test_llama_equals_single_under_adamw(overrides, adam_reference, tmp_path):
     assert summary["world_size"] == 2
     assert_same_losses(summary["losses"], expected["losses"])
     assert_same_parameters(consolidated_parameters(tmp_path, summary["strategy"]), parameters, trace)
+
+
+@pytest.mark.parametrize("architecture, extra", [("gpt", {}), ("llama", dict(kv_heads=2, ffn_hidden=96)),
+                                                 ("llama", dict(kv_heads=1, ffn_hidden=80, qkv_bias=True))])
+def test_the_block_description_counts_what_the_model_holds(architecture, extra):
+    """models.describe_block's linears and norms, and cost/traffic.py's whole-model count from them,
+    against the parameters the built model holds (GQA's narrower k/v, SwiGLU's three matrices, no
+    biases, RMSNorm's one vector, no position table)."""
+    from cost.inputs import GptShape
+    from cost.traffic import model_parameters
+    from models import describe_block
+    model = build_model(architecture, vocab_size=256, sequence_length=64, layers=3, hidden=64, heads=4, **extra)
+    block = describe_block(architecture, hidden=64, heads=4, **extra)
+    assert block.parameters() == sum(p.numel() for p in model.blocks["0"].parameters())
+    names = {name for name, _ in model.blocks["0"].named_modules()}
+    assert {linear.name for linear in block.linears} | set(block.norms) <= names
+    shape = GptShape(64, 4, 256, 32, 64, block, architecture != "llama")
+    assert model_parameters(shape, 3) == sum(p.numel() for p in model.parameters())

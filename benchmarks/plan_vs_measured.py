@@ -72,6 +72,20 @@ TIME_CONFIGS = {
     "three_d q2": ["strategy=three_d", "strategy.tensor_grid=2", "hardware.devices_per_node=8"],
 }
 
+# The Llama family (issue 29): RMSNorm, RoPE, SwiGLU, grouped-query attention (llama_tiny: 4 heads, 2 kv heads).
+LLAMA = ["model=llama_tiny"]
+CONFIGS.update({
+    "llama modular_pipeline p2 v4": [*LLAMA, "strategy=modular_pipeline"],
+    "llama one_f_one_b p2": [*LLAMA, "strategy=one_f_one_b", "strategy.layers_per_stage=4"],
+    "llama zero_layered p2 × d2": [*LLAMA, "strategy=zero_layered", "strategy.pipeline_degree=2",
+                                   "hardware.devices_per_node=4"],
+    "llama modular_pipeline p2 × 1d2": [*LLAMA, "strategy=modular_pipeline", "strategy.tensor_parallel=1d",
+                                        "hardware.devices_per_node=4"],
+    "llama one_f_one_b p2 × 2d q2": [*LLAMA, "strategy=one_f_one_b", "strategy.layers_per_stage=4",
+                                     "strategy.tensor_parallel=2d", "hardware.devices_per_node=8"],
+    "llama pipefisher p2 (GPipe)": [*LLAMA, "strategy=pipefisher", "strategy.layers_per_stage=4"],
+})
+
 # PipeFisher's memory (its K-FAC factors, inverses and captures beside the pipeline's; a run must reach
 # its cycle's second step, 4 steps do); its step time is the "pipefisher p2" row above.
 CONFIGS.update({

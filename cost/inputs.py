@@ -7,6 +7,7 @@ costs (kfac.py) and the traffic formulas (traffic.py); nothing here computes a c
 import math
 from dataclasses import dataclass
 
+from models import BlockDescription, describe_block
 from parallel.layout import Degrees
 from strategies.tensor_parallel.grids import DIMENSION, grid_of, local_activation_shape
 
@@ -16,20 +17,52 @@ BYTES = 4  # fp32: activations, gradients and the tensor grid's partial sums
 
 @dataclass(frozen=True)
 class GptShape:
-    """What the formulas need of a GPT: widths, vocabulary, and the two lengths (the position
-    table has max_sequence_length rows; a micro-batch has `length` tokens per sequence)."""
+    """What the formulas need of a model: widths, vocabulary, the two lengths (a position table has
+    max_sequence_length rows; a micro-batch has `length` tokens per sequence) and the block as data
+    (models.BlockDescription: GPT's by default, Llama's from `describe_block`)."""
 
     hidden: int
     mlp_ratio: int
     vocabulary: int
     length: int
     max_length: int
+    block: BlockDescription = None  # None: the GPT block of `hidden` and `mlp_ratio`
+    position_table: bool = True  # GPT/BERT learn one; Llama's rotary positions have none
+
+    def __post_init__(self):
+        if self.block is None:
+            object.__setattr__(self, "block", describe_block("gpt", hidden=self.hidden, heads=1,
+                                                             mlp_ratio=self.mlp_ratio))
 
     def linears(self):
-        """(input, output, position, has bias) of a block's four linears."""
-        h, r = self.hidden, self.mlp_ratio
-        return ((h, 3 * h, "first", True), (h, h, "second", True),
-                (h, r * h, "first", True), (r * h, h, "second", True))
+        """(input, output, position, has bias) of a block's linears."""
+        return tuple((linear.fan_in, linear.fan_out, "first" if linear.role == "column" else "second",
+                      linear.bias) for linear in self.block.linears)
+
+    @property
+    def mlp_width(self) -> int:
+        return self.block.mlp_width
+
+    @property
+    def table_rows(self) -> int:
+        """Rows of the embedding tables: the vocabulary, and the position table if there is one."""
+        return self.vocabulary + (self.max_length if self.position_table else 0)
+
+    @property
+    def norm_saves(self) -> int:
+        """Feature-wide tensors autograd keeps per norm (whole features): LayerNorm's fused kernel
+        its input and the output the next product saves (2); RMSNorm, composed of element-wise
+        operators, also its normalised input before the weight (3)."""
+        return 2 if self.block.norm == "layer" else 3
+
+    def rotary_elements(self) -> int:
+        """cos and sin of one micro-batch's positions ([s, d/2] each), kept once per block by RoPE."""
+        return self.length * self.block.head_dim if self.block.rotary else 0
+
+    @property
+    def norm_vectors(self) -> int:
+        """Parameter vectors (and split-feature sums each way) of one norm: LayerNorm 2, RMSNorm 1."""
+        return 2 if self.block.norm == "layer" else 1
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ def block_shape(workload: Workload) -> units.BlockShape:
     """The shapes curvature.py's FLOP counts need, for this workload's micro-batch."""
     shape = workload.shape
     return units.BlockShape(shape.hidden, shape.mlp_ratio, shape.length, workload.micro_batch_rows * shape.length,
-                            workload.layers_per_stage)
+                            workload.layers_per_stage, units.block_linears(shape.block))
 
 
 def kfac_cost(workload: Workload, device: Device, plan):
@@ -57,18 +57,19 @@ def shard_unit_flops(workload: Workload) -> dict:
     grid one of each Linear's two is split); without a grid, `unit_flops` itself."""
     dimensions, blocks = factor_dimensions(workload), workload.layers_per_stage
     tokens = workload.micro_batch_rows * workload.shape.length
-    flops = {kind: blocks * 2 * tokens * dimensions[part][factor == "B"] ** 2
+    flops = {kind: blocks * 2 * tokens * sum(pair[factor == "B"] ** 2 for pair in dimensions[part])
              for (factor, part), kind in units.CURVATURE.items()}
     flops.update({half: flops[kind] / 2 for kind, pair in units.HALVES.items() for half in pair})
-    flops[units.INVERT_A] = blocks * sum(a ** 3 for a, _ in dimensions.values())
-    flops[units.INVERT_B] = blocks * sum(b ** 3 for _, b in dimensions.values())
+    flops[units.INVERT_A] = blocks * sum(a ** 3 for a, _ in units.every_linear(dimensions))
+    flops[units.INVERT_B] = blocks * sum(b ** 3 for _, b in units.every_linear(dimensions))
     return flops
 
 
 def stage_factor_elements(workload: Workload, factor: str) -> int:
     """Elements of one stage's A (or B) factors of every block Linear on this rank (so also of its
     inverses); kfac.py keeps them in the weights' dtype, fp32."""
-    return workload.layers_per_stage * sum(pair[factor == "B"] ** 2 for pair in factor_dimensions(workload).values())
+    return workload.layers_per_stage * sum(pair[factor == "B"] ** 2
+                                           for pair in units.every_linear(factor_dimensions(workload)))
 
 
 def sync_seconds(workload: Workload, device: Device, factor: str) -> float:
@@ -83,7 +84,7 @@ def sync_seconds(workload: Workload, device: Device, factor: str) -> float:
 
 def preconditioning_flops(shape: units.BlockShape) -> float:
     """ΔW = B⁻¹·∇W·A⁻¹ for every Linear of a stage: 2·out²·in + 2·out·in² (Δb = B⁻¹∇b is negligible)."""
-    return linear_preconditioning_flops(units.linear_shapes(shape).values(), shape.layers_per_stage)
+    return linear_preconditioning_flops(units.every_linear(units.linear_shapes(shape)), shape.layers_per_stage)
 
 
 def linear_preconditioning_flops(pairs, blocks: int) -> float:
@@ -101,7 +102,7 @@ def pipefisher_step(workload: Workload, device: Device, plan, refresh_interval: 
     cost = kfac_cost(workload, device, plan)
     needed, cycle = cycles(plan, cost, refresh_interval, margin)
     k = cycle.refresh_interval
-    precondition = linear_preconditioning_flops(factor_dimensions(workload).values(), workload.layers_per_stage) \
+    precondition = linear_preconditioning_flops(units.every_linear(factor_dimensions(workload)), workload.layers_per_stage) \
         / (device.flops_per_second * device.efficiency)
     extra = first_order["exposed_data_seconds"] + precondition
     timed = [simulate(step, cost) for step in cycle.plans]
@@ -145,9 +146,9 @@ def factor_dimensions(workload: Workload) -> dict:
         raise ValueError(f"PipeFisher keeps K-FAC factors per 1-D shard; a {layout.tensor_grid} grid is refused")
     ranks = workload.tensor_ranks
     shapes = units.linear_shapes(block_shape(workload))
-    column_parallel = ("q", "i")  # qkv and fc_in split their outputs; proj and fc_out their inputs
-    return {part: (fan_in, fan_out // ranks) if part in column_parallel else (fan_in // ranks, fan_out)
-            for part, (fan_in, fan_out) in shapes.items()}
+    column_parallel = ("q", "i")  # qkv and fc_in (q, k, v; gate, up) split their outputs; proj and fc_out their inputs
+    return {part: tuple((fan_in, fan_out // ranks) if part in column_parallel else (fan_in // ranks, fan_out)
+                        for fan_in, fan_out in pairs) for part, pairs in shapes.items()}
 
 
 def kfac_memory(workload: Workload, plan, pipeline_rank: int, cycle: units.Cycle, working: float) -> dict:
@@ -204,13 +205,14 @@ def pending_captures(workload: Workload, pieces: list, done: set, dimensions: di
     (a token half) still to run: the capture is dropped by its last piece."""
     pending = {(units.UNITS[piece.kind], piece.stage, piece.micro_batch) for piece in pieces if piece not in done}
     tokens = workload.micro_batch_rows * workload.shape.length
-    return sum(tokens * dimensions[part][factor == "B"] for (factor, part), _, _ in pending) \
-        * workload.layers_per_stage * workload.activation_bytes
+    # a part's linears read one input (A: one capture, shared), each has its own output gradient (B)
+    return sum(tokens * (dimensions[part][0][0] if factor == "A" else sum(b for _, b in dimensions[part]))
+               for (factor, part), _, _ in pending) * workload.layers_per_stage * workload.activation_bytes
 
 
 def inversion_workspace(action, dimensions: dict) -> float:
     """kfac.damped_inverse's float64 temporaries for the largest factor an inversion unit inverts."""
     if action.kind not in (units.INVERT_A, units.INVERT_B):
         return 0
-    largest = max(pair[action.kind == units.INVERT_B] for pair in dimensions.values())
+    largest = max(pair[action.kind == units.INVERT_B] for pair in units.every_linear(dimensions))
     return CHOLESKY_TEMPORARIES * largest * largest * FLOAT64

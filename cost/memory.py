@@ -28,40 +28,56 @@ def stage_parameters(workload: "Workload", stage: int, stages: int) -> float:
 
 def block_saved_bytes(workload: "Workload", tokens: float, flash: bool) -> float:
     """Bytes a block keeps for its backward, per micro-batch, as autograd saves them: on the
-    residual stream the two norms' inputs and outputs (x, LN₁(x), x₂, LN₂(x₂): 4h per token; the
-    sub-layers' outputs feed only additions, which save nothing), split by the grid q/k/v, the
-    attention context and the MLP's two wide activations (4h + 2rh), and with the math attention
-    kernel the softmax probabilities (heads × s per token). A 1-D grid keeps the residual stream
-    whole on every rank; 2-D/3-D grids split everything. (Dropout masks, 1 byte each, are left out.)"""
+    residual stream the two norms' inputs and outputs (x, N₁(x), x₂, N₂(x₂): 4h per token; the
+    sub-layers' outputs feed only additions, which save nothing; RMSNorm also its normalised
+    input, 6h: GptShape.norm_saves), RoPE's cos and sin (s·d per micro-batch), split by the grid the attention's
+    q, k, v (k and v kv_heads·d wide under GQA; Llama's after RoPE) and context (`_attention_saved`),
+    the MLP's wide activations (`_mlp_saved`: GELU's input and output 2·ffn; SwiGLU's gate, silu(gate),
+    up and their product 4·ffn), and with the math attention kernel the softmax probabilities
+    (heads × s per token). A 1-D grid keeps the residual stream whole on every rank; 2-D/3-D grids
+    split everything. (Dropout masks, 1 byte each, are left out.)"""
     shape, ranks = workload.shape, workload.tensor_ranks
-    h, r = shape.hidden, shape.mlp_ratio
+    h = shape.hidden
     scores = 0 if flash else workload.heads * shape.length
     if workload.layout.tensor_grid in ("2d", "3d"):
         return grid_block_saved_elements(workload, tokens, scores) * workload.activation_bytes
-    residual = 4 * h / (1 if workload.layout.tensor_grid == "1d" else ranks)
-    split = (4 * h + 2 * r * h + scores) / ranks
-    return (residual + split) * tokens * workload.activation_bytes
+    residual = len(shape.block.norms) * shape.norm_saves * h / (1 if workload.layout.tensor_grid == "1d" else ranks)
+    split = (_attention_saved(shape) + _mlp_saved(shape) + scores) / ranks
+    return ((residual + split) * tokens + shape.rotary_elements()) * workload.activation_bytes
+
+
+def _attention_saved(shape) -> int:
+    """Per token: q, k, v as the attention kernel saves them, and the context (the output product's input)."""
+    block = shape.block
+    return block.heads * block.head_dim + 2 * block.kv_heads * block.head_dim + shape.hidden
+
+
+def _mlp_saved(shape, grid: bool = False) -> int:
+    """Per token: the MLP's wide activations autograd keeps; on a 2-D/3-D grid the last (the down
+    product's input) is saved gathered by its GridLinear instead."""
+    return shape.mlp_width * ((4 if shape.block.gated else 2) - grid)
 
 
 def grid_block_saved_elements(workload: "Workload", tokens: float, scores: float) -> float:
     """A 2-D/3-D block: each GridLinear saves the *gathered* X and W its product used
     (collectives.GatherMatmulScatter: X gathered over q ranks to tokens·in/q (2-D) or tokens·in/q²
-    (3-D), W to in·out/q or in·out/q²), per micro-batch; the split LayerNorms save their centred and
-    normalised pieces (2 each), attention its q, k, v and output pieces, GELU its input piece.
-    A piece is 1/(grid ranks) of the full activation."""
+    (3-D), W to in·out/q or in·out/q²), per micro-batch; the split norms save two pieces each
+    (LayerNorm: centred and normalised; RMSNorm: input and normalised), attention its q, k, v and
+    output pieces, the MLP its wide pieces but the down product's input (GELU's input; SwiGLU's gate,
+    silu(gate), up). A piece is 1/(grid ranks) of the full activation."""
     shape, q, ranks = workload.shape, workload.layout.edge, workload.tensor_ranks
-    h, r = shape.hidden, shape.mlp_ratio
+    h = shape.hidden
     gather = q if workload.layout.tensor_grid == "2d" else q * q
     linears = sum(tokens * fan_in / gather + fan_in * fan_out / gather for fan_in, fan_out, _, _ in shape.linears())
-    pieces = tokens * (2 * 2 * h + 3 * h + h + r * h + scores) / ranks
-    return linears + pieces
+    pieces = tokens * (2 * 2 * h + _attention_saved(shape) + _mlp_saved(shape, grid=True) + scores) / ranks
+    return linears + pieces + shape.rotary_elements()
 
 
 def block_extra_bytes(workload: "Workload", tokens: float) -> float:
     """Bytes a block keeps per micro-batch besides `block_saved_bytes`' activations in the compute
     dtype (that count stays the elements the time model prices), traced with the meter:
-    each LayerNorm's mean and reciprocal deviation and flash attention's log-sum-exp (fp32, 2·2 +
-    heads per token); and under autocast (activation_bytes 2) the norms' inputs x and x₂, which
+    each LayerNorm's mean and reciprocal deviation (RMSNorm: its reciprocal root mean square) and
+    flash attention's log-sum-exp (fp32, 2·2 (2·1) + heads per token); and under autocast (activation_bytes 2) the norms' inputs x and x₂, which
     stay fp32 (2h per token, 2 bytes more each), and the matrices: Lightning's autocast runs with
     cache_enabled=False, so every forward casts each weight to the compute dtype and autograd keeps
     that copy until the micro-batch's backward ((4 + 2r)h²/t per block). 2-D/3-D grids save the
@@ -69,12 +85,15 @@ def block_extra_bytes(workload: "Workload", tokens: float) -> float:
     if workload.layout.tensor_grid in ("2d", "3d"):
         return 0.0
     shape, ranks = workload.shape, workload.tensor_ranks
-    h, r = shape.hidden, shape.mlp_ratio
-    statistics = tokens * (4 + workload.heads / ranks) * BYTES
+    h = shape.hidden
+    norm_statistics = len(shape.block.norms) * shape.norm_vectors  # LayerNorm: mean, 1/σ; RMSNorm: 1/rms
+    statistics = tokens * (norm_statistics + workload.heads / ranks) * BYTES
     if workload.activation_bytes >= BYTES:
         return statistics
-    residual = 2 * h * tokens / (1 if workload.layout.tensor_grid == "1d" else ranks)
-    weights = (4 + 2 * r) * h * h / ranks
+    # each norm's fp32 tensors: its input (LayerNorm), also its normalised input (RMSNorm)
+    fp32 = len(shape.block.norms) * (shape.norm_saves - 1)
+    residual = fp32 * h * tokens / (1 if workload.layout.tensor_grid == "1d" else ranks)
+    weights = shape.block.matmul_weights() / ranks
     return statistics + residual * (BYTES - workload.activation_bytes) + weights * workload.activation_bytes
 
 
@@ -85,7 +104,8 @@ def head_saved_bytes(workload: "Workload", tokens: float) -> float:
     parallel softmax: fp32, split by vocabulary) — one per micro-batch in flight, not one per step."""
     shape, ranks = workload.shape, workload.tensor_ranks
     whole = 1 if workload.layout.tensor_grid in (None, "1d") else ranks
-    norm = tokens * (shape.hidden / whole * (BYTES + workload.activation_bytes) + 2 * BYTES)
+    fp32 = 1 if workload.layout.tensor_grid in ("2d", "3d") else shape.norm_saves - 1  # GptShape.norm_saves
+    norm = tokens * (shape.hidden / whole * (fp32 * BYTES + workload.activation_bytes) + shape.norm_vectors * BYTES)
     cast = shape.vocabulary * shape.hidden / ranks * workload.activation_bytes if workload.activation_bytes < BYTES else 0
     if workload.layout.tensor_grid in ("2d", "3d"):  # the head's GridLinear saves its gathered X and W
         cast = (tokens + shape.vocabulary) * shape.hidden / _gathered(workload) * workload.activation_bytes
@@ -113,9 +133,9 @@ def backward_working_bytes(workload: "Workload", tokens: float, head: bool) -> f
         product = _gathered_gradients(workload, tokens, shape.hidden, shape.vocabulary) if grid else 0
         return max(logits * max(forward, 2 * BYTES), product, backward_working_bytes(workload, tokens, False))
     if grid:  # GatherMatmulScatter's backward of the MLP's product
-        block = _gathered_gradients(workload, tokens, shape.mlp_ratio * shape.hidden, shape.hidden)
+        block = _gathered_gradients(workload, tokens, shape.mlp_width, shape.hidden)
     else:
-        block = (tokens * shape.mlp_ratio * shape.hidden + shape.mlp_ratio * shape.hidden ** 2) * a / ranks
+        block = (tokens * shape.mlp_width + shape.mlp_width * shape.hidden) * a / ranks
         block += tokens * shape.hidden * a / (1 if workload.layout.tensor_grid == "1d" else ranks) if a < BYTES else 0
     if workload.recompute:
         block += block_saved_bytes(workload, tokens, True) + block_extra_bytes(workload, tokens)

@@ -38,8 +38,8 @@ def forward_flops(workload: Workload, stage: int, stages: int) -> float:
     """One micro-batch through one stage, on one rank of the tensor grid: 2 FLOPs per weight per
     token for the blocks' matrix products, 4·s·h per token for attention, plus the head's on the last."""
     shape = workload.shape
-    h, r, tokens = shape.hidden, shape.mlp_ratio, workload.micro_batch_rows * shape.length
-    block = tokens * (2 * (4 + 2 * r) * h * h + 4 * shape.length * h)
+    h, tokens = shape.hidden, workload.micro_batch_rows * shape.length
+    block = tokens * (2 * shape.block.matmul_weights() + 4 * shape.length * h)
     head = 2 * tokens * h * shape.vocabulary if stage == stages - 1 else 0
     return (workload.layers_per_stage * block + head) / workload.tensor_ranks
 
@@ -61,7 +61,7 @@ def grid_seconds(workload: Workload, device: Device, stage: int, stages: int) ->
                                      workload.shape).items()})
     if stage == stages - 1:
         traffic += head_traffic(layout.tensor_grid, layout.edge, workload.micro_batch_rows, workload.shape)
-    count = grid_collectives(layout.tensor_grid, workload.layers_per_stage, stage == stages - 1)
+    count = grid_collectives(layout.tensor_grid, workload.layers_per_stage, stage == stages - 1, workload.shape)
     return count * device.collective_latency_s + sum(traffic.values()) / link_bandwidth(device, workload.tensor_ranks)
 
 
@@ -70,7 +70,8 @@ def stage_seconds(workload: Workload, device: Device, stage: int, stages: int) -
     plus each product's fixed cost and the non-product work (`elementwise_seconds`),
     B = 2F (3F with recomputation: the forward runs again), the grid's collectives half in each."""
     compute = forward_flops(workload, stage, stages) / (device.flops_per_second * device.efficiency)
-    products = workload.layers_per_stage * PRODUCTS_PER_BLOCK + (stage == stages - 1)  # + the head's
+    per_block = len(workload.shape.linears()) + 2  # the linears, Q·Kᵀ and scores·V
+    products = workload.layers_per_stage * per_block + (stage == stages - 1)  # + the head's
     compute += products * device.matmul_overhead_s  # the backward's 2 (or 3) × F carries 2 (3) × as many
     compute += elementwise_seconds(workload, device, stage == 0, stage == stages - 1)
     communication = grid_seconds(workload, device, stage, stages)

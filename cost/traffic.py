@@ -47,11 +47,12 @@ def linear_traffic(grid: str, q: int, rows: int, shape: GptShape, fan_in: int, f
 
 
 def norm_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
-    """A LayerNorm over split features: two sums (mean, variance) forward, two backward, over q."""
+    """A norm over split features: LayerNorm's two sums (mean, variance), RMSNorm's one (mean
+    square), forward and again backward, over q."""
     if grid == "1d":
         return Counter()
     local_rows = rows // grid_of(grid, q ** DIMENSION[grid], 0).input_rows()[1]
-    return Counter(all_reduce=4 * all_reduce(local_rows * shape.length, q))
+    return Counter(all_reduce=2 * shape.norm_vectors * all_reduce(local_rows * shape.length, q))
 
 
 def block_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
@@ -64,7 +65,7 @@ def block_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
     return traffic + norm_traffic(grid, q, rows, shape) + norm_traffic(grid, q, rows, shape)
 
 
-def grid_collectives(grid: str, blocks: int, head: bool) -> int:
+def grid_collectives(grid: str, blocks: int, head: bool, shape: GptShape = None) -> int:
     """Collectives one micro-batch's forward and backward issue on a grid rank (each pays a latency):
     1-D: per block the attention's and the MLP's all-reduce, forward and backward (4); 2-D: per
     linear X and W gathered forward, dX and dW reduce-scattered backward (4), 3-D: also Y scattered
@@ -73,9 +74,10 @@ def grid_collectives(grid: str, blocks: int, head: bool) -> int:
     plus the vocabulary-parallel loss's 3 all-reduces and, on 2-D/3-D, the loss's sum over batch splits."""
     if not grid:
         return 0
+    shape = shape or GptShape(1, 1, 1, 1, 1)
     per_linear = {"1d": 0, "2d": 4, "3d": 6}[grid]
-    norm = 0 if grid == "1d" else 4
-    block = 4 if grid == "1d" else 4 * per_linear + 2 * norm
+    norm = 0 if grid == "1d" else 2 * shape.norm_vectors
+    block = 4 if grid == "1d" else len(shape.linears()) * per_linear + 2 * norm
     head_count = (1 if grid == "1d" else per_linear + norm + 1) + 3
     return blocks * block + (head_count if head else 0)
 
@@ -105,9 +107,10 @@ def local_parameters(grid, q: int, shape: GptShape, embed: bool, blocks: int, he
     h = shape.hidden
     weights = sum(fan_in * fan_out for fan_in, fan_out, _, _ in shape.linears()) / ranks
     biases = sum(fan_out / (ranks if grid == "1d" and position == "first" else split)
-                 for _, fan_out, position, _ in shape.linears())
-    vectors = blocks * (biases + 4 * h / split) + (2 * h / split if head else 0)
-    tables = (shape.vocabulary + shape.max_length) * h / split if embed else 0
+                 for _, fan_out, position, bias in shape.linears() if bias)
+    norms = shape.norm_vectors * h / split  # one norm's vectors
+    vectors = blocks * (biases + len(shape.block.norms) * norms) + (norms if head else 0)
+    tables = shape.table_rows * h / split if embed else 0
     total = blocks * weights + vectors + tables + (h * shape.vocabulary / ranks if head else 0)
     replicated = 0 if grid in (None, "1d") else vectors + tables
     return {"all": total, "replicated": replicated}
@@ -168,7 +171,7 @@ def _zero_traffic(row, stage, stages, layout, shape, layers_per_stage) -> Counte
     split = 1 if grid in (None, "1d") else q
     parameters = local_parameters(grid, q, shape, stage == 0, layers_per_stage, stage == stages - 1)
     matrices = layers_per_stage * sum(i * o for i, o, _, _ in shape.linears()) / ranks
-    matrices += ((shape.vocabulary + shape.max_length) * shape.hidden / split if stage == 0 else 0)
+    matrices += (shape.table_rows * shape.hidden / split if stage == 0 else 0)
     matrices += (shape.hidden * shape.vocabulary / ranks if stage == stages - 1 else 0)
     padded = sum(-(-int(size) // n) * n for size in (matrices, parameters["all"] - matrices) if size)
     count = Counter(action.kind for action in row if action.stage == stage)

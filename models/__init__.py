@@ -8,8 +8,12 @@
 
 from models.bert import BERT
 from models.gpt import GPT
+from models.llama import Llama, describe_llama_block
 from models.transformer import (
     Block,
+    BlockDescription,
+    LinearShape,
+    describe_gpt_block,
     LanguageModel,
     build_block,
     initialize_block,
@@ -18,11 +22,25 @@ from models.transformer import (
     parameter_count,
 )
 
-ARCHITECTURES = {"gpt": GPT, "bert": BERT}
+ARCHITECTURES = {"gpt": GPT, "bert": BERT, "llama": Llama}
+DESCRIPTIONS = {"gpt": describe_gpt_block, "bert": describe_gpt_block, "llama": describe_llama_block}
+
+
+def describe_block(architecture: str, **shape) -> BlockDescription:
+    """One block of `architecture` as data (norms, linears with fan-in/out and role, heads):
+    `shape` holds the model config's fields (hidden, heads, mlp_ratio, kv_heads, ffn_hidden, ...)."""
+    return DESCRIPTIONS[architecture](**shape)
+
+
+def block_of(model_config) -> BlockDescription:
+    """The block of a model config group (`cfg.model`) as data."""
+    fields = ("hidden", "heads", "mlp_ratio", "kv_heads", "ffn_hidden", "qkv_bias")
+    return describe_block(model_config.architecture,
+                          **{name: model_config.get(name) for name in fields if model_config.get(name) is not None})
 
 
 def build_model(architecture: str, **kwargs) -> LanguageModel:
-    """The model named by `architecture` ("gpt" | "bert"), built from the keyword arguments."""
+    """The model named by `architecture` ("gpt" | "bert" | "llama"), built from the keyword arguments."""
     if architecture not in ARCHITECTURES:
         raise ValueError(
             f"model.architecture: unknown {architecture!r}; "
@@ -32,6 +50,6 @@ def build_model(architecture: str, **kwargs) -> LanguageModel:
 
 
 __all__ = [
-    "ARCHITECTURES", "BERT", "Block", "GPT", "LanguageModel", "build_block", "build_model",
+    "ARCHITECTURES", "BERT", "Block", "BlockDescription", "GPT", "Llama", "LinearShape", "block_of", "describe_block", "LanguageModel", "build_block", "build_model",
     "initialize_block", "model_flops_per_token", "on_meta", "parameter_count",
 ]

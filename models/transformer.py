@@ -9,6 +9,7 @@ shapes only; `materialise` gives chosen parts storage and their seeded values, o
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -38,9 +39,9 @@ def initialize(module: nn.Module, *, seed: int, name, residual_std: float = INIT
     """
     generator = torch.Generator(device="cpu").manual_seed(derived_seed(seed, name))
     for module_name, child in module.named_modules():
-        if isinstance(child, nn.LayerNorm):
+        if isinstance(child, (nn.LayerNorm, nn.RMSNorm)):
             _fill(child.weight, 1.0)
-            _fill(child.bias, 0.0)
+            _fill(getattr(child, "bias", None), 0.0)
         elif isinstance(child, (nn.Linear, nn.Embedding)):
             is_residual_output = module_name.split(".")[-1] in ("proj", "fc_out")
             std = residual_std if is_residual_output else INIT_STD
@@ -64,6 +65,69 @@ def _fill(parameter, value: float) -> None:
 def residual_init_std(layers: int) -> float:
     """GPT-2's scaled init: each of the 2L residual additions gets std 0.02/sqrt(2L)."""
     return INIT_STD / math.sqrt(2 * layers)
+
+
+# ----------------------------------------------------------------------------- the block as data
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One linear of a block: its module name, fan-in, fan-out, whether it has a bias, and its role
+    in Megatron's pair (Shoeybi et al. 2019, §3): "column" splits its outputs (its input whole),
+    "row" its inputs (after a column linear, whose split output it consumes). `fused` outputs sit
+    side by side ([Q|K|V] = 3) and are split each on its own."""
+
+    name: str
+    fan_in: int
+    fan_out: int
+    role: str
+    fused: int = 1
+    bias: bool = True
+
+
+@dataclass(frozen=True)
+class BlockDescription:
+    """A transformer block as data: its norms, its linears, its attention heads, its MLP.
+
+    The tensor-parallel plan (strategies/tensor_parallel), the FLOP count and the parameter count
+    derive from it, so each architecture is a description, not a code path. `mlp_width` is the
+    activation's width (ffn); `gated`: SwiGLU (two column linears feed it) or GELU.
+    """
+
+    norms: tuple
+    norm: str  # "layer" (LayerNorm: weight and bias) | "rms" (RMSNorm: weight)
+    linears: tuple
+    hidden: int
+    heads: int
+    kv_heads: int
+    mlp_width: int
+    gated: bool
+    rotary: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def matmul_weights(self) -> int:
+        """Weights that take part in a matrix product, per block."""
+        return sum(linear.fan_in * linear.fan_out for linear in self.linears)
+
+    def parameters(self) -> int:
+        norm_width = 2 if self.norm == "layer" else 1
+        return (self.matmul_weights() + sum(linear.fan_out for linear in self.linears if linear.bias)
+                + len(self.norms) * norm_width * self.hidden)
+
+
+def describe_gpt_block(hidden: int, heads: int, mlp_ratio: int = 4, **_) -> BlockDescription:
+    """The pre-LayerNorm GPT/BERT block (`Block`) as data."""
+    wide = mlp_ratio * hidden
+    return BlockDescription(
+        norms=("norm_attention", "norm_mlp"), norm="layer",
+        linears=(LinearShape("attention.qkv", hidden, 3 * hidden, "column", fused=3),
+                 LinearShape("attention.proj", hidden, hidden, "row"),
+                 LinearShape("mlp.fc_in", hidden, wide, "column"),
+                 LinearShape("mlp.fc_out", wide, hidden, "row")),
+        hidden=hidden, heads=heads, kv_heads=heads, mlp_width=wide, gated=False, rotary=False)
 
 
 # ----------------------------------------------------------------------------- layers
@@ -103,7 +167,7 @@ class Attention(nn.Module):
         super().__init__()
         if hidden % heads != 0:
             raise ValueError(f"model.heads: hidden {hidden} is not divisible by heads {heads}")
-        self.heads = heads
+        self.heads = self.kv_heads = heads
         self.causal = causal
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
@@ -112,16 +176,13 @@ class Attention(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, hidden = x.shape
-        query, key, value = self.qkv(x).split(hidden, dim=-1)
-        # [b, s, h] -> [b, heads, s, h/heads], the layout scaled_dot_product_attention expects
-        query, key, value = (
-            t.view(batch, length, self.heads, hidden // self.heads).transpose(1, 2)
-            for t in (query, key, value)
-        )
+        batch, length = x.shape[:2]
+        # [b, s, heads·d] -> [b, heads, s, d], the layout scaled_dot_product_attention expects. Widths
+        # come from `heads`, not x: a tensor-parallel rank holds fewer heads (and features of x).
+        query, key, value = (t.view(batch, length, self.heads, -1).transpose(1, 2)
+                             for t in self.qkv(x).chunk(3, dim=-1))
         y = F.scaled_dot_product_attention(query, key, value, is_causal=self.causal)
-        y = y.transpose(1, 2).reshape(batch, length, hidden)
-        return self.dropout(self.proj(y))
+        return self.dropout(self.proj(y.transpose(1, 2).reshape(batch, length, -1)))
 
 
 class MLP(nn.Module):
@@ -197,7 +258,7 @@ def on_meta(module: nn.Module) -> bool:
 class LanguageModel(nn.Module):
     """embed -> blocks "0".."L-1" -> head, with a cross-entropy loss; GPT and BERT subclass it.
 
-    Subclasses set `causal` and implement `make_head`. forward is a plain loop over blocks, so a
+    Subclasses set `causal` and implement `make_head` (Llama also `make_block`, `make_embed`). forward is a plain loop over blocks, so a
     strategy can run any contiguous or looping subset of layers by indexing `blocks` by name.
     Built with device="meta" the model holds shapes only, and a process materialises just the
     parts it owns (`materialise`), or builds a part's seeded values alone (`build_part`).
@@ -236,12 +297,10 @@ class LanguageModel(nn.Module):
     def build_part(self, part: str, device) -> nn.Module:
         """The part named `part`, alone, with the values it has in the full model seeded `seed`."""
         if part.startswith("blocks."):
-            return build_block(hidden=self.hidden, heads=self.heads, mlp_ratio=self.mlp_ratio,
-                               dropout=self.dropout, causal=self.causal, seed=self.seed,
-                               index=int(part.removeprefix("blocks.")), layers=self.layers,
-                               device=device)
-        makers = {"embed": lambda: Embedding(self.vocab_size, self.sequence_length, self.hidden, self.dropout),
-                  "head": lambda: self.make_head(self.hidden, self.vocab_size)}
+            return seeded_module(self.make_block, device, seed=self.seed,
+                                 name=int(part.removeprefix("blocks.")),
+                                 residual_std=residual_init_std(self.layers))
+        makers = {"embed": self.make_embed, "head": lambda: self.make_head(self.hidden, self.vocab_size)}
         if part not in makers:
             raise ValueError(f"unknown part {part!r}: embed, blocks.<index> or head")
         return seeded_module(makers[part], device, seed=self.seed, name=part)
@@ -261,6 +320,12 @@ class LanguageModel(nn.Module):
         # After the head's own init, so the shared Parameter keeps the embedding's values.
         if self.tie_embeddings and self.embed is not None and self.head is not None:
             self.head.output.weight = self.embed.token.weight
+
+    def make_block(self) -> nn.Module:
+        return Block(self.hidden, self.heads, self.mlp_ratio, self.dropout, self.causal)
+
+    def make_embed(self) -> nn.Module:
+        return Embedding(self.vocab_size, self.sequence_length, self.hidden, self.dropout)
 
     def make_head(self, hidden: int, vocab_size: int) -> nn.Module:
         raise NotImplementedError
@@ -286,12 +351,15 @@ def parameter_count(model: nn.Module) -> int:
 
 
 def model_flops_per_token(layers: int, hidden: int, sequence_length: int, vocab_size: int,
-                          mlp_ratio: int = 4) -> int:
+                          mlp_ratio: int = 4, block: BlockDescription = None) -> int:
     """Training FLOPs per token: 6·N for the matrix multiplies plus 12·L·h·s for attention.
 
-    N counts the weights that take part in a matmul: (4 + 2·mlp_ratio)·h² per block and the h·V
+    N counts the weights that take part in a matmul: the block's linears (GPT: (4 + 2·mlp_ratio)·h²;
+    Llama: 2h² for q/o, 2·h·kv·d for k/v, 3·h·ffn for SwiGLU; `block`'s description) and the h·V
     output projection (embedding lookups are free). The attention term is PaLM's (Chowdhery et al.
-    2022, appendix B): QKᵀ and AV, forward and backward, without discounting the causal mask.
+    2022, appendix B): QKᵀ and AV, forward and backward, without discounting the causal mask
+    (grouped-query attention shares K/V, not these products).
     """
-    matmul_weights = layers * (4 + 2 * mlp_ratio) * hidden**2 + hidden * vocab_size
+    per_block = block.matmul_weights() if block is not None else (4 + 2 * mlp_ratio) * hidden**2
+    matmul_weights = layers * per_block + hidden * vocab_size
     return 6 * matmul_weights + 12 * layers * hidden * sequence_length

@@ -42,7 +42,7 @@ def gradient_clipping_errors(strategy_name: str, clip_value: float) -> list:
 def grid_errors(cfg, mode: str, q: int, batch_splits: int, splitter: str) -> list:
     """What a tensor grid needs of the model and the batch, wherever it runs: `batch_splits` pieces of
     the global batch (data ranks, × micro-batches in a pipeline) must each split over the grid's
-    rows; hidden and heads over its feature and head chunks; a plain untied GPT; whole-tensor-free
+    rows; hidden, heads and kv heads over its feature and head chunks; an untied GPT or Llama; whole-tensor-free
     optimizers. Each error names the field and the fix."""
     dimension, grid = DIMENSION[mode], grid_of(mode, q ** DIMENSION[mode], 0)
     batch_parts = grid.input_rows()[1]  # ranks that split a piece's sequences
@@ -62,17 +62,23 @@ def grid_errors(cfg, mode: str, q: int, batch_splits: int, splitter: str) -> lis
             f"model.heads={cfg.model.heads} is not divisible by strategy.tensor_grid={q} (heads are "
             f"split over {grid.head_parts} ranks). Fix: model.heads="
             f"{nearest_multiples(cfg.model.heads, grid.head_parts)}.")
+    kv_heads = cfg.model.kv_heads or cfg.model.heads
+    if cfg.model.architecture == "llama" and kv_heads % grid.head_parts:
+        errors.append(
+            f"model.kv_heads={kv_heads} is not divisible by strategy.tensor_grid={q} (key/value heads are "
+            f"split over {grid.head_parts} ranks with their query groups). Fix: model.kv_heads="
+            f"{nearest_multiples(kv_heads, grid.head_parts)}, or a smaller strategy.tensor_grid.")
     return errors
 
 
 def unsupported_model_errors(cfg) -> list:
-    """What tensor-grid shards need: a plain untied GPT, and an optimizer without whole-tensor rules."""
+    """What tensor-grid shards need: an untied GPT or Llama, and an optimizer without whole-tensor rules."""
     errors = []
-    for field, value, wanted in (("model.architecture", cfg.model.architecture, "gpt"),
-                                 ("model.tie_embeddings", cfg.model.tie_embeddings, False)):
-        if value != wanted:
-            errors.append(f"{field}={value}: {cfg.strategy.name} supports only {wanted} so far. "
-                          f"Fix: {field}={wanted}.")
+    for field, value, wanted in (("model.architecture", cfg.model.architecture, ("gpt", "llama")),
+                                 ("model.tie_embeddings", cfg.model.tie_embeddings, (False,))):
+        if value not in wanted:
+            errors.append(f"{field}={value}: {cfg.strategy.name} supports only {' or '.join(map(str, wanted))} "
+                          f"so far. Fix: {field}={wanted[0]}.")
     if cfg.optimizer.name == "lamb":
         errors.append(f"optimizer.name=lamb: LAMB's per-tensor trust ratio needs whole tensors, "
                       f"{cfg.strategy.name} holds shards. Fix: optimizer=adamw or optimizer=sgd.")

@@ -17,6 +17,7 @@ from strategies.kfac import (KFAC, KFACInCheckpoint, block_linears, kfac_errors,
                             split_factor, unit_scales)
 from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule import FORWARD, plot_timeline, simulate, validate_plan
+from models import block_of
 from strategies.schedule import curvature as units
 from strategies.registry import StrategyEntry
 from strategies.stages import stage_blocks
@@ -26,7 +27,7 @@ def block_shape(cfg, data_degree: int) -> units.BlockShape:
     """The shapes the FLOP cost model needs, for this run's model and micro-batch."""
     tokens = cfg.data.global_batch_size // (data_degree * cfg.strategy.micro_batches) * cfg.data.sequence_length
     return units.BlockShape(cfg.model.hidden, cfg.model.mlp_ratio, cfg.data.sequence_length, tokens,
-                            cfg.strategy.layers_per_stage)
+                            cfg.strategy.layers_per_stage, units.block_linears(block_of(cfg.model)))
 
 
 class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
@@ -56,8 +57,9 @@ class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
         self.kfac = KFAC(block_linears(model), self.damping, whole_trace=self._whole_trace)
         self.restore_kfac()
         for stage in self.plan.stages_on(self.layout.index("pipeline")):
-            self._stage_linears[stage] = [f"blocks.{block}.{path}" for block in stage_blocks(
-                stage, self.layers_per_stage) for path in units.LINEAR_PARTS.values()]
+            self._stage_linears[stage] = [name for block in stage_blocks(stage, self.layers_per_stage)
+                                          for paths in units.LINEAR_PARTS.values() for path in paths
+                                          if (name := f"blocks.{block}.{path}") in self.kfac.linears]
 
     def _whole_trace(self, name: str, factor: str, matrix) -> tuple:
         """(trace, dim) of the whole factor: over a 1-D grid, the split factor's block traces are

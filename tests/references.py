@@ -81,6 +81,9 @@ KFAC_SGD = ["model.layers=4", "strategy.refresh_interval=2", "strategy.micro_bat
 # stages, v{v} loops, m{m} micro-batches, q{q} tensor grid edge, p{t} 1-D tensor ranks, k{k} K-FAC
 # refresh interval, const = L2L's constant-memory variant.
 SgdCase = namedtuple("SgdCase", "overrides world reference", defaults=((),))
+# llama_tiny at the SGD size: 4 query heads sharing 2 kv heads (GQA), SwiGLU 64 wide, RMSNorm, RoPE.
+LLAMA = ("model=llama_tiny", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=64")
+LLAMA_REFERENCE = ("strategy=single", *LLAMA)
 SGD_CASES = {
     "ddp_dp2": SgdCase(["strategy=ddp"], 2),
     "modular_pipeline_pp2_v2_m4": SgdCase(["strategy=modular_pipeline", "strategy.pipeline_degree=2"], 2),
@@ -119,6 +122,30 @@ SGD_CASES = {
     "pipefisher_gpipe_pp2_dp2_m4_k2": SgdCase(["strategy=pipefisher", "strategy.schedule=gpipe",
                                                "strategy.layers_per_stage=2", "hardware.devices_per_node=4",
                                                *KFAC_SGD], 4, ("strategy=kfac", *KFAC_SGD)),
+    # The Llama family (issue 29): one case per strategy family against its own single reference.
+    "llama_ddp_dp2": SgdCase(["strategy=ddp", *LLAMA], 2, LLAMA_REFERENCE),
+    "llama_interleaved_1f1b_pp2_v2_m4": SgdCase(["strategy=interleaved_1f1b", *LLAMA], 2, LLAMA_REFERENCE),
+    "llama_zero_layered_pp2_dp2_m4": SgdCase(["strategy=zero_layered", "strategy.pipeline_degree=2",
+                                              "hardware.devices_per_node=4", *LLAMA], 4, LLAMA_REFERENCE),
+    "llama_fsdp2_dp2_m4": SgdCase(["strategy=fsdp2", *LLAMA], 2, LLAMA_REFERENCE),
+    "llama_tp_1d_p2": SgdCase(["strategy=tp_1d", "strategy.tensor_grid=2", *LLAMA], 2, LLAMA_REFERENCE),
+    "llama_tp_2d_q2": SgdCase(["strategy=tp_2d", "hardware.devices_per_node=4", *LLAMA], 4, LLAMA_REFERENCE),
+    "llama_three_d_q2": SgdCase(["strategy=three_d", "hardware.devices_per_node=8", *LLAMA], 8, LLAMA_REFERENCE),
+    "llama_l2l_dp2_m2_const": SgdCase(["strategy=l2l", "strategy.micro_batches=2", "strategy.constant_memory=true",
+                                       *LLAMA], 2, LLAMA_REFERENCE),
+    "llama_modular_pipeline_pp2_v2_2d_q2_m4": SgdCase(["strategy=modular_pipeline", "strategy.tensor_parallel=2d",
+                                                       "strategy.tensor_grid=2", "hardware.devices_per_node=8",
+                                                       *LLAMA], 8, LLAMA_REFERENCE),
+    "llama_zero_layered_pp2_p2_dp2_m4": SgdCase(["strategy=zero_layered", "strategy.pipeline_degree=2",
+                                                 "strategy.tensor_parallel=1d", "strategy.tensor_grid=2",
+                                                 "hardware.devices_per_node=8", *LLAMA], 8, LLAMA_REFERENCE),
+    "llama_one_f_one_b_pp2_3d_q2_m4": SgdCase(["strategy=one_f_one_b", "strategy.tensor_parallel=3d",
+                                               "strategy.tensor_grid=2", "hardware.devices_per_node=16", *LLAMA],
+                                              16, LLAMA_REFERENCE),
+    "llama_pipefisher_gpipe_pp2_p2_dp2_m4_k2": SgdCase(
+        ["strategy=pipefisher", "strategy.schedule=gpipe", "strategy.layers_per_stage=2",
+         "strategy.tensor_parallel=1d", "strategy.tensor_grid=2", "hardware.devices_per_node=8", *KFAC_SGD, *LLAMA],
+        8, ("strategy=kfac", "strategy.factor_blocks=2", *KFAC_SGD, *LLAMA)),
 }
 
 

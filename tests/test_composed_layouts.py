@@ -19,7 +19,7 @@ from layerwise.planning.inputs import training_plan_of, workload_of
 from cost.step_time import rank_traffic
 from strategies.stages import StageWork
 from tests.ranks import QUICK, compose_config
-from tests.references import (KFAC_SGD, SGD_CASES, SgdComparison, compare_under_sgd, consolidated_parameters,
+from tests.references import (KFAC_SGD, LLAMA, SGD_CASES, SgdComparison, compare_under_sgd, consolidated_parameters,
                               sgd_reference, tracing_optimizer)
 from tests.tolerances import EXACT_RTOL, OptimizerTrace, assert_same_losses, assert_same_parameters
 
@@ -28,6 +28,10 @@ MODEL = ["model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batch
          f"trainer.val_check_interval={STEPS}", f"trainer.max_steps={STEPS}"]
 CASES = ["modular_pipeline_pp2_p2_m4", "modular_pipeline_pp2_v2_2d_q2_m4", "zero_layered_pp2_p2_dp2_m4",
          "zero_layered_pp2_2d_q2_dp2_m4", "one_f_one_b_pp2_3d_q2_m4"]
+# The Llama family (issue 29): GQA's narrower k/v, SwiGLU's three matrices, RMSNorm's one sum, no
+# position table, each in a grid the GPT has a formula for (1-D × ZeRO × data, 2-D × pipeline, 3-D).
+LLAMA_CASES = ["llama_zero_layered_pp2_p2_dp2_m4", "llama_modular_pipeline_pp2_v2_2d_q2_m4",
+               "llama_one_f_one_b_pp2_3d_q2_m4"]
 
 
 def run(directory, *overrides):
@@ -36,11 +40,18 @@ def run(directory, *overrides):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("single")
-    with tracing_optimizer(directory):
-        _, summary = run(directory, "strategy=single")
-    return summary, consolidated_parameters(directory, "single"), OptimizerTrace.load(directory)
+def references(tmp_path_factory):
+    """`reference(llama)`: the one-process AdamW run of the GPT or of llama_tiny, made once."""
+    cache = {}
+
+    def reference(llama: bool):
+        if llama not in cache:
+            directory = tmp_path_factory.mktemp("single")
+            with tracing_optimizer(directory):
+                _, summary = run(directory, "strategy=single", *(LLAMA if llama else ()))
+            cache[llama] = summary, consolidated_parameters(directory, "single"), OptimizerTrace.load(directory)
+        return cache[llama]
+    return reference
 
 
 def formula_bytes(cfg, summary, vocabulary: int) -> dict:
@@ -50,9 +61,9 @@ def formula_bytes(cfg, summary, vocabulary: int) -> dict:
     return {kind: max(traffic[kind] for traffic in per_rank) for kind in KINDS}
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_composed_layout_equals_single_and_moves_the_sum_of_its_parts(case, reference, tmp_path):
-    expected, expected_parameters, trace = reference
+@pytest.mark.parametrize("case", CASES + LLAMA_CASES)
+def test_composed_layout_equals_single_and_moves_the_sum_of_its_parts(case, references, tmp_path):
+    expected, expected_parameters, trace = references(case.startswith("llama"))
     overrides, world, _ = SGD_CASES[case]
     cfg, summary = run(tmp_path, *overrides)
     assert summary["status"] == "completed" and summary["world_size"] == world
@@ -67,7 +78,7 @@ def test_composed_layout_equals_single_and_moves_the_sum_of_its_parts(case, refe
     assert counted["send_recv"] > 0 and (counted["all_reduce"] > 0 or counted["all_gather"] > 0)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + ["llama_modular_pipeline_pp2_v2_2d_q2_m4"])
 def test_composed_layout_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
     """Plain SGD sees the gradient's scale, which AdamW normalises away (references.SgdComparison)."""
     compare_under_sgd(case, tmp_path, tmp_path_factory).check()
@@ -83,11 +94,13 @@ def test_unsummed_replicated_gradients_are_caught(monkeypatch, tmp_path, tmp_pat
         comparison.check()
 
 
-def test_pipefisher_over_a_1d_grid_equals_block_diagonal_kfac_under_sgd(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("case", ["pipefisher_gpipe_pp2_p2_dp2_m4_k2", "llama_pipefisher_gpipe_pp2_p2_dp2_m4_k2"])
+def test_pipefisher_over_a_1d_grid_equals_block_diagonal_kfac_under_sgd(case, tmp_path, tmp_path_factory):
     """PipeFisher p2 × 1-D 2 × data 2 keeps each shard's factors (A whole and B's block for a
     column-parallel linear, A's block and B whole for a row-parallel one) and damps with the whole
-    layer's π: it equals the one-process `kfac` with factor_blocks=2."""
-    compare_under_sgd("pipefisher_gpipe_pp2_p2_dp2_m4_k2", tmp_path, tmp_path_factory).check()
+    layer's π: it equals the one-process `kfac` with factor_blocks=2 (Llama: factors of q, k, v,
+    gate, up as column linears, of the output projection and down as row linears)."""
+    compare_under_sgd(case, tmp_path, tmp_path_factory).check()
 
 
 def test_block_diagonal_factors_are_not_the_whole_factors(tmp_path_factory):

@@ -215,7 +215,7 @@ def test_l2l_data_parallel_with_tied_weights_reproduces_single(tmp_path):
     assert {float(row["comm_bytes_all_reduce"]) for row in rows} == {2 * (2 - 1) / 2 * unique * 4}
 
 
-@pytest.mark.parametrize("case", ["l2l_m4", "l2l_dp2_m2_const"])
+@pytest.mark.parametrize("case", ["l2l_m4", "l2l_dp2_m2_const", "llama_l2l_dp2_m2_const"])
 def test_l2l_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
     """Plain SGD sees the gradient's scale, which AdamW normalises away (references.SgdComparison):
     losses, the first step's gradients and the parameters after references.SGD_STEPS steps."""

@@ -56,7 +56,8 @@ def test_pipeline_equals_single(case, references, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["modular_pipeline_pp2_v2_m4", "modular_pipeline_pp2_dp2_v2_m4", "gpipe_pp2_m4",
-                                  "one_f_one_b_pp2_m4", "interleaved_1f1b_pp2_v2_m4"])
+                                  "one_f_one_b_pp2_m4", "interleaved_1f1b_pp2_v2_m4",
+                                  "llama_interleaved_1f1b_pp2_v2_m4"])
 def test_pipeline_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
     """Plain SGD sees the gradient's scale, which AdamW normalises away (references.SgdComparison):
     losses, the first step's gradients and the parameters after references.SGD_STEPS steps."""

@@ -85,7 +85,9 @@ def test_breadth_first_with_64_micro_batches_does_not_fit_and_says_so(tmp_path):
     ["strategy=modular_pipeline"],
     ["strategy=zero_layered", "strategy.pipeline_degree=2", "strategy.tensor_parallel=1d",
      "hardware.devices_per_node=8"],
-], ids=["modular_pipeline_pp2_v4", "zero_layered_pp2_p2_dp2"])
+    # Llama (RMSNorm's saves, RoPE's cos/sin, SwiGLU's four wide tensors, GQA's narrower k/v)
+    ["model=llama_tiny", "strategy=one_f_one_b", "strategy.layers_per_stage=4"],
+], ids=["modular_pipeline_pp2_v4", "zero_layered_pp2_p2_dp2", "llama_one_f_one_b_pp2"])
 def test_predicted_peak_memory_is_within_5_percent_of_the_measured_one(overrides, tmp_path):
     """The meter counts every compute-side tensor on sampled steps (here every step); the plan's
     largest role, before the allocator margin, must be within −3% / +5% of the largest rank's peak

@@ -90,7 +90,7 @@ def test_a_1d_grid_splits_one_factor_of_each_linear():
     workload = Workload(GptShape(hidden=64, mlp_ratio=4, vocabulary=256, length=16, max_length=16), layers=2,
                         heads=4, layout=ComposedLayout(1, 2, "1d", 4), layers_per_stage=1, micro_batch_rows=2)
     # qkv, fc_in column-parallel (their outputs split: B); proj, fc_out row-parallel (inputs split: A)
-    assert factor_dimensions(workload) == {"q": (64, 48), "p": (16, 64), "i": (64, 64), "o": (64, 64)}
+    assert factor_dimensions(workload) == {"q": ((64, 48),), "p": ((16, 64),), "i": ((64, 64),), "o": ((64, 64),)}
 
 
 def test_train_py_mode_plan_strategy_pipefisher(tmp_path):

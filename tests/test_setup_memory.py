@@ -23,7 +23,7 @@ SHAPE = dict(vocab_size=61, sequence_length=16, layers=4, hidden=32, heads=2, se
 # ----- the model floor: meta build, part by part materialisation, same values
 
 
-@pytest.mark.parametrize("architecture", ["gpt", "bert"])
+@pytest.mark.parametrize("architecture", ["gpt", "bert", "llama"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_materialising_parts_gives_the_full_models_values(architecture, tied):
     whole = build_model(architecture, tie_embeddings=tied, **SHAPE)

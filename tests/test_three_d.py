@@ -19,7 +19,7 @@ from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
 from strategies.tensor_parallel.grids import Style, grid_of, layout_arguments
 from strategies.tensor_parallel.parallelize import cut
-from strategies.tensor_parallel.layers import (GridLinear, ParallelEmbedding, ParallelLayerNorm,
+from strategies.tensor_parallel.layers import (GridLinear, ParallelEmbedding, ParallelNorm,
                                                VocabularyParallelLoss)
 from tests.ranks import QUICK, compose_config, run_on_ranks
 from tests.references import compare_under_sgd, consolidated_parameters, tracing_optimizer
@@ -103,7 +103,7 @@ def check_layer_norm(layout, grid):
     full = [t.clone().requires_grad_() for t in (x, weight, bias)]
     (F.layer_norm(full[0], (8,), full[1], full[2]) * upstream).sum().backward()
     style, q, c = Style("norm"), grid.q, grid.c
-    layer = ParallelLayerNorm(cut(grid, style, "weight", weight), cut(grid, style, "bias", bias),
+    layer = ParallelNorm(cut(grid, style, "weight", weight), cut(grid, style, "bias", bias),
                               1e-5, layout, grid.norm_family)
     where = ((c["i"] * q + c["j"], q * q), (c["k"], q))
     x_local = rows_features(x, *where).clone().requires_grad_()
@@ -216,7 +216,8 @@ def test_baselines_reproduce_single(strategy, devices, reference, tmp_path):
     assert_reproduces(result, reference, strategy)
 
 
-@pytest.mark.parametrize("case", ["three_d_q2", "tp_1d_p2", "tp_2d_q2"])
+@pytest.mark.parametrize("case", ["three_d_q2", "tp_1d_p2", "tp_2d_q2", "llama_three_d_q2", "llama_tp_1d_p2",
+                                  "llama_tp_2d_q2"])
 def test_tensor_parallel_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
     """Plain SGD sees the gradient's scale, which AdamW normalises away (references.SgdComparison):
     losses, the first step's gradients and the parameters after references.SGD_STEPS steps. One q=2

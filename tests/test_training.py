@@ -51,10 +51,11 @@ def test_ddp_reproduces_single(reference, tmp_path):
                            OptimizerTrace.load(single_directory))
 
 
-def test_ddp_equals_single_under_sgd(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("case", ["ddp_dp2", "llama_ddp_dp2"])
+def test_ddp_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
     """Plain SGD sees the gradient's scale, which AdamW normalises away (references.SgdComparison):
     losses, the first step's gradients and the parameters after references.SGD_STEPS steps."""
-    compare_under_sgd("ddp_dp2", tmp_path, tmp_path_factory).check()
+    compare_under_sgd(case, tmp_path, tmp_path_factory).check()
 
 
 def test_ddp_communication_equals_the_ring_formula(tmp_path):

@@ -16,7 +16,7 @@ class ModelConfig:
     """A transformer shape; `models.build_model` turns it into a plain nn.Module."""
 
     name: str = MISSING  # config name, written into summary.json
-    architecture: str = "gpt"  # gpt (causal LM) | bert (encoder, masked LM)
+    architecture: str = "gpt"  # gpt (causal LM) | bert (encoder, masked LM) | llama (causal LM)
     layers: int = 2  # transformer blocks L
     hidden: int = 64  # model width h
     heads: int = 4  # attention heads; hidden % heads == 0
@@ -24,6 +24,13 @@ class ModelConfig:
     max_sequence_length: int = 256  # positional-embedding size; data.sequence_length must fit
     dropout: float = 0.0  # dropout probability in embeddings and blocks
     tie_embeddings: bool = False  # share the token embedding with the output projection
+    # llama only (models/llama.py): grouped-query attention, SwiGLU width, RMSNorm, rotary positions
+    kv_heads: Optional[int] = None  # key/value heads; null = heads; must divide heads
+    ffn_hidden: Optional[int] = None  # SwiGLU width; null = mlp_ratio × hidden
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base θ (Llama 3: 500000)
+    rope_scaling: Optional[Dict[str, float]] = None  # Llama 3.1 long-context frequency scaling
+    qkv_bias: bool = False  # biases on q/k/v (Qwen2)
     planning_only: bool = False  # too large to build on this machine: composed for planning only
 
 

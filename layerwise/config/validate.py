@@ -21,7 +21,7 @@ from strategies.schedule.generators import SCHEDULES
 
 CHOICES = {
     "mode": ("fit", "check", "plan", "calibrate", "reproduce"),
-    "model.architecture": ("gpt", "bert"),
+    "model.architecture": ("gpt", "bert", "llama"),
     "data.corpus": ("stdlib", "text_files", "token_bin"),
     "hardware.accelerator": ("cpu", "gpu"),
     "hardware.process_group_backend": ("gloo", "nccl"),
@@ -172,6 +172,16 @@ def check_model(cfg) -> list:
         closest = sorted(divisors(model.hidden), key=lambda h: abs(h - model.heads))[:2]
         errors.append(f"model.hidden={model.hidden} is not divisible by model.heads={model.heads}. "
                       f"Fix: model.heads={' or '.join(map(str, sorted(closest)))}.")
+    kv_heads = model.kv_heads or model.heads
+    if model.heads >= 1 and (kv_heads < 1 or model.heads % kv_heads):
+        closest = sorted(divisors(model.heads), key=lambda k: abs(k - kv_heads))[:2]
+        errors.append(f"model.kv_heads={model.kv_heads} does not divide model.heads={model.heads} "
+                      f"(each kv head serves a group of query heads). Fix: model.kv_heads="
+                      f"{' or '.join(map(str, sorted(closest)))}.")
+    if model.architecture != "llama" and (model.kv_heads or model.ffn_hidden):
+        errors.append(f"model.kv_heads / model.ffn_hidden are llama settings; model.architecture="
+                      f"{model.architecture} ignores them. Fix: model.kv_heads=null model.ffn_hidden=null, "
+                      f"or model.architecture=llama.")
     if data.sequence_length > model.max_sequence_length:
         errors.append(f"data.sequence_length={data.sequence_length} exceeds the model's "
                       f"model.max_sequence_length={model.max_sequence_length}. Fix: lower "

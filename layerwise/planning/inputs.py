@@ -7,6 +7,7 @@ inputs (cost/inputs.py) here, and nowhere else.
 from omegaconf import OmegaConf
 
 from cost.inputs import ComposedLayout, Device, GptShape, Workload
+from models import block_of
 from layerwise.config.errors import ConfigError
 from layerwise.config.schema import PipelineStrategyConfig
 from strategies import strategy_entry
@@ -89,7 +90,7 @@ def shape_of(cfg, vocabulary: int = None) -> GptShape:
         vocabulary = cfg.data.vocab_size if cfg.data.corpus == "token_bin" else 256
         vocabulary += 1 if cfg.model.architecture == "bert" else 0
     return GptShape(cfg.model.hidden, cfg.model.mlp_ratio, vocabulary, cfg.data.sequence_length,
-                    cfg.model.max_sequence_length)
+                    cfg.model.max_sequence_length, block_of(cfg.model), cfg.model.architecture != "llama")
 
 
 def device_of(cfg, world_size: int = None) -> Device:

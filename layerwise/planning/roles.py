@@ -32,7 +32,7 @@ def _result_header(cfg, world_size: int, workload: Workload, device: Device, ste
     where they mean the same thing, units in the name: docs/evidence.md)."""
     tokens = cfg.data.global_batch_size * cfg.data.sequence_length
     flops = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
-                                  workload.shape.vocabulary, cfg.model.mlp_ratio) * tokens
+                                  workload.shape.vocabulary, cfg.model.mlp_ratio, workload.shape.block) * tokens
     return {"strategy": cfg.strategy.name, "model": cfg.model.name, "hardware": cfg.hardware.name,
             "world_size": world_size, "layout": workload.layout.__dict__, "step_time_s": step_seconds,
             "tokens_per_s": tokens / step_seconds, "mfu": model_flops_utilization(flops, step_seconds, device.flops_per_second, world_size),

@@ -97,14 +97,14 @@ def tensor_options(cfg, world: int) -> list:
     """(mode, q) of every grid whose block fits the bound and divides the world and the model."""
     bound = cfg.plan.search_max_tensor_ranks or cfg.hardware.devices_per_node
     options = [("none", 1)]
-    if cfg.model.architecture != "gpt" or cfg.model.tie_embeddings or cfg.optimizer.name == "lamb":
-        return options  # strategies/checks.py unsupported_model_errors: grids need a plain untied GPT
+    if cfg.model.architecture not in ("gpt", "llama") or cfg.model.tie_embeddings or cfg.optimizer.name == "lamb":
+        return options  # strategies/checks.py unsupported_model_errors: grids need an untied GPT or Llama
     for mode, dimension in DIMENSION.items():
         for q in range(2, int(round(bound ** (1 / dimension))) + 1):
             ranks = q ** dimension
             grid = grid_of(mode, ranks, 0)
             if ranks <= bound and world % ranks == 0 and cfg.model.hidden % grid.feature_parts == 0 \
-                    and cfg.model.heads % grid.head_parts == 0:
+                    and cfg.model.heads % grid.head_parts == 0 and (cfg.model.kv_heads or 1) % grid.head_parts == 0:
                 options.append((mode, q))
     return options
 
@@ -172,7 +172,7 @@ class Evaluator:
         self.shape, self.device = shape_of(cfg), device_of(cfg)
         self.tokens = cfg.data.global_batch_size * cfg.data.sequence_length
         self.model_flops = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
-                                                 self.shape.vocabulary, cfg.model.mlp_ratio) * self.tokens
+                                                 self.shape.vocabulary, cfg.model.mlp_ratio, self.shape.block) * self.tokens
         self.activation_bytes = compute_bytes(cfg)
 
     def workload(self, layout: Layout) -> Workload:

@@ -18,13 +18,19 @@ def objective_of(model_config) -> str:
     return "masked" if model_config.architecture == "bert" else "causal"
 
 
+LLAMA_FIELDS = ("kv_heads", "ffn_hidden", "norm_eps", "rope_theta", "rope_scaling", "qkv_bias")
+
+
 def model_arguments(model_config, vocab_size: int, seed: int) -> dict:
     """Keyword arguments of `models.build_model` from the model config group."""
-    return dict(vocab_size=vocab_size, sequence_length=model_config.max_sequence_length,
-                layers=model_config.layers, hidden=model_config.hidden,
-                heads=model_config.heads, mlp_ratio=model_config.mlp_ratio,
-                dropout=model_config.dropout, tie_embeddings=model_config.tie_embeddings,
-                seed=seed)
+    arguments = dict(vocab_size=vocab_size, sequence_length=model_config.max_sequence_length,
+                     layers=model_config.layers, hidden=model_config.hidden,
+                     heads=model_config.heads, mlp_ratio=model_config.mlp_ratio,
+                     dropout=model_config.dropout, tie_embeddings=model_config.tie_embeddings,
+                     seed=seed)
+    if model_config.architecture == "llama":
+        arguments.update({name: model_config.get(name) for name in LLAMA_FIELDS})
+    return arguments
 
 
 class LanguageModelTask(pl.LightningModule):

@@ -25,7 +25,11 @@ from .ir import BACKWARD, FORWARD, SEND_ARROW, Action, KindInfo, Plan, PlanError
 from .simulate import Cost, TimedAction, Timeline, simulate
 from .validate import validate_plan
 
-LINEAR_PARTS = {"q": "attention.qkv", "p": "attention.proj", "i": "mlp.fc_in", "o": "mlp.fc_out"}
+# A unit's part: the block's linears of one role (models.BlockDescription): the attention's column
+# linears (GPT's fused qkv, Llama's q, k, v), its row linear, the MLP's column linears (fc_in; SwiGLU's
+# gate and up) and its row linear. Name suffixes; a block holds one architecture's.
+LINEAR_PARTS = {"q": ("attention.qkv", "attention.q", "attention.k", "attention.v"), "p": ("attention.proj",),
+                "i": ("mlp.fc_in", "mlp.gate", "mlp.up"), "o": ("mlp.fc_out",)}
 CURVATURE = {(factor, part): f"KFAC_CURVATURE_{factor}_{part}" for factor in "AB" for part in LINEAR_PARTS}
 SYNC_A, SYNC_B = "KFAC_SYNC_A", "KFAC_SYNC_B"
 INVERT_A, INVERT_B = "KFAC_INVERT_A", "KFAC_INVERT_B"
@@ -87,41 +91,58 @@ def stage_units(stage: int, micro_batches: int, split: frozenset = frozenset()) 
 
 
 class BlockShape(NamedTuple):
-    """What the FLOP counts need: width, MLP ratio, sequence length, tokens per micro-batch, blocks per stage."""
+    """What the FLOP counts need: width, MLP ratio, sequence length, tokens per micro-batch, blocks
+    per stage, and the block's linears by part ((part, in, out), ...; None: the GPT block's)."""
 
     hidden: int
     mlp_ratio: int
     sequence_length: int
     tokens: int  # tokens of one micro-batch on one rank
     layers_per_stage: int = 1
+    linears: tuple = None
+
+
+def block_linears(description) -> tuple:
+    """(part, in, out) of each linear of a models.BlockDescription, its part by LINEAR_PARTS."""
+    part_of = {suffix: part for part, suffixes in LINEAR_PARTS.items() for suffix in suffixes}
+    return tuple((part_of[linear.name], linear.fan_in, linear.fan_out) for linear in description.linears)
 
 
 def linear_shapes(shape: BlockShape) -> dict:
-    """(in, out) of the block's Linears by part: qkv, proj, fc_in, fc_out."""
-    h, wide = shape.hidden, shape.mlp_ratio * shape.hidden
-    return {"q": (h, 3 * h), "p": (h, h), "i": (h, wide), "o": (wide, h)}
+    """(in, out) of the block's Linears by part, a tuple per part: GPT's qkv, proj, fc_in, fc_out
+    one each; Llama's q, k, v and gate, up three and two (a part's linears read one input)."""
+    if shape.linears is None:
+        h, wide = shape.hidden, shape.mlp_ratio * shape.hidden
+        return {"q": ((h, 3 * h),), "p": ((h, h),), "i": ((h, wide),), "o": ((wide, h),)}
+    return {part: tuple((fan_in, fan_out) for owner, fan_in, fan_out in shape.linears if owner == part)
+            for part in LINEAR_PARTS}
+
+
+def every_linear(shapes: dict) -> list:
+    """Every (in, out) of `linear_shapes`' parts."""
+    return [pair for pairs in shapes.values() for pair in pairs]
 
 
 def forward_flops(shape: BlockShape) -> float:
     """2·T·(weights) for the Linears + 4·T·s·h for QKᵀ and AV, per stage."""
-    linears = sum(2 * shape.tokens * fan_in * fan_out for fan_in, fan_out in linear_shapes(shape).values())
+    linears = sum(2 * shape.tokens * fan_in * fan_out for fan_in, fan_out in every_linear(linear_shapes(shape)))
     return shape.layers_per_stage * (linears + 4 * shape.tokens * shape.sequence_length * shape.hidden)
 
 
 def unit_flops(shape: BlockShape) -> dict:
     """FLOPs of each compute unit of one stage: aᵀa / gᵀg are 2·T·n² (a half: T/2); Cholesky + inverse ≈ n³."""
     shapes, blocks = linear_shapes(shape), shape.layers_per_stage
-    flops = {kind: blocks * 2 * shape.tokens * shapes[part][factor == "B"] ** 2
+    flops = {kind: blocks * 2 * shape.tokens * sum(pair[factor == "B"] ** 2 for pair in shapes[part])
              for (factor, part), kind in CURVATURE.items()}
     flops.update({half: flops[kind] / 2 for kind, pair in HALVES.items() for half in pair})  # ±1 token
-    flops[INVERT_A] = blocks * sum(fan_in ** 3 for fan_in, _ in shapes.values())
-    flops[INVERT_B] = blocks * sum(fan_out ** 3 for _, fan_out in shapes.values())
+    flops[INVERT_A] = blocks * sum(fan_in ** 3 for fan_in, _ in every_linear(shapes))
+    flops[INVERT_B] = blocks * sum(fan_out ** 3 for _, fan_out in every_linear(shapes))
     return flops
 
 
 def sync_bytes(shape: BlockShape, factor: str, data_degree: int, bytes_per_element: int = 4) -> float:
     """Logical all-reduce bytes of one stage's A or B factors: 2(n−1)/n · elements · bytes."""
-    dims = [pair[factor == "B"] for pair in linear_shapes(shape).values()]
+    dims = [pair[factor == "B"] for pair in every_linear(linear_shapes(shape))]
     elements = shape.layers_per_stage * sum(n * n for n in dims)
     return 2 * (data_degree - 1) / data_degree * elements * bytes_per_element
 

@@ -16,5 +16,4 @@ from strategies.tensor_parallel.parallelize import (  # noqa: F401
     parallelize_1d,
     parallelize_2d,
     parallelize_3d,
-    plan_gpt,
 )

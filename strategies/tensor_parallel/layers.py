@@ -53,10 +53,24 @@ class MegatronLinear(nn.Module):
 
 
 class ColumnParallelLinear(MegatronLinear):
-    """Megatron: W split by output rows; input gradient summed over the group (f)."""
+    """Megatron: W split by output rows. Its input's gradient is summed over the group by the f
+    after the norm that feeds it (`CopyToGroup`), once for all the column linears reading it."""
 
     def forward(self, x):
-        return F.linear(copy_to_group(x, self.communicator, self.group), self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class CopyToGroup:
+    """Forward hook putting Megatron's f (identity forward, gradient summed over the group backward;
+    Shoeybi et al. 2019, §3) on a norm's output, which every column-parallel linear of the sub-layer
+    reads (GPT's qkv; Llama's q, k, v, or gate and up; the head): one all-reduce of the summed input
+    gradients, not one per linear."""
+
+    def __init__(self, layout):
+        self.communicator, self.group = layout.communicator, layout.group("tensor")
+
+    def __call__(self, module, arguments, output):
+        return copy_to_group(output, self.communicator, self.group)
 
 
 class RowParallelLinear(MegatronLinear):
@@ -67,10 +81,11 @@ class RowParallelLinear(MegatronLinear):
         return y if self.bias is None else y + self.bias
 
 
-class ParallelLayerNorm(nn.Module):
-    """LayerNorm over features split across `group`: two-pass mean and variance (§4).
+class ParallelNorm(nn.Module):
+    """LayerNorm (with a bias) or RMSNorm (without) over features split across `group` (§4).
 
-    mean = Σ_group Σ x / h; variance = Σ_group Σ (x − mean)² / h; y = (x − mean)/√(var + ε)·w + b.
+    LayerNorm, two-pass: mean = Σ_group Σ x / h; variance = Σ_group Σ (x − mean)² / h;
+    y = (x − mean)/√(var + ε)·w + b. RMSNorm (Zhang & Sennrich 2019): y = x/√(Σ_group Σ x²/h + ε)·w.
     """
 
     def __init__(self, weight, bias, eps, layout, family):
@@ -83,13 +98,16 @@ class ParallelLayerNorm(nn.Module):
         return sum_over_group(x.sum(-1, keepdim=True), self.communicator, self.group)
 
     def forward(self, x):
+        if self.bias is None:  # RMSNorm: no centring
+            return x * torch.rsqrt(self._sum(x * x) / self.features + self.eps) * self.weight
         centred = x - self._sum(x) / self.features
         variance = self._sum(centred * centred) / self.features
         return centred * torch.rsqrt(variance + self.eps) * self.weight + self.bias
 
 
 class ParallelEmbedding(nn.Module):
-    """Token + position embedding of this rank's rows and feature chunk; no communication.
+    """Token (+ position, if the model has a table) embedding of this rank's rows and feature chunk;
+    no communication.
 
     The tables hold [V, h/q] (replicated over the ranks that share the feature chunk: their
     gradients are summed by the strategy). The simplest correct split (§4 allows it).
@@ -98,12 +116,14 @@ class ParallelEmbedding(nn.Module):
     def __init__(self, token, position, dropout, rows):
         super().__init__()
         self.token = nn.Embedding.from_pretrained(token.clone(), freeze=False)
-        self.position = nn.Embedding.from_pretrained(position.clone(), freeze=False)
+        self.position = None if position is None else nn.Embedding.from_pretrained(position.clone(), freeze=False)
         self.dropout = nn.Dropout(dropout)
         self.rows = rows  # (index, parts) of this data rank's sequences
 
     def forward(self, tokens):
         tokens = tokens.chunk(self.rows[1], dim=0)[self.rows[0]]
+        if self.position is None:
+            return self.dropout(self.token(tokens))
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         return self.dropout(self.token(tokens) + self.position(positions))
 
@@ -139,23 +159,3 @@ class VocabularyParallelLoss:
         for group in self.batch_groups:
             self.communicator.all_reduce(total, group)
         return share + (total - share).detach()
-
-
-class HeadParallelAttention(nn.Module):
-    """Self-attention over this rank's heads: qkv's local output is [Q_c | K_c | V_c].
-
-    Same computation as models.transformer.Attention, with widths taken from the local qkv
-    output (the plain module takes them from its input, whole in 1-D). Parameter names unchanged.
-    """
-
-    def __init__(self, plain: nn.Module, heads: int):
-        super().__init__()
-        self.qkv, self.proj, self.dropout = plain.qkv, plain.proj, plain.dropout
-        self.heads, self.causal = heads, plain.causal
-
-    def forward(self, x):
-        batch, length = x.shape[:2]
-        query, key, value = (t.view(batch, length, self.heads, -1).transpose(1, 2)
-                             for t in self.qkv(x).chunk(3, dim=-1))
-        y = F.scaled_dot_product_attention(query, key, value, is_causal=self.causal)
-        return self.dropout(self.proj(y.transpose(1, 2).reshape(batch, length, -1)))

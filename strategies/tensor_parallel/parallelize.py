@@ -1,4 +1,4 @@
-"""The plan (module name -> Style) of a plain GPT and the functions that apply it on a grid.
+"""The plan (module name -> Style) of a plain GPT or Llama and the functions that apply it on a grid.
 
     form = parallelize_3d(model, layout, device)   # or parallelize_1d / parallelize_2d
 
@@ -14,32 +14,39 @@ from typing import Callable, Dict, Tuple
 import torch
 import torch.nn as nn
 
+from models import DESCRIPTIONS, describe_block
 from strategies.tensor_parallel.grids import Style, grid_of, interleave_fused
 from strategies.tensor_parallel.layers import (
     ColumnParallelLinear,
+    CopyToGroup,
     GridLinear,
-    HeadParallelAttention,
     ParallelEmbedding,
-    ParallelLayerNorm,
+    ParallelNorm,
     RowParallelLinear,
     VocabularyParallelLoss,
 )
 
-# A block is two pairs of linears; "first"/"second" is the explicit argument that alternates
-# the 3-D axis roles (and picks Megatron's column/row form in 1-D).
-BLOCK_PLAN = {
-    "norm_attention": Style("norm"),
-    "attention.qkv": Style("linear", "first", fused=3),
-    "attention.proj": Style("linear", "second"),
-    "norm_mlp": Style("norm"),
-    "mlp.fc_in": Style("linear", "first"),
-    "mlp.fc_out": Style("linear", "second"),
-}
+
+def block_plan(description) -> Dict[str, Style]:
+    """Module name -> Style of one block, from its description (models.BlockDescription): a
+    column linear is the "first" of a pair, a row linear the "second" — the explicit argument
+    that alternates the 3-D axis roles and picks Megatron's column/row form in 1-D."""
+    plan = {name: Style("norm") for name in description.norms}
+    plan.update({linear.name: Style("linear", "first" if linear.role == "column" else "second",
+                                    fused=linear.fused) for linear in description.linears})
+    return plan
 
 
-def plan_of_parts(parts) -> Dict[str, Style]:
-    """Module name -> Style for the named parts of a GPT ("embed", "blocks.<i>", "head"): a
-    pipeline rank holds only its stages' parts. The head is a "first" linear."""
+# Every architecture's block plan in one: their linears' names differ (GPT's fused qkv and fc_in,
+# Llama's q/k/v and gate/up), so a parameter's name alone finds its style (checkpoints, K-FAC).
+BLOCK_PLAN = {name: style for architecture in DESCRIPTIONS
+              for name, style in block_plan(describe_block(architecture, hidden=8, heads=2)).items()}
+
+
+def plan_of_parts(parts, model: nn.Module = None) -> Dict[str, Style]:
+    """Module name -> Style for the named parts of a model ("embed", "blocks.<i>", "head"): a
+    pipeline rank holds only its stages' parts. The head is a "first" linear. With `model`: only
+    the modules it has (BLOCK_PLAN names every architecture's)."""
     plan = {}
     for part in parts:
         if part == "embed":
@@ -47,13 +54,17 @@ def plan_of_parts(parts) -> Dict[str, Style]:
         elif part == "head":
             plan.update({"head.norm": Style("norm"), "head.output": Style("linear", "first")})
         else:
-            plan.update({f"{part}.{name}": style for name, style in BLOCK_PLAN.items()})
+            plan.update({f"{part}.{name}": style for name, style in BLOCK_PLAN.items()
+                         if model is None or _has(model, f"{part}.{name}")})
     return plan
 
 
-def plan_gpt(layers: int) -> Dict[str, Style]:
-    """Module name -> Style for a whole GPT of `layers` blocks."""
-    return plan_of_parts(["embed", *(f"blocks.{index}" for index in range(layers)), "head"])
+def _has(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
 
 
 @dataclass
@@ -78,15 +89,17 @@ def cut(grid, style: Style, name: str, full: torch.Tensor) -> torch.Tensor:
 def parallel_module(module: nn.Module, style: Style, grid, layout) -> nn.Module:
     """The parallel form of one plain module, holding this rank's shards."""
     if style.kind == "embedding":
+        position = getattr(module, "position", None)  # Llama has none: RoPE in every block
         return ParallelEmbedding(cut(grid, style, "weight", module.token.weight),
-                                 cut(grid, style, "weight", module.position.weight),
-                                 module.dropout.p, grid.input_rows())
+                                 None if position is None else cut(grid, style, "weight", position.weight),
+                                 getattr(getattr(module, "dropout", None), "p", 0.0), grid.input_rows())
     weight = cut(grid, style, "weight", module.weight)
-    bias = cut(grid, style, "bias", module.bias)
+    bias = cut(grid, style, "bias", getattr(module, "bias", None))
     if style.kind == "norm":
-        if grid.norm_family is None:
-            return module  # 1-D: features whole, the plain LayerNorm is already right
-        return ParallelLayerNorm(weight, bias, module.eps, layout, grid.norm_family)
+        if grid.norm_family is None:  # 1-D: features whole, the plain LayerNorm / RMSNorm is right;
+            module.register_forward_hook(CopyToGroup(layout))  # its output feeds column linears
+            return module
+        return ParallelNorm(weight, bias, module.eps, layout, grid.norm_family)
     if grid.name != "1d":
         return GridLinear(weight, bias, layout, grid.linear_specs(style.position))
     linear = ColumnParallelLinear if style.position == "first" else RowParallelLinear
@@ -105,7 +118,7 @@ def gradient_groups(model: nn.Module, plan, grid, layout) -> Dict[str, Tuple]:
 
 @torch.no_grad()
 def parallelize(model: nn.Module, layout, device=None, parts=None, loss_over_data: bool = True) -> TensorParallelForm:
-    """Turn a plain GPT into its form on `layout.tensor_grid`, in place (torchtitan-style), part
+    """Turn a plain GPT or Llama into its form on `layout.tensor_grid`, in place (torchtitan-style), part
     by part; parts still on meta are first materialised on `device` with their seeded values.
 
     `parts`: only these (default: every part the model holds; a pipeline rank holds its stages').
@@ -116,7 +129,7 @@ def parallelize(model: nn.Module, layout, device=None, parts=None, loss_over_dat
         raise ValueError("model.tie_embeddings=true is not supported by tensor parallelism")
     grid = grid_of(layout.tensor_grid, layout.degrees.tensor, layout.index("tensor"))
     parts = model.part_names() if parts is None else parts
-    plan = plan_of_parts(parts)
+    plan = plan_of_parts(parts, model)  # names found on meta: parts are materialised one by one below
     for part in parts:
         model.materialise(device, [part])
         for name, style in plan.items():
@@ -124,10 +137,10 @@ def parallelize(model: nn.Module, layout, device=None, parts=None, loss_over_dat
                 parent, _, child = name.rpartition(".")
                 replacement = parallel_module(model.get_submodule(name), style, grid, layout)
                 setattr(model.get_submodule(parent) if parent else model, child, replacement)
-        if part.startswith("blocks."):  # heads are split with qkv's output chunks
-            block = model.get_submodule(part)
-            block.attention = HeadParallelAttention(block.attention,
-                                                    block.attention.heads // grid.head_parts)
+        if part.startswith("blocks."):  # heads are split with q/k/v's output chunks: a share of each
+            attention = model.get_submodule(part).attention
+            attention.heads, attention.kv_heads = (attention.heads // grid.head_parts,
+                                                   attention.kv_heads // grid.head_parts)
     data = layout.group("data") if loss_over_data else None
     return TensorParallelForm(model, VocabularyParallelLoss(layout, grid, data),
                               gradient_groups(model, plan, grid, layout), grid)
@@ -140,7 +153,7 @@ def _check_grid(layout, expected: str):
 
 
 def parallelize_1d(model, layout, device=None) -> TensorParallelForm:
-    """Megatron 1-D: column-parallel qkv/fc_in/head, row-parallel proj/fc_out."""
+    """Megatron 1-D: column-parallel linears (qkv, fc_in; q, k, v, gate, up) and head, row-parallel proj and fc_out."""
     _check_grid(layout, "1d")
     return parallelize(model, layout, device)
 

@@ -1,0 +1,187 @@
+"""Llama: a causal decoder with RMSNorm, rotary positions, SwiGLU and grouped-query attention.
+
+Llama 2/3 (Touvron et al. 2023; Dubey et al. 2024, §3.1), and with `qkv_bias` Qwen2. The parts
+protocol is the GPT's (`embed`, `blocks` "0".."L-1", `head`); module names follow it where the
+role is the same (`norm_attention`, `attention.proj`, `norm_mlp`, `mlp.fc_out`, `head.norm`,
+`head.output`), so pipelines, ZeRO, FSDP and the tensor-parallel plan find them. Q, K, V and the
+SwiGLU gate/up are separate linears: each splits by whole heads / whole features on its own.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.transformer import BlockDescription, LanguageModel, LinearShape
+
+
+def describe_llama_block(hidden: int, heads: int, kv_heads: int = None, ffn_hidden: int = None,
+                         mlp_ratio: int = 4, qkv_bias: bool = False, **_) -> BlockDescription:
+    """The Llama block (`LlamaBlock`) as data: q/k/v column linears (k, v kv_heads·d wide), the
+    output projection and SwiGLU's down row linears, gate/up column linears."""
+    kv, ffn, d = kv_heads or heads, ffn_hidden or mlp_ratio * hidden, hidden // heads
+    return BlockDescription(
+        norms=("norm_attention", "norm_mlp"), norm="rms",
+        linears=(LinearShape("attention.q", hidden, heads * d, "column", bias=qkv_bias),
+                 LinearShape("attention.k", hidden, kv * d, "column", bias=qkv_bias),
+                 LinearShape("attention.v", hidden, kv * d, "column", bias=qkv_bias),
+                 LinearShape("attention.proj", heads * d, hidden, "row", bias=False),
+                 LinearShape("mlp.gate", hidden, ffn, "column", bias=False),
+                 LinearShape("mlp.up", hidden, ffn, "column", bias=False),
+                 LinearShape("mlp.fc_out", ffn, hidden, "row", bias=False)),
+        hidden=hidden, heads=heads, kv_heads=kv, mlp_width=ffn, gated=True, rotary=True)
+
+
+def rotary_frequencies(head_dim: int, theta: float, scaling=None) -> torch.Tensor:
+    """θ^(-2i/d) for i < d/2 (Su et al. 2021, RoFormer §3.2), optionally with Llama 3.1's
+    long-context rescaling: wavelengths above original_max/low_freq_factor are stretched by
+    `factor`, below original_max/high_freq_factor kept, and smoothly interpolated between."""
+    inverse = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if not scaling:
+        return inverse
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inverse
+    smooth = (original / wavelength - low) / (high - low)
+    mixed = (1 - smooth) * inverse / factor + smooth * inverse
+    return torch.where(wavelength > original / low, inverse / factor,
+                       torch.where(wavelength < original / high, inverse, mixed))
+
+
+def rotary_angles(length: int, frequencies: torch.Tensor, dtype, device) -> tuple:
+    """(cos, sin) of position·frequency_i, [s, 1, d/2]: computed once per forward, shared by q and k
+    (autograd then keeps one pair per block, not one per use)."""
+    angles = torch.outer(torch.arange(length, dtype=torch.float64, device=device), frequencies.to(device))
+    return angles.cos().to(dtype).unsqueeze(1), angles.sin().to(dtype).unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (x_i, x_{i+d/2}) pair of x[b, s, n, d] by angle position·frequency_i (the
+    half-split pairing of the Hugging Face Llama; Meta's interleaved pairing differs by a
+    permutation of the q/k weights' rows). Applied in [b, s, n, d] so attention's output keeps
+    that layout and merging the heads is a view, as in the GPT (no copy for autograd to keep)."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+class GroupedQueryAttention(nn.Module):
+    """Causal attention with `kv_heads` key/value heads shared by groups of heads/kv_heads queries.
+
+    q = rope(q(x)), k = rope(k(x)), v = v(x) split into heads; y = softmax(q kᵀ/√d) v with each
+    kv head serving its group (scaled_dot_product_attention's enable_gqa: K/V not repeated);
+    out = proj(merge(y)). `heads`/`kv_heads` are the heads this module holds: tensor parallelism
+    keeps a contiguous share of both (strategies/tensor_parallel), the widths follow.
+    """
+
+    causal = True
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, rope_theta: float, rope_scaling,
+                 qkv_bias: bool):
+        super().__init__()
+        if hidden % heads or heads % kv_heads:
+            raise ValueError(f"model.heads/kv_heads: hidden {hidden} must split into heads {heads}, "
+                             f"and heads into kv_heads {kv_heads} groups")
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.q = nn.Linear(hidden, heads * self.head_dim, bias=qkv_bias)
+        self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
+        self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
+        self.proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length = x.shape[:2]
+        query, key, value = (linear(x).view(batch, length, heads, self.head_dim)
+                             for linear, heads in ((self.q, self.heads), (self.k, self.kv_heads),
+                                                   (self.v, self.kv_heads)))
+        cos, sin = rotary_angles(length, rotary_frequencies(self.head_dim, self.rope_theta, self.rope_scaling),
+                                 query.dtype, x.device)
+        # [b, s, n, d] -> [b, n, s, d], the layout scaled_dot_product_attention expects
+        query, key, value = (apply_rotary(query, cos, sin).transpose(1, 2),
+                             apply_rotary(key, cos, sin).transpose(1, 2), value.transpose(1, 2))
+        y = F.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                           enable_gqa=self.kv_heads != self.heads)
+        return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
+
+
+class SwiGLU(nn.Module):
+    """out = fc_out(silu(gate(x)) ⊙ up(x)) (Shazeer 2020, "GLU Variants Improve Transformer"), no biases."""
+
+    def __init__(self, hidden: int, ffn_hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn_hidden, bias=False)
+        self.up = nn.Linear(hidden, ffn_hidden, bias=False)
+        self.fc_out = nn.Linear(ffn_hidden, hidden, bias=False)  # "down"; residual init by its name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nn.Module):
+    """x = x + attention(rmsnorm(x)); x = x + swiglu(rmsnorm(x)). No dropout (Llama has none)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn_hidden: int, norm_eps: float,
+                 rope_theta: float, rope_scaling=None, qkv_bias: bool = False):
+        super().__init__()
+        self.norm_attention = nn.RMSNorm(hidden, eps=norm_eps)
+        self.attention = GroupedQueryAttention(hidden, heads, kv_heads, rope_theta, rope_scaling, qkv_bias)
+        self.norm_mlp = nn.RMSNorm(hidden, eps=norm_eps)
+        self.mlp = SwiGLU(hidden, ffn_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm_attention(x))
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class TokenEmbedding(nn.Module):
+    """Tokens [b, s] -> token vectors [b, s, h]; positions enter through RoPE in every block."""
+
+    def __init__(self, vocab_size: int, hidden: int):
+        super().__init__()
+        self.token = nn.Embedding(vocab_size, hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.token(tokens)
+
+
+class LlamaHead(nn.Module):
+    """x[b, s, h] -> logits[b, s, V]: final RMSNorm, bias-free projection to the vocabulary."""
+
+    def __init__(self, hidden: int, vocab_size: int, norm_eps: float):
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden, eps=norm_eps)
+        self.output = nn.Linear(hidden, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(x))
+
+
+class Llama(LanguageModel):
+    """Causal language model: token embedding, L Llama blocks, LlamaHead.
+
+    Trained like the GPT (targets = tokens shifted left by one). `kv_heads` < `heads` is
+    grouped-query attention (Ainslie et al. 2023); `ffn_hidden` the SwiGLU width; `rope_scaling`
+    Llama 3.1's frequency rescaling ({factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings}) or None.
+    """
+
+    causal = True
+
+    def __init__(self, *, kv_heads: int = None, ffn_hidden: int = None, norm_eps: float = 1e-5,
+                 rope_theta: float = 10000.0, rope_scaling=None, qkv_bias: bool = False, **kwargs):
+        heads, hidden = kwargs["heads"], kwargs["hidden"]
+        self.kv_heads = kv_heads or heads
+        self.ffn_hidden = ffn_hidden or kwargs.get("mlp_ratio", 4) * hidden
+        self.norm_eps, self.rope_theta, self.qkv_bias = norm_eps, rope_theta, qkv_bias
+        self.rope_scaling = dict(rope_scaling) if rope_scaling else None
+        super().__init__(**kwargs)
+
+    def make_block(self) -> nn.Module:
+        return LlamaBlock(self.hidden, self.heads, self.kv_heads, self.ffn_hidden, self.norm_eps,
+                          self.rope_theta, self.rope_scaling, self.qkv_bias)
+
+    def make_embed(self) -> nn.Module:
+        return TokenEmbedding(self.vocab_size, self.hidden)
+
+    def make_head(self, hidden: int, vocab_size: int) -> nn.Module:
+        return LlamaHead(hidden, vocab_size, self.norm_eps)

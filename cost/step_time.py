@@ -62,19 +62,55 @@ def grid_seconds(workload: Workload, device: Device, stage: int, stages: int) ->
     if stage == stages - 1:
         traffic += head_traffic(layout.tensor_grid, layout.edge, workload.micro_batch_rows, workload.shape)
     count = grid_collectives(layout.tensor_grid, workload.layers_per_stage, stage == stages - 1)
-    return count * device.collective_latency_s + sum(traffic.values()) / link_bandwidth(device, workload.tensor_ranks)
+    wire = workload.wire_bytes / BYTES  # traffic.py counts fp32; the run's code may send fp16/bf16
+    return count * device.collective_latency_s + wire * sum(traffic.values()) / link_bandwidth(device, workload.tensor_ranks)
 
 
 def stage_seconds(workload: Workload, device: Device, stage: int, stages: int) -> tuple:
-    """(forward, backward) seconds of one micro-batch through `stage`: FLOPs at the achieved rate
-    plus each product's fixed cost and the non-product work (`elementwise_seconds`),
-    B = 2F (3F with recomputation: the forward runs again), the grid's collectives half in each."""
-    compute = forward_flops(workload, stage, stages) / (device.flops_per_second * device.efficiency)
+    """(forward, backward) seconds of one micro-batch through `stage`: the products (`products_seconds`:
+    FLOPs at the achieved rate, or the roofline where the device's memory bandwidth is known) plus
+    each product's fixed cost and the non-product work (`elementwise_seconds`); the blocks' B = 2F
+    (3F with recomputation: their forward runs again), the head's 2F (it is not recomputed); the
+    grid's collectives half in each, the forward's again in a recomputed backward (Megatron's f and g
+    run in the recomputed forward too), hidden behind the products under `tensor_overlap`."""
+    blocks, head = products_seconds(workload, device, stage, stages)
     products = workload.layers_per_stage * PRODUCTS_PER_BLOCK + (stage == stages - 1)  # + the head's
-    compute += products * device.matmul_overhead_s  # the backward's 2 (or 3) × F carries 2 (3) × as many
-    compute += elementwise_seconds(workload, device, stage == 0, stage == stages - 1)
-    communication = grid_seconds(workload, device, stage, stages)
-    return compute + communication / 2, (3.0 if workload.recompute else 2.0) * compute + communication / 2
+    blocks += products * device.matmul_overhead_s  # the backward's 2 (or 3) × F carries 2 (3) × as many
+    blocks += elementwise_seconds(workload, device, stage == 0, stage == stages - 1)
+    communication = grid_seconds(workload, device, stage, stages) / 2
+    factor = 3.0 if workload.recompute else 2.0
+    forward, backward = blocks + head, factor * blocks + 2.0 * head
+    forward_sends, backward_sends = communication, communication * (factor - 1.0)
+    if workload.tensor_overlap:  # Megatron-Core's userbuffers: each collective hides behind a product
+        return max(forward, forward_sends), max(backward, backward_sends)
+    return forward + forward_sends, backward + backward_sends
+
+
+def products_seconds(workload: Workload, device: Device, stage: int, stages: int) -> tuple:
+    """(blocks, head) seconds of one micro-batch's forward products through `stage` on one grid rank.
+    Without the device's memory bandwidth: FLOPs (`forward_flops`) at peak × efficiency. With it, on
+    no grid or Megatron's 1-D grid, each product at its roofline (Williams et al. 2009): the slower
+    of 2·M·K·N FLOPs at peak × efficiency (the large-product rate) and its operands and result
+    (M·K + K·N + M·N elements) over the memory bandwidth: skinny products under tensor parallelism
+    and attention's per-head products (K = h/a) fall below the large-product rate."""
+    shape, grid = workload.shape, workload.layout.tensor_grid
+    if not device.memory_bandwidth or grid not in (None, "1d"):
+        flops = forward_flops(workload, stage, stages)
+        head = 2 * workload.micro_batch_rows * shape.length * shape.hidden * shape.vocabulary \
+            / workload.tensor_ranks if stage == stages - 1 else 0
+        rate = device.flops_per_second * device.efficiency
+        return (flops - head) / rate, head / rate
+    t, b, s, h, r = workload.tensor_ranks, workload.micro_batch_rows, shape.length, shape.hidden, shape.mlp_ratio
+    tokens, heads, width = b * s, workload.heads // t, h // workload.heads
+
+    def roofline(m, k, n, count=1):
+        compute = 2 * m * k * n * count / (device.flops_per_second * device.efficiency)
+        moved = (m * k + k * n + m * n) * count * workload.activation_bytes
+        return max(compute, moved / device.memory_bandwidth)
+    block = (roofline(tokens, h, 3 * h // t) + roofline(s, width, s, b * heads) + roofline(s, s, width, b * heads)
+             + roofline(tokens, h // t, h) + roofline(tokens, h, r * h // t) + roofline(tokens, r * h // t, h))
+    head = roofline(tokens, h, shape.vocabulary // t) if stage == stages - 1 else 0.0
+    return workload.layers_per_stage * block, head
 
 
 def elementwise_seconds(workload: Workload, device: Device, embedding: bool = False, head: bool = False) -> float:
@@ -90,7 +126,24 @@ def elementwise_seconds(workload: Workload, device: Device, embedding: bool = Fa
     elements += embedding * 2 * tokens * shape.hidden + head * tokens * (2 * shape.hidden + 2 * shape.vocabulary
                                                                        / workload.tensor_ranks)
     operators = workload.layers_per_stage + embedding + head
-    return operators * device.block_overhead_s + elements * device.activation_seconds_per_element
+    seconds = operators * device.block_overhead_s + elements * device.activation_seconds_per_element
+    return seconds + workload.layers_per_stage * memory_bound_block_seconds(workload, device)
+
+
+def memory_bound_block_seconds(workload: Workload, device: Device) -> float:
+    """A block's forward operators between products on a GPU (norms, softmax, GeLU, dropout, residual
+    additions): memory-bound, so bytes ÷ the memory bandwidth. Bytes: what the block saves for its
+    backward, s·b·h·(34 + 5·a·s/h) in 16-bit training (Korthikanti et al. 2022 §4.1; on a 1-D grid
+    10 of the 34 stay whole, all split with sequence parallelism; the 5·a·s/h of the attention
+    scores only where they are materialised), each written once and read once in the forward.
+    0 without the device's memory bandwidth (a CPU profile calibrates these operators instead)."""
+    if not device.memory_bandwidth:
+        return 0.0
+    shape, t = workload.shape, workload.tensor_ranks
+    sbh = workload.micro_batch_rows * shape.length * shape.hidden
+    whole = 10 / t if workload.sequence_parallel else 10
+    scores = 5 * workload.heads * shape.length / (shape.hidden * t) if workload.attention_scores else 0
+    return 2 * sbh * (whole + 24 / t + scores) / device.memory_bandwidth
 
 
 def optimizer_seconds(workload: Workload, device: Device, stages: list, total_stages: int) -> float:
@@ -104,7 +157,9 @@ def receive_seconds(workload: Workload, device: Device) -> float:
     """One boundary receive: the activation piece (or its gradient, the same size) over the link
     pipeline neighbours cross (a tensor block apart; inside a node only if the whole pipeline is)."""
     latency = device.collective_latency_s if device.point_to_point_latency_s is None else device.point_to_point_latency_s
-    return latency + workload.piece * BYTES / link_bandwidth(device, workload.tensor_ranks * workload.layout.pipeline)
+    split = workload.tensor_ranks if workload.scatter_gather else 1  # each tensor rank sends 1/T, NVLink gathers
+    return latency + workload.piece * workload.wire_bytes / split / link_bandwidth(
+        device, workload.tensor_ranks * workload.layout.pipeline)
 
 
 def gather_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
@@ -188,7 +243,7 @@ def _last_reduction_seconds(workload: Workload, device: Device, plan, rank: int)
     """The data-parallel reduction of the stage a rank reduces last; earlier stages' reductions
     overlap the remaining backward (layered accumulation), this one only the optimizer's wait."""
     reductions = [a for a in plan.ranks[rank] if a is not None and a.kind in (REDUCE_GRADIENT, REDUCE_SCATTER)]
-    return reduction_seconds(workload, device, reductions[-1].stage, plan.stages) if reductions else 0.0
+    return exposed_reduction_seconds(workload, device, reductions[-1].stage, plan.stages) if reductions else 0.0
 
 
 def reduction_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
@@ -199,7 +254,18 @@ def reduction_seconds(workload: Workload, device: Device, stage: int, stages: in
         return 0.0
     held = stage_parameters(workload, stage, stages)
     volume = all_gather(held, layout.data) if layout.zero else all_reduce(held, layout.data)
+    volume *= workload.wire_bytes / BYTES  # 2: the run reduces fp16/bf16 gradients
     return device.collective_latency_s + volume / link_bandwidth(device, workload.tensor_ranks * layout.pipeline * layout.data)
+
+
+def exposed_reduction_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
+    """The part of the stage's data-parallel reduction nothing hides: all of it, or with
+    `reduction_overlaps_backward` (PyTorch DDP's buckets, Li et al. 2020 §3.2.3, reduce while the
+    last micro-batch's backward still runs) what outlasts that backward."""
+    reduction = reduction_seconds(workload, device, stage, stages)
+    if not workload.reduction_overlaps_backward:
+        return reduction
+    return max(0.0, reduction - stage_seconds(workload, device, stage, stages)[1])
 
 
 def zero_gathers(workload: Workload, device: Device, rank: int, loops: int, breadth_first: int,
@@ -258,7 +324,7 @@ def closed_form_step(workload: Workload, device: Device, schedule: str, micro_ba
                  for rank in {0, min(1, p - 1), p - 1}}
     starts = exposures[0][0] + (exposures[p - 1][0] if p > 1 else 0) + max(0, p - 2) * exposures[min(1, p - 1)][0]
     compute = groups * group + starts + max(rest for _, rest in exposures.values())
-    exposed = max(reduction_seconds(workload, device, rank, stages) for rank in {0, 1 % p, p - 1})
+    exposed = max(exposed_reduction_seconds(workload, device, rank, stages) for rank in {0, 1 % p, p - 1})
     update = max(optimizer_seconds(workload, device, [rank + loop * p for loop in range(loops)], stages)
                  for rank in {0, 1 % p, p - 1})
     # The simulator's bubble: idle compute time over makespan × ranks; every stage runs m F and m B.

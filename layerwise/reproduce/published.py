@@ -14,11 +14,12 @@ The rows' split into tuned and held-out was fixed in the csv before any model te
 
 import csv
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from cost.step_time import closed_form_step
 from layerwise.planning.search import Evaluator, Layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,13 +118,29 @@ def layout_of(run: PublishedRun) -> Layout:
                   "full" if run.recompute == "full" else "none", run.data_parallel)
 
 
+def workload_of(evaluate: Evaluator, run: PublishedRun):
+    """The Evaluator's workload of the run's layout, with how Megatron-LM communicates and overlaps
+    (cost.inputs.Workload's run fields): 16-bit collectives, messages and gradients (--fp16/--bf16),
+    scatter/gather of pipeline messages (default since Narayanan et al. 2021 §4.1), the gradient
+    reduction overlapped (torch DDP, or the H100 runs' --overlap-grad-reduce) or after the backward
+    (--DDP-impl local), materialised attention scores (2021: no flash kernel), sequence parallelism and
+    --tp-comm-overlap on the H100 runs."""
+    modern = run.flops == "megatron"  # the 2024 Megatron-Core runs
+    return replace(evaluate.workload(layout_of(run)), wire_bytes=2, scatter_gather=True,
+                   reduction_overlaps_backward=run.data_reduction == "overlapped", tensor_overlap=modern,
+                   attention_scores=not modern, sequence_parallel=run.sequence_parallel)
+
+
 def predict(base, run: PublishedRun) -> dict:
-    """Plan mode's closed-form step for the run, and the TFLOP/s per GPU it implies as the source counts."""
-    cfg = point_config(base, run)
-    row = Evaluator(cfg, run.gpus)(layout_of(run))
-    predicted = counted_flops(run) / (row["step_seconds"] * run.gpus) / 1e12
-    return {"run": run.name, "split": run.split, "verified": run.verified, "step_seconds": row["step_seconds"],
-            "bubble_fraction": row["bubble_fraction"], "predicted_tflops_per_gpu": predicted,
+    """Plan mode's closed-form step for the run (cost.step_time.closed_form_step, the search's and the
+    simulator's formulas), and the TFLOP/s per GPU it implies as the source counts."""
+    evaluate = Evaluator(point_config(base, run), run.gpus)
+    layout = layout_of(run)
+    step = closed_form_step(workload_of(evaluate, run), evaluate.device, layout.schedule, layout.micro_batches,
+                            layout.breadth_first_micro_batches)
+    predicted = counted_flops(run) / (step["step_seconds"] * run.gpus) / 1e12
+    return {"run": run.name, "split": run.split, "verified": run.verified, "step_seconds": step["step_seconds"],
+            "bubble_fraction": step["bubble_fraction"], "predicted_tflops_per_gpu": predicted,
             "published_tflops_per_gpu": run.published_tflops_per_gpu,
             "error": predicted / run.published_tflops_per_gpu - 1}
 
@@ -142,3 +159,18 @@ def summary(rows: list) -> dict:
                 "within": sum(error <= TOLERANCE for error in errors)}
     return {"all": stats(rows), "tune": stats([r for r in rows if r["split"] == "tune"]),
             "holdout": stats([r for r in rows if r["split"] == "holdout"])}
+
+
+def fit_efficiency(base, runs: list = None, low: float = 0.3, high: float = 1.0, steps: int = 12) -> float:
+    """The one fitted term: the large-product rate (plan.efficiency, the roofline's compute ceiling)
+    at which the tuned rows' mean signed error is 0 (bisection: the predicted rate grows with it).
+    Only rows with split=tune are used; the held-out rows never see it."""
+    tuned = [run for run in (runs if runs is not None else read_runs()) if run.split == "tune"]
+    for _ in range(steps):
+        middle = (low + high) / 2
+        cfg = OmegaConf.merge(base, {"plan": {"efficiency": middle}})
+        if statistics.fmean(predict(cfg, run)["error"] for run in tuned) > 0:
+            high = middle
+        else:
+            low = middle
+    return round((low + high) / 2, 3)

@@ -105,6 +105,9 @@ class Workload:
     tensor_overlap: bool = False
     attention_scores: bool = False
     sequence_parallel: bool = False
+    # ZeRO-1 (Megatron's distributed optimizer, Rajbhandari et al. 2020 stage 1): gradients reduce-
+    # scattered (half an all-reduce's bytes), parameters all-gathered beside the next step's forward.
+    distributed_optimizer: bool = False
 
     @property
     def piece(self) -> int:

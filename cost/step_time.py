@@ -74,12 +74,13 @@ def stage_seconds(workload: Workload, device: Device, stage: int, stages: int) -
     grid's collectives half in each, the forward's again in a recomputed backward (Megatron's f and g
     run in the recomputed forward too), hidden behind the products under `tensor_overlap`."""
     blocks, head = products_seconds(workload, device, stage, stages)
+    loss_forward, loss_backward = loss_seconds(workload, device) if stage == stages - 1 else (0.0, 0.0)
     products = workload.layers_per_stage * PRODUCTS_PER_BLOCK + (stage == stages - 1)  # + the head's
     blocks += products * device.matmul_overhead_s  # the backward's 2 (or 3) × F carries 2 (3) × as many
     blocks += elementwise_seconds(workload, device, stage == 0, stage == stages - 1)
     communication = grid_seconds(workload, device, stage, stages) / 2
     factor = 3.0 if workload.recompute else 2.0
-    forward, backward = blocks + head, factor * blocks + 2.0 * head
+    forward, backward = blocks + head + loss_forward, factor * blocks + 2.0 * head + loss_backward
     forward_sends, backward_sends = communication, communication * (factor - 1.0)
     if workload.tensor_overlap:  # Megatron-Core's userbuffers: each collective hides behind a product
         return max(forward, forward_sends), max(backward, backward_sends)
@@ -111,6 +112,24 @@ def products_seconds(workload: Workload, device: Device, stage: int, stages: int
              + roofline(tokens, h // t, h) + roofline(tokens, h, r * h // t) + roofline(tokens, r * h // t, h))
     head = roofline(tokens, h, shape.vocabulary // t) if stage == stages - 1 else 0.0
     return workload.layers_per_stage * block, head
+
+
+# Bytes per logit the loss moves on a GPU (Megatron's vocab-parallel cross-entropy,
+# megatron/core/tensor_parallel/cross_entropy.py, in fp32 after `.float()`): forward — the 16-bit
+# logits read and written in fp32 (2 + 4), max (4), subtract (4 + 4), exp (4 + 4), sum (4), the
+# softmax's division (4 + 4); backward — softmax − one-hot scaled by the incoming gradient (4 + 4),
+# and the cast back to 16 bits (4 + 2).
+LOSS_FORWARD_BYTES, LOSS_BACKWARD_BYTES = 38, 14
+
+
+def loss_seconds(workload: Workload, device: Device) -> tuple:
+    """(forward, backward) seconds of the head's loss over one micro-batch's logits on one grid rank:
+    memory-bound passes over tokens × V/T logits (LOSS_*_BYTES) at the device's memory bandwidth;
+    0 without it (a CPU profile charges the head's elements in `elementwise_seconds`)."""
+    if not device.memory_bandwidth:
+        return 0.0, 0.0
+    logits = workload.micro_batch_rows * workload.shape.length * workload.shape.vocabulary / workload.tensor_ranks
+    return (logits * LOSS_FORWARD_BYTES / device.memory_bandwidth, logits * LOSS_BACKWARD_BYTES / device.memory_bandwidth)
 
 
 def elementwise_seconds(workload: Workload, device: Device, embedding: bool = False, head: bool = False) -> float:
@@ -253,7 +272,8 @@ def reduction_seconds(workload: Workload, device: Device, stage: int, stages: in
     if layout.data == 1:
         return 0.0
     held = stage_parameters(workload, stage, stages)
-    volume = all_gather(held, layout.data) if layout.zero else all_reduce(held, layout.data)
+    sharded = layout.zero or workload.distributed_optimizer  # a reduce-scatter: all_gather's bytes
+    volume = all_gather(held, layout.data) if sharded else all_reduce(held, layout.data)
     volume *= workload.wire_bytes / BYTES  # 2: the run reduces fp16/bf16 gradients
     return device.collective_latency_s + volume / link_bandwidth(device, workload.tensor_ranks * layout.pipeline * layout.data)
 

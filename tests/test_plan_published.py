@@ -11,12 +11,12 @@ from layerwise.config.store import compose
 from layerwise.planning.search import Evaluator
 from layerwise.reproduce import published
 
-FITTED_EFFICIENCY = 0.636  # fit_efficiency on the tuned rows (benchmarks/plan_vs_published.py prints it)
+FITTED_EFFICIENCY = 0.64  # fit_efficiency on the tuned rows (benchmarks/plan_vs_published.py prints it)
 # Held-out rows outside ±10%, each with why (docs/plan.md, "Against published runs"):
-KNOWN_MISSES = {
-    "M24 16B": "micro-batch, interleaving and recomputation of the README's H100 runs are not published; "
-               "the row is priced at micro-batch 1, no interleaving, no recomputation (assumed)",
-}
+H100_LAYOUT = ("the README's H100 runs do not publish micro-batch, interleaving or recomputation: priced at "
+               "micro-batch 1, no interleaving, no recomputation (assumed); a tensor-8 row, over-predicted: "
+               "the one large-product rate was fitted on A100 rows")
+KNOWN_MISSES = {"M24 32B": H100_LAYOUT, "M24 70B": H100_LAYOUT, "M24 119B": H100_LAYOUT}
 
 
 @pytest.fixture(scope="module")

@@ -123,20 +123,41 @@ def workload_of(evaluate: Evaluator, run: PublishedRun):
     (cost.inputs.Workload's run fields): 16-bit collectives, messages and gradients (--fp16/--bf16),
     scatter/gather of pipeline messages (default since Narayanan et al. 2021 §4.1), the gradient
     reduction overlapped (torch DDP, or the H100 runs' --overlap-grad-reduce) or after the backward
-    (--DDP-impl local), materialised attention scores (2021: no flash kernel), sequence parallelism and
-    --tp-comm-overlap on the H100 runs."""
+    (--DDP-impl local), materialised attention scores (2021: no flash kernel); on the H100 runs
+    sequence parallelism, --tp-comm-overlap and the distributed optimizer (--overlap-param-gather
+    exists only with it: gradients reduce-scattered, parameters gathered beside the next forward)."""
     modern = run.flops == "megatron"  # the 2024 Megatron-Core runs
     return replace(evaluate.workload(layout_of(run)), wire_bytes=2, scatter_gather=True,
                    reduction_overlaps_backward=run.data_reduction == "overlapped", tensor_overlap=modern,
-                   attention_scores=not modern, sequence_parallel=run.sequence_parallel)
+                   attention_scores=not modern, sequence_parallel=run.sequence_parallel,
+                   distributed_optimizer=modern)
 
 
-def predict(base, run: PublishedRun) -> dict:
+# Each term of the model switched off (docs/plan.md, "Against published runs": what each one moves).
+ABLATIONS = {
+    "roofline products and memory-bound operators": lambda w, d: (w, replace(d, memory_bandwidth=0.0)),
+    "16-bit wire bytes": lambda w, d: (replace(w, wire_bytes=4), d),
+    "scatter/gather messages": lambda w, d: (replace(w, scatter_gather=False), d),
+    "reduction overlapped with the backward": lambda w, d: (replace(w, reduction_overlaps_backward=False), d),
+    "distributed optimizer (reduce-scatter)": lambda w, d: (replace(w, distributed_optimizer=False), d),
+    "tensor collectives overlapped": lambda w, d: (replace(w, tensor_overlap=False), d),
+    "attention scores materialised": lambda w, d: (replace(w, attention_scores=False), d),
+    "sequence parallelism": lambda w, d: (replace(w, sequence_parallel=False), d),
+    "tensor collectives free": lambda w, d: (w, replace(d, intra_node_bandwidth=float("inf"))),
+    "inter-node traffic free (messages, data reduction)": lambda w, d: (w, replace(d, inter_node_bandwidth=float("inf"))),
+}
+
+
+def predict(base, run: PublishedRun, ablate: str = None) -> dict:
     """Plan mode's closed-form step for the run (cost.step_time.closed_form_step, the search's and the
-    simulator's formulas), and the TFLOP/s per GPU it implies as the source counts."""
+    simulator's formulas), and the TFLOP/s per GPU it implies as the source counts; `ablate` names an
+    ABLATIONS term to switch off."""
     evaluate = Evaluator(point_config(base, run), run.gpus)
     layout = layout_of(run)
-    step = closed_form_step(workload_of(evaluate, run), evaluate.device, layout.schedule, layout.micro_batches,
+    workload, device = workload_of(evaluate, run), evaluate.device
+    if ablate is not None:
+        workload, device = ABLATIONS[ablate](workload, device)
+    step = closed_form_step(workload, device, layout.schedule, layout.micro_batches,
                             layout.breadth_first_micro_batches)
     predicted = counted_flops(run) / (step["step_seconds"] * run.gpus) / 1e12
     return {"run": run.name, "split": run.split, "verified": run.verified, "step_seconds": step["step_seconds"],
@@ -145,9 +166,9 @@ def predict(base, run: PublishedRun) -> dict:
             "error": predicted / run.published_tflops_per_gpu - 1}
 
 
-def validation_table(base, runs: list = None) -> list:
+def validation_table(base, runs: list = None, ablate: str = None) -> list:
     """One `predict` row per published run (default: every row of the csv)."""
-    return [predict(base, run) for run in (runs if runs is not None else read_runs())]
+    return [predict(base, run, ablate) for run in (runs if runs is not None else read_runs())]
 
 
 def summary(rows: list) -> dict:

@@ -9,10 +9,14 @@ Nothing here builds a model or a process group; it is what plan mode answers at 
             link the pipeline crosses; the data-parallel reduction of the stage finished last is
             exposed, the others overlap the remaining backward (layered accumulation, docs/strategies/modular_pipeline.md),
             unless the device does not overlap communication (a CPU whose ranks use every core); then
-            the slowest rank's optimizer step.
+            the slowest rank's optimizer step. Where the device's memory bandwidth is known (the GPU
+            profiles), products run at their roofline and the memory-bound operators and the loss's
+            passes over the logits are charged at that bandwidth; how the run's software sends
+            (wire bytes, scatter/gather, bucketed or sharded reductions, overlapped tensor
+            collectives) is the workload's (docs/plan.md, "Against published runs").
 What it leaves out (said in docs/plan.md): allocator fragmentation, the framework's own cost per
 action, collectives' waits for descheduled peers when ranks outnumber cores, and any overlap of the
-grid's collectives with compute.
+grid's collectives with compute unless the workload says so (`Workload.tensor_overlap`).
 """
 
 from collections import Counter
@@ -153,14 +157,15 @@ def memory_bound_block_seconds(workload: Workload, device: Device) -> float:
     """A block's forward operators between products on a GPU (norms, softmax, GeLU, dropout, residual
     additions): memory-bound, so bytes ÷ the memory bandwidth. Bytes: what the block saves for its
     backward, s·b·h·(34 + 5·a·s/h) in 16-bit training (Korthikanti et al. 2022 §4.1; on a 1-D grid
-    10 of the 34 stay whole, all split with sequence parallelism; the 5·a·s/h of the attention
+    10 of the 34 stay whole, all split with sequence parallelism or a 2-D/3-D grid; the 5·a·s/h of the attention
     scores only where they are materialised), each written once and read once in the forward.
     0 without the device's memory bandwidth (a CPU profile calibrates these operators instead)."""
     if not device.memory_bandwidth:
         return 0.0
     shape, t = workload.shape, workload.tensor_ranks
     sbh = workload.micro_batch_rows * shape.length * shape.hidden
-    whole = 10 / t if workload.sequence_parallel else 10
+    split_stream = workload.sequence_parallel or workload.layout.tensor_grid not in (None, "1d")  # 2-D/3-D split it
+    whole = 10 / t if split_stream else 10
     scores = 5 * workload.heads * shape.length / (shape.hidden * t) if workload.attention_scores else 0
     return 2 * sbh * (whole + 24 / t + scores) / device.memory_bandwidth
 

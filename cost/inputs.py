@@ -112,6 +112,10 @@ class Device:
     # Whether communication runs beside compute (NCCL on its own stream, copy engines). False on a CPU
     # whose ranks use every core: gloo's copies and sums then take the cores, and nothing overlaps.
     overlaps_communication: bool = True
+    # Device memory (HBM) bytes/s from the spec sheet: prices matrix products by the roofline (the slower
+    # of FLOPs at the achieved rate and bytes moved) and the memory-bound operators between them. 0: not
+    # modelled (a CPU profile's calibrated block terms cover them instead).
+    memory_bandwidth: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,21 @@ class Workload:
     # a gloo send completes only in wait(), an NCCL one once its receive is posted: the sends held
     # differ (cost.memory.held_sends, docs/strategies/pipeline_memory.md).
     gloo: bool = False
+    # How the run's code communicates and overlaps (the defaults are layerwise's; a published run's
+    # software may differ, layerwise/reproduce/published.py): bytes per element on the wire (2: fp16/bf16
+    # collectives and messages), the pipeline message split over the tensor ranks and all-gathered
+    # over NVLink (Narayanan et al. 2021 §4.1), the data-parallel reduction bucketed under the last
+    # micro-batch's backward (PyTorch DDP, Li et al. 2020), the tensor collectives overlapped with the
+    # products (Megatron-Core --tp-comm-overlap), attention scores materialised (no flash kernel).
+    wire_bytes: int = BYTES
+    scatter_gather: bool = False
+    reduction_overlaps_backward: bool = False
+    tensor_overlap: bool = False
+    attention_scores: bool = False
+    sequence_parallel: bool = False
+    # ZeRO-1 (Megatron's distributed optimizer, Rajbhandari et al. 2020 stage 1): gradients reduce-
+    # scattered (half an all-reduce's bytes), parameters all-gathered beside the next step's forward.
+    distributed_optimizer: bool = False
 
     @property
     def piece(self) -> int:

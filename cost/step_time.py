@@ -9,10 +9,14 @@ Nothing here builds a model or a process group; it is what plan mode answers at 
             link the pipeline crosses; the data-parallel reduction of the stage finished last is
             exposed, the others overlap the remaining backward (layered accumulation, docs/strategies/modular_pipeline.md),
             unless the device does not overlap communication (a CPU whose ranks use every core); then
-            the slowest rank's optimizer step.
+            the slowest rank's optimizer step. Where the device's memory bandwidth is known (the GPU
+            profiles), products run at their roofline and the memory-bound operators and the loss's
+            passes over the logits are charged at that bandwidth; how the run's software sends
+            (wire bytes, scatter/gather, bucketed or sharded reductions, overlapped tensor
+            collectives) is the workload's (docs/plan.md, "Against published runs").
 What it leaves out (said in docs/plan.md): allocator fragmentation, the framework's own cost per
 action, collectives' waits for descheduled peers when ranks outnumber cores, and any overlap of the
-grid's collectives with compute.
+grid's collectives with compute unless the workload says so (`Workload.tensor_overlap`).
 """
 
 from collections import Counter
@@ -62,20 +66,78 @@ def grid_seconds(workload: Workload, device: Device, stage: int, stages: int) ->
     if stage == stages - 1:
         traffic += head_traffic(layout.tensor_grid, layout.edge, workload.micro_batch_rows, workload.shape)
     count = grid_collectives(layout.tensor_grid, workload.layers_per_stage, stage == stages - 1, workload.shape)
-    return count * device.collective_latency_s + sum(traffic.values()) / link_bandwidth(device, workload.tensor_ranks)
+    wire = workload.wire_bytes / BYTES  # traffic.py counts fp32; the run's code may send fp16/bf16
+    return count * device.collective_latency_s + wire * sum(traffic.values()) / link_bandwidth(device, workload.tensor_ranks)
 
 
 def stage_seconds(workload: Workload, device: Device, stage: int, stages: int) -> tuple:
-    """(forward, backward) seconds of one micro-batch through `stage`: FLOPs at the achieved rate
-    plus each product's fixed cost and the non-product work (`elementwise_seconds`),
-    B = 2F (3F with recomputation: the forward runs again), the grid's collectives half in each."""
-    compute = forward_flops(workload, stage, stages) / (device.flops_per_second * device.efficiency)
-    per_block = len(workload.shape.linears()) + 2  # the linears, Q·Kᵀ and scores·V
+    """(forward, backward) seconds of one micro-batch through `stage`: the products (`products_seconds`:
+    FLOPs at the achieved rate, or the roofline where the device's memory bandwidth is known) plus
+    each product's fixed cost and the non-product work (`elementwise_seconds`); the blocks' B = 2F
+    (3F with recomputation: their forward runs again), the head's 2F (it is not recomputed); the
+    grid's collectives half in each, the forward's again in a recomputed backward (Megatron's f and g
+    run in the recomputed forward too), hidden behind the products under `tensor_overlap`."""
+    blocks, head = products_seconds(workload, device, stage, stages)
+    loss_forward, loss_backward = loss_seconds(workload, device) if stage == stages - 1 else (0.0, 0.0)
+    per_block = len(workload.shape.linears()) + 2  # the block description's linears, Q·Kᵀ and scores·V
     products = workload.layers_per_stage * per_block + (stage == stages - 1)  # + the head's
-    compute += products * device.matmul_overhead_s  # the backward's 2 (or 3) × F carries 2 (3) × as many
-    compute += elementwise_seconds(workload, device, stage == 0, stage == stages - 1)
-    communication = grid_seconds(workload, device, stage, stages)
-    return compute + communication / 2, (3.0 if workload.recompute else 2.0) * compute + communication / 2
+    blocks += products * device.matmul_overhead_s  # the backward's 2 (or 3) × F carries 2 (3) × as many
+    blocks += elementwise_seconds(workload, device, stage == 0, stage == stages - 1)
+    communication = grid_seconds(workload, device, stage, stages) / 2
+    factor = 3.0 if workload.recompute else 2.0
+    forward, backward = blocks + head + loss_forward, factor * blocks + 2.0 * head + loss_backward
+    forward_sends, backward_sends = communication, communication * (factor - 1.0)
+    if workload.tensor_overlap:  # Megatron-Core's userbuffers: each collective hides behind a product
+        return max(forward, forward_sends), max(backward, backward_sends)
+    return forward + forward_sends, backward + backward_sends
+
+
+def products_seconds(workload: Workload, device: Device, stage: int, stages: int) -> tuple:
+    """(blocks, head) seconds of one micro-batch's forward products through `stage` on one grid rank.
+    Without the device's memory bandwidth: FLOPs (`forward_flops`) at peak × efficiency. With it, on
+    no grid or Megatron's 1-D grid, each product at its roofline (Williams et al. 2009): the slower
+    of 2·M·K·N FLOPs at peak × efficiency (the large-product rate) and its operands and result
+    (M·K + K·N + M·N elements) over the memory bandwidth: skinny products under tensor parallelism
+    and attention's per-head products (K = h/a) fall below the large-product rate."""
+    shape, grid = workload.shape, workload.layout.tensor_grid
+    if not device.memory_bandwidth or grid not in (None, "1d"):
+        flops = forward_flops(workload, stage, stages)
+        head = 2 * workload.micro_batch_rows * shape.length * shape.hidden * shape.vocabulary \
+            / workload.tensor_ranks if stage == stages - 1 else 0
+        rate = device.flops_per_second * device.efficiency
+        return (flops - head) / rate, head / rate
+    t, b, s, h = workload.tensor_ranks, workload.micro_batch_rows, shape.length, shape.hidden
+    tokens, heads, width = b * s, workload.heads // t, h // workload.heads
+
+    def roofline(m, k, n, count=1):
+        compute = 2 * m * k * n * count / (device.flops_per_second * device.efficiency)
+        moved = (m * k + k * n + m * n) * count * workload.activation_bytes
+        return max(compute, moved / device.memory_bandwidth)
+    # the block description's linears, each cut as Megatron's 1-D grid cuts it (column: its outputs,
+    # row: its inputs), and attention's two per-head products
+    block = sum(roofline(tokens, fan_in // (t if place == "second" else 1), fan_out // (t if place == "first" else 1))
+                for fan_in, fan_out, place, _ in shape.linears())
+    block += roofline(s, width, s, b * heads) + roofline(s, s, width, b * heads)
+    head = roofline(tokens, h, shape.vocabulary // t) if stage == stages - 1 else 0.0
+    return workload.layers_per_stage * block, head
+
+
+# Bytes per logit the loss moves on a GPU (Megatron's vocab-parallel cross-entropy,
+# megatron/core/tensor_parallel/cross_entropy.py, in fp32 after `.float()`): forward — the 16-bit
+# logits read and written in fp32 (2 + 4), max (4), subtract (4 + 4), exp (4 + 4), sum (4), the
+# softmax's division (4 + 4); backward — softmax − one-hot scaled by the incoming gradient (4 + 4),
+# and the cast back to 16 bits (4 + 2).
+LOSS_FORWARD_BYTES, LOSS_BACKWARD_BYTES = 38, 14
+
+
+def loss_seconds(workload: Workload, device: Device) -> tuple:
+    """(forward, backward) seconds of the head's loss over one micro-batch's logits on one grid rank:
+    memory-bound passes over tokens × V/T logits (LOSS_*_BYTES) at the device's memory bandwidth;
+    0 without it (a CPU profile charges the head's elements in `elementwise_seconds`)."""
+    if not device.memory_bandwidth:
+        return 0.0, 0.0
+    logits = workload.micro_batch_rows * workload.shape.length * workload.shape.vocabulary / workload.tensor_ranks
+    return (logits * LOSS_FORWARD_BYTES / device.memory_bandwidth, logits * LOSS_BACKWARD_BYTES / device.memory_bandwidth)
 
 
 def elementwise_seconds(workload: Workload, device: Device, embedding: bool = False, head: bool = False) -> float:
@@ -91,7 +153,25 @@ def elementwise_seconds(workload: Workload, device: Device, embedding: bool = Fa
     elements += embedding * 2 * tokens * shape.hidden + head * tokens * (2 * shape.hidden + 2 * shape.vocabulary
                                                                        / workload.tensor_ranks)
     operators = workload.layers_per_stage + embedding + head
-    return operators * device.block_overhead_s + elements * device.activation_seconds_per_element
+    seconds = operators * device.block_overhead_s + elements * device.activation_seconds_per_element
+    return seconds + workload.layers_per_stage * memory_bound_block_seconds(workload, device)
+
+
+def memory_bound_block_seconds(workload: Workload, device: Device) -> float:
+    """A block's forward operators between products on a GPU (norms, softmax, GeLU, dropout, residual
+    additions): memory-bound, so bytes ÷ the memory bandwidth. Bytes: what the block saves for its
+    backward, s·b·h·(34 + 5·a·s/h) in 16-bit training (Korthikanti et al. 2022 §4.1; on a 1-D grid
+    10 of the 34 stay whole, all split with sequence parallelism or a 2-D/3-D grid; the 5·a·s/h of the attention
+    scores only where they are materialised), each written once and read once in the forward.
+    0 without the device's memory bandwidth (a CPU profile calibrates these operators instead)."""
+    if not device.memory_bandwidth:
+        return 0.0
+    shape, t = workload.shape, workload.tensor_ranks
+    sbh = workload.micro_batch_rows * shape.length * shape.hidden
+    split_stream = workload.sequence_parallel or workload.layout.tensor_grid not in (None, "1d")  # 2-D/3-D split it
+    whole = 10 / t if split_stream else 10
+    scores = 5 * workload.heads * shape.length / (shape.hidden * t) if workload.attention_scores else 0
+    return 2 * sbh * (whole + 24 / t + scores) / device.memory_bandwidth
 
 
 def optimizer_seconds(workload: Workload, device: Device, stages: list, total_stages: int) -> float:
@@ -105,7 +185,9 @@ def receive_seconds(workload: Workload, device: Device) -> float:
     """One boundary receive: the activation piece (or its gradient, the same size) over the link
     pipeline neighbours cross (a tensor block apart; inside a node only if the whole pipeline is)."""
     latency = device.collective_latency_s if device.point_to_point_latency_s is None else device.point_to_point_latency_s
-    return latency + workload.piece * BYTES / link_bandwidth(device, workload.tensor_ranks * workload.layout.pipeline)
+    split = workload.tensor_ranks if workload.scatter_gather else 1  # each tensor rank sends 1/T, NVLink gathers
+    return latency + workload.piece * workload.wire_bytes / split / link_bandwidth(
+        device, workload.tensor_ranks * workload.layout.pipeline)
 
 
 def gather_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
@@ -189,7 +271,7 @@ def _last_reduction_seconds(workload: Workload, device: Device, plan, rank: int)
     """The data-parallel reduction of the stage a rank reduces last; earlier stages' reductions
     overlap the remaining backward (layered accumulation), this one only the optimizer's wait."""
     reductions = [a for a in plan.ranks[rank] if a is not None and a.kind in (REDUCE_GRADIENT, REDUCE_SCATTER)]
-    return reduction_seconds(workload, device, reductions[-1].stage, plan.stages) if reductions else 0.0
+    return exposed_reduction_seconds(workload, device, reductions[-1].stage, plan.stages) if reductions else 0.0
 
 
 def reduction_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
@@ -199,8 +281,20 @@ def reduction_seconds(workload: Workload, device: Device, stage: int, stages: in
     if layout.data == 1:
         return 0.0
     held = stage_parameters(workload, stage, stages)
-    volume = all_gather(held, layout.data) if layout.zero else all_reduce(held, layout.data)
+    sharded = layout.zero or workload.distributed_optimizer  # a reduce-scatter: all_gather's bytes
+    volume = all_gather(held, layout.data) if sharded else all_reduce(held, layout.data)
+    volume *= workload.wire_bytes / BYTES  # 2: the run reduces fp16/bf16 gradients
     return device.collective_latency_s + volume / link_bandwidth(device, workload.tensor_ranks * layout.pipeline * layout.data)
+
+
+def exposed_reduction_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
+    """The part of the stage's data-parallel reduction nothing hides: all of it, or with
+    `reduction_overlaps_backward` (PyTorch DDP's buckets, Li et al. 2020 §3.2.3, reduce while the
+    last micro-batch's backward still runs) what outlasts that backward."""
+    reduction = reduction_seconds(workload, device, stage, stages)
+    if not workload.reduction_overlaps_backward:
+        return reduction
+    return max(0.0, reduction - stage_seconds(workload, device, stage, stages)[1])
 
 
 def zero_gathers(workload: Workload, device: Device, rank: int, loops: int, breadth_first: int,
@@ -259,7 +353,7 @@ def closed_form_step(workload: Workload, device: Device, schedule: str, micro_ba
                  for rank in {0, min(1, p - 1), p - 1}}
     starts = exposures[0][0] + (exposures[p - 1][0] if p > 1 else 0) + max(0, p - 2) * exposures[min(1, p - 1)][0]
     compute = groups * group + starts + max(rest for _, rest in exposures.values())
-    exposed = max(reduction_seconds(workload, device, rank, stages) for rank in {0, 1 % p, p - 1})
+    exposed = max(exposed_reduction_seconds(workload, device, rank, stages) for rank in {0, 1 % p, p - 1})
     update = max(optimizer_seconds(workload, device, [rank + loop * p for loop in range(loops)], stages)
                  for rank in {0, 1 % p, p - 1})
     # The simulator's bubble: idle compute time over makespan × ranks; every stage runs m F and m B.

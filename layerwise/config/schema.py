@@ -75,6 +75,7 @@ class HardwareConfig:
     point_to_point_latency_s: float = 0.0  # fixed cost of one pipeline message; 0 = collective_latency_s
     overlaps_communication: bool = True  # communication beside compute (GPUs); false: CPU ranks use every core
     compute_units_per_node: int = 0  # cores the node's ranks share (calibrated CPU profiles); 0 = one device each
+    memory_bandwidth: float = 0.0  # device memory bytes/s (HBM, spec sheet): roofline products, memory-bound operators; 0 = off
 
 
 @dataclass

@@ -111,7 +111,7 @@ def device_of(cfg, world_size: int = None) -> Device:
                   hardware.matmul_overhead_s / slow, hardware.collective_latency_s, hardware.block_overhead_s / slow,
                   hardware.activation_seconds_per_element / slow, hardware.optimizer_seconds_per_parameter / slow,
                   (hardware.point_to_point_latency_s if share >= 1 else hardware.collective_latency_s) or None,
-                  hardware.overlaps_communication)
+                  hardware.overlaps_communication, hardware.memory_bandwidth)
 
 
 def training_plan_of(cfg):

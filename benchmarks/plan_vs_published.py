@@ -1,0 +1,55 @@
+"""Plan mode against published Megatron-LM throughput (issue 31): predicted vs published TFLOP/s per GPU.
+
+    .venv/bin/python benchmarks/plan_vs_published.py                 # fit the large-product rate on the tuned rows, then the table
+    .venv/bin/python benchmarks/plan_vs_published.py --efficiency 0.5  # the table at a given rate (no fit)
+    .venv/bin/python benchmarks/plan_vs_published.py --ablations     # also: each term switched off in turn
+
+A thin command line over layerwise/reproduce/published.py: every row of benchmarks/published/megatron_runs.csv
+priced by plan mode's closed form (cost/step_time.py), counted as its source counts FLOPs, with the error;
+mean and worst |error| over all rows, the tuned rows and the held-out rows. Plan mode only: nothing runs
+on a GPU, and the timings of this machine play no part.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from layerwise.config.store import compose  # noqa: E402
+from layerwise.reproduce.published import ABLATIONS, TOLERANCE, fit_efficiency, summary, validation_table  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--efficiency", type=float, default=None,
+                        help="plan.efficiency (the large-product rate); default: fitted on the tuned rows")
+    parser.add_argument("--ablations", action="store_true", help="also the table's errors with each term switched off")
+    arguments = parser.parse_args()
+    base = compose(["model=gpt3_175b", "hardware=dgx_a100_80g", "logger=none"])
+    efficiency = arguments.efficiency if arguments.efficiency is not None else fit_efficiency(base)
+    fitted = compose(["model=gpt3_175b", "hardware=dgx_a100_80g", "logger=none", f"plan.efficiency={efficiency}"])
+    rows = validation_table(fitted)
+    print(f"plan.efficiency (large-product rate) = {efficiency}"
+          + (" (fitted on the tuned rows)" if arguments.efficiency is None else " (given)"))
+    print("| run | split | layout verified | predicted step s | bubble | predicted TFLOP/s/GPU | published | error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        marker = "" if abs(row["error"]) <= TOLERANCE else " **miss**"
+        print(f"| {row['run']} | {row['split']} | {row['verified']} | {row['step_seconds']:.3f} | "
+              f"{row['bubble_fraction']:.3f} | {row['predicted_tflops_per_gpu']:.1f} | "
+              f"{row['published_tflops_per_gpu']:g} | {row['error']:+.1%}{marker} |")
+    for split, stats in summary(rows).items():
+        print(f"{split}: {stats['rows']} rows, mean |error| {stats['mean']:.1%}, worst {stats['worst']:.1%}, "
+              f"{stats['within']} within ±{TOLERANCE:.0%}")
+    if arguments.ablations:
+        print("\n| term switched off | error per row (csv order) | mean | worst | within ±10% |\n|---|---|---|---|---|")
+        for name in ABLATIONS:
+            ablated = validation_table(fitted, ablate=name)
+            stats = summary(ablated)["all"]
+            errors = " ".join(f"{row['error']:+.0%}" for row in ablated)
+            print(f"| {name} | {errors} | {stats['mean']:.1%} | {stats['worst']:.1%} | {stats['within']} |")
+
+
+if __name__ == "__main__":
+    main()

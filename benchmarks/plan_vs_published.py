@@ -36,7 +36,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         marker = "" if abs(row["error"]) <= TOLERANCE else " **miss**"
-        print(f"| {row['run']} | {row['split']} | {row['verified']} | {row['step_seconds']:.3f} | "
+        print(f"| {row['run']} | {row['split']} | {row['verified']} | {row['step_time_s']:.3f} | "
               f"{row['bubble_fraction']:.3f} | {row['predicted_tflops_per_gpu']:.1f} | "
               f"{row['published_tflops_per_gpu']:g} | {row['error']:+.1%}{marker} |")
     for split, stats in summary(rows).items():

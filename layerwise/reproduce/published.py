@@ -160,7 +160,7 @@ def predict(base, run: PublishedRun, ablate: str = None) -> dict:
     step = closed_form_step(workload, device, layout.schedule, layout.micro_batches,
                             layout.breadth_first_micro_batches)
     predicted = counted_flops(run) / (step["step_seconds"] * run.gpus) / 1e12
-    return {"run": run.name, "split": run.split, "verified": run.verified, "step_seconds": step["step_seconds"],
+    return {"run": run.name, "split": run.split, "verified": run.verified, "step_time_s": step["step_seconds"],
             "bubble_fraction": step["bubble_fraction"], "predicted_tflops_per_gpu": predicted,
             "published_tflops_per_gpu": run.published_tflops_per_gpu,
             "error": predicted / run.published_tflops_per_gpu - 1}

@@ -357,9 +357,9 @@ HOW: Dict[str, How] = {
     "python train.py mode=plan model=llama3_70b hardware=dgx_h100 hardware.nodes=8 strategy=one_f_one_b "
     "strategy.pipeline_degree=4 strategy.layers_per_stage=20 strategy.tensor_parallel=1d strategy.tensor_grid=8 "
     "strategy.micro_batches=32 strategy.activation_recompute=full data.global_batch_size=256 "
-    "data.sequence_length=8192": How("real", planned),
+    "data.sequence_length=8192 data=token_bin data.vocab_size=128256": How("real", planned),
     "python train.py mode=plan plan.search=true model=llama3_405b hardware=dgx_h100 hardware.nodes=64 "
-    "data.global_batch_size=512 data.sequence_length=8192": How("real", searched),
+    "data.global_batch_size=512 data.sequence_length=8192 data=token_bin data.vocab_size=128256": How("real", searched),
     "python train.py mode=calibrate": How("capped", calibrated, cap=QUICK_CALIBRATION,
                                           why="~15 s of measurements; quick: the same terms at small sizes"),
     "python train.py mode=plan hardware=calibrated plan.efficiency=1 strategy=tp_1d strategy.tensor_grid=2":

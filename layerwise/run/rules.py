@@ -29,6 +29,10 @@ def gpu_errors(cfg, submitting: bool = False) -> list:
 
 
 def check_data(cfg) -> list:
+    """The data group's files exist; plan mode without a dry run reads none (it needs only
+    data.vocab_size, so a Llama 3 plan can price its 128,256-token vocabulary with no corpus here)."""
+    if cfg.mode == "plan" and not cfg.plan.dry_run:
+        return []
     data, errors = cfg.data, []
     holding = "text files" if data.corpus == "text_files" else "train.bin and val.bin"
     if data.corpus in ("text_files", "token_bin"):

@@ -23,6 +23,7 @@ from typing_extensions import override
 from parallel.layout import Degrees, ParallelLayout
 from strategies.hooks import RunHooks
 from strategies.checkpoint.portable import PortableCheckpoints
+from strategies.plain import one_process_device
 from strategies.registry import StrategyEntry
 from strategies.tensor_parallel.layers import MegatronLinear
 from strategies.tensor_parallel.parallelize import BLOCK_PLAN
@@ -336,7 +337,7 @@ def kfac_errors(strategy) -> list:
 
 def build(cfg, world_size: int):
     return KFACStrategy(cfg.strategy.damping, cfg.strategy.refresh_interval, cfg.strategy.micro_batches,
-                        "cuda" if cfg.hardware.accelerator == "gpu" else "cpu", cfg.strategy.factor_blocks)
+                        one_process_device(cfg.hardware.accelerator), cfg.strategy.factor_blocks)
 
 
 KFAC_ORACLE = StrategyEntry(check=check, degrees=degrees, build=build, one_process=True, scales_fp16_loss=False)

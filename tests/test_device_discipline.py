@@ -48,3 +48,43 @@ def test_the_scan_finds_what_it_must():
               "e = torch.tensor([1])  # host: a loader's batch\n"
               "f = torch.zeros_like(a)\n")
     assert unmarked_factory_calls(source, "x.py") == ["x.py:2 torch.zeros(...)", "x.py:3 torch.empty(...)"]
+
+
+# ----- the root device each strategy hands Lightning under accelerator=gpu (issue 37, item 1)
+
+def built_for_gpu(name: str):
+    """`name`'s strategy as a GPU run builds it, with what Lightning's accelerator connector adds
+    (_lazy_init_strategy): a parallel strategy's devices are CUDAAccelerator.get_parallel_devices."""
+    from lightning.pytorch.accelerators import CUDAAccelerator
+    from lightning.pytorch.strategies import ParallelStrategy
+
+    from layerwise.config.validate import world_size
+    from strategies.registry import strategy_entry
+    from tests.harness import compose_config
+
+    extra = ["strategy.refresh_interval=2"] if name in ("kfac", "pipefisher") else []
+    cfg = compose_config(f"strategy={name}", "hardware=dgx_h100", *extra)
+    world = world_size(cfg)
+    entry = strategy_entry(name)
+    strategy = entry.build(cfg, 1 if entry.one_process else world)
+    if isinstance(strategy, ParallelStrategy):
+        strategy.parallel_devices = CUDAAccelerator.get_parallel_devices(list(range(8)))
+    return strategy
+
+
+def test_every_strategy_gives_lightning_a_cuda_device_with_an_index():
+    """Lightning's CUDA accelerator calls torch.cuda.set_device(root_device), which refuses a
+    device without an index (`torch.device("cuda")`): such a strategy cannot start on a GPU."""
+    import torch.cuda._utils
+
+    from strategies.registry import REGISTRY
+
+    refused = {}
+    for name in REGISTRY:
+        root = built_for_gpu(name).root_device
+        try:
+            assert root.type == "cuda", f"{root} is not a CUDA device"
+            torch.cuda._utils._get_device_index(root)
+        except (ValueError, AssertionError) as error:
+            refused[name] = f"{root}: {error}"
+    assert not refused, refused

@@ -199,11 +199,18 @@ class KFAC:
                 "captured": self.captured}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpoint's state onto each layer's device: checkpoints load with
+        map_location="cpu", and a CPU inverse would meet a CUDA gradient in `precondition`."""
         for name, factors in state["factors"].items():
             for factor, value in factors.items():
                 self.factors[name][factor].copy_(value)
-        self.fresh, self.inverses = dict(state["fresh"]), dict(state["inverses"])
-        self.captured = dict(state["captured"])
+        self.fresh = {name: self._on_device(name, inverses) for name, inverses in state["fresh"].items()}
+        self.inverses = {name: self._on_device(name, inverses) for name, inverses in state["inverses"].items()}
+        self.captured = {key: value.to(self.linears[key[1]].weight.device)
+                         for key, value in state["captured"].items()}
+
+    def _on_device(self, name: str, tensors: dict) -> dict:
+        return {key: value.to(self.linears[name].weight.device) for key, value in tensors.items()}
 
 
 def unit_scales(tokens_local: int, tokens_global: int) -> dict:

@@ -88,3 +88,46 @@ def test_every_strategy_gives_lightning_a_cuda_device_with_an_index():
         except (ValueError, AssertionError) as error:
             refused[name] = f"{root}: {error}"
     assert not refused, refused
+
+
+# ----- a resume puts K-FAC's state back on the model's device (issue 37, item 3)
+
+def kfac_state_on(device: str, seed: int = 0) -> "KFAC":
+    """A K-FAC over one linear on `device` with factors, fresh and active inverses and a capture."""
+    import torch
+    from torch import nn
+
+    from strategies.kfac import KFAC
+
+    torch.manual_seed(seed)
+    linear = nn.Linear(4, 4, device=device)
+    kfac = KFAC({"blocks.0.mlp.fc_in": linear}, damping=1e-3)
+    if device != "meta":
+        kfac.capturing = True
+        with torch.enable_grad():
+            linear(torch.randn(2, 4, device=device)).sum().backward()
+        kfac.accumulate("A", ["blocks.0.mlp.fc_in"], 0, 1.0)
+        kfac.invert("A", ["blocks.0.mlp.fc_in"])
+        kfac.promote()
+        kfac.invert("A", ["blocks.0.mlp.fc_in"])
+    return kfac
+
+
+def tensors_in(state) -> list:
+    import torch
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [tensor for value in state.values() for tensor in tensors_in(value)]
+    return []
+
+
+def test_kfac_state_loaded_from_a_cpu_checkpoint_lands_on_the_models_device():
+    """Checkpoints load with map_location="cpu" (strategies/checkpoint/safe_load.py); on a GPU the
+    next step would multiply CUDA gradients by CPU inverses. `meta` stands for the GPU here."""
+    saved = kfac_state_on("cpu").state_dict()
+    assert {"fresh", "inverses", "captured"} <= {key for key, value in saved.items() if value}
+    restored = kfac_state_on("meta")
+    restored.load_state_dict(saved)
+    devices = {str(tensor.device) for tensor in tensors_in(restored.state_dict())}
+    assert devices == {"meta"}, f"K-FAC state on {devices} after a resume onto meta"

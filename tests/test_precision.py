@@ -82,3 +82,27 @@ def test_fp16_is_rejected_where_the_loss_cannot_be_scaled(strategy):
                          "hardware.precision=16-mixed")
     with pytest.raises(ConfigError, match=f"strategy={strategy} cannot scale an fp16 loss"):
         validate(cfg, submitting=True)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "16-true", "bf16-true"])
+def test_every_precision_validation_allows_lightnings_connector_accepts(precision):
+    """A precision Lightning refuses for a strategy (ModelParallelStrategy: no fp16 AMP) is refused
+    in validation, before launch, not in every rank after it (issue 37, item 5)."""
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    from layerwise.config.validate import check_strategy, world_size
+    from strategies.registry import REGISTRY, strategy_entry
+
+    accepted_but_refused = {}
+    for name in REGISTRY:
+        extra = ["strategy.refresh_interval=2"] if name in ("kfac", "pipefisher") else []
+        cfg = compose_config(f"strategy={name}", "hardware=dgx_a100_80g", f"hardware.precision={precision}", *extra)
+        world, entry = world_size(cfg), strategy_entry(name)
+        if any("hardware.precision" in error for error in check_strategy(cfg, world)):
+            continue  # refused before launch, naming the field
+        strategy = entry.build(cfg, 1 if entry.one_process else world)
+        try:  # the connector's checks are the accelerator's; its precision rules are what matter here
+            _AcceleratorConnector(accelerator="cpu", devices=1, strategy=strategy, precision=precision)
+        except ValueError as error:
+            accepted_but_refused[name] = str(error)
+    assert not accepted_but_refused, accepted_but_refused

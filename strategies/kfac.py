@@ -82,16 +82,19 @@ def damped_inverse(factor: torch.Tensor, damping: float) -> torch.Tensor:
     return torch.cholesky_inverse(cholesky).to(factor.dtype)
 
 
-def pi_damping(a_mean: float, b_mean: float, damping: float) -> tuple:
+def pi_damping(a_mean: torch.Tensor, b_mean: torch.Tensor, damping: float) -> tuple:
     """Factored Tikhonov damping from the factors' mean eigenvalues tr/dim:
-    π = √((tr A/dim A)/(tr B/dim B)), λ_A = √λ·π, λ_B = √λ/π."""
-    pi = math.sqrt(a_mean / b_mean) if a_mean > 0 and b_mean > 0 else 1.0
+    π = √((tr A/dim A)/(tr B/dim B)), λ_A = √λ·π, λ_B = √λ/π. On the factors' device, in float64:
+    a host read of each trace would stop the GPU twice per layer per refresh."""
+    a_mean, b_mean = torch.as_tensor(a_mean, dtype=torch.float64), torch.as_tensor(b_mean, dtype=torch.float64)
+    positive = (a_mean > 0) & (b_mean > 0)
+    pi = torch.where(positive, torch.sqrt(a_mean / torch.where(positive, b_mean, 1.0)), 1.0)
     return math.sqrt(damping) * pi, math.sqrt(damping) / pi
 
 
 def local_trace(name: str, factor: str, matrix: torch.Tensor) -> tuple:
-    """(trace, dimension) of a factor held whole on this process."""
-    return float(matrix.trace()), matrix.shape[0]
+    """(trace as a float64 tensor, dimension) of a factor held whole on this process."""
+    return matrix.trace().double(), matrix.shape[0]
 
 
 class KFAC:

@@ -70,6 +70,37 @@ class DeviceCopier:
             host = device.to("cpu", dtype=dtype or device.dtype, copy=True)
             return host.pin_memory() if self.stream is not None else host
 
+    @torch.no_grad()
+    def to_host_async(self, tensors: list, dtype) -> tuple:
+        """(host copies, their Transfer): on CUDA every copy is issued on the side stream into pinned
+        memory, after the compute that produced them, and one event marks them all; the reader
+        calls `Transfer.wait()` first. A blocking copy per tensor would stop the host each time."""
+        if self.stream is None:
+            with host_side():
+                return [tensor.to("cpu", dtype=dtype, copy=True) for tensor in tensors], Transfer()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with host_side():
+            hosts = [torch.empty(tensor.shape, dtype=dtype, pin_memory=True) for tensor in tensors]  # host
+        with torch.cuda.stream(self.stream):
+            for host, tensor in zip(hosts, tensors):
+                host.copy_(tensor, non_blocking=True)
+                tensor.record_stream(self.stream)  # freed by the compute stream, still read here
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return hosts, Transfer(event)
+
+
+class Transfer:
+    """Copies in flight to the host; `wait()` blocks the calling thread (the host store's worker,
+    not the thread driving the device) until they have landed. On CPU they already have."""
+
+    def __init__(self, event=None):
+        self.event = event
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
 
 class Stash:
     """Stage inputs x[s, u] and input gradients dx[s, u] between stages, on the device or the host.
@@ -185,6 +216,14 @@ class HostStore:
 
     def submit(self, work, *arguments) -> None:
         self.pending.append(self.worker.submit(work, *arguments))
+
+    @torch.no_grad()
+    def accumulate(self, parameters, gradients, transfer) -> None:
+        """dW copies -> each parameter's host gradient, once they have landed (a tied weight
+        receives the head's part, then the embed's: the worker runs in the plan's order)."""
+        transfer.wait()
+        for parameter, gradient in zip(parameters, gradients):
+            parameter.grad = gradient if parameter.grad is None else parameter.grad.add_(gradient)
 
     @torch.no_grad()
     def reduce(self, parameters) -> None:
@@ -342,16 +381,15 @@ class Relay:
 
     # ----- host store
     def gradient_to_host(self, action) -> None:
-        """dW -> host fp32, accumulated (a tied weight receives the head's part, then the embed's)."""
+        """dW -> host fp32, one transfer for the stage; the host store accumulates it when it lands."""
         device_weights = self.weights[action.stage, BACKWARD]
-        for name, host in self.parameters[action.stage].items():
-            gradient = device_weights[name].grad
-            if gradient is None:
-                continue
+        names = [name for name in self.parameters[action.stage] if device_weights[name].grad is not None]
+        gradients = [device_weights[name].grad for name in names]
+        for gradient in gradients:
             self.sent("gradients", gradient)
-            gradient = self.copier.to_host(gradient, torch.float32)
-            with host_side():
-                host.grad = gradient if host.grad is None else host.grad.add_(gradient)
+        copies, transfer = self.copier.to_host_async(gradients, torch.float32)
+        self.store.submit(self.store.accumulate, [self.parameters[action.stage][name] for name in names],
+                          copies, transfer)
 
     def reduce(self, action) -> None:
         self.store.submit(self.store.reduce, self.owned[action.stage])

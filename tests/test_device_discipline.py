@@ -7,6 +7,8 @@ the call, or on the line just above it, marks a buffer that belongs on the host 
 """
 
 import ast
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,3 +133,71 @@ def test_kfac_state_loaded_from_a_cpu_checkpoint_lands_on_the_models_device():
     restored.load_state_dict(saved)
     devices = {str(tensor.device) for tensor in tensors_in(restored.state_dict())}
     assert devices == {"meta"}, f"K-FAC state on {devices} after a resume onto meta"
+
+
+# ----- device synchronisations per step, per strategy (issue 37, item 11)
+
+SYNC_RUN = ["logger=none", "trainer.progress=none", "trainer.limit_val_batches=1", "trainer.val_check_interval=100",
+            "data.global_batch_size=8", "data.sequence_length=32", "model.layers=2", "model.hidden=32",
+            "model.heads=2", "data.max_bytes=2000000", "trainer.max_steps=3"]
+# strategy -> (its overrides, syncs per step allowed on its busiest rank). One per step is the
+# loss: the non-finite guard reads it before the optimizer, so a bad step is never applied.
+SYNC_BUDGET = {
+    "single": ([], 1),
+    "ddp": ([], 1),
+    "modular_pipeline": ([], 1),
+    "zero_layered": ([], 1),
+    "fsdp2": ([], 1),
+    "tp_1d": (["strategy.tensor_grid=2"], 1),
+    "l2l": ([], 1),
+    "kfac": (["strategy.refresh_interval=2", "optimizer=lamb"], 1),
+    "pipefisher": (["strategy.refresh_interval=2", "optimizer=lamb", "strategy.micro_batches=4", "model.layers=4"], 1),
+}
+
+
+def syncs_per_step(name: str, directory, monkeypatch) -> dict:
+    """{kind: the most any rank did in one step after the first} over a 3-step run of `name`."""
+    import json
+
+    from layerwise.config.validate import world_size
+    from layerwise.run.fit import train
+    from tests.fake_gpu import DeviceSyncCounter
+    from tests.harness import compose_config
+
+    log = directory / "syncs.jsonl"
+
+    def sink(rank, step, counts):
+        with open(log, "a") as file:
+            file.write(json.dumps({"rank": rank, "step": step, **counts}) + "\n")
+
+    DeviceSyncCounter().install(monkeypatch.setattr, sink)
+    cfg = compose_config(*SYNC_RUN, f"strategy={name}", *SYNC_BUDGET[name][0])
+    train(cfg, directory, world_size(cfg))
+    monkeypatch.undo()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    later = [record for record in records if record["step"] > 1]  # step 1 builds lazy state
+    return {kind: max(record[kind] for record in later) for kind in DeviceSyncCounter.KINDS}
+
+
+@pytest.mark.parametrize("name", list(SYNC_BUDGET))
+def test_device_syncs_per_step_stay_within_the_strategys_budget(name, tmp_path, monkeypatch):
+    counts = syncs_per_step(name, tmp_path, monkeypatch)
+    print(f"SYNCS {name}: {counts}")
+    assert sum(counts.values()) <= SYNC_BUDGET[name][1], counts
+    assert counts["scalar_read"] >= 1, "the loss is read once per step: a counter that misses it is blind"
+
+
+def test_a_portable_resume_keeps_the_optimizers_step_counter_where_torch_keeps_it():
+    """torch keeps AdamW's `step` on the host (unless capturable or fused) and reads it with
+    .item() per parameter: restored onto the device, each read would be a device sync (item 11)."""
+    import torch
+
+    from strategies.checkpoint.portable import _initialise_optimizer_state
+
+    parameter = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    plain, capturable = torch.optim.AdamW([parameter]), torch.optim.AdamW([parameter], capturable=True)
+    _initialise_optimizer_state([plain], [["exp_avg", "step"]])
+    assert plain.state[parameter]["exp_avg"].device.type == "meta"
+    assert plain.state[parameter]["step"].device.type == "cpu"
+    _initialise_optimizer_state([capturable], [["step"]])
+    assert capturable.state[parameter]["step"].device.type == "meta"

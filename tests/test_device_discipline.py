@@ -201,3 +201,52 @@ def test_a_portable_resume_keeps_the_optimizers_step_counter_where_torch_keeps_i
     assert plain.state[parameter]["step"].device.type == "cpu"
     _initialise_optimizer_state([capturable], [["step"]])
     assert capturable.state[parameter]["step"].device.type == "meta"
+
+
+# ----- the executor's clock on CUDA (issue 37, item 9)
+
+class FakeDevice:
+    """A GPU's timeline: handlers queue work (`run`) and return at once, as kernel launches do."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def run(self, seconds: float) -> None:
+        self.now += seconds
+
+    def event_class(self):
+        device = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = device.now
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, later) -> float:
+                return (later.at - self.at) * 1000.0  # milliseconds, as CUDA's
+        return Event
+
+
+def test_measured_pipeline_actions_are_timed_by_the_device_not_the_hosts_launches(monkeypatch):
+    """On NCCL, work.wait() and kernel launches return before the GPU has run anything: a host clock
+    around each action measures launch time, and the measured bubble would be meaningless."""
+    import torch
+
+    import strategies.modular_pipeline as modular_pipeline
+    from strategies.schedule.execute import execute
+    from strategies.schedule.ir import Action
+
+    device = FakeDevice()
+    monkeypatch.setattr(torch.cuda, "Event", device.event_class())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    clock = modular_pipeline.EventClock(torch.device("cuda", 0))
+    actions = [Action("FORWARD", 0, 0), Action("BACKWARD", 0, 0)]
+    records = clock.resolve(execute(actions, {"FORWARD": lambda a: device.run(1.0),
+                                              "BACKWARD": lambda a: device.run(2.0)}, clock=clock))
+    durations = [record.end - record.start for record in records]
+    assert durations == pytest.approx([1.0, 2.0]) and records[1].start == pytest.approx(records[0].end)

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn as nn
 from torch.func import functional_call
+from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
 from parallel.layout import Degrees
@@ -40,13 +41,15 @@ class DeviceCopier:
     """Host -> device copies in the compute dtype (cross mixed precision: fp32 stays on the host).
 
     On CUDA the copy runs on a side stream from pinned memory (non_blocking), so the next layer's
-    weights arrive while this one computes; `ready()` makes the compute stream wait for them.
+    weights arrive while this one computes; each copy records its own event, and `wait_for(t)`
+    makes the compute stream wait for the copies of `t` only (not for the prefetch still in flight).
     On CPU the "device" is the same DRAM: a copy is a fresh tensor that the memory meter counts.
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.in_flight = WeakIdKeyDictionary()  # device tensor -> the event its copy recorded
 
     @torch.no_grad()
     def to_device(self, host: torch.Tensor, cast: bool = True) -> torch.Tensor:
@@ -57,12 +60,24 @@ class DeviceCopier:
             staged = host.to(dtype=dtype).pin_memory()
         with torch.cuda.stream(self.stream):
             device = staged.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
         device.record_stream(torch.cuda.current_stream(self.device))
+        self.in_flight[device] = event
         return device
 
+    def wait_for(self, *tensors) -> None:
+        """The compute stream waits for these tensors' copies (a tensor computed here: no wait)."""
+        for tensor in tensors:
+            event = self.in_flight.pop(tensor, None) if isinstance(tensor, torch.Tensor) else None
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
+
     def ready(self) -> None:
+        """The compute stream waits for every copy issued so far."""
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self.in_flight = WeakIdKeyDictionary()
 
     @torch.no_grad()
     def to_host(self, device: torch.Tensor, dtype=None) -> torch.Tensor:
@@ -174,6 +189,7 @@ class _MaskedDropout:
             with host_side():
                 rows = mask[self.rows]
             device_mask = self.copier.to_device(rows)
+            self.copier.wait_for(device_mask)
             module.train(False)  # nn.Dropout in eval returns its input and draws nothing
             self.hooks.append(module.register_forward_hook(
                 lambda _module, inputs, _output, mask=device_mask: inputs[0] * mask))
@@ -346,7 +362,9 @@ class Relay:
             if stage == len(self.modules) - 1:
                 self.scored_loss(output, micro_batch).backward()
             else:
-                output.backward(self.stash.get(("dx", stage + 1, micro_batch), keep=False))
+                gradient = self.stash.get(("dx", stage + 1, micro_batch), keep=False)
+                self.copier.wait_for(gradient)
+                output.backward(gradient)
         if stage > 0:
             self.stash.put(("dx", stage, micro_batch), inputs.grad)
 
@@ -358,7 +376,7 @@ class Relay:
             weight.grad = torch.zeros_like(weight)
 
     def run(self, stage, micro_batch, phase, inputs):
-        self.copier.ready()
+        self.copier.wait_for(*self.weights[stage, phase].values(), inputs)  # not the prefetch in flight
         rows = slice(micro_batch * self.rows, (micro_batch + 1) * self.rows)
         with self.dropout.applied(stage, rows, self.copier):
             return functional_call(self.modules[stage], self.weights[stage, phase], (inputs,))
@@ -377,7 +395,9 @@ class Relay:
         weight = self.weights_of_loss[micro_batch]
         if weight == 0:  # no scored token in this micro-batch (BERT): contributes nothing
             return logits.sum() * 0.0
-        return self.model.loss(logits, self.micro_batch_of(self.targets, micro_batch)) * weight
+        targets = self.micro_batch_of(self.targets, micro_batch)
+        self.copier.wait_for(targets)
+        return self.model.loss(logits, targets) * weight
 
     # ----- host store
     def gradient_to_host(self, action) -> None:

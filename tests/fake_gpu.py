@@ -264,3 +264,81 @@ class DeviceSyncCounter:
         set_attribute(l2l.DeviceCopier, "to_device", marked_to_device)
         set_attribute(l2l.DeviceCopier, "to_host_async", marked_to_host_async)
         set_attribute(fit, "build_trainer", build_trainer)
+
+
+# ----- copies in flight on a side stream (issue 37, item 7)
+
+class InFlightCopies:
+    """L2L's host -> device copies as a CUDA side stream makes them: each result is in flight until
+    the compute stream waits for it — `DeviceCopier.wait_for(tensor)` (its own event) or
+    `DeviceCopier.ready()` (everything issued so far). A TorchDispatchMode on the thread driving
+    the device fails any operator that reads a tensor still in flight: on a GPU it would read
+    whatever the buffer held. `install(set_attribute)` covers every training step train.py runs.
+    """
+
+    def install(self, set_attribute) -> None:
+        import lightning.pytorch as pl
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        import layerwise.run.fit as fit
+        import strategies.l2l as l2l
+
+        in_flight = WeakIdKeyDictionary()  # storage -> what the copy carried
+        aten = torch.ops.aten
+        # these read a tensor's shape, not its data (a view is checked where its data is read)
+        shape_only = {aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.detach}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.is_view or func.overloadpacket in shape_only:
+                    return func(*args, **(kwargs or {}))
+                for tensor in tree_flatten((args, kwargs or {}))[0]:
+                    if isinstance(tensor, torch.Tensor) and tensor.untyped_storage() in in_flight:
+                        raise RuntimeError(f"{func} read a {tuple(tensor.shape)} tensor whose copy to the "
+                                           f"device the compute stream never waited for")
+                return func(*args, **(kwargs or {}))
+
+        mode = Mode()
+        to_device = l2l.DeviceCopier.to_device
+        ready = l2l.DeviceCopier.ready
+        wait_for = getattr(l2l.DeviceCopier, "wait_for", None)
+
+        def copied(copier, host, *arguments, **keywords):
+            tensor = to_device(copier, host, *arguments, **keywords)
+            in_flight[tensor.untyped_storage()] = True
+            return tensor
+
+        def all_ready(copier):
+            in_flight.clear()
+            return ready(copier)
+
+        def waited(copier, *tensors):
+            for tensor in tensors:
+                if isinstance(tensor, torch.Tensor):
+                    in_flight.pop(tensor.untyped_storage(), None)
+            return wait_for(copier, *tensors)
+
+        class Start(pl.Callback):
+            def on_train_batch_start(self, trainer, module, batch, batch_index):
+                mode.__enter__()
+
+        class End(pl.Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
+                mode.__exit__(None, None, None)
+
+        building = fit.build_trainer
+
+        def build_trainer(*arguments, **keywords):
+            trainer = building(*arguments, **keywords)
+            trainer.callbacks.insert(0, Start())
+            trainer.callbacks.append(End())
+            return trainer
+
+        set_attribute(l2l.DeviceCopier, "to_device", copied)
+        set_attribute(l2l.DeviceCopier, "ready", all_ready)
+        if wait_for is not None:
+            set_attribute(l2l.DeviceCopier, "wait_for", waited)
+        set_attribute(fit, "build_trainer", build_trainer)

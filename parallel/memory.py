@@ -101,3 +101,8 @@ def host_side():
 
 
 _suspended = threading.local()
+
+
+def on_host_side() -> bool:
+    """Whether this thread is inside host_side(): host-store work, not the compute device's."""
+    return getattr(_suspended, "depth", 0) > 0

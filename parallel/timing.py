@@ -24,6 +24,44 @@ def synchronised_clock(device: torch.device) -> Callable[[], float]:
     return clock
 
 
+class EventClock:
+    """The executor's clock on CUDA: each call records an event on the current stream (the host
+    does not wait) and returns the event's number; `resolve(records)` waits once, when the records
+    are read, and turns numbers into seconds on the host's clock (perf_counter at a synchronised
+    origin + the events' elapsed time), so ranks on one node share the time axis as perf_counter
+    does. On CPU it is perf_counter and `resolve` returns the records unchanged.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.events = []
+        if self.cuda:  # measured steps only: one synchronisation gives the events a host origin
+            torch.cuda.synchronize(device)
+            self.origin = time.perf_counter()
+            self.events.append(self._record())
+
+    @staticmethod
+    def _record():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def __call__(self) -> float:
+        if not self.cuda:
+            return time.perf_counter()
+        self.events.append(self._record())
+        return float(len(self.events) - 1)
+
+    def resolve(self, records: list) -> list:
+        """Records whose start/end are this clock's readings, in seconds."""
+        if not self.cuda:
+            return records
+        self.events[-1].synchronize()
+        seconds = [self.origin + self.events[0].elapsed_time(event) / 1000.0 for event in self.events]
+        return [record._replace(start=seconds[int(record.start)], end=seconds[int(record.end)])
+                for record in records]
+
+
 class StepTimer:
     """Seconds of one step: CUDA events on a GPU, perf_counter elsewhere."""
 

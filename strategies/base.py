@@ -13,9 +13,11 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
+from parallel.comm import Group
 from parallel.layout import Degrees, ParallelLayout
 from strategies.checkpoint.per_rank import PerRankCheckpoints
 from strategies.hooks import RunHooks
+from strategies.precision import AgreedGradScaler
 from strategies.checkpoint.portable import PortableCheckpoints
 
 
@@ -58,6 +60,16 @@ class LayerwiseStrategy(RunHooks, PortableCheckpoints, PerRankCheckpoints, DDPSt
                                  f"{self.degrees.world_size} ranks, the job has {self.world_size}")
             self.layout = ParallelLayout(self.degrees, rank=self.global_rank,
                                          **self.layout_arguments())
+            self.agree_on_fp16_skips()
+
+    def agree_on_fp16_skips(self) -> None:
+        """Under 16-mixed, Lightning's GradScaler becomes one whose skips every rank shares
+        (strategies/precision.py, AgreedGradScaler): before a checkpoint restores its state."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and not isinstance(scaler, AgreedGradScaler):
+            world = Group("world", tuple(range(self.world_size)),
+                          torch.distributed.group.WORLD if self.world_size > 1 else None)
+            self.precision_plugin.scaler = AgreedGradScaler(self.layout.communicator, world, scaler._device)
 
     def layout_arguments(self) -> dict:
         """Extra ParallelLayout arguments of a subclass (e.g. a tensor grid); default none."""

@@ -134,7 +134,12 @@ def degrees(cfg, world_size: int) -> Degrees:
 
 
 def check(cfg, world_size: int) -> list:
-    """Nothing beyond the generic checks: fsdp2 reads only micro_batches and sync_every_micro_batch."""
+    """fsdp2 reads only micro_batches and sync_every_micro_batch; its precision is Lightning's
+    ModelParallelStrategy's, which has no fp16 AMP (it refuses 16-mixed in every rank, after launch)."""
+    if cfg.hardware.precision == "16-mixed":
+        return ["hardware.precision=16-mixed: strategy=fsdp2 runs on Lightning's ModelParallelStrategy, "
+                "which has no fp16 loss scaling. Fix: hardware.precision=bf16-mixed, or 16-mixed with "
+                "strategy=zero_layered."]
     return []
 
 

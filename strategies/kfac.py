@@ -23,6 +23,7 @@ from typing_extensions import override
 from parallel.layout import Degrees, ParallelLayout
 from strategies.hooks import RunHooks
 from strategies.checkpoint.portable import PortableCheckpoints
+from strategies.plain import one_process_device
 from strategies.registry import StrategyEntry
 from strategies.tensor_parallel.layers import MegatronLinear
 from strategies.tensor_parallel.parallelize import BLOCK_PLAN
@@ -81,16 +82,19 @@ def damped_inverse(factor: torch.Tensor, damping: float) -> torch.Tensor:
     return torch.cholesky_inverse(cholesky).to(factor.dtype)
 
 
-def pi_damping(a_mean: float, b_mean: float, damping: float) -> tuple:
+def pi_damping(a_mean: torch.Tensor, b_mean: torch.Tensor, damping: float) -> tuple:
     """Factored Tikhonov damping from the factors' mean eigenvalues tr/dim:
-    π = √((tr A/dim A)/(tr B/dim B)), λ_A = √λ·π, λ_B = √λ/π."""
-    pi = math.sqrt(a_mean / b_mean) if a_mean > 0 and b_mean > 0 else 1.0
+    π = √((tr A/dim A)/(tr B/dim B)), λ_A = √λ·π, λ_B = √λ/π. On the factors' device, in float64:
+    a host read of each trace would stop the GPU twice per layer per refresh."""
+    a_mean, b_mean = torch.as_tensor(a_mean, dtype=torch.float64), torch.as_tensor(b_mean, dtype=torch.float64)
+    positive = (a_mean > 0) & (b_mean > 0)
+    pi = torch.where(positive, torch.sqrt(a_mean / torch.where(positive, b_mean, 1.0)), 1.0)
     return math.sqrt(damping) * pi, math.sqrt(damping) / pi
 
 
 def local_trace(name: str, factor: str, matrix: torch.Tensor) -> tuple:
-    """(trace, dimension) of a factor held whole on this process."""
-    return float(matrix.trace()), matrix.shape[0]
+    """(trace as a float64 tensor, dimension) of a factor held whole on this process."""
+    return matrix.trace().double(), matrix.shape[0]
 
 
 class KFAC:
@@ -198,11 +202,18 @@ class KFAC:
                 "captured": self.captured}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpoint's state onto each layer's device: checkpoints load with
+        map_location="cpu", and a CPU inverse would meet a CUDA gradient in `precondition`."""
         for name, factors in state["factors"].items():
             for factor, value in factors.items():
                 self.factors[name][factor].copy_(value)
-        self.fresh, self.inverses = dict(state["fresh"]), dict(state["inverses"])
-        self.captured = dict(state["captured"])
+        self.fresh = {name: self._on_device(name, inverses) for name, inverses in state["fresh"].items()}
+        self.inverses = {name: self._on_device(name, inverses) for name, inverses in state["inverses"].items()}
+        self.captured = {key: value.to(self.linears[key[1]].weight.device)
+                         for key, value in state["captured"].items()}
+
+    def _on_device(self, name: str, tensors: dict) -> dict:
+        return {key: value.to(self.linears[name].weight.device) for key, value in tensors.items()}
 
 
 def unit_scales(tokens_local: int, tokens_global: int) -> dict:
@@ -336,7 +347,7 @@ def kfac_errors(strategy) -> list:
 
 def build(cfg, world_size: int):
     return KFACStrategy(cfg.strategy.damping, cfg.strategy.refresh_interval, cfg.strategy.micro_batches,
-                        "cuda" if cfg.hardware.accelerator == "gpu" else "cpu", cfg.strategy.factor_blocks)
+                        one_process_device(cfg.hardware.accelerator), cfg.strategy.factor_blocks)
 
 
 KFAC_ORACLE = StrategyEntry(check=check, degrees=degrees, build=build, one_process=True, scales_fp16_loss=False)

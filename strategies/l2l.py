@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn as nn
 from torch.func import functional_call
+from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
 from parallel.layout import Degrees
@@ -40,13 +41,15 @@ class DeviceCopier:
     """Host -> device copies in the compute dtype (cross mixed precision: fp32 stays on the host).
 
     On CUDA the copy runs on a side stream from pinned memory (non_blocking), so the next layer's
-    weights arrive while this one computes; `ready()` makes the compute stream wait for them.
+    weights arrive while this one computes; each copy records its own event, and `wait_for(t)`
+    makes the compute stream wait for the copies of `t` only (not for the prefetch still in flight).
     On CPU the "device" is the same DRAM: a copy is a fresh tensor that the memory meter counts.
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.in_flight = WeakIdKeyDictionary()  # device tensor -> the event its copy recorded
 
     @torch.no_grad()
     def to_device(self, host: torch.Tensor, cast: bool = True) -> torch.Tensor:
@@ -57,18 +60,61 @@ class DeviceCopier:
             staged = host.to(dtype=dtype).pin_memory()
         with torch.cuda.stream(self.stream):
             device = staged.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
         device.record_stream(torch.cuda.current_stream(self.device))
+        self.in_flight[device] = event
         return device
 
+    def wait_for(self, *tensors) -> None:
+        """The compute stream waits for these tensors' copies (a tensor computed here: no wait)."""
+        for tensor in tensors:
+            event = self.in_flight.pop(tensor, None) if isinstance(tensor, torch.Tensor) else None
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
+
     def ready(self) -> None:
+        """The compute stream waits for every copy issued so far."""
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self.in_flight = WeakIdKeyDictionary()
 
     @torch.no_grad()
     def to_host(self, device: torch.Tensor, dtype=None) -> torch.Tensor:
         with host_side():
             host = device.to("cpu", dtype=dtype or device.dtype, copy=True)
             return host.pin_memory() if self.stream is not None else host
+
+    @torch.no_grad()
+    def to_host_async(self, tensors: list, dtype) -> tuple:
+        """(host copies, their Transfer): on CUDA every copy is issued on the side stream into pinned
+        memory, after the compute that produced them, and one event marks them all; the reader
+        calls `Transfer.wait()` first. A blocking copy per tensor would stop the host each time."""
+        if self.stream is None:
+            with host_side():
+                return [tensor.to("cpu", dtype=dtype, copy=True) for tensor in tensors], Transfer()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with host_side():
+            hosts = [torch.empty(tensor.shape, dtype=dtype, pin_memory=True) for tensor in tensors]  # host
+        with torch.cuda.stream(self.stream):
+            for host, tensor in zip(hosts, tensors):
+                host.copy_(tensor, non_blocking=True)
+                tensor.record_stream(self.stream)  # freed by the compute stream, still read here
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return hosts, Transfer(event)
+
+
+class Transfer:
+    """Copies in flight to the host; `wait()` blocks the calling thread (the host store's worker,
+    not the thread driving the device) until they have landed. On CPU they already have."""
+
+    def __init__(self, event=None):
+        self.event = event
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
 
 
 class Stash:
@@ -143,6 +189,7 @@ class _MaskedDropout:
             with host_side():
                 rows = mask[self.rows]
             device_mask = self.copier.to_device(rows)
+            self.copier.wait_for(device_mask)
             module.train(False)  # nn.Dropout in eval returns its input and draws nothing
             self.hooks.append(module.register_forward_hook(
                 lambda _module, inputs, _output, mask=device_mask: inputs[0] * mask))
@@ -185,6 +232,14 @@ class HostStore:
 
     def submit(self, work, *arguments) -> None:
         self.pending.append(self.worker.submit(work, *arguments))
+
+    @torch.no_grad()
+    def accumulate(self, parameters, gradients, transfer) -> None:
+        """dW copies -> each parameter's host gradient, once they have landed (a tied weight
+        receives the head's part, then the embed's: the worker runs in the plan's order)."""
+        transfer.wait()
+        for parameter, gradient in zip(parameters, gradients):
+            parameter.grad = gradient if parameter.grad is None else parameter.grad.add_(gradient)
 
     @torch.no_grad()
     def reduce(self, parameters) -> None:
@@ -307,7 +362,9 @@ class Relay:
             if stage == len(self.modules) - 1:
                 self.scored_loss(output, micro_batch).backward()
             else:
-                output.backward(self.stash.get(("dx", stage + 1, micro_batch), keep=False))
+                gradient = self.stash.get(("dx", stage + 1, micro_batch), keep=False)
+                self.copier.wait_for(gradient)
+                output.backward(gradient)
         if stage > 0:
             self.stash.put(("dx", stage, micro_batch), inputs.grad)
 
@@ -319,7 +376,7 @@ class Relay:
             weight.grad = torch.zeros_like(weight)
 
     def run(self, stage, micro_batch, phase, inputs):
-        self.copier.ready()
+        self.copier.wait_for(*self.weights[stage, phase].values(), inputs)  # not the prefetch in flight
         rows = slice(micro_batch * self.rows, (micro_batch + 1) * self.rows)
         with self.dropout.applied(stage, rows, self.copier):
             return functional_call(self.modules[stage], self.weights[stage, phase], (inputs,))
@@ -338,20 +395,21 @@ class Relay:
         weight = self.weights_of_loss[micro_batch]
         if weight == 0:  # no scored token in this micro-batch (BERT): contributes nothing
             return logits.sum() * 0.0
-        return self.model.loss(logits, self.micro_batch_of(self.targets, micro_batch)) * weight
+        targets = self.micro_batch_of(self.targets, micro_batch)
+        self.copier.wait_for(targets)
+        return self.model.loss(logits, targets) * weight
 
     # ----- host store
     def gradient_to_host(self, action) -> None:
-        """dW -> host fp32, accumulated (a tied weight receives the head's part, then the embed's)."""
+        """dW -> host fp32, one transfer for the stage; the host store accumulates it when it lands."""
         device_weights = self.weights[action.stage, BACKWARD]
-        for name, host in self.parameters[action.stage].items():
-            gradient = device_weights[name].grad
-            if gradient is None:
-                continue
+        names = [name for name in self.parameters[action.stage] if device_weights[name].grad is not None]
+        gradients = [device_weights[name].grad for name in names]
+        for gradient in gradients:
             self.sent("gradients", gradient)
-            gradient = self.copier.to_host(gradient, torch.float32)
-            with host_side():
-                host.grad = gradient if host.grad is None else host.grad.add_(gradient)
+        copies, transfer = self.copier.to_host_async(gradients, torch.float32)
+        self.store.submit(self.store.accumulate, [self.parameters[action.stage][name] for name in names],
+                          copies, transfer)
 
     def reduce(self, action) -> None:
         self.store.submit(self.store.reduce, self.owned[action.stage])

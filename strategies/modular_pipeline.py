@@ -16,6 +16,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from parallel.layout import Degrees
+from parallel.timing import EventClock
 from strategies.base import OwnedStepStrategy
 from strategies.checks import divisors, grid_errors, nearest_multiples
 from strategies.buckets import bucket_bytes
@@ -212,7 +213,12 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         rank = self.layout.index("pipeline")
         actions = plan.ranks[rank]
         self.work.start(batch, training, send_releases(plan)[rank])  # each send freed once proven received
-        return execute(actions, self.handlers())
+        if not (training and self.measuring):
+            return execute(actions, self.handlers())
+        # a sampled step feeds the measured bubble: on CUDA the host only launches kernels and
+        # NCCL's wait() does not block it, so the device's events time the actions
+        clock = EventClock(self.root_device)
+        return clock.resolve(execute(actions, self.handlers(), clock=clock))
 
     def _broadcast_loss(self) -> torch.Tensor:
         """The loss lives on the last stage's rank; every rank must log the same value."""

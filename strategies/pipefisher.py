@@ -69,7 +69,7 @@ class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
             return local_trace(name, factor, matrix)
         trace = matrix.trace().reshape(1)
         self.layout.communicator.all_reduce(trace, tensor)
-        return float(trace), matrix.shape[0] * tensor.size
+        return trace[0].double(), matrix.shape[0] * tensor.size
 
     def _names(self, stage: int, part: str = None) -> list:
         suffix = None if part is None else units.LINEAR_PARTS[part]

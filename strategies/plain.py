@@ -96,8 +96,15 @@ def check(cfg, world_size: int) -> list:
     return recompute_errors(cfg.strategy)
 
 
+def one_process_device(accelerator: str) -> str:
+    """The device of a one-process strategy: Lightning's CUDA accelerator calls
+    torch.cuda.set_device(root_device), which refuses "cuda" without an index; the process sees
+    its GPUs from 0 (CUDA_VISIBLE_DEVICES renumbers them)."""
+    return "cuda:0" if accelerator == "gpu" else "cpu"
+
+
 def build_single(cfg, world_size: int) -> SingleStrategy:
-    return SingleStrategy("cuda" if cfg.hardware.accelerator == "gpu" else "cpu",
+    return SingleStrategy(one_process_device(cfg.hardware.accelerator),
                           activation_recompute=cfg.strategy.activation_recompute)
 
 

@@ -19,3 +19,38 @@ def activation_dtype(precision: str) -> torch.dtype:
     """The residual stream between blocks, what pipeline stages exchange: under "-mixed" autocast
     runs norms and additions in fp32, so it stays fp32; under "-true" the whole model is narrow."""
     return compute_dtype(precision) if precision.endswith("-true") else torch.float32
+
+
+class AgreedGradScaler(torch.amp.GradScaler):
+    """fp16 loss scaling (Micikevicius et al. 2018, §3.2) whose skip decision every rank shares.
+
+    GradScaler skips a step whose gradients hold an inf and halves its scale; each rank sees only
+    its own gradients (a ZeRO shard, a pipeline stage, a tensor shard), so left alone one rank
+    skips while the others step, and their scales part. Here, after unscaling:
+    1. a rank whose loss was never scaled (a pipeline's earlier stages: only the last stage holds
+       the loss, the backward brings them scaled gradients) starts its scale as the others did;
+    2. found_inf is all-reduced (MAX) over `group` (the world): one inf anywhere skips everywhere,
+       so every rank's scale follows the same sequence.
+    """
+
+    def __init__(self, communicator, group, device: str):
+        super().__init__(device=device)
+        self.communicator, self.group = communicator, group
+
+    def unscale_(self, optimizer) -> None:
+        if self._enabled and self._scale is None:  # never called scale(): a stage without the loss
+            self._lazy_init_scale_growth_tracker(first_parameter_device(optimizer))
+        super().unscale_(optimizer)
+        if not self._enabled:
+            return
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        if not found:  # no gradient on this rank: it still takes part, and must record a check
+            found[self._scale.device] = torch.zeros(1, device=self._scale.device)
+        agreed = torch.stack([value.reshape(()).to(self._scale.device) for value in found.values()]).amax()
+        self.communicator.all_reduce(agreed, self.group, op=torch.distributed.ReduceOp.MAX)
+        for value in found.values():
+            value.copy_(agreed.to(value.device))
+
+
+def first_parameter_device(optimizer) -> torch.device:
+    return next(p.device for group in optimizer.param_groups for p in group["params"])

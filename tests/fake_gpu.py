@@ -69,3 +69,276 @@ def run_train_py_until_launch() -> None:
 
 if __name__ == "__main__":
     run_train_py_until_launch()
+
+
+# ----- device synchronisations, counted on CPU (issue 37, item 11)
+
+class DeviceSyncCounter:
+    """Counts, per training step, what would make the host wait for a GPU.
+
+    On one CPU "device" and host are one memory, so the counter tracks where each tensor would
+    live on a GPU (its provenance): the compute side's tensors at the step's start
+    (`compute_resident_tensors`, minus the `step` counters torch's own optimizers keep on the
+    host), the batch, factory calls given a torch.device (tests/test_device_discipline.py: host
+    buffers name none, or spell out "cpu"), and every operator output with an input on the device. Then a
+    TorchDispatchMode, outside host_side() (the L2L host store's work), counts, on device tensors:
+      scalar_read: `.item()`, `float()`, `bool()` (aten._local_scalar_dense), `.tolist()` (wrapped:
+        it does not dispatch) -- the host waits for every queued kernel;
+      data_dependent_shape: nonzero, masked_select, ... -- the host must read a count;
+      host_to_device: a tensor built from Python values on the device (torch.tensor(v, device=d):
+        a pageable copy, which CUDA completes before returning);
+      cross_device_copy: a copy between a host and a device tensor (but a non_blocking upload: the
+        code pins its source on a GPU), and L2L's DeviceCopier.to_host (a blocking device -> host
+        copy per tensor).
+    `install(set_attribute, sink)` adds it to every Trainer train.py builds (forked ranks inherit
+    it); `sink(rank, step, counts)` receives every rank's counts of each step.
+    """
+
+    KINDS = ("scalar_read", "data_dependent_shape", "host_to_device", "cross_device_copy")
+    FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "eye",
+                 "linspace", "as_tensor", "empty_like", "zeros_like", "ones_like", "full_like")
+
+    def install(self, set_attribute, sink) -> None:
+        import threading
+
+        import lightning.pytorch as pl
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+        from torch.utils._pytree import tree_flatten
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        import layerwise.run.fit as fit
+        import strategies.l2l as l2l
+        from parallel.memory import on_host_side
+
+        aten = torch.ops.aten
+        data_dependent = {aten.nonzero, aten.masked_select, aten.unique_consecutive, aten._unique2,
+                          aten.repeat_interleave}
+        # storage -> "device" | "host": where a GPU run would keep it (unknown: made in C++, e.g.
+        # DDP's buckets, or before the count began; copies to or from those are not counted)
+        where = WeakIdKeyDictionary()
+        naming = threading.local()  # inside a factory call: .device says whether it names a device
+
+        def storages(tensor):
+            if not isinstance(tensor, torch.Tensor):  # a DTensor's flattened parts hold its mesh too
+                return []
+            if is_traceable_wrapper_subclass(tensor):
+                return [s for name in tensor.__tensor_flatten__()[0] for s in storages(getattr(tensor, name))]
+            return [tensor.untyped_storage()] if tensor.device.type != "meta" else []
+
+        def place(tensor):
+            found = {where.get(s) for s in storages(tensor)} if isinstance(tensor, torch.Tensor) else set()
+            return "device" if "device" in found else "host" if "host" in found else None
+
+        def is_device(tensor) -> bool:
+            return place(tensor) == "device"
+
+        def mark(tensor, device: bool = True) -> None:
+            for storage in storages(tensor) if isinstance(tensor, torch.Tensor) else []:
+                where[storage] = "device" if device else "host"
+
+        class Mode(TorchDispatchMode):
+            counts = None
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                output = func(*args, **kwargs)
+                if self.counts is None or on_host_side():
+                    return output
+                inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+                device_input = any(is_device(t) for t in inputs)
+                packet = func.overloadpacket
+                if packet is aten.copy_:
+                    staged = place(args[0]) == "device" and (args[2:] or [kwargs.get("non_blocking")])[0]
+                    if {place(args[0]), place(args[1])} == {"device", "host"} and not staged:
+                        self.counts["cross_device_copy"] += 1  # a non-blocking upload (from pinned
+                    return output                                # memory on a GPU) makes no one wait
+                if packet is aten._to_copy and kwargs.get("device") is not None \
+                        and torch.device(kwargs["device"]).type == "cpu":  # .to("cpu"): to the host
+                    self.counts["cross_device_copy"] += int(device_input)
+                    for tensor in tree_flatten(output)[0]:
+                        mark(tensor, device=False)
+                    return output
+                if func is aten._local_scalar_dense.default and device_input:
+                    self.counts["scalar_read"] += 1
+                elif packet in data_dependent and device_input:
+                    self.counts["data_dependent_shape"] += 1
+                elif packet is aten.lift_fresh and getattr(naming, "device", None) is True:
+                    self.counts["host_to_device"] += 1
+                factory_call = getattr(naming, "device", None)
+                host_input = any(place(t) == "host" for t in inputs)
+                device = device_input or factory_call is True
+                if device or host_input or factory_call is False:
+                    for tensor in tree_flatten(output)[0]:
+                        mark(tensor, device=device)
+                return output
+
+        mode = Mode()
+
+        def names_a_device(device) -> bool:
+            # a device object (root_device, a tensor's .device) is the compute device; host buffers
+            # name none or spell out "cpu"
+            return isinstance(device, torch.device) or (device is not None and str(device) != "cpu")
+
+        def factory(name, original):
+            like = name.endswith("_like")  # without device=, where its model tensor is
+
+            def made(*arguments, **keywords):
+                outer = getattr(naming, "device", None)
+                naming.device = (names_a_device(keywords["device"]) if "device" in keywords
+                                 else None if like else False)
+                try:
+                    return original(*arguments, **keywords)
+                finally:
+                    naming.device = outer
+            return made
+
+        original_tolist = torch.Tensor.tolist
+
+        def tolist(tensor):
+            if mode.counts is not None and not on_host_side() and is_device(tensor):
+                mode.counts["scalar_read"] += 1
+            return original_tolist(tensor)
+
+        to_host, to_device = l2l.DeviceCopier.to_host, l2l.DeviceCopier.to_device
+
+        def counted_to_host(copier, tensor, *arguments, **keywords):
+            if mode.counts is not None and is_device(tensor):
+                mode.counts["cross_device_copy"] += 1  # device.to("cpu", copy=True): blocking
+            copied = to_host(copier, tensor, *arguments, **keywords)
+            mark(copied, device=False)
+            return copied
+
+        to_host_async = l2l.DeviceCopier.to_host_async
+
+        def marked_to_host_async(copier, tensors, *arguments, **keywords):
+            copies, transfer = to_host_async(copier, tensors, *arguments, **keywords)
+            for copy in copies:  # issued on a side stream, awaited by the host store's worker: no count
+                mark(copy, device=False)
+            return copies, transfer
+
+        def marked_to_device(copier, tensor, *arguments, **keywords):
+            copied = to_device(copier, tensor, *arguments, **keywords)
+            mark(copied)  # on a GPU, on the device (a side stream's non-blocking copy: no count)
+            return copied
+
+        def seed(trainer, batch) -> None:
+            for tensor in trainer.strategy.compute_resident_tensors():
+                if place(tensor) is None:  # a counter its optimizer built on the host stays there
+                    mark(tensor)
+            for optimizer in trainer.optimizers:  # torch keeps its optimizers' `step` on the host
+                if not type(optimizer).__module__.startswith("torch.optim") \
+                        or optimizer.defaults.get("capturable") or optimizer.defaults.get("fused"):
+                    continue  # ours (LAMB) or on the device: wherever its own code put it
+                for state in optimizer.state.values():
+                    if isinstance(state.get("step"), torch.Tensor):
+                        mark(state["step"], device=False)
+            for tensor in tree_flatten(batch)[0]:
+                mark(tensor)
+
+        class Start(pl.Callback):
+            def on_train_batch_start(self, trainer, module, batch, batch_index):
+                seed(trainer, batch)
+                mode.counts = dict.fromkeys(DeviceSyncCounter.KINDS, 0)
+                mode.__enter__()
+
+        class End(pl.Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
+                mode.__exit__(None, None, None)
+                sink(trainer.global_rank, trainer.global_step, mode.counts)
+                mode.counts = None
+
+        building = fit.build_trainer
+
+        def build_trainer(*arguments, **keywords):
+            trainer = building(*arguments, **keywords)
+            # first in, last out: the evidence's memory meter enters and leaves inside this window
+            trainer.callbacks.insert(0, Start())
+            trainer.callbacks.append(End())
+            return trainer
+
+        for name in self.FACTORIES:
+            set_attribute(torch, name, factory(name, getattr(torch, name)))
+        set_attribute(torch.Tensor, "tolist", tolist)
+        set_attribute(l2l.DeviceCopier, "to_host", counted_to_host)
+        set_attribute(l2l.DeviceCopier, "to_device", marked_to_device)
+        set_attribute(l2l.DeviceCopier, "to_host_async", marked_to_host_async)
+        set_attribute(fit, "build_trainer", build_trainer)
+
+
+# ----- copies in flight on a side stream (issue 37, item 7)
+
+class InFlightCopies:
+    """L2L's host -> device copies as a CUDA side stream makes them: each result is in flight until
+    the compute stream waits for it — `DeviceCopier.wait_for(tensor)` (its own event) or
+    `DeviceCopier.ready()` (everything issued so far). A TorchDispatchMode on the thread driving
+    the device fails any operator that reads a tensor still in flight: on a GPU it would read
+    whatever the buffer held. `install(set_attribute)` covers every training step train.py runs.
+    """
+
+    def install(self, set_attribute) -> None:
+        import lightning.pytorch as pl
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        import layerwise.run.fit as fit
+        import strategies.l2l as l2l
+
+        in_flight = WeakIdKeyDictionary()  # storage -> what the copy carried
+        aten = torch.ops.aten
+        # these read a tensor's shape, not its data (a view is checked where its data is read)
+        shape_only = {aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.detach}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.is_view or func.overloadpacket in shape_only:
+                    return func(*args, **(kwargs or {}))
+                for tensor in tree_flatten((args, kwargs or {}))[0]:
+                    if isinstance(tensor, torch.Tensor) and tensor.untyped_storage() in in_flight:
+                        raise RuntimeError(f"{func} read a {tuple(tensor.shape)} tensor whose copy to the "
+                                           f"device the compute stream never waited for")
+                return func(*args, **(kwargs or {}))
+
+        mode = Mode()
+        to_device = l2l.DeviceCopier.to_device
+        ready = l2l.DeviceCopier.ready
+        wait_for = getattr(l2l.DeviceCopier, "wait_for", None)
+
+        def copied(copier, host, *arguments, **keywords):
+            tensor = to_device(copier, host, *arguments, **keywords)
+            in_flight[tensor.untyped_storage()] = True
+            return tensor
+
+        def all_ready(copier):
+            in_flight.clear()
+            return ready(copier)
+
+        def waited(copier, *tensors):
+            for tensor in tensors:
+                if isinstance(tensor, torch.Tensor):
+                    in_flight.pop(tensor.untyped_storage(), None)
+            return wait_for(copier, *tensors)
+
+        class Start(pl.Callback):
+            def on_train_batch_start(self, trainer, module, batch, batch_index):
+                mode.__enter__()
+
+        class End(pl.Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
+                mode.__exit__(None, None, None)
+
+        building = fit.build_trainer
+
+        def build_trainer(*arguments, **keywords):
+            trainer = building(*arguments, **keywords)
+            trainer.callbacks.insert(0, Start())
+            trainer.callbacks.append(End())
+            return trainer
+
+        set_attribute(l2l.DeviceCopier, "to_device", copied)
+        set_attribute(l2l.DeviceCopier, "ready", all_ready)
+        if wait_for is not None:
+            set_attribute(l2l.DeviceCopier, "wait_for", waited)
+        set_attribute(fit, "build_trainer", build_trainer)

@@ -87,3 +87,17 @@ def test_the_users_overrides_win_over_the_checks_defaults():
     assert "hardware.precision=bf16-mixed" in overrides and "hardware.precision=32-true" not in overrides
     assert {"strategy=ddp", "hardware=dgx_h100", "hardware.devices_per_node=4",
             "trainer.max_steps=10"} <= set(overrides)
+
+
+def test_l2l_with_dropout_is_not_held_to_single_on_a_gpu():
+    """L2L draws dropout masks from the CPU generator in single's order: equal to single on CPU,
+    but on a GPU single draws from CUDA's generator (issue 37, item 10)."""
+    from tests.ranks import compose_config
+
+    def reason(*overrides):
+        return gpu_check.incomparable(compose_config("strategy=l2l", *overrides))
+
+    assert reason("hardware=dgx_h100", "model.dropout=0.1").startswith("model.dropout=0.1: l2l's masks")
+    assert reason("hardware=dgx_h100") is None  # dropout 0, the check's default: comparable
+    assert reason("model.dropout=0.1") is None  # on CPU both draw from the CPU generator (test_l2l.py)
+    assert gpu_check.incomparable(compose_config("strategy=ddp", "hardware=dgx_h100")) is None

@@ -275,3 +275,22 @@ def test_cuda_relay_matches_cpu():  # pragma: no cover - no GPU on the developme
     torch.testing.assert_close(torch.stack(losses["cuda"]), torch.stack(losses["cpu"]), rtol=DEVICE_LOSS_RTOL, atol=0)
     assert_same_parameters({name: value.cpu() for name, value in gpu_model.state_dict().items()},
                            cpu_model.state_dict(), trace)
+
+
+@pytest.mark.parametrize("constant_memory", [False, True])
+def test_every_copy_to_the_device_is_awaited_before_it_is_read(constant_memory, monkeypatch, tmp_path):
+    """On CUDA the relay copies on a side stream: dropout masks, targets and (constant_memory) the
+    stashed dx were copied after the compute stream's last wait and read unawaited (issue 37,
+    item 7). tests/fake_gpu.py keeps each copy in flight until awaited and fails on reading one."""
+    from layerwise.config.validate import world_size
+    from layerwise.run.fit import train
+    from tests.fake_gpu import InFlightCopies
+
+    InFlightCopies().install(monkeypatch.setattr)
+    cfg = compose_config("strategy=l2l", "logger=none", "trainer.progress=none", "trainer.max_steps=2",
+                         "trainer.limit_val_batches=1", "trainer.val_check_interval=100",
+                         "data.global_batch_size=8", "data.sequence_length=32", "model.layers=2",
+                         "model.hidden=32", "model.heads=2", "data.max_bytes=2000000", "model.dropout=0.1",
+                         f"strategy.constant_memory={str(constant_memory).lower()}", "hardware.devices_per_node=1")
+    summary = train(cfg, tmp_path, world_size(cfg))
+    assert summary["status"] == "completed" and len(summary["losses"]) == 2

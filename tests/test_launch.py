@@ -159,3 +159,24 @@ def test_a_training_run_outlives_days_on_the_launchers_clock(monkeypatch, tmp_pa
     cfg = compose_config(*QUICK, "strategy=ddp", "trainer.max_steps=10", "trainer.val_check_interval=10")
     summary = train(cfg, tmp_path / "run", validate(cfg))
     assert summary["status"] == "completed" and summary["steps"] == 10
+
+
+# ----- A local GPU launch fits the GPUs this machine has (issue 37, item 4) ------------------------
+
+def test_a_local_gpu_launch_needing_more_gpus_than_nvml_counts_names_the_fix(monkeypatch):
+    """devices_per_node above the local GPUs would fail in every spawned child (invalid device)."""
+    pretend_gpus(monkeypatch.setattr, 2)
+    with pytest.raises(ConfigError, match=r"hardware.devices_per_node=4 ranks on this machine's 2 GPUs"):
+        validate(compose_config(*GPU_RUN, "hardware.devices_per_node=4"))
+    assert validate(compose_config(*GPU_RUN, "strategy=single", "hardware.devices_per_node=4")) == 1
+
+
+def test_emulated_nodes_on_one_gpu_machine_are_refused(monkeypatch):
+    """hardware.nodes=2 without Slurm or torchrun: rank r gets LOCAL_RANK r mod devices_per_node,
+    so ranks 0 and 2 would share GPU 0 (NCCL: "Duplicate GPU detected")."""
+    pretend_gpus(monkeypatch.setattr, 4)
+    with pytest.raises(ConfigError, match=r"hardware.nodes=2 .* would share"):
+        validate(compose_config(*GPU_RUN, "hardware.nodes=2", "data.global_batch_size=8"))
+    monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun started this node's ranks: its GPUs are its own
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert validate(compose_config(*GPU_RUN, "hardware.nodes=2", "data.global_batch_size=8")) == 4

@@ -306,3 +306,17 @@ def test_failing_rank_is_read_from_the_job_logs(tmp_path):
     (tmp_path / "7_1_2_log.err").unlink()
     (tmp_path / "7_1_0_log.err").write_text("srun: error: node2: task 3: Killed\n")
     assert failing_rank(job, RuntimeError("job failed")) == (3, "Killed (srun: node2 task 3)")
+
+
+@pytest.mark.parametrize("binding", ["hydra.launcher.gpus_per_task=1", "hydra.launcher.gres=gpu:8",
+                                     "+hydra.launcher.additional_parameters.gpus-per-task=1",
+                                     "+hydra.launcher.additional_parameters.gpu-bind=single:1"])
+def test_gpu_binding_that_hides_a_tasks_peers_is_refused(binding):
+    """Lightning puts each rank on cuda:SLURM_LOCALID of the GPUs it sees; a job that binds one GPU
+    per task (or requests GPUs twice, through gres beside gpus_per_node) leaves rank 1 no cuda:1
+    (issue 37, item 6)."""
+    cfg = launcher_config("strategy=ddp", "hardware=dgx_a100_80g", "model=gpt_small",
+                          "data.global_batch_size=64", "mode=check", binding)
+    resources, problems = job_resources(cfg, validate(cfg, submitting=True))
+    key = binding.lstrip("+").split("=")[0]
+    assert len(problems) == 1 and problems[0].startswith(key) and "Fix: drop" in problems[0], problems

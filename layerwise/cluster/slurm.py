@@ -107,7 +107,29 @@ def job_resources(cfg, world_size: int) -> tuple:
         problems.append(f"hydra.launcher.gpus_per_node={gpus} but hardware={hardware.name} runs on "
                         f"{hardware.accelerator}. Fix: drop hydra.launcher.gpus_per_node or choose "
                         f"a GPU hardware profile.")
-    return resolved, problems
+    return resolved, problems + gpu_binding_problems(resolved)
+
+
+# Requests that bind GPUs per task or ask for them a second time. Lightning's SLURMEnvironment puts
+# each rank on cuda:SLURM_LOCALID of the GPUs its task sees, so every task must see all of its
+# node's GPUs: with one bound per task, local rank 1 finds no cuda:1.
+GPU_BINDING_KEYS = {"gpus_per_task": "binds GPUs per task", "gres": "requests GPUs beside gpus_per_node",
+                    "additional_parameters.gpus-per-task": "binds GPUs per task",
+                    "additional_parameters.gpu-bind": "binds GPUs per task"}
+
+
+def gpu_binding_problems(resolved: dict) -> list:
+    """Launcher values that would hide a node's other GPUs from a task (see GPU_BINDING_KEYS)."""
+    problems = []
+    for key, what in GPU_BINDING_KEYS.items():
+        section, _, name = key.rpartition(".")
+        value = (resolved.get(section) or {}).get(name) if section else resolved.get(key)
+        if value is not None and not (key == "gres" and "gpu" not in str(value)):
+            problems.append(f"hydra.launcher.{key}={value} {what}, but each rank selects "
+                            f"cuda:SLURM_LOCALID among the GPUs its task sees, so every task must see "
+                            f"its node's GPUs. Fix: drop hydra.launcher.{key} (GPUs follow "
+                            f"hardware.devices_per_node through gpus_per_node).")
+    return problems
 
 
 def node_memory_gb(hardware):

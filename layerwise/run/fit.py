@@ -118,11 +118,12 @@ def build_trainer(cfg, run_directory: Path, world_size: int, strategy, evidence)
         from lightning.pytorch.callbacks import RichProgressBar
         callbacks.append(RichProgressBar())
     single = world_size == 1
+    precision, precision_plugins = precision_arguments(cfg.hardware)
     return pl.Trainer(
         accelerator="gpu" if cfg.hardware.accelerator == "gpu" else "cpu",
         devices=1 if single else cfg.hardware.devices_per_node,
         num_nodes=1 if single else cfg.hardware.nodes, strategy=strategy,
-        precision=cfg.hardware.precision, max_steps=cfg.trainer.max_steps,
+        precision=precision, max_steps=cfg.trainer.max_steps,
         val_check_interval=cfg.trainer.val_check_interval, check_val_every_n_epoch=None,
         limit_val_batches=cfg.trainer.limit_val_batches, num_sanity_val_steps=0,
         logger=build_loggers(cfg, run_directory) or False, callbacks=callbacks,
@@ -130,7 +131,17 @@ def build_trainer(cfg, run_directory: Path, world_size: int, strategy, evidence)
         enable_model_summary=False, use_distributed_sampler=False,
         gradient_clip_val=cfg.trainer.gradient_clip_val or None,
         log_every_n_steps=cfg.trainer.log_every_n_steps, default_root_dir=str(run_directory),
-        plugins=[AtomicCheckpointIO()] + slurm_plugins(strategy), accumulate_grad_batches=1)
+        plugins=[AtomicCheckpointIO()] + precision_plugins + slurm_plugins(strategy), accumulate_grad_batches=1)
+
+
+def precision_arguments(hardware) -> tuple:
+    """(Trainer's precision, extra plugins). Lightning silently turns 16-mixed on a CPU into
+    bf16-mixed; validation refuses 16-mixed on CPU for users, but the tests run it on purpose, to
+    emulate a GPU's fp16 (CPU autocast in fp16, GradScaler("cpu")): pass its plugin explicitly."""
+    if hardware.accelerator == "cpu" and hardware.precision == "16-mixed":
+        from lightning.pytorch.plugins import MixedPrecision
+        return None, [MixedPrecision("16-mixed", "cpu")]
+    return hardware.precision, []
 
 
 def load_corpus(cfg):

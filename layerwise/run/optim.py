@@ -29,7 +29,8 @@ class Lamb(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         state = self.state[parameter]
         if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=parameter.device)
+            # on the host, as torch's own optimizers keep it: reading it is then no device sync
+            state["step"] = torch.zeros((), dtype=torch.float32)  # host
             state["exp_avg"] = torch.zeros_like(parameter)
             state["exp_avg_sq"] = torch.zeros_like(parameter)
         state["step"] += 1

@@ -22,9 +22,32 @@ def gpu_errors(cfg, submitting: bool = False) -> list:
     """A GPU profile to fit here needs a GPU here; submitting (hydra/launcher=slurm): the GPUs are on
     the cluster's nodes, not on this machine."""
     hardware = cfg.hardware
-    if cfg.mode == "fit" and hardware.accelerator == "gpu" and not submitting and not gpu_available():
+    if cfg.mode != "fit" or hardware.accelerator != "gpu" or submitting:
+        return []
+    if not gpu_available():
         return [f"hardware={hardware.name} needs CUDA GPUs and this machine has none. "
                 f"Fix: hardware=cpu here, or submit with hydra/launcher=slurm."]
+    from layerwise.run.launch import launched_externally, local_gpu_count
+    return [] if launched_externally() else local_launch_problems(cfg, local_gpu_count())
+
+
+def local_launch_problems(cfg, gpus: int) -> list:
+    """What train.py's own launcher (layerwise/run/launch.py) would do wrong on this machine's `gpus`
+    GPUs: rank r takes GPU r mod devices_per_node, so emulated nodes share GPUs (NCCL refuses
+    duplicates) and more ranks per node than GPUs name a device that does not exist."""
+    from strategies.registry import strategy_entry
+    hardware = cfg.hardware
+    if strategy_entry(cfg.strategy.name).one_process:
+        return []
+    if hardware.nodes > 1:
+        return [f"hardware.nodes={hardware.nodes} without Slurm or torchrun: the local launcher would "
+                f"start {hardware.nodes} emulated nodes here, whose ranks would share this machine's "
+                f"GPUs (NCCL: duplicate GPU). Fix: hardware.nodes=1 with hardware.devices_per_node="
+                f"{gpus} or fewer, or one torchrun per node, or hydra/launcher=slurm."]
+    if hardware.devices_per_node > gpus:
+        return [f"hardware.devices_per_node={hardware.devices_per_node} ranks on this machine's {gpus} "
+                f"GPUs (NVML's count, after CUDA_VISIBLE_DEVICES). Fix: "
+                f"hardware.devices_per_node={gpus} or fewer."]
     return []
 
 

@@ -135,10 +135,23 @@ def rejection(overrides: list, ranks: int, preflight: Callable) -> Optional[str]
     """Why this point is not run (the configuration checks' first problem, or a one-process
     strategy asked for several ranks), or None."""
     try:
-        world_size = preflight(compose(overrides))
+        cfg = compose(overrides)
+        world_size = preflight(cfg)
     except ConfigError as error:
         return error.problems[0]
-    return None if world_size == ranks else f"runs as {world_size} process(es), not {ranks}"
+    if world_size != ranks:
+        return f"runs as {world_size} process(es), not {ranks}"
+    return incomparable(cfg)
+
+
+def incomparable(cfg) -> Optional[str]:
+    """Why this point cannot equal its reference value by value on this hardware, or None. L2L
+    draws dropout masks from the CPU generator (single's order); on a GPU `single` draws them
+    with CUDA's (docs/strategies/l2l.md, "Dropout"): equal in distribution only."""
+    if cfg.strategy.name == "l2l" and cfg.model.dropout > 0 and cfg.hardware.accelerator == "gpu":
+        return (f"model.dropout={cfg.model.dropout}: l2l's masks come from the CPU generator, single's "
+                f"from CUDA's; compare with model.dropout=0")
+    return None
 
 
 def run_train_py(overrides: list, run_directory: Path) -> dict:

@@ -353,8 +353,15 @@ def _initialise_optimizer_state(optimizers, keys_by_optimizer) -> None:
             state = optimizer.state[parameter]
             for key in keys:
                 if key not in state:
-                    state[key] = (torch.zeros((), dtype=torch.float32, device=parameter.device) if key == "step"
-                                  else torch.zeros_like(parameter))
+                    state[key] = (torch.zeros((), dtype=torch.float32, device=step_device(optimizer, parameter))
+                                  if key == "step" else torch.zeros_like(parameter))
+
+
+def step_device(optimizer, parameter) -> torch.device:
+    """Where torch keeps an optimizer's `step` counter: on the host (read by .item() each step, no
+    device sync), on the parameter's device only for capturable or fused optimizers."""
+    on_device = optimizer.defaults.get("capturable") or optimizer.defaults.get("fused")
+    return parameter.device if on_device else torch.device("cpu")
 
 
 def load_portable(strategy, path) -> dict:

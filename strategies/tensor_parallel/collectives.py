@@ -144,7 +144,8 @@ class VocabularyParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(context, grad_loss):
         softmax, local, mine = context.saved_tensors
-        grad = softmax.clone()
-        rows = torch.nonzero(mine).squeeze(-1)
-        grad[rows, local[rows]] -= 1.0
+        # −1 at each row's target column, 0 where the target is another member's: a scatter of
+        # the mask, not torch.nonzero, whose output size the host would have to wait for
+        columns = local.clamp(0, softmax.shape[-1] - 1).unsqueeze(-1)
+        grad = softmax.scatter_add(-1, columns, -mine.to(softmax.dtype).unsqueeze(-1))
         return grad * grad_loss.unsqueeze(-1), None, None, None, None

@@ -146,7 +146,9 @@ class VocabularyParallelLoss:
         self.rows, self.chunk = grid.logit_rows(), grid.vocabulary_chunk()
 
     def __call__(self, logits, targets):
-        valid_count = (targets != -100).sum().to(logits.dtype).reshape(1)
+        # Counted in int64, not the logits' dtype: an fp16 count is inf above 65,504 targets, and
+        # the loss and gradients would be 0 (finite: no guard would notice).
+        valid_count = (targets != -100).sum().reshape(1)
         if self.data_group is not None:
             self.communicator.all_reduce(valid_count, self.data_group)
         targets = targets.chunk(self.rows[1], dim=0)[self.rows[0]].reshape(-1)

@@ -64,7 +64,7 @@ def measured_core_flops(dtype: str, repeats: int = 5) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        a, b = torch.randn(size, size).to(kind), torch.randn(size, size).to(kind)
+        a, b = torch.randn(size, size).to(kind), torch.randn(size, size).to(kind)  # host: the probe times this CPU
         a @ b  # warm-up: the first product pays for page faults and kernel selection
         best = float("inf")
         for _ in range(repeats):

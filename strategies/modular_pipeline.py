@@ -212,7 +212,8 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         rank = self.layout.index("pipeline")
         actions = plan.ranks[rank]
         self.work.start(batch, training, send_releases(plan)[rank])  # each send freed once proven received
-        return execute(actions, self.handlers())
+        recorder = self.layout.communicator.recorder  # the flight record names each operation's action
+        return execute(actions, self.handlers(), on_action=None if recorder is None else recorder.note_action)
 
     def _broadcast_loss(self) -> torch.Tensor:
         """The loss lives on the last stage's rank; every rank must log the same value."""

@@ -21,10 +21,13 @@ import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.multiprocessing as multiprocessing
+
+from layerwise.run.hangs import HUNG_EXIT_CODE, fresh, read_json
 
 RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
 
@@ -36,6 +39,14 @@ class RankError(RuntimeError):
         self.rank = rank
         self.detail = detail
         super().__init__(f"rank {rank} failed:\n{detail}")
+
+
+class HangError(RankError):
+    """The ranks' watchdogs found a hang; `detail` is the diagnosis paragraph naming the stuck rank."""
+
+    def __init__(self, rank: int, detail: str):
+        RuntimeError.__init__(self, f"hung: {detail}")
+        self.rank, self.detail = rank, detail
 
 
 def free_port() -> int:
@@ -142,7 +153,7 @@ def _rank_entry(function, rank, world_size, ranks_per_node, port, results, argum
 
 
 def run_ranks(function, world_size: int, *arguments, timeout: Optional[float] = None,
-              method: str = "fork", ranks_per_node: Optional[int] = None) -> list:
+              method: str = "fork", ranks_per_node: Optional[int] = None, hang_directory=None) -> list:
     """Run `function(rank, *arguments)` on `world_size` local ranks; return results by rank.
 
     method: the start method (`start_method(accelerator)` chooses); with spawn, `function` and
@@ -150,7 +161,11 @@ def run_ranks(function, world_size: int, *arguments, timeout: Optional[float] = 
     timeout: a deadline on the whole call, for bounded work only (calibration, tests). Training
     passes none: a run lasts as long as it trains. A rank that dies is reported at once; a rank
     that hangs alive is caught by the collective timeout (docs/faults.md), never by a wall clock.
+    hang_directory: where the ranks' watchdogs write their records and diagnosis (layerwise/run/
+    hangs.py); a rank exiting with HUNG_EXIT_CODE raises HangError with that diagnosis. Every rank
+    still running (a stopped one too) is killed before this returns or raises.
     """
+    started = time.time() - 1.0  # older hang files are a previous run's
     context = multiprocessing.get_context(method)
     results = context.Queue()
     port = free_port()
@@ -161,7 +176,7 @@ def run_ranks(function, world_size: int, *arguments, timeout: Optional[float] = 
     for process in processes:
         process.start()
     try:
-        return _collect(processes, results, world_size, timeout)
+        return _collect(processes, results, world_size, timeout, (hang_directory, started))
     finally:
         for process in processes:
             if process.is_alive():
@@ -169,7 +184,7 @@ def run_ranks(function, world_size: int, *arguments, timeout: Optional[float] = 
             process.join(timeout=10)
 
 
-def _collect(processes, results, world_size: int, timeout: Optional[float]) -> list:
+def _collect(processes, results, world_size: int, timeout: Optional[float], hangs=(None, 0.0)) -> list:
     outputs, deadline = {}, None if timeout is None else time.monotonic() + timeout
     while len(outputs) < world_size:
         if deadline is not None and time.monotonic() > deadline:
@@ -178,14 +193,32 @@ def _collect(processes, results, world_size: int, timeout: Optional[float]) -> l
             rank, status, value = results.get(timeout=0.2)
         except queue.Empty:
             if _dead_rank(processes, outputs) is not None:
+                _raise_hang(processes, *hangs)
                 _raise_reported_error(results, processes, outputs)
             continue
         if status == "interrupted":
             _let_the_others_report(processes, results, world_size, outputs, rank)
         if status != "ok":
+            _raise_hang(processes, *hangs)
             raise RankError(rank, value)
         outputs[rank] = value
     return [outputs[rank] for rank in range(world_size)]
+
+
+def _raise_hang(processes, directory, since: float, wait_s: float = 30.0) -> None:
+    """HangError with the diagnosis when a rank's watchdog ended it (it exits with HUNG_EXIT_CODE);
+    the diagnosing rank writes hang/diagnosis.json before any rank exits (wait_s: margin)."""
+    if directory is None or not any(process.exitcode == HUNG_EXIT_CODE for process in processes):
+        return
+    path, deadline = Path(directory) / "diagnosis.json", time.monotonic() + wait_s
+    while not fresh(path, since) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    verdict = read_json(path) if fresh(path, since) else None
+    if verdict is None:
+        hung = [rank for rank, process in enumerate(processes) if process.exitcode == HUNG_EXIT_CODE]
+        raise HangError(hung[0], f"ranks {hung} timed out in a collective, but no diagnosis was written "
+                                 f"to {path} (records in {directory})")
+    raise HangError(verdict["stuck_rank"], verdict["paragraph"])
 
 
 # An interruption every rank agreed on (SIGTERM, Slurm preemption) ends each rank in its own time:

@@ -1,0 +1,130 @@
+"""Hangs (issue 33): a stuck rank is named within trainer.collective_timeout_s + 30 s, every rank exits
+non-zero, nothing is left running, summary.json says "hung", and the rerun resumes.
+
+Faults are injected by test-only callbacks added to every Trainer fit.py builds (before the ranks
+fork, so they inherit them): a rank stops itself (SIGSTOP) inside a step's forward, a rank skips one
+collective (the test's communicator subclass), a rank is killed, a rank is slowed.
+Legend: `modular_pipeline` with 4 ranks is a 4-stage pipeline (one block per stage); `ddp` 2 ranks.
+"""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+
+import layerwise.run.fit as run_module
+from layerwise.preflight import validate
+from layerwise.run.fit import train
+from layerwise.run.hangs import HUNG_EXIT_CODE, StragglerDetector, diagnose
+from layerwise.run.launch import HangError
+from tests.harness import QUICK, RankError, compose_config
+
+TIMEOUT_S = 3.0
+STEPS, EVERY = 6, 2
+BASE = [*QUICK, f"trainer.max_steps={STEPS}", f"trainer.val_check_interval={STEPS}",
+        f"trainer.checkpoint_every_n_steps={EVERY}", f"trainer.collective_timeout_s={TIMEOUT_S}",
+        "trainer.long_timeout_factor=4"]
+PIPELINE_4 = ["strategy=modular_pipeline", "strategy.pipeline_degree=4", "hardware.devices_per_node=4",
+              "model.layers=4"]
+
+
+def run(directory: Path, *overrides: str) -> dict:
+    cfg = compose_config(*BASE, *overrides)
+    return train(cfg, directory, validate(cfg))
+
+
+def add_callbacks(monkeypatch, *callbacks):
+    build = run_module.build_trainer
+
+    def build_with(*arguments, **keywords):
+        trainer = build(*arguments, **keywords)
+        trainer.callbacks.extend(callbacks)
+        return trainer
+    monkeypatch.setattr(run_module, "build_trainer", build_with)
+
+
+def children() -> list:
+    """This process's descendants still in the process table (zombies included), read from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry.name))
+    found, frontier = [], [os.getpid()]
+    while frontier:
+        born = parents.get(frontier.pop(), [])
+        found += born
+        frontier += born
+    return found
+
+
+def summary_of(directory: Path) -> dict:
+    return json.loads((directory / "summary.json").read_text())
+
+
+def saved_step(directory: Path) -> int:
+    from strategies.checkpoint.per_rank import read_checkpoint_file
+    path = directory / "checkpoints" / "last.ckpt"
+    return read_checkpoint_file(path / "rank0.pt" if path.is_dir() else path)["global_step"]
+
+
+def hung_run(tmp_path, monkeypatch, capfd, *overrides) -> tuple:
+    """Run to the hang; (the HangError, seconds from start to diagnosis, printed paragraph, diagnosis)."""
+    start = time.monotonic()
+    with pytest.raises(HangError) as hung:
+        run(tmp_path, *overrides)
+    elapsed = time.monotonic() - start
+    monkeypatch.undo()
+    assert children() == []  # nothing left running: the stopped rank too
+    printed = [line for line in capfd.readouterr().err.splitlines() if "hang diagnosis" in line]
+    diagnosis = json.loads((tmp_path / "hang" / "diagnosis.json").read_text())
+    return hung.value, elapsed, printed, diagnosis
+
+
+def report(directory: Path, elapsed: float, printed: list) -> None:
+    """Keep what a reader of the closing note wants: the time to the diagnosis and its paragraph."""
+    out = os.environ.get("LAYERWISE_HANG_REPORT")
+    if out:
+        with open(out, "a") as handle:
+            handle.write(f"{directory.name}: diagnosed in {elapsed:.1f} s\n{printed[0] if printed else None}\n\n")
+
+
+def assert_reruns(tmp_path, capfd, *overrides) -> None:
+    step = saved_step(tmp_path)
+    summary = run(tmp_path, *overrides)
+    assert f"resuming from {tmp_path}" in capfd.readouterr().out
+    assert summary["status"] == "completed" and summary["steps"] == STEPS and step >= EVERY
+    assert len(summary["losses"]) == STEPS
+
+
+class StopSelf(pl.Callback):
+    """Rank `rank` stops itself (SIGSTOP) in the forward of its block during step `step`."""
+
+    def __init__(self, rank: int, step: int, sig=signal.SIGSTOP):
+        self.rank, self.step, self.sig = rank, step, sig
+
+    def on_train_batch_start(self, trainer, module, batch, batch_index):
+        if trainer.global_rank == self.rank and trainer.global_step + 1 == self.step:
+            block = next(iter(module.model.blocks.values()))
+            block.register_forward_hook(lambda *_: os.kill(os.getpid(), self.sig))
+
+
+def test_a_stopped_rank_is_named_and_the_rerun_resumes(tmp_path, monkeypatch, capfd):
+    add_callbacks(monkeypatch, StopSelf(rank=2, step=4))
+    error, elapsed, printed, diagnosis = hung_run(tmp_path, monkeypatch, capfd, *PIPELINE_4)
+    report(tmp_path, elapsed, printed)
+    assert error.rank == 2 and diagnosis["stuck_rank"] == 2
+    assert diagnosis["states"]["2"].startswith("stopped (SIGSTOP")
+    assert len(printed) == 1 and "rank 2 stopped progressing" in printed[0]
+    assert elapsed < TIMEOUT_S + 30
+    summary = summary_of(tmp_path)
+    assert summary["status"] == "hung" and summary["hung_rank"] == 2
+    assert sorted(diagnosis["records"]) == [0, 1, 3]  # the stopped rank cannot answer
+    assert_reruns(tmp_path, capfd, *PIPELINE_4)

@@ -198,7 +198,12 @@ class Communicator:
         everyone = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
+            if self.recorder is None:
+                dist.all_gather_object(everyone, mine)
+            else:  # a rank may wait here too: record it (the world group, as objects)
+                world = tuple(range(dist.get_world_size()))
+                with self.recorder.waiting(self.recorder.issue("all_gather_object", "world", world)):
+                    dist.all_gather_object(everyone, mine)
         problem = first_order_mismatch(everyone)
         if problem is not None:
             raise PointToPointOrderError(problem)

@@ -83,7 +83,10 @@ def hung_run(tmp_path, monkeypatch, capfd, *overrides) -> tuple:
     elapsed = time.monotonic() - start
     monkeypatch.undo()
     assert children() == []  # nothing left running: the stopped rank too
-    printed = [line for line in capfd.readouterr().err.splitlines() if "hang diagnosis" in line]
+    err = capfd.readouterr().err
+    printed = [line for line in err.splitlines() if "hang diagnosis" in line.lower()]
+    if not printed:
+        report(tmp_path, elapsed, [err[-3000:]])
     diagnosis = json.loads((tmp_path / "hang" / "diagnosis.json").read_text())
     return hung.value, elapsed, printed, diagnosis
 
@@ -128,3 +131,114 @@ def test_a_stopped_rank_is_named_and_the_rerun_resumes(tmp_path, monkeypatch, ca
     assert summary["status"] == "hung" and summary["hung_rank"] == 2
     assert sorted(diagnosis["records"]) == [0, 1, 3]  # the stopped rank cannot answer
     assert_reruns(tmp_path, capfd, *PIPELINE_4)
+
+
+# ============================================================ a rank skips one collective
+
+PIPELINE_2_DATA_2 = ["strategy=modular_pipeline", "strategy.pipeline_degree=2", "strategy.data_degree=2",
+                     "hardware.devices_per_node=4"]
+
+
+def skip_one_all_reduce(monkeypatch, rank: int, step: int) -> None:
+    """Test-only fault: on `rank`, the first data-group all-reduce of step `step` is never issued
+    (the communicator's own method is wrapped in the forked ranks; library code is untouched)."""
+    from parallel.comm import Communicator
+    original = Communicator.all_reduce
+    skipped = []
+
+    def all_reduce(self, tensor, group, *arguments, **keywords):
+        recorder = self.recorder
+        if (os.environ.get("RANK") == str(rank) and group.name == "data" and not skipped
+                and recorder is not None and recorder.step == step):
+            skipped.append(True)
+            return None
+        return original(self, tensor, group, *arguments, **keywords)
+    monkeypatch.setattr(Communicator, "all_reduce", all_reduce)
+
+
+def test_a_rank_that_skips_a_collective_is_named(tmp_path, monkeypatch, capfd):
+    skip_one_all_reduce(monkeypatch, rank=3, step=3)
+    error, elapsed, printed, diagnosis = hung_run(tmp_path, monkeypatch, capfd, *PIPELINE_2_DATA_2)
+    report(tmp_path, elapsed, printed)
+    assert error.rank == 3 and diagnosis["stuck_rank"] == 3
+    assert "never issued all_reduce" in printed[0] and elapsed < TIMEOUT_S + 30
+    assert summary_of(tmp_path)["status"] == "hung"
+    assert_reruns(tmp_path, capfd, *PIPELINE_2_DATA_2)
+
+
+# ============================================================ a rank killed
+
+def test_a_killed_rank_is_named(tmp_path, monkeypatch, capfd):
+    add_callbacks(monkeypatch, StopSelf(rank=1, step=4, sig=signal.SIGKILL))
+    start = time.monotonic()
+    with pytest.raises(RankError) as failed:
+        run(tmp_path, *PIPELINE_4)
+    elapsed = time.monotonic() - start
+    monkeypatch.undo()
+    assert children() == []
+    captured = capfd.readouterr().err.splitlines()
+    printed = [line for line in captured if "failure diagnosis" in line]
+    report(tmp_path, elapsed, printed)
+    assert failed.value.rank == 1 and "killed by signal 9" in printed[0] and elapsed < TIMEOUT_S + 30
+    assert summary_of(tmp_path)["status"] in ("hung", "failed")
+    assert_reruns(tmp_path, capfd, *PIPELINE_4)
+
+
+# ============================================================ a straggler
+
+class Slow(pl.Callback):
+    """Rank `rank`'s block sleeps `seconds` in each forward from step `step` on."""
+
+    def __init__(self, rank: int, seconds: float):
+        self.rank, self.seconds = rank, seconds
+
+    def on_train_start(self, trainer, module):
+        if trainer.global_rank == self.rank:
+            block = next(iter(module.model.blocks.values()))
+            block.register_forward_hook(lambda *_: time.sleep(self.seconds))
+
+
+def test_a_slowed_rank_is_flagged_as_a_straggler(tmp_path, monkeypatch, capfd):
+    add_callbacks(monkeypatch, Slow(rank=1, seconds=0.05))
+    summary = run(tmp_path, "strategy=modular_pipeline", "trainer.straggler_window=3")
+    printed = [line for line in capfd.readouterr().out.splitlines() if "straggler" in line]
+    report(tmp_path, 0.0, printed)
+    (flagged,) = summary["stragglers"]
+    assert (flagged["rank"], flagged["node"], flagged["ratio"] > 1.5) == (1, 0, True)
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    column = rows[0].split(",").index("stragglers")
+    assert [row.split(",")[column] for row in rows[1:]][-2:] == ["1", "1"]
+    assert len(printed) == 1 and "rank 1 (node 0)" in printed[0]
+
+
+# ============================================================ the diagnosis alone
+
+def operation(kind, sequence, ranks, peer=None, step=4, completed=None):
+    return {"index": 1, "kind": kind, "group": "data" if peer is None else "pipeline", "ranks": ranks,
+            "peer": peer, "bytes": 4, "sequence": sequence, "step": step, "action": None, "issued": 0.0,
+            "completed": completed}
+
+
+def record(waiting, issued_by_group, time_=100.0, waited=3.0, last=None):
+    return {"step": 4, "time": time_, "waiting": {**waiting, "waited_s": waited}, "last_completed": last,
+            "issued_by_group": issued_by_group}
+
+
+def test_diagnosis_follows_waits_to_the_rank_that_skipped_and_to_a_silent_rank():
+    # rank 0 blocked first in all-reduce #5 over (0, 1); rank 1 issued only 4 there and went on to
+    # wait in a receive from rank 0 that rank 0 never sent: a cycle, and rank 1 skipped
+    group = {"kind": "collective", "ranks": [0, 1], "peer": None}
+    records = {0: record(operation("all_reduce", 5, [0, 1]), [{**group, "issued": 5}], waited=5.0),
+               1: record(operation("receive", 2, [0, 1], peer=0), [{**group, "issued": 4}], waited=1.0)}
+    verdict = diagnose(records, 2, {0: "alive", 1: "alive"})
+    assert (verdict["stuck_rank"], verdict["cycle"]) == (1, True)
+    assert "rank 1 never issued all_reduce #5" in verdict["paragraph"].lower()
+    # rank 1 silent (stopped): rank 0 waits for it
+    verdict = diagnose({0: records[0]}, 2, {0: "alive", 1: "stopped"})
+    assert verdict["stuck_rank"] == 1 and "stopped (SIGSTOP" in verdict["paragraph"]
+
+
+def test_straggler_needs_the_whole_window():
+    detector = StragglerDetector(window=3)
+    assert [detector.update(times) for times in ([1, 1, 2], [1, 1, 2], [1, 2, 1], [1, 1, 2], [1, 1, 2],
+                                                 [1, 1, 2])] == [[], [], [], [], [], [2]]

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -42,6 +43,7 @@ from parallel.flight import COLLECTIVE, FlightRecorder
 HUNG_EXIT_CODE = 124  # as coreutils' `timeout`: every rank of a hung run exits with it
 STRAGGLER_RATIO = 1.5  # a rank slower than this × the median compute time is a straggler
 RING_SIZE = 64  # operations kept per rank
+REPOSITORY = str(Path(__file__).resolve().parents[2])
 
 
 def hang_directory(run_directory) -> Path:
@@ -181,10 +183,12 @@ def diagnose(records: dict, world_size: int, states: dict, exit_codes: Optional[
     oldest = min(range(world_size), key=lambda r: (r in records, _last_completed_time(records.get(r))))
     if oldest == stuck and record is not None:
         sentences[0] += ", the oldest of all ranks"
-    if cycle:
-        behind = [describe_operation(records[r]["waiting"]) for r in chain if r != stuck and r in records]
-        sentences.append(f"rank {stuck} never issued {behind[0] if behind else 'an operation'} that "
-                         f"rank {chain[0]} waits in, and went on (a skipped or mismatched operation)")
+    if record is not None and len(chain) > 1:  # it has a record, yet its peer waits for it: behind
+        waiter = chain[chain.index(stuck) - 1] if chain.index(stuck) else chain[-1]
+        sentences.append(f"rank {stuck} never issued {describe_operation(records[waiter]['waiting'])} that "
+                         f"rank {waiter} waits in, and went on: it skipped or mismatched an operation")
+    if record is not None and not record.get("waiting") and record.get("main_thread"):
+        sentences[0] += f"; its main thread is in {record['main_thread']}"
     others = []
     for rank in range(world_size):
         if rank == stuck:
@@ -197,13 +201,14 @@ def diagnose(records: dict, world_size: int, states: dict, exit_codes: Optional[
             others.append(f"rank {rank} waits in {describe_operation(other['waiting'])} "
                           f"for {other['waiting']['waited_s']:.1f} s")
         else:
+            where = f"main thread in {other['main_thread']}; " if other.get("main_thread") else ""
             others.append(f"rank {rank} waits in no recorded operation "
-                          f"(last completed: {describe_operation(other.get('last_completed'))})")
+                          f"({where}last completed: {describe_operation(other.get('last_completed'))})")
     if others:
         sentences.append("; ".join(others))
     sentences.append("every rank exits non-zero and no process is left running" +
                      (f"; {checkpoint}" if checkpoint else ""))
-    paragraph = ". ".join(sentences) + "."
+    paragraph = ". ".join(sentence[0].upper() + sentence[1:] for sentence in sentences) + "."
     return {"stuck_rank": stuck, "chain": chain, "cycle": cycle, "step": step,
             "states": {str(rank): describe_state(states.get(rank, "unknown"), exit_codes.get(rank))
                        for rank in range(world_size)},
@@ -301,7 +306,7 @@ class Watchdog:
     def record(self, reason: str) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "reason": reason,
                 "time": time.time(), "timeout_s": self.allowance(), **self.recorder.snapshot(),
-                "stack": python_stacks()}
+                "main_thread": main_thread_frame(), "stack": python_stacks()}
 
     def _answered_or_stuck(self) -> bool:
         """Wait until every rank wrote a record or is known stopped or gone; True on the lowest
@@ -322,11 +327,11 @@ class Watchdog:
         records = read_records(self.directory, self.world_size, self.started)
         verdict = diagnose(records, self.world_size, states, checkpoint=checkpoint_sentence(self.run_directory))
         verdict["nccl_traces"] = sorted(path.name for path in self.directory.glob("nccl_trace_rank_*"))
-        write_json(self.directory / "diagnosis.json", verdict)
         print(f"[layerwise] {verdict['paragraph']}", file=sys.stderr, flush=True)
         write_json(self.run_directory / "summary.json", {
             "status": "hung", "error": verdict["paragraph"], "hung_rank": verdict["stuck_rank"],
             "steps": verdict["step"], **self.summary, "world_size": self.world_size})
+        write_json(self.directory / "diagnosis.json", verdict)  # last: the other ranks exit once it exists
         for rank, state in states.items():  # no process left behind: stuck ones on this host
             pid = processes.get(rank, {}).get("pid")
             if rank not in records and state in ("stopped", "alive") and pid:
@@ -338,6 +343,19 @@ class Watchdog:
 
 def _pid_host(process: Optional[dict]) -> tuple:
     return (None, None) if process is None else (process["pid"], process["host"])
+
+
+def main_thread_frame() -> Optional[str]:
+    """Where the main thread is: its innermost frame, and the innermost of this repository's."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return None
+    stack = traceback.extract_stack(frame)
+    def name(entry):
+        return f"{entry.name} ({Path(entry.filename).name}:{entry.lineno})"
+    ours = [entry for entry in stack if entry.filename.startswith(REPOSITORY) and "site-packages" not in entry.filename]
+    inner = name(stack[-1])
+    return inner if not ours or ours[-1] is stack[-1] else f"{inner}, called from {name(ours[-1])}"
 
 
 def python_stacks() -> str:

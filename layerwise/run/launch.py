@@ -16,6 +16,7 @@ would give it.
 
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -200,9 +201,26 @@ def _collect(processes, results, world_size: int, timeout: Optional[float], hang
             _let_the_others_report(processes, results, world_size, outputs, rank)
         if status != "ok":
             _raise_hang(processes, *hangs)
+            _raise_killed(processes, rank, value)
             raise RankError(rank, value)
         outputs[rank] = value
     return [outputs[rank] for rank in range(world_size)]
+
+
+def _raise_killed(processes, reporting: int, detail: str, settle_s: float = 1.0) -> None:
+    """A rank that reported an error because a peer vanished ("Connection reset by peer") is not the
+    cause: name the rank a signal killed, if any (its exit code is seen within `settle_s`)."""
+    deadline = time.monotonic() + settle_s
+    while time.monotonic() < deadline:
+        killed = [rank for rank, process in enumerate(processes) if (process.exitcode or 0) < 0]
+        if killed:
+            code = processes[killed[0]].exitcode
+            paragraph = (f"failure diagnosis: rank {killed[0]} is gone (killed by signal {-code}, "
+                         f"{signal.Signals(-code).name}); rank {reporting} then failed: "
+                         f"{detail.strip().splitlines()[-1][:200]}")
+            print(f"[layerwise] {paragraph}", file=sys.stderr, flush=True)
+            raise RankError(killed[0], paragraph)
+        time.sleep(0.1)
 
 
 def _raise_hang(processes, directory, since: float, wait_s: float = 30.0) -> None:
@@ -249,6 +267,7 @@ def _raise_reported_error(results, processes, outputs):
     try:
         rank, status, value = results.get(timeout=2.0)
         if status != "ok":
+            _raise_killed(processes, rank, value)
             raise RankError(rank, value)
         outputs[rank] = value
         return
@@ -256,5 +275,7 @@ def _raise_reported_error(results, processes, outputs):
         pass
     rank = _dead_rank(processes, outputs)
     code = processes[rank].exitcode
+    if code < 0:
+        _raise_killed(processes, rank, f"process killed by signal {-code}", settle_s=0.0)
     reason = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
     raise RankError(rank, f"process {reason} without reporting an error")

@@ -172,7 +172,7 @@ def diagnose(records: dict, world_size: int, states: dict, exit_codes: Optional[
     state = describe_state(states.get(stuck, "unknown"), exit_codes.get(stuck))
     record = records.get(stuck)
     step = max((r["step"] for r in records.values()), default=None)
-    sentences = [f"hang diagnosis{f' at step {step}' if step else ''}: rank {stuck} stopped progressing; "
+    sentences = [f"hang diagnosis{f' at step {step}' if step else ''}: rank {stuck} stopped progressing (the others wait for it); "
                  f"its process is {state}"]
     if record is None:
         sentences[0] += " and wrote no record (its watchdog could not run)"
@@ -437,8 +437,8 @@ class HangWatch(pl.Callback):
             evidence.per_rank["compute_s"] = lambda: self.compute_s
 
     def on_fit_start(self, trainer, module):
-        if self.world_size == 1:
-            return
+        if self.world_size == 1 or (self.timeout_s == 0 and self.stragglers is None):
+            return  # one process waits on nobody; both off: no record at all (benchmarks/overhead.py)
         communicator = trainer.strategy.communicator()
         self.recorder = FlightRecorder(RING_SIZE)
         if communicator is not None:

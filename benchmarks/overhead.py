@@ -152,6 +152,11 @@ class StepStamps(pl.Callback):
     def on_train_end(self, trainer, module):
         if trainer.is_global_zero:
             self.path.write_text(json.dumps(self.stamps))
+            communicator = trainer.strategy.communicator()
+            recorder = communicator.recorder if communicator is not None else None
+            if recorder is not None:  # the flight record's operations per step (the watchdog pair)
+                self.path.with_name("operations.json").write_text(json.dumps(
+                    {"operations": recorder._index, "steps": len(self.stamps)}))
 
 
 def build_trainer_with_step_stamps(cfg, run_directory, *arguments):
@@ -172,6 +177,34 @@ def framework_unwatched(cfg, corpus, steps: int) -> tuple:
 
 
 STRATEGY_OF_PAIR = {"watchdog": "modular_pipeline"}
+OPERATIONS_PER_STEP = []  # rank 0's recorded operations per step, one per run with the record on
+
+
+def record_cost(repeats: int = 7, calls: int = 20000) -> float:
+    """Seconds the flight record adds to one operation (issue, a tracked handle, its recorded
+    wait), the median of `repeats` timings of `calls` operations, against the bare handle."""
+    from parallel.flight import FlightRecorder
+
+    class Done:  # a completed work handle: only the record's own cost is timed
+        def wait(self):
+            return True
+
+    def bare(work):
+        for _ in range(calls):
+            work.wait()
+
+    def recorded(work):
+        recorder = FlightRecorder()
+        for _ in range(calls):
+            recorder.track(recorder.issue("send", "pipeline", (0, 1), peer=1, nbytes=4), work).wait()
+    costs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        bare(Done())
+        middle = time.perf_counter()
+        recorded(Done())
+        costs.append((time.perf_counter() - middle - (middle - start)) / calls)
+    return statistics.median(costs)
 
 
 def framework(cfg, corpus, steps: int) -> tuple:
@@ -179,6 +212,10 @@ def framework(cfg, corpus, steps: int) -> tuple:
     with tempfile.TemporaryDirectory() as directory:
         summary = layerwise.run.fit.train(cfg, Path(directory), validate(cfg))
         stamps = json.loads((Path(directory) / "step_stamps.json").read_text())
+        operations = Path(directory) / "operations.json"
+        if operations.exists():
+            counted = json.loads(operations.read_text())
+            OPERATIONS_PER_STEP.append(counted["operations"] / counted["steps"])
     assert summary["status"] == "completed" and summary["steps"] == steps
     return summary["losses"][0], stamps
 
@@ -245,6 +282,8 @@ def main() -> None:
         load.append(os.getloadavg()[0])
     report(arguments, pairs, times, losses, load)
     report_phases(pairs, phases)
+    if "watchdog" in pairs:
+        report_record_cost(times)
 
 
 def report(arguments, pairs, times, losses, load) -> None:
@@ -261,6 +300,17 @@ def report(arguments, pairs, times, losses, load) -> None:
             print(f"{pair:8s} {measure:7s} {statistics.median(hand):12.4f} {statistics.median(ours):17.4f} "
                   f"{statistics.median(ratios):7.3f}  {min(ratios):.3f}-{max(ratios):.3f}")
         print(f"{pair:8s} first step's loss: hand {losses[pair, 'hand']:.5f}, framework {losses[pair, 'framework']:.5f}")
+
+
+def report_record_cost(times) -> None:
+    """The record's cost by parts, which the machine's load hardly moves: the cost of one recorded
+    operation × operations per step, over the median step with the watchdog on."""
+    per_operation = record_cost()
+    operations = statistics.median(OPERATIONS_PER_STEP)
+    step = statistics.median(t["median"] for t in times["watchdog", "framework"])
+    print(f"\nflight record: {1e6 * per_operation:.2f} µs per operation (median of 7 × 20000), "
+          f"{operations:.1f} operations per step on rank 0, median step {step:.4f} s: "
+          f"{100 * per_operation * operations / step:.3f}% of a step")
 
 
 def report_phases(pairs, phases) -> None:

@@ -60,6 +60,14 @@ class RecordedWork:
             self._operation.completed = time.time()
         return done
 
+    def get_future(self):
+        """The handle's future (torch DDP's communication hook waits on it, not on `wait()`): its
+        completion is noted too."""
+        future = self._work.get_future()
+        operation = self._operation
+        future.add_done_callback(lambda _: setattr(operation, "completed", operation.completed or time.time()))
+        return future
+
     def __getattr__(self, name):
         return getattr(self._work, name)
 

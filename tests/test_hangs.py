@@ -91,12 +91,13 @@ def hung_run(tmp_path, monkeypatch, capfd, *overrides) -> tuple:
     return hung.value, elapsed, printed, diagnosis
 
 
-def report(directory: Path, elapsed: float, printed: list) -> None:
+def report(directory: Path, elapsed: float, printed: list, codes=None) -> None:
     """Keep what a reader of the closing note wants: the time to the diagnosis and its paragraph."""
     out = os.environ.get("LAYERWISE_HANG_REPORT")
     if out:
         with open(out, "a") as handle:
-            handle.write(f"{directory.name}: diagnosed in {elapsed:.1f} s\n{printed[0] if printed else None}\n\n")
+            handle.write(f"{directory.name}: diagnosed in {elapsed:.1f} s, exit codes {codes}\n"
+                         f"{printed[0] if printed else None}\n\n")
 
 
 def assert_reruns(tmp_path, capfd, *overrides) -> None:
@@ -122,8 +123,9 @@ class StopSelf(pl.Callback):
 def test_a_stopped_rank_is_named_and_the_rerun_resumes(tmp_path, monkeypatch, capfd):
     add_callbacks(monkeypatch, StopSelf(rank=2, step=4))
     error, elapsed, printed, diagnosis = hung_run(tmp_path, monkeypatch, capfd, *PIPELINE_4)
-    report(tmp_path, elapsed, printed)
+    report(tmp_path, elapsed, printed, error.exit_codes)
     assert error.rank == 2 and diagnosis["stuck_rank"] == 2
+    assert error.exit_codes == [HUNG_EXIT_CODE, HUNG_EXIT_CODE, -signal.SIGKILL, HUNG_EXIT_CODE]
     assert diagnosis["states"]["2"].startswith("stopped (SIGSTOP")
     assert len(printed) == 1 and "rank 2 stopped progressing" in printed[0]
     assert elapsed < TIMEOUT_S + 30
@@ -159,8 +161,9 @@ def skip_one_all_reduce(monkeypatch, rank: int, step: int) -> None:
 def test_a_rank_that_skips_a_collective_is_named(tmp_path, monkeypatch, capfd):
     skip_one_all_reduce(monkeypatch, rank=3, step=3)
     error, elapsed, printed, diagnosis = hung_run(tmp_path, monkeypatch, capfd, *PIPELINE_2_DATA_2)
-    report(tmp_path, elapsed, printed)
+    report(tmp_path, elapsed, printed, error.exit_codes)
     assert error.rank == 3 and diagnosis["stuck_rank"] == 3
+    assert error.exit_codes == [HUNG_EXIT_CODE] * 4
     assert "never issued all_reduce" in printed[0] and elapsed < TIMEOUT_S + 30
     assert summary_of(tmp_path)["status"] == "hung"
     assert_reruns(tmp_path, capfd, *PIPELINE_2_DATA_2)
@@ -178,8 +181,10 @@ def test_a_killed_rank_is_named(tmp_path, monkeypatch, capfd):
     assert children() == []
     captured = capfd.readouterr().err.splitlines()
     printed = [line for line in captured if "failure diagnosis" in line]
-    report(tmp_path, elapsed, printed)
+    report(tmp_path, elapsed, printed, failed.value.exit_codes)
     assert failed.value.rank == 1 and "killed by signal 9" in printed[0] and elapsed < TIMEOUT_S + 30
+    codes = failed.value.exit_codes
+    assert codes[1] == -signal.SIGKILL and all(code != 0 for code in codes)
     assert summary_of(tmp_path)["status"] in ("hung", "failed")
     assert_reruns(tmp_path, capfd, *PIPELINE_4)
 

@@ -28,13 +28,15 @@ from typing import Optional
 import torch
 import torch.multiprocessing as multiprocessing
 
-from layerwise.run.hangs import HUNG_EXIT_CODE, fresh, read_json
+from layerwise.run.hangs import HUNG_EXIT_CODE, fresh, process_state, read_json
 
 RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
 
 
 class RankError(RuntimeError):
     """A rank raised or died; the message carries its rank and traceback."""
+
+    exit_codes = None  # every rank's exit code, when the local launcher ended them
 
     def __init__(self, rank: int, detail: str):
         self.rank = rank
@@ -178,11 +180,20 @@ def run_ranks(function, world_size: int, *arguments, timeout: Optional[float] = 
         process.start()
     try:
         return _collect(processes, results, world_size, timeout, (hang_directory, started))
+    except RankError as error:
+        _end(processes)
+        error.exit_codes = [process.exitcode for process in processes]  # every rank's, once all ended
+        raise
     finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-            process.join(timeout=10)
+        _end(processes)
+
+
+def _end(processes) -> None:
+    """Kill every rank still running (a stopped one too: SIGKILL needs no cooperation) and reap it."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join(timeout=10)
 
 
 def _collect(processes, results, world_size: int, timeout: Optional[float], hangs=(None, 0.0)) -> list:
@@ -232,6 +243,10 @@ def _raise_hang(processes, directory, since: float, wait_s: float = 30.0) -> Non
     while not fresh(path, since) and time.monotonic() < deadline:
         time.sleep(0.1)
     verdict = read_json(path) if fresh(path, since) else None
+    settle = time.monotonic() + 5.0  # the other watchdogs exit within a poll of the diagnosis
+    while time.monotonic() < settle and any(process.exitcode is None and process_state(process.pid) == "alive"
+                                            for process in processes):
+        time.sleep(0.1)
     if verdict is None:
         hung = [rank for rank, process in enumerate(processes) if process.exitcode == HUNG_EXIT_CODE]
         raise HangError(hung[0], f"ranks {hung} timed out in a collective, but no diagnosis was written "

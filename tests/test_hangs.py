@@ -125,7 +125,10 @@ def test_a_stopped_rank_is_named_and_the_rerun_resumes(tmp_path, monkeypatch, ca
     error, elapsed, printed, diagnosis = hung_run(tmp_path, monkeypatch, capfd, *PIPELINE_4)
     report(tmp_path, elapsed, printed, error.exit_codes)
     assert error.rank == 2 and diagnosis["stuck_rank"] == 2
-    assert error.exit_codes == [HUNG_EXIT_CODE, HUNG_EXIT_CODE, -signal.SIGKILL, HUNG_EXIT_CODE]
+    # the stopped rank is killed; the others exit 124 themselves (or, on a loaded machine, are killed
+    # by the launcher when they take over 5 s to see the diagnosis): all non-zero
+    codes = error.exit_codes
+    assert codes[2] == -signal.SIGKILL and codes[0] == HUNG_EXIT_CODE and set(codes) <= {HUNG_EXIT_CODE, -9}
     assert diagnosis["states"]["2"].startswith("stopped (SIGSTOP")
     assert len(printed) == 1 and "rank 2 stopped progressing" in printed[0]
     assert elapsed < TIMEOUT_S + 30
@@ -163,7 +166,7 @@ def test_a_rank_that_skips_a_collective_is_named(tmp_path, monkeypatch, capfd):
     error, elapsed, printed, diagnosis = hung_run(tmp_path, monkeypatch, capfd, *PIPELINE_2_DATA_2)
     report(tmp_path, elapsed, printed, error.exit_codes)
     assert error.rank == 3 and diagnosis["stuck_rank"] == 3
-    assert error.exit_codes == [HUNG_EXIT_CODE] * 4
+    assert error.exit_codes[0] == HUNG_EXIT_CODE and set(error.exit_codes) <= {HUNG_EXIT_CODE, -signal.SIGKILL}
     assert "never issued all_reduce" in printed[0] and elapsed < TIMEOUT_S + 30
     assert summary_of(tmp_path)["status"] == "hung"
     assert_reruns(tmp_path, capfd, *PIPELINE_2_DATA_2)

@@ -19,8 +19,8 @@ from layerwise.run.console import console_to_log
 from layerwise.run.evidence import PointToPointOrderCheck, RunEvidence, write_json_atomically
 from layerwise.run.faults import NonFiniteGuard, StopOnSigterm
 from layerwise.run.hangs import HangWatch, hang_directory, nccl_flight_recorder_environment
-from layerwise.run.launch import (HangError, RankError, close_process_group, global_rank, launched_externally, run_ranks,
-                                  start_method, writes_run_files)
+from layerwise.run.launch import (HangError, RankError, close_process_group, global_rank, launched_externally,
+                                  run_ranks, start_method, writes_run_files)
 from layerwise.run.preemption import slurm_callbacks, slurm_plugins, slurm_step_flags
 from layerwise.run.task import LanguageModelData, LanguageModelTask, objective_of
 from parallel.layout import RANK_ORDER

@@ -107,8 +107,8 @@ def describe_operation(operation: Optional[dict]) -> str:
 
 def _issued(record: dict, key: tuple) -> int:
     for entry in record["issued_by_group"]:
-        entry_key = (COLLECTIVE, tuple(entry["ranks"])) if entry["kind"] == COLLECTIVE else (entry["kind"], entry["peer"])
-        if entry_key == key:
+        collective = entry["kind"] == COLLECTIVE
+        if ((COLLECTIVE, tuple(entry["ranks"])) if collective else (entry["kind"], entry["peer"])) == key:
             return entry["issued"]
     return 0
 
@@ -172,8 +172,8 @@ def diagnose(records: dict, world_size: int, states: dict, exit_codes: Optional[
     state = describe_state(states.get(stuck, "unknown"), exit_codes.get(stuck))
     record = records.get(stuck)
     step = max((r["step"] for r in records.values()), default=None)
-    sentences = [f"hang diagnosis{f' at step {step}' if step else ''}: rank {stuck} stopped progressing (the others wait for it); "
-                 f"its process is {state}"]
+    sentences = [f"hang diagnosis{f' at step {step}' if step else ''}: rank {stuck} stopped progressing "
+                 f"(the others wait for it); its process is {state}"]
     if record is None:
         sentences[0] += " and wrote no record (its watchdog could not run)"
     else:

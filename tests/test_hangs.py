@@ -251,3 +251,11 @@ def test_straggler_needs_the_whole_window():
     detector = StragglerDetector(window=3)
     assert [detector.update(times) for times in ([1, 1, 2], [1, 1, 2], [1, 2, 1], [1, 1, 2], [1, 1, 2],
                                                  [1, 1, 2])] == [[], [], [], [], [], [2]]
+
+
+def test_the_slurm_launcher_reads_this_job_s_diagnosis_only(tmp_path):
+    from layerwise.cluster.slurm import hang_diagnosis
+    (tmp_path / "hang").mkdir()
+    (tmp_path / "hang" / "diagnosis.json").write_text(json.dumps({"stuck_rank": 2, "paragraph": "…"}))
+    assert hang_diagnosis(tmp_path, since=0.0)["stuck_rank"] == 2
+    assert hang_diagnosis(tmp_path, since=time.time() + 60) is None  # a previous job's

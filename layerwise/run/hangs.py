@@ -289,6 +289,14 @@ class Watchdog:
 
     def _hung(self, reason: str) -> None:
         self.fired = True
+        try:
+            self._record_and_conclude(reason)
+        except Exception as error:  # the rank must still end: a hung rank kept alive holds the job
+            print(f"[layerwise] rank {self.rank}: the hang record failed: {error!r}", file=sys.stderr, flush=True)
+        finally:
+            os._exit(HUNG_EXIT_CODE)
+
+    def _record_and_conclude(self, reason: str) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         write_json(self.directory / f"rank-{self.rank}.json", self.record(reason))
         request = self.directory / "request"
@@ -301,7 +309,6 @@ class Watchdog:
             deadline = time.monotonic() + 2 * self.timeout_s + 5
             while time.monotonic() < deadline and not fresh(self.directory / "diagnosis.json", self.started):
                 time.sleep(self.poll_s)
-        os._exit(HUNG_EXIT_CODE)
 
     def record(self, reason: str) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "reason": reason,
@@ -319,7 +326,7 @@ class Watchdog:
             if all(process_state(*_pid_host(processes.get(rank))) in ("stopped", "gone") for rank in silent):
                 break
             time.sleep(self.poll_s / 2)
-        return min(read_records(self.directory, self.world_size, self.started)) == self.rank
+        return min(read_records(self.directory, self.world_size, self.started), default=self.rank) == self.rank
 
     def _conclude(self) -> None:
         processes = read_processes(self.run_directory, self.world_size)

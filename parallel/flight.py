@@ -91,6 +91,7 @@ class _Waiting:
         if kind is None:
             self.operation.completed = time.time()
             recorder.last_completed = self.operation
+            recorder.last_activity = now
         return False
 
 
@@ -109,6 +110,7 @@ class FlightRecorder:
         self.current = None  # (Operation, monotonic start) while the main thread waits on it
         self.last_completed = None
         self.blocked_s = 0.0  # time blocked in waits since the last `take_blocked`
+        self.last_activity = time.monotonic()  # the last issue or completed wait
         self._index = 0
         self._lock = threading.Lock()
 
@@ -124,6 +126,7 @@ class FlightRecorder:
             operation = Operation(self._index, kind, group, ranks, peer, nbytes, sequence, self.step,
                                   self.action, time.time())
             self.operations.append(operation)
+        self.last_activity = time.monotonic()
         return operation
 
     def note_action(self, action) -> None:
@@ -142,7 +145,19 @@ class FlightRecorder:
         blocked, self.blocked_s = self.blocked_s, 0.0
         return blocked
 
-    def snapshot(self) -> dict:
+    def stalled(self, seconds: float) -> Optional[Operation]:
+        """The newest operation in flight longer than `seconds` while this rank issued and finished
+        nothing for as long: a wait that does not pass through `wait()` (torch DDP's reducer waits
+        on the handle's future inside the backward), seen from the outside. The newest: a rank
+        blocks right after it issues what it waits for."""
+        if time.monotonic() - self.last_activity <= seconds:
+            return None
+        now = time.time()
+        with self._lock:
+            return next((operation for operation in reversed(self.operations)
+                         if operation.completed is None and now - operation.issued > seconds), None)
+
+    def snapshot(self, stalled: Optional[Operation] = None) -> dict:
         """What a hang record holds: the ring, the current wait, the per-group numbers."""
         with self._lock:
             operations = [operation.as_dict() for operation in self.operations]
@@ -153,6 +168,8 @@ class FlightRecorder:
         waiting = None
         if current is not None:
             waiting = {**current[0].as_dict(), "waited_s": round(time.monotonic() - current[1], 3)}
+        elif stalled is not None:  # in flight, not waited on through the record: since its issue
+            waiting = {**stalled.as_dict(), "waited_s": round(time.time() - stalled.issued, 3), "in_flight": True}
         last = self.last_completed
         return {"step": self.step, "action": self.action, "phase": self.phase, "waiting": waiting,
                 "last_completed": None if last is None else last.as_dict(), "operations": operations,

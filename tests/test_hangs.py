@@ -207,16 +207,17 @@ class Slow(pl.Callback):
 
 
 def test_a_slowed_rank_is_flagged_as_a_straggler(tmp_path, monkeypatch, capfd):
-    add_callbacks(monkeypatch, Slow(rank=1, seconds=0.05))
+    add_callbacks(monkeypatch, Slow(rank=1, seconds=0.1))
     summary = run(tmp_path, "strategy=modular_pipeline", "trainer.straggler_window=3")
     printed = [line for line in capfd.readouterr().out.splitlines() if "straggler" in line]
     report(tmp_path, 0.0, printed)
+    # rank 0 is never slower than 1.5x the median of two when rank 1 sleeps (the median is their mean)
     (flagged,) = summary["stragglers"]
     assert (flagged["rank"], flagged["node"], flagged["ratio"] > 1.5) == (1, 0, True)
     rows = (tmp_path / "metrics.csv").read_text().splitlines()
     column = rows[0].split(",").index("stragglers")
     flags = {int(row.split(",")[0]): row.split(",")[column] for row in rows[1:]}
-    assert set(flags.values()) == {"", "1"} and flags[flagged["first_step"]] == "1"
+    assert set(flags.values()) <= {"", "1"} and flags[flagged["first_step"]] == "1"
     assert len(printed) == 1 and "rank 1 (node 0)" in printed[0]
 
 
@@ -259,3 +260,14 @@ def test_the_slurm_launcher_reads_this_job_s_diagnosis_only(tmp_path):
     (tmp_path / "hang" / "diagnosis.json").write_text(json.dumps({"stuck_rank": 2, "paragraph": "…"}))
     assert hang_diagnosis(tmp_path, since=0.0)["stuck_rank"] == 2
     assert hang_diagnosis(tmp_path, since=time.time() + 60) is None  # a previous job's
+
+
+def test_a_stopped_ddp_rank_is_named_though_ddp_waits_outside_the_record(tmp_path, monkeypatch, capfd):
+    # torch DDP's reducer waits on the all-reduce's future inside the backward: no recorded wait;
+    # the watchdog sees the all-reduce in flight with nothing issued since
+    add_callbacks(monkeypatch, StopSelf(rank=1, step=3))
+    error, elapsed, printed, diagnosis = hung_run(tmp_path, monkeypatch, capfd, "strategy=ddp")
+    report(tmp_path, elapsed, printed, error.exit_codes)
+    assert error.rank == 1 and diagnosis["states"]["1"].startswith("stopped (SIGSTOP")
+    assert "in flight" in printed[0] and elapsed < TIMEOUT_S + 30
+    assert_reruns(tmp_path, capfd, "strategy=ddp")

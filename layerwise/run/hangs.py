@@ -102,6 +102,8 @@ def describe_operation(operation: Optional[dict]) -> str:
             len(ranks) > 2 else "ranks " + ", ".join(map(str, ranks))
         what = f"{operation['kind']} #{operation['sequence']} over the {operation['group']} group ({members})"
     where = [f"step {operation['step']}"] + ([f"action {operation['action']}"] if operation.get("action") else [])
+    if operation.get("in_flight"):  # e.g. torch DDP's reducer waits on its future, not through the record
+        where.append("in flight, not waited on through the record")
     return f"{what} ({', '.join(where)})"
 
 
@@ -264,7 +266,7 @@ class Watchdog:
         self.timeout_s, self.long_s = timeout_s, timeout_s * long_factor
         self.poll_s = min(1.0, timeout_s / 5)
         self.summary = summary  # the run's names for summary.json, should this rank write it
-        self.started = time.time() - 1.0  # files older than this are a previous run's (mtime resolution)
+        self.started = time.time()  # files older than this are a previous run's
         self._stopped = threading.Event()
         self.fired = False  # set once a hang is recorded: the main thread must write nothing more
         self._thread = threading.Thread(target=self._watch, name="layerwise-watchdog", daemon=True)
@@ -284,6 +286,8 @@ class Watchdog:
             current = self.recorder.current
             if current is not None and time.monotonic() - current[1] > self.allowance():
                 return self._hung("timeout")
+            if current is None and self.recorder.stalled(self.allowance()) is not None:
+                return self._hung("timeout (an operation in flight, nothing issued since)")
             if fresh(request, self.started):
                 return self._hung(f"asked ({request.read_text().strip()})")
 
@@ -312,7 +316,8 @@ class Watchdog:
 
     def record(self, reason: str) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "reason": reason,
-                "time": time.time(), "timeout_s": self.allowance(), **self.recorder.snapshot(),
+                "time": time.time(), "timeout_s": self.allowance(),
+                **self.recorder.snapshot(None if self.recorder.current else self.recorder.stalled(self.poll_s)),
                 "main_thread": main_thread_frame(), "stack": python_stacks()}
 
     def _answered_or_stuck(self) -> bool:
@@ -346,6 +351,14 @@ class Watchdog:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
+
+
+def clear_previous_hang(run_directory, rank: int) -> None:
+    """A rerun starts without the last hang's request, diagnosis and this rank's record (the record of
+    a rank that cannot hang before every rank has passed this point: set-up is collective)."""
+    directory = hang_directory(run_directory)
+    for name in [f"rank-{rank}.json"] + (["request", "diagnosis.json"] if rank == 0 else []):
+        (directory / name).unlink(missing_ok=True)
 
 
 def _pid_host(process: Optional[dict]) -> tuple:
@@ -453,6 +466,7 @@ class HangWatch(pl.Callback):
         self.evidence.recorder = self.recorder
         if self.timeout_s > 0:
             rank = trainer.global_rank
+            clear_previous_hang(self.run_directory, rank)
             directory = processes_directory(self.run_directory)
             directory.mkdir(parents=True, exist_ok=True)
             write_json(directory / f"rank-{rank}.json", {"pid": os.getpid(), "host": socket.gethostname(),

@@ -168,7 +168,7 @@ def run_ranks(function, world_size: int, *arguments, timeout: Optional[float] = 
     hangs.py); a rank exiting with HUNG_EXIT_CODE raises HangError with that diagnosis. Every rank
     still running (a stopped one too) is killed before this returns or raises.
     """
-    started = time.time() - 1.0  # older hang files are a previous run's
+    started = time.time()  # older hang files are a previous run's
     context = multiprocessing.get_context(method)
     results = context.Queue()
     port = free_port()
@@ -237,9 +237,12 @@ def _raise_killed(processes, reporting: int, detail: str, settle_s: float = 1.0)
 def _raise_hang(processes, directory, since: float, wait_s: float = 30.0) -> None:
     """HangError with the diagnosis when a rank's watchdog ended it (it exits with HUNG_EXIT_CODE);
     the diagnosing rank writes hang/diagnosis.json before any rank exits (wait_s: margin)."""
-    if directory is None or not any(process.exitcode == HUNG_EXIT_CODE for process in processes):
+    if directory is None:
         return
     path, deadline = Path(directory) / "diagnosis.json", time.monotonic() + wait_s
+    # the diagnosing rank kills the stuck one after writing the diagnosis, maybe before it exits itself
+    if not fresh(path, since) and not any(process.exitcode == HUNG_EXIT_CODE for process in processes):
+        return
     while not fresh(path, since) and time.monotonic() < deadline:
         time.sleep(0.1)
     verdict = read_json(path) if fresh(path, since) else None

@@ -163,6 +163,7 @@ class RunEvidence(pl.Callback):
         # name -> callable: a rank's number that travels in the step's exchange, kept per rank
         # (`per_rank_values`; the straggler check reads each rank's compute time there)
         self.per_rank = {}
+        self.row_columns = {}  # column -> callable: this rank's value for the step's row (rank 0 writes it)
         self.recorder = None  # a FlightRecorder while the run's watchdog watches (layerwise/run/hangs.py)
         self._exchange = None  # this step's StepExchange
         self._device, self._is_global_zero = None, False  # set at fit start
@@ -259,7 +260,10 @@ class RunEvidence(pl.Callback):
         return loss_sum
 
     def per_rank_values(self, name: str) -> list:
-        """Every rank's `per_rank[name]` number as this step's exchange carried it (waits for it)."""
+        """Every rank's `per_rank[name]` number as this step's exchange carried it (waits for it);
+        None before the step's exchange is issued."""
+        if self._exchange is None:
+            return None
         self.world_loss_sum(None)
         by_rank = self._exchange.by_rank
         column = by_rank.shape[1] - len(self.per_rank) + list(self.per_rank).index(name)
@@ -286,7 +290,8 @@ class RunEvidence(pl.Callback):
         calls = sum(communicator.calls_by_kind.get(k, 0) for k in COLLECTIVE_KINDS) if communicator else 0
         row = {"step": trainer.global_step, "loss": loss, "lr": trainer.optimizers[0].param_groups[0]["lr"],
                "memory_measured": int(peak is not None), "val_loss": None,
-               "allocator_measured": allocator is not None}
+               "allocator_measured": allocator is not None,
+               **{column: value() for column, value in self.row_columns.items()}}
         self._partial = row, [step_time, peak or 0.0, allocator or 0.0, calls] + [comm[k] for k in KINDS]
         self._steps_run_here += 1
         self.history["losses"].append(loss)

@@ -453,8 +453,10 @@ class HangWatch(pl.Callback):
         self.stragglers = StragglerDetector(cfg.trainer.straggler_window) if cfg.trainer.straggler_window else None
         self.recorder, self.watchdog = None, None
         self.compute_s, self._started, self._steps_here, self._reported = 0.0, 0.0, 0, set()
+        self.flagged = ""  # the ranks flagged as of this step, for its metrics.csv row
         if self.stragglers is not None and world_size > 1:
             evidence.per_rank["compute_s"] = lambda: self.compute_s
+            evidence.row_columns["stragglers"] = lambda: self.flagged
 
     def on_fit_start(self, trainer, module):
         if self.world_size == 1 or (self.timeout_s == 0 and self.stragglers is None):
@@ -495,16 +497,15 @@ class HangWatch(pl.Callback):
             self._check_stragglers(trainer)
 
     def _check_stragglers(self, trainer) -> None:
-        """The exchange of this step carried every rank's compute time of the step before."""
+        """The exchange of this step carried every rank's compute time of the step before: the
+        ranks flagged by it go into this step's row (written by the evidence after this hook)."""
         times = self.evidence.per_rank_values("compute_s")
-        if min(times) <= 0:  # the first step here: no step before it
+        if times is None or min(times) <= 0:  # no exchange yet, or the first step here: no step before it
             return
         slow = self.stragglers.update(times)
         median = statistics.median(times)
-        step = trainer.global_step - 1
-        for row in self.evidence._pending_rows:
-            if row["step"] == step:
-                row["stragglers"] = " ".join(map(str, slow))
+        step = trainer.global_step
+        self.flagged = " ".join(map(str, slow))
         history = self.evidence.history.setdefault("stragglers", [])
         for rank in slow:
             entry = next((e for e in history if e["rank"] == rank), None)

@@ -7,7 +7,11 @@ schedule (layerwise.run.optim) in each pair:
 - `single`: a plain loop (zero_grad, forward, loss, backward, step, scheduler) against
   `train.py strategy=single` (layerwise.run.fit.train in this process: Lightning, callbacks, evidence);
 - `ddp`: torch DDP on gloo in 2 forked ranks, each its slice of the global batch, against
-  `train.py strategy=ddp` (2 ranks forked by the framework's launcher).
+  `train.py strategy=ddp` (2 ranks forked by the framework's launcher);
+- `watchdog`: the cost of the flight record, the watchdog and the straggler check (issue 33,
+  docs/faults.md): `train.py strategy=modular_pipeline` (2 ranks, the most operations per step)
+  with `trainer.collective_timeout_s=0 trainer.straggler_window=0` (all off) in the "hand" column
+  against the defaults (all on) in the "framework" column.
 A step's cost is read from per-step wall-clock timestamps (rank 0's step starts; the framework's
 are taken by a callback added to the Trainer), which leaves start-up and the end of the run out:
 each variant runs 2 + N + 1 steps and the N intervals from step 3 to step N + 2 are measured.
@@ -148,6 +152,11 @@ class StepStamps(pl.Callback):
     def on_train_end(self, trainer, module):
         if trainer.is_global_zero:
             self.path.write_text(json.dumps(self.stamps))
+            communicator = trainer.strategy.communicator()
+            recorder = communicator.recorder if communicator is not None else None
+            if recorder is not None:  # the flight record's operations per step (the watchdog pair)
+                self.path.with_name("operations.json").write_text(json.dumps(
+                    {"operations": recorder._index, "steps": len(self.stamps)}))
 
 
 def build_trainer_with_step_stamps(cfg, run_directory, *arguments):
@@ -161,11 +170,52 @@ BUILD_TRAINER = layerwise.run.fit.build_trainer
 layerwise.run.fit.build_trainer = build_trainer_with_step_stamps
 
 
+def framework_unwatched(cfg, corpus, steps: int) -> tuple:
+    """`framework` with no flight record, watchdog or straggler check (the watchdog pair's baseline)."""
+    cfg.trainer.collective_timeout_s, cfg.trainer.straggler_window = 0, 0
+    return framework(cfg, corpus, steps)
+
+
+STRATEGY_OF_PAIR = {"watchdog": "modular_pipeline"}
+OPERATIONS_PER_STEP = []  # rank 0's recorded operations per step, one per run with the record on
+
+
+def record_cost(repeats: int = 7, calls: int = 20000) -> float:
+    """Seconds the flight record adds to one operation (issue, a tracked handle, its recorded
+    wait), the median of `repeats` timings of `calls` operations, against the bare handle."""
+    from parallel.flight import FlightRecorder
+
+    class Done:  # a completed work handle: only the record's own cost is timed
+        def wait(self):
+            return True
+
+    def bare(work):
+        for _ in range(calls):
+            work.wait()
+
+    def recorded(work):
+        recorder = FlightRecorder()
+        for _ in range(calls):
+            recorder.track(recorder.issue("send", "pipeline", (0, 1), peer=1, nbytes=4), work).wait()
+    costs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        bare(Done())
+        middle = time.perf_counter()
+        recorded(Done())
+        costs.append((time.perf_counter() - middle - (middle - start)) / calls)
+    return statistics.median(costs)
+
+
 def framework(cfg, corpus, steps: int) -> tuple:
     """train.py's run (compose and validate done): (first step's loss, rank 0's step stamps)."""
     with tempfile.TemporaryDirectory() as directory:
         summary = layerwise.run.fit.train(cfg, Path(directory), validate(cfg))
         stamps = json.loads((Path(directory) / "step_stamps.json").read_text())
+        operations = Path(directory) / "operations.json"
+        if operations.exists():
+            counted = json.loads(operations.read_text())
+            OPERATIONS_PER_STEP.append(counted["operations"] / counted["steps"])
     assert summary["status"] == "completed" and summary["steps"] == steps
     return summary["losses"][0], stamps
 
@@ -186,10 +236,12 @@ def configured(strategy: str, steps: int, overrides: list):
 def per_step(run, strategy: str, steps: int, overrides: list, corpus) -> tuple:
     """({"mean", "median", "p10"} seconds per step, {phase: its seconds in each measured step}, the
     first step's loss): see the module docstring."""
-    loss, stamps = run(configured(strategy, WARM_UP + steps + 1, overrides), corpus, WARM_UP + steps + 1)
+    loss, stamps = run(configured(STRATEGY_OF_PAIR.get(strategy, strategy), WARM_UP + steps + 1, overrides),
+                       corpus, WARM_UP + steps + 1)
     measured = stamps[WARM_UP:]
     intervals = [later["start"] - earlier["start"] for earlier, later in zip(measured, measured[1:])]
-    phases = {phase: [step[end] - step[begin] for step in measured[:-1]]
+    # a pipeline runs its backward inside training_step: no backward stamps, those phases stay empty
+    phases = {phase: [step[end] - step[begin] for step in measured[:-1] if begin in step and end in step]
               for phase, begin, end in zip(PHASES, STAMPS, STAMPS[1:])}
     phases["between"] = [later["start"] - earlier["end"] for earlier, later in zip(measured, measured[1:])]
     return {"mean": statistics.fmean(intervals), "median": statistics.median(intervals),
@@ -203,13 +255,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of the single pair (default: torch's, as train.py runs; "
                              "1 keeps timings steadier while other processes load the cores)")
-    parser.add_argument("--pairs", default="single,ddp", help="which pairs to run, comma-separated")
+    parser.add_argument("--pairs", default="single,ddp",
+                        help="which pairs to run, comma-separated: single, ddp, watchdog")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both sides, e.g. model=gpt_small")
     arguments = parser.parse_args()
     if arguments.threads:
         torch.set_num_threads(arguments.threads)
     corpus = layerwise.run.fit.load_corpus(configured("single", arguments.steps, arguments.overrides))
-    pairs = {name: sides for name, sides in {"single": (hand_loop, framework), "ddp": (hand_ddp, framework)}.items()
+    pairs = {name: sides for name, sides in {"single": (hand_loop, framework), "ddp": (hand_ddp, framework),
+                                             "watchdog": (framework_unwatched, framework)}.items()
              if name in arguments.pairs.split(",")}
     times = {(pair, side): [] for pair in pairs for side in SIDES}
     phases = {(pair, side): {phase: [] for phase in PHASES} for pair in pairs for side in SIDES}
@@ -228,6 +282,8 @@ def main() -> None:
         load.append(os.getloadavg()[0])
     report(arguments, pairs, times, losses, load)
     report_phases(pairs, phases)
+    if "watchdog" in pairs:
+        report_record_cost(times)
 
 
 def report(arguments, pairs, times, losses, load) -> None:
@@ -246,6 +302,17 @@ def report(arguments, pairs, times, losses, load) -> None:
         print(f"{pair:8s} first step's loss: hand {losses[pair, 'hand']:.5f}, framework {losses[pair, 'framework']:.5f}")
 
 
+def report_record_cost(times) -> None:
+    """The record's cost by parts, which the machine's load hardly moves: the cost of one recorded
+    operation × operations per step, over the median step with the watchdog on."""
+    per_operation = record_cost()
+    operations = statistics.median(OPERATIONS_PER_STEP)
+    step = statistics.median(t["median"] for t in times["watchdog", "framework"])
+    print(f"\nflight record: {1e6 * per_operation:.2f} µs per operation (median of 7 × 20000), "
+          f"{operations:.1f} operations per step on rank 0, median step {step:.4f} s: "
+          f"{100 * per_operation * operations / step:.3f}% of a step")
+
+
 def report_phases(pairs, phases) -> None:
     """Median milliseconds per phase over every measured step of every repeat, both sides."""
     print("\nwhere a step's time goes: median ms per phase (see the module docstring)")
@@ -253,7 +320,7 @@ def report_phases(pairs, phases) -> None:
     for pair in pairs:
         for side in SIDES:
             print(f"{pair:8s} {side:9s} " + " ".join(
-                f"{1e3 * statistics.median(phases[pair, side][phase]):9.2f}" for phase in PHASES))
+                f"{1e3 * statistics.median(phases[pair, side][phase] or [float('nan')]):9.2f}" for phase in PHASES))
 
 
 if __name__ == "__main__":

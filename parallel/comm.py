@@ -11,6 +11,10 @@ and in every multi-process test): each rank records the sends and receives it is
 issue order and ignores tags, so the k-th operation of rank a toward b must be the other end of the
 k-th of b toward a, with the same size and dtype; gloo matches by tag and would hide the mismatch.
 The tag is compared too: two same-sized messages swapped would run on NCCL, into the wrong buffers.
+
+Flight record (`recorder`, a parallel.flight.FlightRecorder, set by the run's watchdog): every
+operation issued here is recorded, and every wait on it (a synchronous call, or `wait()` on the
+returned handle) is the rank's current wait while it blocks (docs/faults.md, "When it hangs").
 """
 
 from collections import defaultdict
@@ -77,6 +81,7 @@ class Communicator:
         self.bytes_by_group = defaultdict(float)
         self.calls_by_kind = defaultdict(int)
         self.issued = None  # peer -> [IssuedOperation] in issue order, while recording
+        self.recorder = None  # a FlightRecorder while a run's watchdog watches this rank
 
     def count(self, kind: str, group_name: str, elements: int, element_size: int, group_size: int):
         volume = elements * element_size * ring_factor(kind, group_size)
@@ -101,7 +106,8 @@ class Communicator:
         if group.size == 1:
             return None
         self._counted("all_reduce", group, tensor)
-        return dist.all_reduce(tensor, op=op, group=group.process_group, async_op=async_op)
+        return self._recorded("all_reduce", group, tensor, async_op, lambda: dist.all_reduce(
+            tensor, op=op, group=group.process_group, async_op=async_op))
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, group: Group, async_op=False):
         """Gather equal shards along dim 0 into `output` (the full tensor is what is counted)."""
@@ -109,8 +115,8 @@ class Communicator:
             output.copy_(shard)
             return None
         self._counted("all_gather", group, output)
-        return dist.all_gather_into_tensor(output, shard, group=group.process_group,
-                                           async_op=async_op)
+        return self._recorded("all_gather", group, output, async_op, lambda: dist.all_gather_into_tensor(
+            output, shard, group=group.process_group, async_op=async_op))
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, group: Group,
                        op=dist.ReduceOp.SUM, async_op=False):
@@ -118,15 +124,16 @@ class Communicator:
             shard.copy_(full)
             return None
         self._counted("reduce_scatter", group, full)
-        return dist.reduce_scatter_tensor(shard, full, op=op, group=group.process_group,
-                                          async_op=async_op)
+        return self._recorded("reduce_scatter", group, full, async_op, lambda: dist.reduce_scatter_tensor(
+            shard, full, op=op, group=group.process_group, async_op=async_op))
 
     def broadcast(self, tensor: torch.Tensor, source: int, group: Group, async_op=False):
         """Broadcast from global rank `source` to the group."""
         if group.size == 1:
             return None
         self._counted("broadcast", group, tensor)
-        return dist.broadcast(tensor, src=source, group=group.process_group, async_op=async_op)
+        return self._recorded("broadcast", group, tensor, async_op, lambda: dist.broadcast(
+            tensor, src=source, group=group.process_group, async_op=async_op))
 
     def send(self, tensor: torch.Tensor, destination: int, group: Group, tag: int = 0):
         """Post an asynchronous send to global rank `destination`; returns the work handle.
@@ -136,13 +143,35 @@ class Communicator:
         """
         self.count("send_recv", group.name, tensor.numel(), tensor.element_size(), 2)
         self._record("send", destination, tensor, tag)
-        return dist.isend(tensor, dst=destination, group=group.process_group, tag=tag)
+        work = dist.isend(tensor, dst=destination, group=group.process_group, tag=tag)
+        return self._recorded_point_to_point("send", group, destination, tensor, work)
 
     def receive(self, tensor: torch.Tensor, source: int, group: Group, tag: int = 0):
         """Post a receive from global rank `source`; wait on the returned handle before use.
         Only the sender's side is counted."""
         self._record("receive", source, tensor, tag)
-        return dist.irecv(tensor, src=source, group=group.process_group, tag=tag)
+        work = dist.irecv(tensor, src=source, group=group.process_group, tag=tag)
+        return self._recorded_point_to_point("receive", group, source, tensor, work)
+
+    # ----- flight record
+    def _recorded(self, kind: str, group: Group, tensor: torch.Tensor, async_op: bool, call):
+        """Run `call` (the collective) recorded: a synchronous call is a wait; an asynchronous
+        one returns a handle whose wait is."""
+        if self.recorder is None:
+            return call()
+        operation = self.recorder.issue(kind, group.name, group.ranks,
+                                        nbytes=tensor.numel() * tensor.element_size())
+        if async_op:
+            return self.recorder.track(operation, call())
+        with self.recorder.waiting(operation):
+            return call()
+
+    def _recorded_point_to_point(self, kind: str, group: Group, peer: int, tensor: torch.Tensor, work):
+        if self.recorder is None:
+            return work
+        operation = self.recorder.issue(kind, group.name, group.ranks, peer=peer,
+                                        nbytes=tensor.numel() * tensor.element_size())
+        return self.recorder.track(operation, work)
 
     # ----- strict point-to-point mode
     def record_point_to_point(self) -> None:
@@ -169,7 +198,12 @@ class Communicator:
         everyone = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
+            if self.recorder is None:
+                dist.all_gather_object(everyone, mine)
+            else:  # a rank may wait here too: record it (the world group, as objects)
+                world = tuple(range(dist.get_world_size()))
+                with self.recorder.waiting(self.recorder.issue("all_gather_object", "world", world)):
+                    dist.all_gather_object(everyone, mine)
         problem = first_order_mismatch(everyone)
         if problem is not None:
             raise PointToPointOrderError(problem)

@@ -213,12 +213,14 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         rank = self.layout.index("pipeline")
         actions = plan.ranks[rank]
         self.work.start(batch, training, send_releases(plan)[rank])  # each send freed once proven received
+        recorder = self.layout.communicator.recorder  # the flight record names each operation's action
+        on_action = None if recorder is None else recorder.note_action
         if not (training and self.measuring):
-            return execute(actions, self.handlers())
+            return execute(actions, self.handlers(), on_action=on_action)
         # a sampled step feeds the measured bubble: on CUDA the host only launches kernels and
         # NCCL's wait() does not block it, so the device's events time the actions
         clock = EventClock(self.root_device)
-        return clock.resolve(execute(actions, self.handlers(), clock=clock))
+        return clock.resolve(execute(actions, self.handlers(), clock=clock, on_action=on_action))
 
     def _broadcast_loss(self) -> torch.Tensor:
         """The loss lives on the last stage's rank; every rank must log the same value."""

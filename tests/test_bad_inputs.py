@@ -81,6 +81,10 @@ BAD_INPUTS = [
     ("trainer.checkpoint_every_n_steps=0", "trainer.checkpoint_every_n_steps", "must be at least 1"),
     ("strategy=ddp trainer.gradient_clip_val=-1", "trainer.gradient_clip_val", "must be >= 0"),
     ("trainer.measure_every_n_steps=0", "trainer.measure_every_n_steps", "must be at least 1"),
+    ("trainer.collective_timeout_s=-5", "trainer.collective_timeout_s", "must be >= 0"),
+    ("trainer.long_timeout_factor=0.5", "trainer.long_timeout_factor", "must be at least 1"),
+    ("trainer.straggler_window=-1", "trainer.straggler_window", "must be >= 0"),
+    ("hardware.collective_timeout_s=0", "hardware.collective_timeout_s", "must be > 0"),
     # ----- strategy knobs
     ("strategy.micro_batches=0", "strategy.micro_batches", "strategy.micro_batches=0 must be at least 1"),
     ("strategy.pipeline_degree=0", "strategy.pipeline_degree", "must be at least 1"),

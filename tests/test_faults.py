@@ -139,11 +139,10 @@ def test_sigkill_of_a_rank_mid_write_keeps_the_previous_checkpoint(tmp_path, mon
     with pytest.raises(RankError) as killed:
         run(tmp_path, "modular_pipeline")
     monkeypatch.undo()
-    # whichever the launcher hears of first: rank 1's death, or rank 0's barrier losing its peer
-    # (gloo words it "Connection reset by peer" or "... caused by a remote worker crashing")
-    lost_peer = ("Connection reset by peer", "remote worker crashing", "Connection closed by peer")
-    assert (killed.value.rank, "killed by signal 9") == (1, str(killed.value).splitlines()[-1][-18:]) or (
-        killed.value.rank == 0 and any(words in str(killed.value) for words in lost_peer))
+    # whichever the launcher hears of first (rank 1's death, or rank 0's barrier losing its peer),
+    # it names the rank the signal killed (layerwise/run/launch.py, docs/faults.md)
+    assert killed.value.rank == 1 and "killed by signal 9" in str(killed.value)
+    assert killed.value.exit_codes[1] == -9
     assert (checkpoint(tmp_path).with_name("last.ckpt.tmp") / "rank1.pt").stat().st_size > 0
     assert saved_step(tmp_path) == 2  # the step-4 checkpoint never became `last`
     assert_resumes_like_reference(tmp_path, "modular_pipeline", reference, capfd)

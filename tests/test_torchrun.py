@@ -28,7 +28,8 @@ RUN = ["strategy=modular_pipeline", "hardware.nodes=2", "hardware.devices_per_no
        "data.global_batch_size=8", "data.max_bytes=2000000", "trainer.max_steps=3",
        "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "logger.name=wandb",
        "trainer.progress=none", "trainer.check_point_to_point_order=true"]
-TIMING_COLUMNS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu")  # wall-clock: never compared
+# wall-clock (stragglers: flagged from compute times): never compared
+TIMING_COLUMNS = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu", "stragglers")
 
 
 def read_summary(directory: Path) -> dict:

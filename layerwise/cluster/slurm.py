@@ -37,6 +37,7 @@ import json
 import os
 import re
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -266,6 +267,7 @@ class SlurmLauncher(_SubmititSlurm):
                       f"{resources['nodes']} node(s) × {resources['tasks_per_node']} task(s)",
                       flush=True)
         returns, outcomes = [], []
+        self.submitted = time.time() - 1.0  # a hang diagnosis older than this is a previous job's
         for point in points:
             returned, outcome = self._wait(point, jobs[point["number"]])
             returns.append(returned)
@@ -283,6 +285,11 @@ class SlurmLauncher(_SubmititSlurm):
                                  _return_value=error)
         if returned.status == JobStatus.COMPLETED:
             outcome["status"] = "completed"
+            return returned, outcome
+        verdict = hang_diagnosis(directory, getattr(self, "submitted", 0.0))
+        if verdict is not None:  # the ranks' watchdogs ended the job and wrote summary.json "hung"
+            print(f"[layerwise] #{point['number']}: {verdict['paragraph']}", file=sys.stderr, flush=True)
+            outcome.update(status="hung", reason=f"rank {verdict['stuck_rank']}: hung (hang/diagnosis.json)")
             return returned, outcome
         rank, reason = failing_rank(job, returned._return_value)
         outcome.update(status="failed", reason=f"rank {rank}: {reason}" if rank is not None else reason)
@@ -332,6 +339,14 @@ def _one_line(error) -> str:
     text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if len(lines) == 1 or not lines else lines[0] + " … " + lines[-1]
+
+
+def hang_diagnosis(directory: Path, since: float) -> Optional[dict]:
+    """The diagnosis the job's ranks wrote when their watchdogs found a hang (layerwise/run/hangs.py),
+    if this job wrote one."""
+    from layerwise.run.hangs import fresh, hang_directory, read_json
+    path = hang_directory(directory) / "diagnosis.json"
+    return read_json(path) if fresh(path, since) else None
 
 
 def failing_rank(job, error) -> tuple:

@@ -65,6 +65,8 @@ class HardwareConfig:
     inter_node_bandwidth: float = 0.0  # bytes/s per device between nodes (InfiniBand, Ethernet)
     host_device_bandwidth: float = 0.0  # bytes/s host <-> device (PCIe)
     matmul_overhead_s: float = 0.0  # fixed cost of one matrix product (launch, ramp): mode=calibrate measures it
+    collective_timeout_s: float = 300.0  # default of trainer.collective_timeout_s on this hardware (docs/faults.md)
+    nccl_trace_buffer_size: int = 0  # NCCL flight recorder entries (TORCH_NCCL_TRACE_BUFFER_SIZE); 0 = off
     collective_latency_s: float = 0.0  # fixed cost of one collective or message: mode=calibrate measures it
     # A block's work besides its matrix products (norms, softmax, GELU, dropout, additions): a fixed cost
     # per block forward plus a cost per activation element it saves; and the optimizer's step per
@@ -231,6 +233,11 @@ class TrainerConfig:
     check_point_to_point_order: bool = False  # each step, compare rank pairs' p2p issue order (NCCL); tests: true
     measure_every_n_steps: int = 50  # compute-memory meter and pipeline timelines: first 2 steps, every n, last
     skip_nonfinite_steps: bool = False  # NaN/inf loss: skip the step's update (counted in summary.json skipped_steps) instead of stopping
+    # a rank waiting this long in one collective or point-to-point operation writes hang/rank-<k>.json
+    # and the run stops, naming the stuck rank (docs/faults.md); null = hardware.collective_timeout_s, 0 = off
+    collective_timeout_s: Optional[float] = None
+    long_timeout_factor: float = 10.0  # the first step, validation and checkpoints wait this many times as long
+    straggler_window: int = 20  # a rank whose compute time stays > 1.5x the median this many steps is flagged; 0 = off
 
 
 @dataclass

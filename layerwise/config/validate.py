@@ -84,6 +84,9 @@ RANGES = {
     "trainer.limit_val_batches": ("non_negative", 4), "trainer.log_every_n_steps": ("count", 1),
     "trainer.checkpoint_every_n_steps": ("count", 50), "trainer.gradient_clip_val": ("non_negative", 1.0),
     "trainer.measure_every_n_steps": ("count", 50),
+    "trainer.collective_timeout_s": ("non_negative", 60), "trainer.long_timeout_factor": ("count", 10),
+    "trainer.straggler_window": ("non_negative", 20),
+    "hardware.collective_timeout_s": ("positive", 300), "hardware.nccl_trace_buffer_size": ("non_negative", 2000),
 }
 RANGES_STRATEGY = {  # where the strategy's schema has the field
     "micro_batches": ("count", 4), "pipeline_degree": ("count", 2), "data_degree": ("count", 1),

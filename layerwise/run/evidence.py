@@ -27,7 +27,8 @@ from parallel.timing import StepTimer, allocator_peak_bytes, reset_allocator_pea
 
 COLUMNS = (["step", "loss", "lr", "step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu"]
            + [f"comm_bytes_{kind}" for kind in KINDS]
-           + ["comm_calls", "memory_measured", "peak_compute_bytes", "allocator_peak_bytes", "val_loss"])
+           + ["comm_calls", "memory_measured", "peak_compute_bytes", "allocator_peak_bytes", "val_loss"]
+           + ["stragglers"])  # ranks flagged slow at that step, "2 3" (layerwise/run/hangs.py)
 # The counter's kinds that are collectives (one call of every rank of a group); sends and host<->device
 # copies are not: `comm_calls` counts what bucketing gradient reductions would make fewer.
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -51,10 +52,11 @@ class StepExchange:
     locally. A tensor first value (the loss) is copied on the device, the host's values by one
     non-blocking copy from pinned memory (a pageable copy would wait for the GPU): no host sync
     until `wait()`.
-    Not counted: evidence, not training traffic."""
+    Not counted: evidence, not training traffic; recorded in the flight record (`recorder`), since a
+    rank may wait in it (docs/faults.md, "When it hangs"). `by_rank` keeps every rank's vector."""
 
-    def __init__(self, summed, maxima: list, device: torch.device):
-        self.result = None
+    def __init__(self, summed, maxima: list, device: torch.device, recorder=None):
+        self.result, self.by_rank = None, None
         staged = torch.tensor([0.0, *[float(value) for value in maxima]], dtype=torch.float64)  # host
         mine = torch.empty_like(staged, device=device)
         mine.copy_(staged.pin_memory() if device.type == "cuda" else staged, non_blocking=True)
@@ -65,12 +67,16 @@ class StepExchange:
         self.pieces = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         # the list form: independent counters of training traffic skip it
         self.work = dist.all_gather(self.pieces, mine, async_op=True)
+        if recorder is not None:
+            ranks = tuple(range(dist.get_world_size()))
+            self.work = recorder.track(recorder.issue("all_gather", "evidence", ranks, nbytes=mine.numel() * 8),
+                                       self.work)
 
     def wait(self) -> tuple:
         if self.result is None:
             if self.work is not None:
                 self.work.wait()
-            by_rank = torch.stack(self.pieces)
+            by_rank = self.by_rank = torch.stack(self.pieces)
             totals = torch.cat([by_rank[:, :1].sum(dim=0), by_rank[:, 1:].amax(dim=0)]).tolist()  # one sync
             self.result = totals[0], totals[1:]
         return self.result
@@ -158,6 +164,11 @@ class RunEvidence(pl.Callback):
         self.log_every_n_steps = max(1, cfg.trainer.log_every_n_steps)
         # name -> callable: a rank's yes/no that travels in the step's exchange (maximum over ranks)
         self.flags = dict(flags or {})
+        # name -> callable: a rank's number that travels in the step's exchange, kept per rank
+        # (`per_rank_values`; the straggler check reads each rank's compute time there)
+        self.per_rank = {}
+        self.row_columns = {}  # column -> callable: this rank's value for the step's row (rank 0 writes it)
+        self.recorder = None  # a FlightRecorder while the run's watchdog watches (layerwise/run/hangs.py)
         self._exchange = None  # this step's StepExchange
         self._device, self._is_global_zero = None, False  # set at fit start
         self._flops_per_step, self._peak_flops = 0.0, 0.0  # set at fit start (MFU: none before)
@@ -240,8 +251,9 @@ class RunEvidence(pl.Callback):
         self._awaiting, self._partial = self._partial, None
         previous = self._awaiting[1] if self._awaiting is not None else [0.0] * (4 + len(KINDS))
         flags = [float(bool(flag())) for flag in self.flags.values()]
-        self._exchange = StepExchange(0.0 if loss is None else self.local_loss, flags + previous,
-                                      trainer.strategy.root_device)
+        extra = [float(number()) for number in self.per_rank.values()]  # after everything whose maxima are read
+        self._exchange = StepExchange(0.0 if loss is None else self.local_loss, flags + previous + extra,
+                                      trainer.strategy.root_device, self.recorder)
 
     def world_loss_sum(self, trainer) -> float:
         """The sum over ranks of this step's loss (waits for the exchange; completes the last row)."""
@@ -250,6 +262,16 @@ class RunEvidence(pl.Callback):
             (row, _), self._awaiting = self._awaiting, None
             self._complete(row, maxima[len(self.flags):])
         return loss_sum
+
+    def per_rank_values(self, name: str) -> list:
+        """Every rank's `per_rank[name]` number as this step's exchange carried it (waits for it);
+        None before the step's exchange is issued."""
+        if self._exchange is None:
+            return None
+        self.world_loss_sum(None)
+        by_rank = self._exchange.by_rank
+        column = by_rank.shape[1] - len(self.per_rank) + list(self.per_rank).index(name)
+        return by_rank[:, column].tolist()
 
     def exchanged(self) -> bool:
         """Whether a step's exchange has been issued since the last step started."""
@@ -272,7 +294,8 @@ class RunEvidence(pl.Callback):
         calls = sum(communicator.calls_by_kind.get(k, 0) for k in COLLECTIVE_KINDS) if communicator else 0
         row = {"step": trainer.global_step, "loss": loss, "lr": trainer.optimizers[0].param_groups[0]["lr"],
                "memory_measured": int(peak is not None), "val_loss": None,
-               "allocator_measured": allocator is not None}
+               "allocator_measured": allocator is not None,
+               **{column: value() for column, value in self.row_columns.items()}}
         self._partial = row, [step_time, peak or 0.0, allocator or 0.0, calls] + [comm[k] for k in KINDS]
         self._steps_run_here += 1
         self.history["losses"].append(loss)
@@ -413,6 +436,7 @@ class RunEvidence(pl.Callback):
             "val_losses": val,
             "final_train_loss": self.history["losses"][-1] if self.history["losses"] else None,
             "skipped_steps": self.history.get("skipped_steps", []),  # non-finite loss, no update (faults.py)
+            "stragglers": self.history.get("stragglers", []),  # slow ranks: rank, node, steps (hangs.py)
             "step_time_s_median": median("step_time_s"),
             "tokens_per_s_median": median("tokens_per_s"),
             "tokens_per_s_per_device": median("tokens_per_s_per_device"),

@@ -18,8 +18,9 @@ from layerwise.run import data as data_lib
 from layerwise.run.console import console_to_log
 from layerwise.run.evidence import PointToPointOrderCheck, RunEvidence, write_json_atomically
 from layerwise.run.faults import NonFiniteGuard, StopOnSigterm
-from layerwise.run.launch import (RankError, close_process_group, global_rank, launched_externally, run_ranks,
-                                  start_method, writes_run_files)
+from layerwise.run.hangs import HangWatch, hang_directory, nccl_flight_recorder_environment
+from layerwise.run.launch import (HangError, RankError, close_process_group, global_rank, launched_externally,
+                                  run_ranks, start_method, writes_run_files)
 from layerwise.run.preemption import slurm_callbacks, slurm_plugins, slurm_step_flags
 from layerwise.run.task import LanguageModelData, LanguageModelTask, objective_of
 from parallel.layout import RANK_ORDER
@@ -107,7 +108,9 @@ def show_bar(cfg) -> bool:
 
 
 def build_trainer(cfg, run_directory: Path, world_size: int, strategy, evidence) -> pl.Trainer:
-    callbacks = [evidence,  # the guard before the checkpoint: a non-finite step is never saved
+    # the watchdog first: after a hang its on_exception parks this rank until the watchdog ends it
+    callbacks = [HangWatch(cfg, run_directory, world_size, evidence, cfg.hardware.devices_per_node),
+                 evidence,  # the guard before the checkpoint: a non-finite step is never saved
                  NonFiniteGuard(cfg.trainer.skip_nonfinite_steps, evidence, checkpoint_path(run_directory)),
                  LastCheckpoint(checkpoint_path(run_directory), cfg.trainer.checkpoint_every_n_steps),
                  StopOnSigterm(evidence)]  # its flag rides in the evidence's exchange
@@ -200,6 +203,7 @@ def train(cfg, run_directory: Path, world_size: int):
     (that rank's node may not even see the file rank 0 writes)."""
     run_directory = Path(run_directory)
     run_directory.mkdir(parents=True, exist_ok=True)
+    os.environ.update(nccl_flight_recorder_environment(cfg, run_directory))  # GPU profiles: NCCL's own record
     try:
         if world_size == 1 or launched_externally():
             try:
@@ -209,7 +213,7 @@ def train(cfg, run_directory: Path, world_size: int):
         else:
             run_ranks(fit_rank, world_size, cfg, run_directory, world_size,
                       method=start_method(cfg.hardware.accelerator),
-                      ranks_per_node=cfg.hardware.devices_per_node)
+                      ranks_per_node=cfg.hardware.devices_per_node, hang_directory=hang_directory(run_directory))
     except RankError as error:
         record_failure(run_directory, cfg, world_size, error)
         raise
@@ -221,12 +225,14 @@ def train(cfg, run_directory: Path, world_size: int):
 
 def record_failure(run_directory: Path, cfg, world_size: int, error: RankError) -> None:
     """Keep rank 0's own summary if it wrote one for this ending (failed, or interrupted by a signal
-    every rank agreed on); otherwise write a minimal failed one."""
+    every rank agreed on; hung: the diagnosing rank's); otherwise write a minimal one."""
     path = run_directory / "summary.json"
     import json
-    if path.exists() and json.loads(path.read_text()).get("status") in ("failed", "interrupted"):
+    hung = isinstance(error, HangError)  # the diagnosing rank wrote "hung" (layerwise/run/hangs.py)
+    status = json.loads(path.read_text()).get("status") if path.exists() else None
+    if status in (("hung",) if hung else ("failed", "interrupted")):
         return
-    write_json_atomically(path, {"status": "failed", "error": str(error).splitlines()[-1],
+    write_json_atomically(path, {"status": "hung" if hung else "failed", "error": str(error).splitlines()[-1],
                                  "failed_rank": error.rank, "strategy": cfg.strategy.name,
                                  "model": cfg.model.name, "hardware": cfg.hardware.name,
                                  "data": cfg.data.name, "world_size": world_size})

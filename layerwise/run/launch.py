@@ -16,15 +16,19 @@ would give it.
 
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.multiprocessing as multiprocessing
+
+from layerwise.run.hangs import HUNG_EXIT_CODE, fresh, process_state, read_json
 
 RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
 
@@ -32,10 +36,20 @@ RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOC
 class RankError(RuntimeError):
     """A rank raised or died; the message carries its rank and traceback."""
 
+    exit_codes = None  # every rank's exit code, when the local launcher ended them
+
     def __init__(self, rank: int, detail: str):
         self.rank = rank
         self.detail = detail
         super().__init__(f"rank {rank} failed:\n{detail}")
+
+
+class HangError(RankError):
+    """The ranks' watchdogs found a hang; `detail` is the diagnosis paragraph naming the stuck rank."""
+
+    def __init__(self, rank: int, detail: str):
+        RuntimeError.__init__(self, f"hung: {detail}")
+        self.rank, self.detail = rank, detail
 
 
 def free_port() -> int:
@@ -142,7 +156,7 @@ def _rank_entry(function, rank, world_size, ranks_per_node, port, results, argum
 
 
 def run_ranks(function, world_size: int, *arguments, timeout: Optional[float] = None,
-              method: str = "fork", ranks_per_node: Optional[int] = None) -> list:
+              method: str = "fork", ranks_per_node: Optional[int] = None, hang_directory=None) -> list:
     """Run `function(rank, *arguments)` on `world_size` local ranks; return results by rank.
 
     method: the start method (`start_method(accelerator)` chooses); with spawn, `function` and
@@ -150,7 +164,11 @@ def run_ranks(function, world_size: int, *arguments, timeout: Optional[float] = 
     timeout: a deadline on the whole call, for bounded work only (calibration, tests). Training
     passes none: a run lasts as long as it trains. A rank that dies is reported at once; a rank
     that hangs alive is caught by the collective timeout (docs/faults.md), never by a wall clock.
+    hang_directory: where the ranks' watchdogs write their records and diagnosis (layerwise/run/
+    hangs.py); a rank exiting with HUNG_EXIT_CODE raises HangError with that diagnosis. Every rank
+    still running (a stopped one too) is killed before this returns or raises.
     """
+    started = time.time()  # older hang files are a previous run's
     context = multiprocessing.get_context(method)
     results = context.Queue()
     port = free_port()
@@ -161,15 +179,24 @@ def run_ranks(function, world_size: int, *arguments, timeout: Optional[float] = 
     for process in processes:
         process.start()
     try:
-        return _collect(processes, results, world_size, timeout)
+        return _collect(processes, results, world_size, timeout, (hang_directory, started))
+    except RankError as error:
+        _end(processes)
+        error.exit_codes = [process.exitcode for process in processes]  # every rank's, once all ended
+        raise
     finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-            process.join(timeout=10)
+        _end(processes)
 
 
-def _collect(processes, results, world_size: int, timeout: Optional[float]) -> list:
+def _end(processes) -> None:
+    """Kill every rank still running (a stopped one too: SIGKILL needs no cooperation) and reap it."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join(timeout=10)
+
+
+def _collect(processes, results, world_size: int, timeout: Optional[float], hangs=(None, 0.0)) -> list:
     outputs, deadline = {}, None if timeout is None else time.monotonic() + timeout
     while len(outputs) < world_size:
         if deadline is not None and time.monotonic() > deadline:
@@ -178,14 +205,56 @@ def _collect(processes, results, world_size: int, timeout: Optional[float]) -> l
             rank, status, value = results.get(timeout=0.2)
         except queue.Empty:
             if _dead_rank(processes, outputs) is not None:
+                _raise_hang(processes, *hangs)
                 _raise_reported_error(results, processes, outputs)
             continue
         if status == "interrupted":
             _let_the_others_report(processes, results, world_size, outputs, rank)
         if status != "ok":
+            _raise_hang(processes, *hangs)
+            _raise_killed(processes, rank, value)
             raise RankError(rank, value)
         outputs[rank] = value
     return [outputs[rank] for rank in range(world_size)]
+
+
+def _raise_killed(processes, reporting: int, detail: str, settle_s: float = 1.0) -> None:
+    """A rank that reported an error because a peer vanished ("Connection reset by peer") is not the
+    cause: name the rank a signal killed, if any (its exit code is seen within `settle_s`)."""
+    deadline = time.monotonic() + settle_s
+    while time.monotonic() < deadline:
+        killed = [rank for rank, process in enumerate(processes) if (process.exitcode or 0) < 0]
+        if killed:
+            code = processes[killed[0]].exitcode
+            paragraph = (f"failure diagnosis: rank {killed[0]} is gone (killed by signal {-code}, "
+                         f"{signal.Signals(-code).name}); rank {reporting} then failed: "
+                         f"{detail.strip().splitlines()[-1][:200]}")
+            print(f"[layerwise] {paragraph}", file=sys.stderr, flush=True)
+            raise RankError(killed[0], paragraph)
+        time.sleep(0.1)
+
+
+def _raise_hang(processes, directory, since: float, wait_s: float = 30.0) -> None:
+    """HangError with the diagnosis when a rank's watchdog ended it (it exits with HUNG_EXIT_CODE);
+    the diagnosing rank writes hang/diagnosis.json before any rank exits (wait_s: margin)."""
+    if directory is None:
+        return
+    path, deadline = Path(directory) / "diagnosis.json", time.monotonic() + wait_s
+    # the diagnosing rank kills the stuck one after writing the diagnosis, maybe before it exits itself
+    if not fresh(path, since) and not any(process.exitcode == HUNG_EXIT_CODE for process in processes):
+        return
+    while not fresh(path, since) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    verdict = read_json(path) if fresh(path, since) else None
+    settle = time.monotonic() + 5.0  # the other watchdogs exit within a poll of the diagnosis
+    while time.monotonic() < settle and any(process.exitcode is None and process_state(process.pid) == "alive"
+                                            for process in processes):
+        time.sleep(0.1)
+    if verdict is None:
+        hung = [rank for rank, process in enumerate(processes) if process.exitcode == HUNG_EXIT_CODE]
+        raise HangError(hung[0], f"ranks {hung} timed out in a collective, but no diagnosis was written "
+                                 f"to {path} (records in {directory})")
+    raise HangError(verdict["stuck_rank"], verdict["paragraph"])
 
 
 # An interruption every rank agreed on (SIGTERM, Slurm preemption) ends each rank in its own time:
@@ -216,6 +285,7 @@ def _raise_reported_error(results, processes, outputs):
     try:
         rank, status, value = results.get(timeout=2.0)
         if status != "ok":
+            _raise_killed(processes, rank, value)
             raise RankError(rank, value)
         outputs[rank] = value
         return
@@ -223,5 +293,7 @@ def _raise_reported_error(results, processes, outputs):
         pass
     rank = _dead_rank(processes, outputs)
     code = processes[rank].exitcode
+    if code < 0:
+        _raise_killed(processes, rank, f"process killed by signal {-code}", settle_s=0.0)
     reason = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
     raise RankError(rank, f"process {reason} without reporting an error")

@@ -24,17 +24,22 @@ class ExecutedAction(NamedTuple):
 
 
 def execute(actions: Sequence[Action | None], handlers: Mapping[str, Callable],
-            clock: Callable[[], float] = time.perf_counter) -> list[ExecutedAction]:
+            clock: Callable[[], float] = time.perf_counter,
+            on_action: Callable[[Action], None] | None = None) -> list[ExecutedAction]:
     """Run `actions` in order with `handlers[action.kind](action)`; bubbles (None) are skipped.
 
     Every kind is checked for a handler before anything runs, so a step never stops half-way on a
-    missing handler. Returns the timed records (feed them to Timeline.from_records).
+    missing handler. `on_action(action)`, if given, hears each action before it runs (the flight
+    record names the action an operation was issued under). Returns the timed records (feed them
+    to Timeline.from_records).
     """
     _check_handlers(actions, handlers)
     records = []
     for action in actions:
         if action is None:
             continue
+        if on_action is not None:
+            on_action(action)
         start = clock()
         handlers[action.kind](action)
         records.append(ExecutedAction(action, start, clock()))

@@ -1,0 +1,273 @@
+"""Hangs (issue 33): a stuck rank is named within trainer.collective_timeout_s + 30 s, every rank exits
+non-zero, nothing is left running, summary.json says "hung", and the rerun resumes.
+
+Faults are injected by test-only callbacks added to every Trainer fit.py builds (before the ranks
+fork, so they inherit them): a rank stops itself (SIGSTOP) inside a step's forward, a rank skips one
+collective (the test's communicator subclass), a rank is killed, a rank is slowed.
+Legend: `modular_pipeline` with 4 ranks is a 4-stage pipeline (one block per stage); `ddp` 2 ranks.
+"""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+
+import layerwise.run.fit as run_module
+from layerwise.preflight import validate
+from layerwise.run.fit import train
+from layerwise.run.hangs import HUNG_EXIT_CODE, StragglerDetector, diagnose
+from layerwise.run.launch import HangError
+from tests.harness import QUICK, RankError, compose_config
+
+TIMEOUT_S = 3.0
+STEPS, EVERY = 6, 2
+BASE = [*QUICK, f"trainer.max_steps={STEPS}", f"trainer.val_check_interval={STEPS}",
+        f"trainer.checkpoint_every_n_steps={EVERY}", f"trainer.collective_timeout_s={TIMEOUT_S}",
+        "trainer.long_timeout_factor=4"]
+PIPELINE_4 = ["strategy=modular_pipeline", "strategy.pipeline_degree=4", "hardware.devices_per_node=4",
+              "model.layers=4"]
+
+
+def run(directory: Path, *overrides: str) -> dict:
+    cfg = compose_config(*BASE, *overrides)
+    return train(cfg, directory, validate(cfg))
+
+
+def add_callbacks(monkeypatch, *callbacks):
+    build = run_module.build_trainer
+
+    def build_with(*arguments, **keywords):
+        trainer = build(*arguments, **keywords)
+        trainer.callbacks.extend(callbacks)
+        return trainer
+    monkeypatch.setattr(run_module, "build_trainer", build_with)
+
+
+def children() -> list:
+    """This process's descendants still in the process table (zombies included), read from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry.name))
+    found, frontier = [], [os.getpid()]
+    while frontier:
+        born = parents.get(frontier.pop(), [])
+        found += born
+        frontier += born
+    return found
+
+
+def summary_of(directory: Path) -> dict:
+    return json.loads((directory / "summary.json").read_text())
+
+
+def saved_step(directory: Path) -> int:
+    from strategies.checkpoint.per_rank import read_checkpoint_file
+    path = directory / "checkpoints" / "last.ckpt"
+    return read_checkpoint_file(path / "rank0.pt" if path.is_dir() else path)["global_step"]
+
+
+def hung_run(tmp_path, monkeypatch, capfd, *overrides) -> tuple:
+    """Run to the hang; (the HangError, seconds from start to diagnosis, printed paragraph, diagnosis)."""
+    start = time.monotonic()
+    with pytest.raises(HangError) as hung:
+        run(tmp_path, *overrides)
+    elapsed = time.monotonic() - start
+    monkeypatch.undo()
+    assert children() == []  # nothing left running: the stopped rank too
+    err = capfd.readouterr().err
+    printed = [line for line in err.splitlines() if "hang diagnosis" in line.lower()]
+    if not printed:
+        report(tmp_path, elapsed, [err[-3000:]])
+    diagnosis = json.loads((tmp_path / "hang" / "diagnosis.json").read_text())
+    return hung.value, elapsed, printed, diagnosis
+
+
+def report(directory: Path, elapsed: float, printed: list, codes=None) -> None:
+    """Keep what a reader of the closing note wants: the time to the diagnosis and its paragraph."""
+    out = os.environ.get("LAYERWISE_HANG_REPORT")
+    if out:
+        with open(out, "a") as handle:
+            handle.write(f"{directory.name}: diagnosed in {elapsed:.1f} s, exit codes {codes}\n"
+                         f"{printed[0] if printed else None}\n\n")
+
+
+def assert_reruns(tmp_path, capfd, *overrides) -> None:
+    step = saved_step(tmp_path)
+    summary = run(tmp_path, *overrides)
+    assert f"resuming from {tmp_path}" in capfd.readouterr().out
+    assert summary["status"] == "completed" and summary["steps"] == STEPS and step >= EVERY
+    assert len(summary["losses"]) == STEPS
+
+
+class StopSelf(pl.Callback):
+    """Rank `rank` stops itself (SIGSTOP) in the forward of its block during step `step`."""
+
+    def __init__(self, rank: int, step: int, sig=signal.SIGSTOP):
+        self.rank, self.step, self.sig = rank, step, sig
+
+    def on_train_batch_start(self, trainer, module, batch, batch_index):
+        if trainer.global_rank == self.rank and trainer.global_step + 1 == self.step:
+            block = next(iter(module.model.blocks.values()))
+            block.register_forward_hook(lambda *_: os.kill(os.getpid(), self.sig))
+
+
+def test_a_stopped_rank_is_named_and_the_rerun_resumes(tmp_path, monkeypatch, capfd):
+    add_callbacks(monkeypatch, StopSelf(rank=2, step=4))
+    error, elapsed, printed, diagnosis = hung_run(tmp_path, monkeypatch, capfd, *PIPELINE_4)
+    report(tmp_path, elapsed, printed, error.exit_codes)
+    assert error.rank == 2 and diagnosis["stuck_rank"] == 2
+    # the stopped rank is killed; the others exit 124 themselves (or, on a loaded machine, are killed
+    # by the launcher when they take over 5 s to see the diagnosis): all non-zero
+    codes = error.exit_codes
+    assert codes[2] == -signal.SIGKILL and codes[0] == HUNG_EXIT_CODE and set(codes) <= {HUNG_EXIT_CODE, -9}
+    assert diagnosis["states"]["2"].startswith("stopped (SIGSTOP")
+    assert len(printed) == 1 and "rank 2 stopped progressing" in printed[0]
+    assert elapsed < TIMEOUT_S + 30
+    summary = summary_of(tmp_path)
+    assert summary["status"] == "hung" and summary["hung_rank"] == 2
+    assert sorted(diagnosis["records"]) == [0, 1, 3]  # the stopped rank cannot answer
+    assert_reruns(tmp_path, capfd, *PIPELINE_4)
+
+
+# ============================================================ a rank skips one collective
+
+PIPELINE_2_DATA_2 = ["strategy=modular_pipeline", "strategy.pipeline_degree=2", "strategy.data_degree=2",
+                     "hardware.devices_per_node=4"]
+
+
+def skip_one_all_reduce(monkeypatch, rank: int, step: int) -> None:
+    """Test-only fault: on `rank`, the first data-group all-reduce of step `step` is never issued
+    (the communicator's own method is wrapped in the forked ranks; library code is untouched)."""
+    from parallel.comm import Communicator
+    original = Communicator.all_reduce
+    skipped = []
+
+    def all_reduce(self, tensor, group, *arguments, **keywords):
+        recorder = self.recorder
+        if (os.environ.get("RANK") == str(rank) and group.name == "data" and not skipped
+                and recorder is not None and recorder.step == step):
+            skipped.append(True)
+            return None
+        return original(self, tensor, group, *arguments, **keywords)
+    monkeypatch.setattr(Communicator, "all_reduce", all_reduce)
+
+
+def test_a_rank_that_skips_a_collective_is_named(tmp_path, monkeypatch, capfd):
+    skip_one_all_reduce(monkeypatch, rank=3, step=3)
+    error, elapsed, printed, diagnosis = hung_run(tmp_path, monkeypatch, capfd, *PIPELINE_2_DATA_2)
+    report(tmp_path, elapsed, printed, error.exit_codes)
+    assert error.rank == 3 and diagnosis["stuck_rank"] == 3
+    assert error.exit_codes[0] == HUNG_EXIT_CODE and set(error.exit_codes) <= {HUNG_EXIT_CODE, -signal.SIGKILL}
+    assert "never issued all_reduce" in printed[0] and elapsed < TIMEOUT_S + 30
+    assert summary_of(tmp_path)["status"] == "hung"
+    assert_reruns(tmp_path, capfd, *PIPELINE_2_DATA_2)
+
+
+# ============================================================ a rank killed
+
+def test_a_killed_rank_is_named(tmp_path, monkeypatch, capfd):
+    add_callbacks(monkeypatch, StopSelf(rank=1, step=4, sig=signal.SIGKILL))
+    start = time.monotonic()
+    with pytest.raises(RankError) as failed:
+        run(tmp_path, *PIPELINE_4)
+    elapsed = time.monotonic() - start
+    monkeypatch.undo()
+    assert children() == []
+    captured = capfd.readouterr().err.splitlines()
+    printed = [line for line in captured if "failure diagnosis" in line]
+    report(tmp_path, elapsed, printed, failed.value.exit_codes)
+    assert failed.value.rank == 1 and "killed by signal 9" in printed[0] and elapsed < TIMEOUT_S + 30
+    codes = failed.value.exit_codes
+    assert codes[1] == -signal.SIGKILL and all(code != 0 for code in codes)
+    assert summary_of(tmp_path)["status"] in ("hung", "failed")
+    assert_reruns(tmp_path, capfd, *PIPELINE_4)
+
+
+# ============================================================ a straggler
+
+class Slow(pl.Callback):
+    """Rank `rank`'s block sleeps `seconds` in each forward from step `step` on."""
+
+    def __init__(self, rank: int, seconds: float):
+        self.rank, self.seconds = rank, seconds
+
+    def on_train_start(self, trainer, module):
+        if trainer.global_rank == self.rank:
+            block = next(iter(module.model.blocks.values()))
+            block.register_forward_hook(lambda *_: time.sleep(self.seconds))
+
+
+def test_a_slowed_rank_is_flagged_as_a_straggler(tmp_path, monkeypatch, capfd):
+    add_callbacks(monkeypatch, Slow(rank=1, seconds=0.1))
+    summary = run(tmp_path, "strategy=modular_pipeline", "trainer.straggler_window=3")
+    printed = [line for line in capfd.readouterr().out.splitlines() if "straggler" in line]
+    report(tmp_path, 0.0, printed)
+    # rank 0 is never slower than 1.5x the median of two when rank 1 sleeps (the median is their mean)
+    (flagged,) = summary["stragglers"]
+    assert (flagged["rank"], flagged["node"], flagged["ratio"] > 1.5) == (1, 0, True)
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    column = rows[0].split(",").index("stragglers")
+    flags = {int(row.split(",")[0]): row.split(",")[column] for row in rows[1:]}
+    assert set(flags.values()) <= {"", "1"} and flags[flagged["first_step"]] == "1"
+    assert len(printed) == 1 and "rank 1 (node 0)" in printed[0]
+
+
+# ============================================================ the diagnosis alone
+
+def operation(kind, sequence, ranks, peer=None, step=4, completed=None):
+    return {"index": 1, "kind": kind, "group": "data" if peer is None else "pipeline", "ranks": ranks,
+            "peer": peer, "bytes": 4, "sequence": sequence, "step": step, "action": None, "issued": 0.0,
+            "completed": completed}
+
+
+def record(waiting, issued_by_group, time_=100.0, waited=3.0, last=None):
+    return {"step": 4, "time": time_, "waiting": {**waiting, "waited_s": waited}, "last_completed": last,
+            "issued_by_group": issued_by_group}
+
+
+def test_diagnosis_follows_waits_to_the_rank_that_skipped_and_to_a_silent_rank():
+    # rank 0 blocked first in all-reduce #5 over (0, 1); rank 1 issued only 4 there and went on to
+    # wait in a receive from rank 0 that rank 0 never sent: a cycle, and rank 1 skipped
+    group = {"kind": "collective", "ranks": [0, 1], "peer": None}
+    records = {0: record(operation("all_reduce", 5, [0, 1]), [{**group, "issued": 5}], waited=5.0),
+               1: record(operation("receive", 2, [0, 1], peer=0), [{**group, "issued": 4}], waited=1.0)}
+    verdict = diagnose(records, 2, {0: "alive", 1: "alive"})
+    assert (verdict["stuck_rank"], verdict["cycle"]) == (1, True)
+    assert "rank 1 never issued all_reduce #5" in verdict["paragraph"].lower()
+    # rank 1 silent (stopped): rank 0 waits for it
+    verdict = diagnose({0: records[0]}, 2, {0: "alive", 1: "stopped"})
+    assert verdict["stuck_rank"] == 1 and "stopped (SIGSTOP" in verdict["paragraph"]
+
+
+def test_straggler_needs_the_whole_window():
+    detector = StragglerDetector(window=3)
+    assert [detector.update(times) for times in ([1, 1, 2], [1, 1, 2], [1, 2, 1], [1, 1, 2], [1, 1, 2],
+                                                 [1, 1, 2])] == [[], [], [], [], [], [2]]
+
+
+def test_the_slurm_launcher_reads_this_job_s_diagnosis_only(tmp_path):
+    from layerwise.cluster.slurm import hang_diagnosis
+    (tmp_path / "hang").mkdir()
+    (tmp_path / "hang" / "diagnosis.json").write_text(json.dumps({"stuck_rank": 2, "paragraph": "…"}))
+    assert hang_diagnosis(tmp_path, since=0.0)["stuck_rank"] == 2
+    assert hang_diagnosis(tmp_path, since=time.time() + 60) is None  # a previous job's
+
+
+def test_a_stopped_ddp_rank_is_named_though_ddp_waits_outside_the_record(tmp_path, monkeypatch, capfd):
+    # torch DDP's reducer waits on the all-reduce's future inside the backward: no recorded wait;
+    # the watchdog sees the all-reduce in flight with nothing issued since
+    add_callbacks(monkeypatch, StopSelf(rank=1, step=3))
+    error, elapsed, printed, diagnosis = hung_run(tmp_path, monkeypatch, capfd, "strategy=ddp")
+    report(tmp_path, elapsed, printed, error.exit_codes)
+    assert error.rank == 1 and diagnosis["states"]["1"].startswith("stopped (SIGSTOP")
+    assert "in flight" in printed[0] and elapsed < TIMEOUT_S + 30
+    assert_reruns(tmp_path, capfd, "strategy=ddp")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .ir import BACKWARD, FORWARD, Action, Plan
+from .ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Plan
 
 PLACEMENTS = ("contiguous", "looping")
 
@@ -168,6 +168,35 @@ def _interleaved_row(rank: int, pipeline_degree: int, micro_batches: int, loops:
     return [None] * rank + [action(FORWARD, k) for k in range(warmup)] + steady + cooldown
 
 
+def zero_bubble_h1(pipeline_degree: int, micro_batches: int, breadth_first_micro_batches: int | None = None) -> Plan:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism" §3.1): 1F1B's peak memory, a third of its bubble.
+
+    Each backward is split into I (input gradient, on the critical path) and W (weight gradient).
+    Rank r runs 1F1B's p−1−r warm-up forwards, then F, I pairs, each followed by a W from its
+    (r+1)-th pair on (W lags I by r micro-batches), then the cool-down Is with their Ws, then the r
+    Ws left. At most p micro-batches are between F and W on any rank (1F1B's peak, on rank 0);
+    the deferred Ws fill the cool-down: bubble (p−1)(T_F+T_B−T_W) vs 1F1B's (p−1)(T_F+T_B+T_W).
+    """
+    breadth_first = _breadth_first(micro_batches, breadth_first_micro_batches)
+    placement = stage_placement(pipeline_degree, pipeline_degree, "contiguous")
+    rows = [_zero_bubble_h1_row(rank, pipeline_degree, breadth_first) for rank in range(pipeline_degree)]
+    group = Plan(rows, pipeline_degree, breadth_first, placement)
+    name = _name("zero_bubble_h1", micro_batches, breadth_first, p=pipeline_degree)
+    return _in_depth_first_groups(group, micro_batches, name)
+
+
+def _zero_bubble_h1_row(rank: int, pipeline_degree: int, micro_batches: int) -> list[Action | None]:
+    warmup = min(pipeline_degree - 1 - rank, micro_batches)
+    row: list[Action | None] = [None] * rank + [Action(FORWARD, rank, i) for i in range(warmup)]
+    for k in range(micro_batches):
+        if warmup + k < micro_batches:
+            row.append(Action(FORWARD, rank, warmup + k))
+        row.append(Action(BACKWARD_INPUT, rank, k))
+        if k >= rank:  # W lags I by `rank` micro-batches: the later ranks' Is reach rank 0 sooner
+            row.append(Action(BACKWARD_WEIGHT, rank, k - rank))
+    return row + [Action(BACKWARD_WEIGHT, rank, k) for k in range(max(micro_batches - rank, 0), micro_batches)]
+
+
 def layered(stages: int, micro_batches: int, breadth_first_micro_batches: int | None = None) -> Plan:
     """Single-rank layered gradient accumulation: `looped_breadth_first` at p = 1.
 
@@ -183,7 +212,9 @@ def layered(stages: int, micro_batches: int, breadth_first_micro_batches: int | 
 # Registry with the config-time checks
 
 
-SCHEDULES = ("gpipe", "one_f_one_b", "looped_breadth_first", "interleaved_one_f_one_b", "layered")
+SCHEDULES = ("gpipe", "one_f_one_b", "looped_breadth_first", "interleaved_one_f_one_b", "layered",
+             "zero_bubble_h1")
+ZERO_BUBBLE = ("zero_bubble_h1",)  # split backward (I + W), one stage per rank
 
 
 def build_plan(schedule: str, *, pipeline_degree: int, stages: int, micro_batches: int,
@@ -203,6 +234,8 @@ def build_plan(schedule: str, *, pipeline_degree: int, stages: int, micro_batche
         return looped_breadth_first(pipeline_degree, micro_batches, loops, breadth_first)
     if schedule == "interleaved_one_f_one_b":
         return interleaved_one_f_one_b(pipeline_degree, micro_batches, loops, breadth_first)
+    if schedule == "zero_bubble_h1":
+        return zero_bubble_h1(pipeline_degree, micro_batches, breadth_first)
     return layered(stages, micro_batches, breadth_first)
 
 
@@ -213,7 +246,7 @@ def _check_combination(schedule, pipeline_degree, stages, micro_batches, breadth
         raise ValueError(f"strategy.pipeline_degree ({pipeline_degree}) and strategy.micro_batches "
                          f"({micro_batches}) must be at least 1")
     stage_placement(stages, pipeline_degree)  # stages must be a multiple of p
-    if schedule in ("gpipe", "one_f_one_b") and stages != pipeline_degree:
+    if schedule in ("gpipe", "one_f_one_b", *ZERO_BUBBLE) and stages != pipeline_degree:
         raise ValueError(f"strategy.schedule={schedule} puts one stage on each rank but there are {stages} "
                          f"stages for strategy.pipeline_degree={pipeline_degree}: set strategy.layers_per_stage "
                          f"to model.layers / pipeline_degree, or use strategy.schedule=looped_breadth_first")

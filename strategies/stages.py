@@ -159,7 +159,10 @@ class StageWork:
 
     def _stage_input(self, stage: int, micro_batch: int) -> torch.Tensor:
         if stage == 0:
-            return self.model.embed(self.batch["tokens"][micro_batch])
+            embedded = self.model.embed(self.batch["tokens"][micro_batch])
+            if self.training:  # a split backward's I stops at it (popped by B or I)
+                self.state.inputs[(stage, micro_batch)] = embedded
+            return embedded
         if (stage, micro_batch) not in self.state.inputs:  # previous stage ran on this rank
             previous = self.state.outputs[(stage - 1, micro_batch)]
             self.state.inputs[(stage, micro_batch)] = previous.detach().requires_grad_(self.training)
@@ -172,19 +175,15 @@ class StageWork:
             self.scale_loss(output).backward()
         else:
             output.backward(self.state.output_gradients.pop(key))
+        stage_input = self.state.inputs.pop(key)
         if action.stage > 0:
-            gradient = self.state.inputs.pop(key).grad
-            previous = (action.stage - 1, action.micro_batch)
-            if previous in self.state.outputs:  # the previous stage is on this rank
-                self.state.output_gradients[previous] = gradient
-            else:
-                self.state.inputs[key] = gradient  # held until SEND_GRADIENT
+            self._hand_back_input_gradient(action, stage_input.grad)
 
     def backward_input(self, action: Action) -> None:
         """I: the stage input's gradient only (autograd.grad, graph kept for W); ∂W_c is deferred.
 
-        Stage 0's input is the embedding's output (no boundary to send to): I computes nothing and
-        W runs the whole backward of the micro-batch."""
+        Stage 0's input is the embedding's output: its gradient goes nowhere, but computing it keeps
+        the I/W split of the work the same on every stage."""
         key = (action.stage, action.micro_batch)
         output = self.state.outputs.pop(key)
         if action.stage == self.stages - 1:
@@ -192,11 +191,9 @@ class StageWork:
         else:
             output_gradient = self.state.output_gradients.pop(key)
         self.state.weight_work[key] = (output, output_gradient)
-        if action.stage == 0:
-            return
-        stage_input = self.state.inputs.pop(key)
-        (gradient,) = torch.autograd.grad(output, stage_input, output_gradient, retain_graph=True)
-        self._hand_back_input_gradient(action, gradient)
+        (gradient,) = torch.autograd.grad(output, self.state.inputs.pop(key), output_gradient, retain_graph=True)
+        if action.stage > 0:
+            self._hand_back_input_gradient(action, gradient)
 
     def backward_weight(self, action: Action) -> None:
         """W: accumulate ∂W_c of this micro-batch into .grad, freeing the graph kept since I.

@@ -4,7 +4,7 @@
    iterating the plan, so comparing them with the plan proves little. Here each rank is watched from
    underneath instead: torch.distributed's isend/irecv (peer and tag, beneath the Communicator),
    and the stage's own first block (a forward pre-hook; the backward is a gradient hook on
-   the stage's input). The micro-batch of a forward is read from the data, not from a counter: on
+   the stage's input; a split backward's W, a gradient hook on the block's first weight). The micro-batch of a forward is read from the data, not from a counter: on
    stage 0 from which chunk of the batch the tokens are, on later stages from which received message
    the input tensor is. The observed per-rank sequence must equal schedule.json's claim, and the
    observed sends and receives toward each peer must equal the plan's transfers (`issue_sequences`).
@@ -24,7 +24,7 @@ import pytest
 from layerwise.run.fit import fit_rank, train
 from layerwise.preflight import validate
 from strategies.modular_pipeline import training_plan
-from strategies.schedule import (BACKWARD, FORWARD, POST_RECV_ACTIVATION, POST_RECV_GRADIENT, RECV_ACTIVATION,
+from strategies.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, POST_RECV_ACTIVATION, POST_RECV_GRADIENT, RECV_ACTIVATION,
                                  RECV_GRADIENT, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, is_post,
                                  issue_sequences, parse_action, posted_receive)
 from tests.ranks import QUICK, compose_config, run_on_ranks
@@ -82,8 +82,20 @@ def observed_fit(rank, cfg, directory, world):
                 assert (sender, what) == (stage - 1, "activation"), (stage, sender, what)
             steps[-1].append(("forward", stage, micro_batch))
             if hidden.requires_grad:  # fires when the stage's backward reaches its input
-                hidden.register_hook(lambda gradient: steps[-1].append(("backward", stage, micro_batch)))
+                hidden.register_hook(lambda gradient: backward_reached(stage, micro_batch))
         return before
+
+    def backward_reached(stage, micro_batch):
+        # Once per step: stage 0's W (the embedding's weight gradient) passes the embedding's output
+        # again after its I did (strategies/stages.py backward_weight); that is the W's event.
+        if ("backward", stage, micro_batch) not in steps[-1]:
+            steps[-1].append(("backward", stage, micro_batch))
+
+    def weight_computed(stage):
+        def hook(gradient):
+            if watching[0]:
+                steps[-1].append(("weight", stage))
+        return hook
 
     def tokens_embedded(module, args, output):
         if watching[0]:
@@ -95,9 +107,12 @@ def observed_fit(rank, cfg, directory, world):
     def setup(self, trainer):
         original_setup(self, trainer)
         model, per_stage = self.lightning_module.model, self.layers_per_stage
+        split = BACKWARD_WEIGHT in self.plan.kinds  # W: the first weight's gradient (B computes it too)
         for name, block in model.blocks.items():
             if int(name) % per_stage == 0:
                 block.register_forward_pre_hook(stage_starts(int(name) // per_stage))
+                if split:
+                    next(block.parameters()).register_hook(weight_computed(int(name) // per_stage))
         if model.embed is not None:
             model.embed.register_forward_hook(tokens_embedded)
 
@@ -128,8 +143,10 @@ def claimed_events(row: list) -> list:
     events = []
     for action in actions:
         what = "gradient" if action.kind in GRADIENT_KINDS else "activation"
-        if action.kind in (FORWARD, BACKWARD):
+        if action.kind in (FORWARD, BACKWARD, BACKWARD_INPUT):
             events.append(("forward" if action.kind == FORWARD else "backward", action.stage, action.micro_batch))
+        elif action.kind == BACKWARD_WEIGHT:  # the watcher cannot tell a weight gradient's micro-batch
+            events.append(("weight", action.stage))
         elif action.kind in (SEND_ACTIVATION, SEND_GRADIENT):
             events.append(("send", action.peer_stage % RANKS, action.stage, action.micro_batch, what))
         elif action.kind in (POST_RECV_ACTIVATION, POST_RECV_GRADIENT) or (
@@ -154,6 +171,7 @@ def planned_transfers(plan, rank: int, peer: int) -> list:
 ORDER_CASES = {
     "looped_pp2_v2_m4": ["strategy=modular_pipeline"],
     "one_f_one_b_pp2_m4": ["strategy=one_f_one_b"],
+    "zero_bubble_h1_pp2_m4": ["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1"],
     "interleaved_pp2_v2_m4": ["strategy=interleaved_1f1b"],
 }
 
@@ -177,6 +195,8 @@ def test_observed_order_equals_the_claimed_order_and_the_planned_transfers(case,
         for kind in ("forward", "backward"):  # each of its stages × micro-batches exactly once
             ran = sorted(event[1:] for event in steps[-1] if event[0] == kind)
             assert ran == sorted((stage, i) for stage in stages for i in range(MICRO_BATCHES)), kind
+        weights = sorted(event[1] for event in steps[-1] if event[0] == "weight")
+        assert weights == (sorted(list(stages) * MICRO_BATCHES) if BACKWARD_WEIGHT in plan.kinds else [])
         peer = 1 - rank
         transfers = [event for event in steps[-1] if event[0] in ("send", "receive")]
         assert all(event[1] == peer for event in transfers)

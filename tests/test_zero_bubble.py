@@ -1,0 +1,171 @@
+"""Zero-bubble pipelines (issue 32): the split backward (I + W) in the schedule IR, and ZB-H1.
+
+Equality with `single` lives with the other pipelines (tests/test_modular_pipeline.py, cases
+zero_bubble_h1_*), the executed order with theirs (tests/test_executed_order.py). Here: the
+simulated bubble against the paper's formula, the validator's rules for I and W, the peak number of
+micro-batches in flight (plan and real run) against 1F1B's, and the errors for what is unsupported.
+Ids: pp{p}_m{m} = p pipeline ranks, m micro-batches.
+"""
+
+import os
+import weakref
+
+import pytest
+
+from cost.memory import in_flight
+from layerwise.config.errors import ConfigError
+from layerwise.preflight import validate
+from strategies.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Plan, PlanError,
+                                 add_communication, add_gradient_reductions, build_plan, flop_cost, simulate,
+                                 validate_plan)
+from tests.ranks import QUICK, compose_config, run_on_ranks
+
+# T_F = T_B = T_W = 1 (Qi et al. 2023 §3.1): F = 1, I = W = 1, a fused B = I + W = 2.
+EQUAL_TIMES = flop_cost(1.0, 1.0, backward_factor=2.0)
+
+
+def built(schedule: str, pipeline: int, micro_batches: int) -> Plan:
+    return validate_plan(add_gradient_reductions(add_communication(build_plan(
+        schedule, pipeline_degree=pipeline, stages=pipeline, micro_batches=micro_batches))))
+
+
+def test_simulated_bubble_equals_the_papers_formula():
+    """Idle time per rank: 1F1B (p−1)(T_F+T_B+T_W) = 3(p−1), ZB-H1 (p−1)(T_F+T_B−T_W) = p−1 — a third."""
+    print("\n  p   m  1F1B idle/rank (formula)  bubble   ZB-H1 idle/rank (formula)  bubble")
+    for pipeline in (4, 8):
+        for micro_batches in (8, 16, 32):
+            work = 3 * micro_batches  # F + I + W per micro-batch on every rank
+            one_f_one_b = simulate(built("one_f_one_b", pipeline, micro_batches), EQUAL_TIMES)
+            zero_bubble = simulate(built("zero_bubble_h1", pipeline, micro_batches), EQUAL_TIMES)
+            print(f"{pipeline:3} {micro_batches:3}  {one_f_one_b.makespan - work:10g} ({3 * (pipeline - 1):2})"
+                  f"          {one_f_one_b.bubble_fraction:.4f}  {zero_bubble.makespan - work:10g} "
+                  f"({pipeline - 1:2})           {zero_bubble.bubble_fraction:.4f}")
+            assert one_f_one_b.makespan - work == 3 * (pipeline - 1)
+            assert zero_bubble.makespan - work == pipeline - 1
+            assert zero_bubble.bubble_fraction == pytest.approx((pipeline - 1) / (work + pipeline - 1))
+
+
+def test_split_backward_dependencies_and_validator():
+    """I(s) waits for I(s+1) (its gradient message), W only for its own I; W before I, a fused B beside
+    its I, a missing W are each refused with the fault marked."""
+    plan = built("zero_bubble_h1", 2, 2)
+    rank1 = plan.ranks[1]
+    assert str(rank1[rank1.index(Action(BACKWARD_INPUT, 1, 0)) + 1]) == "1B0→0"  # I sends the gradient
+    assert [str(a) for a in plan.ranks[0] if a is not None][-1] == "0R"  # the reduction after the last W
+    timeline = simulate(plan, EQUAL_TIMES)
+    start = {record.action: record.start for row in timeline.ranks for record in row}
+    assert start[Action(BACKWARD_INPUT, 0, 0)] >= start[Action(BACKWARD_INPUT, 1, 0)] + 1
+    swapped = [list(row) for row in build_plan("zero_bubble_h1", pipeline_degree=2, stages=2, micro_batches=2).ranks]
+    row = swapped[1]
+    i, w = row.index(Action(BACKWARD_INPUT, 1, 1)), row.index(Action(BACKWARD_WEIGHT, 1, 1))
+    row[i], row[w] = row[w], row[i]
+    with pytest.raises(PlanError, match="1W1 comes before its input gradient 1I1"):
+        validate_plan(Plan(swapped, 2, 2, (0, 1)))
+    fused_too = [list(r) for r in build_plan("zero_bubble_h1", pipeline_degree=2, stages=2, micro_batches=2).ranks]
+    fused_too[0].append(Action(BACKWARD, 0, 1))
+    with pytest.raises(PlanError, match="0B1 and 0I1 both occur"):
+        validate_plan(Plan(fused_too, 2, 2, (0, 1)))
+    missing = [[a for a in r if a != Action(BACKWARD_WEIGHT, 0, 0)]
+               for r in build_plan("zero_bubble_h1", pipeline_degree=2, stages=2, micro_batches=2).ranks]
+    with pytest.raises(PlanError, match="0W0 is missing"):
+        validate_plan(Plan(missing, 2, 2, (0, 1)))
+
+
+def test_zero_bubble_h1_keeps_the_peak_in_flight_of_one_f_one_b():
+    """Micro-batches between F and W (their stash kept): at most p on every rank, 1F1B's peak (rank 0),
+    whatever m; later ranks hold more than under 1F1B (p−r) since W lags I by r."""
+    for pipeline in (2, 4, 8):
+        for micro_batches in (1, 3, 4, 16):
+            zero_bubble = [in_flight(row) for row in built("zero_bubble_h1", pipeline, micro_batches).ranks]
+            one_f_one_b = [in_flight(row) for row in built("one_f_one_b", pipeline, micro_batches).ranks]
+            assert max(zero_bubble) == max(one_f_one_b) == min(pipeline, micro_batches), (pipeline, micro_batches)
+
+
+# ----------------------------------------------------------------------------- measured on gloo ranks
+
+def alive_by_rank(rank, cfg):
+    """Fit two steps on this rank; per step, the most micro-batches whose graph the rank kept at
+    once (StageWork's outputs awaiting B or I + graphs awaiting W) and the most bytes of saved
+    activations alive at once (autograd's saved tensors, parameters left out), each measured after
+    every compute action."""
+    import torch
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from layerwise.tools.dry_run import one_rank_step
+    from strategies.stages import StageWork
+
+    live, peaks = [0], []
+
+    class Saved:
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+    def pack(tensor):
+        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
+            return tensor
+        saved, size = Saved(tensor), tensor.numel() * tensor.element_size()
+        live[0] += size
+        weakref.finalize(saved, lambda: live.__setitem__(0, live[0] - size))
+        return saved
+
+    def unpack(saved):
+        return saved.tensor if isinstance(saved, Saved) else saved
+
+    def measured(method):
+        def run(work, action):
+            with saved_tensors_hooks(pack, unpack):
+                method(work, action)
+            if work.training:
+                graphs = len(work.state.outputs) + len(work.state.weight_work)
+                peaks[-1] = (max(peaks[-1][0], graphs), max(peaks[-1][1], live[0]))
+        return run
+
+    start, finish = StageWork.start, StageWork.finish
+
+    def starting(work, batch, training, releases=None):
+        if training:
+            peaks.append((0, 0))
+        start(work, batch, training, releases)
+
+    StageWork.start = starting
+    for name in ("forward", "backward", "backward_input", "backward_weight"):
+        setattr(StageWork, name, measured(getattr(StageWork, name)))
+    one_rank_step(cfg, int(os.environ["WORLD_SIZE"]))
+    return peaks
+
+
+@pytest.mark.parametrize("micro_batches", [4, 16])
+def test_measured_activation_memory_is_the_plans_and_peaks_as_one_f_one_b(micro_batches):
+    """p = 2, one block per stage, a real run: on each rank the most micro-batches kept is the plan's
+    in-flight count and the most saved-activation bytes is that count × one micro-batch's stash (the
+    same stash under both schedules); the peak count over ranks is 1F1B's (p), whatever m. ZB-H1's
+    last rank keeps p, not 1F1B's 1: with the head's vocabulary-wide logits in its stash, its bytes
+    are the run's peak (Qi et al. 2023 count uniform stages)."""
+    measured, per_micro_batch = {}, {}
+    for schedule in ("one_f_one_b", "zero_bubble_h1"):
+        cfg = compose_config(*QUICK, "strategy=one_f_one_b", f"strategy.schedule={schedule}", "model.layers=2",
+                             "strategy.layers_per_stage=1", f"strategy.micro_batches={micro_batches}",
+                             f"data.global_batch_size={micro_batches}", "model.dropout=0.0")
+        world = validate(cfg)
+        measured[schedule] = [steps[-1] for steps in run_on_ranks(alive_by_rank, world, cfg)]
+        plan = built(schedule, 2, micro_batches)
+        assert [graphs for graphs, _ in measured[schedule]] == [in_flight(row) for row in plan.ranks], schedule
+        per_micro_batch[schedule] = [saved / graphs for graphs, saved in measured[schedule]]
+    print(f"\nm={micro_batches}: per rank (most micro-batches kept, most saved-activation bytes alive): {measured}")
+    assert per_micro_batch["zero_bubble_h1"] == per_micro_batch["one_f_one_b"]
+    assert max(g for g, _ in measured["zero_bubble_h1"]) == max(g for g, _ in measured["one_f_one_b"]) == 2
+    assert measured["zero_bubble_h1"][0] == measured["one_f_one_b"][0]  # rank 0: the same bytes
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1", "strategy.layers_per_stage=1"],
+     "strategy.schedule=zero_bubble_h1 puts one stage on each rank"),
+    (["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1", "strategy.activation_recompute=full"],
+     "strategy.activation_recompute=none"),
+    (["strategy=zero_layered", "strategy.schedule=zero_bubble_h1", "strategy.layers_per_stage=1"],
+     "zero_layered's gathers and reduce-scatters"),
+    (["strategy=pipefisher", "strategy.schedule=zero_bubble_h1"], "not supported by pipefisher"),
+])
+def test_unsupported_combinations_name_the_constraint(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_config(*QUICK, "model.layers=4", *overrides))

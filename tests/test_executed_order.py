@@ -12,7 +12,8 @@
    within a stated bound of the simulated one, on a model where compute dominates communication.
 
 Test ids: {schedule}_pp2_m4 = 2 pipeline ranks, 4 micro-batches; looped = looped breadth-first with
-2 stages per rank (modular_pipeline); interleaved = interleaved 1F1B.
+2 stages per rank (modular_pipeline); interleaved = interleaved 1F1B; zbv = split backward on the V
+placement (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2, which hands its output over locally).
 """
 
 import inspect
@@ -52,6 +53,7 @@ def observed_fit(rank, cfg, directory, world):
 
     steps, watching = [], [False]
     received, embedded = {}, {}  # id(tensor) -> (tensor, which message / micro-batch it is); kept alive
+    produced, running = {}, {}  # a stage output's data_ptr -> (output, (stage, micro-batch)); stage -> micro-batch
 
     def watch_transfer(name, kind):
         original = getattr(dist, name)
@@ -77,13 +79,23 @@ def observed_fit(rank, cfg, directory, world):
             hidden = args[0]
             if stage == 0:
                 micro_batch = embedded[id(hidden)][1]
-            else:
+            elif id(hidden) in received:
                 sender, micro_batch, what = received[id(hidden)][1]
                 assert (sender, what) == (stage - 1, "activation"), (stage, sender, what)
+            else:  # the previous stage ran on this rank (the V's turn): its output's storage, detached
+                sender, micro_batch = produced[hidden.data_ptr()][1]
+                assert sender == stage - 1, (stage, sender)
+            running[stage] = micro_batch
             steps[-1].append(("forward", stage, micro_batch))
             if hidden.requires_grad:  # fires when the stage's backward reaches its input
                 hidden.register_hook(lambda gradient: backward_reached(stage, micro_batch))
         return before
+
+    def stage_ends(stage):
+        def after(module, args, output):
+            if watching[0]:
+                produced[output.data_ptr()] = (output, (stage, running[stage]))
+        return after
 
     def backward_reached(stage, micro_batch):
         # Once per step: stage 0's W (the embedding's weight gradient) passes the embedding's output
@@ -111,6 +123,8 @@ def observed_fit(rank, cfg, directory, world):
         for name, block in model.blocks.items():
             if int(name) % per_stage == 0:
                 block.register_forward_pre_hook(stage_starts(int(name) // per_stage))
+            if int(name) % per_stage == per_stage - 1:
+                block.register_forward_hook(stage_ends(int(name) // per_stage))
                 if split:
                     next(block.parameters()).register_hook(weight_computed(int(name) // per_stage))
         if model.embed is not None:
@@ -125,6 +139,7 @@ def observed_fit(rank, cfg, directory, world):
             watching[0] = False
             received.clear()
             embedded.clear()
+            produced.clear()
 
     ModularPipelineStrategy.setup, ModularPipelineStrategy.run_step = setup, run_step
     fit_rank(rank, cfg, directory, world)
@@ -133,11 +148,12 @@ def observed_fit(rank, cfg, directory, world):
 
 # ----------------------------------------------------------------------------- what the claims say
 
-def claimed_events(row: list) -> list:
+def claimed_events(row: list, placement=None) -> list:
     """schedule.json's executed row as the events a watcher sees: a forward and a backward; a send at
     its SEND; a receive issued at its post, or at its RECV when it has none (a posted RECV only waits);
-    a REDUCE on a single replica calls nothing. Stage c runs on rank c mod p (looping, and GPipe's one
-    stage per rank)."""
+    a REDUCE on a single replica calls nothing. Stage c runs on rank `placement[c]`, by default
+    c mod p (looping, and GPipe's one stage per rank)."""
+    rank_of = (lambda stage: stage % RANKS) if placement is None else placement.__getitem__
     actions = [parse_action(text) for text in row]
     posted = {posted_receive(action) for action in actions if is_post(action)}
     events = []
@@ -148,10 +164,10 @@ def claimed_events(row: list) -> list:
         elif action.kind == BACKWARD_WEIGHT:  # the watcher cannot tell a weight gradient's micro-batch
             events.append(("weight", action.stage))
         elif action.kind in (SEND_ACTIVATION, SEND_GRADIENT):
-            events.append(("send", action.peer_stage % RANKS, action.stage, action.micro_batch, what))
+            events.append(("send", rank_of(action.peer_stage), action.stage, action.micro_batch, what))
         elif action.kind in (POST_RECV_ACTIVATION, POST_RECV_GRADIENT) or (
                 action.kind in (RECV_ACTIVATION, RECV_GRADIENT) and action not in posted):
-            events.append(("receive", action.peer_stage % RANKS, action.peer_stage, action.micro_batch, what))
+            events.append(("receive", rank_of(action.peer_stage), action.peer_stage, action.micro_batch, what))
         else:
             assert action.kind in (RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT), action
     return events
@@ -172,6 +188,7 @@ ORDER_CASES = {
     "looped_pp2_v2_m4": ["strategy=modular_pipeline"],
     "one_f_one_b_pp2_m4": ["strategy=one_f_one_b"],
     "zero_bubble_h1_pp2_m4": ["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1"],
+    "zbv_pp2_m4": ["strategy=one_f_one_b", "strategy.schedule=zbv", "strategy.layers_per_stage=1"],
     "interleaved_pp2_v2_m4": ["strategy=interleaved_1f1b"],
 }
 
@@ -188,10 +205,10 @@ def test_observed_order_equals_the_claimed_order_and_the_planned_transfers(case,
     for rank in range(RANKS):
         steps = observed[rank]
         assert len(steps) == STEPS
-        assert steps[-1] == claimed_events(claimed[rank]), f"rank {rank}: observed ≠ schedule.json"
+        assert steps[-1] == claimed_events(claimed[rank], plan.placement), f"rank {rank}: observed ≠ schedule.json"
         assert all(step == steps[-1] for step in steps), f"rank {rank}: steps ran different orders"
         stages = {event[1] for event in steps[-1] if event[0] == "forward"}
-        assert stages == set(range(rank, cfg.model.layers // cfg.strategy.layers_per_stage, RANKS))
+        assert stages == set(plan.stages_on(rank))
         for kind in ("forward", "backward"):  # each of its stages × micro-batches exactly once
             ran = sorted(event[1:] for event in steps[-1] if event[0] == kind)
             assert ran == sorted((stage, i) for stage in stages for i in range(MICRO_BATCHES)), kind

@@ -162,24 +162,26 @@ def alive_by_rank(rank, cfg):
 
 @pytest.mark.parametrize("micro_batches", [4, 16])
 def test_measured_activation_memory_is_the_plans_and_peaks_as_one_f_one_b(micro_batches):
-    """p = 2, one block per stage, a real run: on each rank the most micro-batches kept is the plan's
-    in-flight count and the most saved-activation bytes is that count × one micro-batch's stash (the
-    same stash under both schedules); the peak count over ranks is 1F1B's (p), whatever m. ZB-H1's
-    last rank keeps p, not 1F1B's 1: with the head's vocabulary-wide logits in its stash, its bytes
-    are the run's peak (Qi et al. 2023 count uniform stages)."""
+    """p = 2, 4 blocks, a real run: on each rank the most micro-batches kept is the plan's in-flight
+    count, whatever m. ZB-H1: the most saved-activation bytes is that count × one micro-batch's stash
+    (the same stash as 1F1B's), and the peak count over ranks is 1F1B's (p); its last rank keeps p,
+    not 1F1B's 1, and with the head's vocabulary-wide logits in its stash its bytes are the run's peak
+    (Qi et al. 2023 count uniform stages). ZBV's stage-micro-batches are half-size (2 stages per rank)."""
     measured, per_micro_batch = {}, {}
-    for schedule in ("one_f_one_b", "zero_bubble_h1"):
-        cfg = compose_config(*QUICK, "strategy=one_f_one_b", f"strategy.schedule={schedule}", "model.layers=2",
-                             "strategy.layers_per_stage=1", f"strategy.micro_batches={micro_batches}",
+    for schedule, per_stage in (("one_f_one_b", 2), ("zero_bubble_h1", 2), ("zbv", 1)):
+        cfg = compose_config(*QUICK, "strategy=one_f_one_b", f"strategy.schedule={schedule}", "model.layers=4",
+                             f"strategy.layers_per_stage={per_stage}", f"strategy.micro_batches={micro_batches}",
                              f"data.global_batch_size={micro_batches}", "model.dropout=0.0")
         world = validate(cfg)
         measured[schedule] = [steps[-1] for steps in run_on_ranks(alive_by_rank, world, cfg)]
         plan = built(schedule, 2, micro_batches)
         assert [graphs for graphs, _ in measured[schedule]] == [in_flight(row) for row in plan.ranks], schedule
         per_micro_batch[schedule] = [saved / graphs for graphs, saved in measured[schedule]]
-    print(f"\nm={micro_batches}: per rank (most micro-batches kept, most saved-activation bytes alive): {measured}")
+    print(f"\nm={micro_batches}: per rank (most stage-micro-batches kept, most saved-activation bytes alive): "
+          f"{measured}")
     assert per_micro_batch["zero_bubble_h1"] == per_micro_batch["one_f_one_b"]
     assert max(g for g, _ in measured["zero_bubble_h1"]) == max(g for g, _ in measured["one_f_one_b"]) == 2
+    assert max(g for g, _ in measured["zbv"]) <= 2 * 2  # 2p half-size stage stashes
     assert measured["zero_bubble_h1"][0] == measured["one_f_one_b"][0]  # rank 0: the same bytes
 
 

@@ -105,14 +105,14 @@ def _decorate(axes, timeline: Timeline, title: str | None, time_unit: str) -> No
     split = any(record.action.kind == BACKWARD_WEIGHT for row in timeline.ranks for record in row)
     handles = _legend_handles(other, split)
     axes.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.12 / ranks),
-                ncol=len(handles), fontsize=8, frameon=False)
+                ncol=len(handles) if not split else 3, fontsize=8, frameon=False)
 
 
 def _legend_handles(other_compute: bool, split_backward: bool = False) -> list:
     """The legend; the magenta entry only when the timeline has such units, the W entry only for a split
     backward (legends of F/B plans unchanged)."""
     other = [Patch(color=_OTHER_COMPUTE_MAP(0.6), label="K-FAC / other compute")] if other_compute else []
-    backward = "backward, I: input gradient" if split_backward else "backward"
+    backward = "I: input gradient" if split_backward else "backward"
     weight = [Patch(color=_COLOUR_MAPS[BACKWARD_WEIGHT](0.6), label="W: weight gradient")] if split_backward else []
     return [Patch(color=_COLOUR_MAPS[FORWARD](0.6), label="forward (darker = later stage)"),
             Patch(color=_COLOUR_MAPS[BACKWARD](0.6), label=f"{backward} (darker = later stage)"), *weight, *other,

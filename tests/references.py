@@ -96,6 +96,12 @@ SGD_CASES = {
     "zero_bubble_h1_pp4_m8": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1",
                                       "strategy.pipeline_degree=4", "strategy.layers_per_stage=1",
                                       "strategy.micro_batches=8", "hardware.devices_per_node=4"], 4),
+    # ZB-H1 with data replicas (REDUCE after each stage's last W) and over a 1-D tensor grid
+    "zero_bubble_h1_pp2_dp2_m4": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1",
+                                          "hardware.devices_per_node=4"], 4),
+    "zero_bubble_h1_pp2_p2_m4": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1",
+                                         "strategy.tensor_parallel=1d", "strategy.tensor_grid=2",
+                                         "hardware.devices_per_node=4"], 4),
     # ZBV: the V placement, 2 stages per rank (rank 0 holds the first and the last); p = 2, m = 4 and p = 4, m = 8
     "zbv_pp2_m4": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zbv", "strategy.layers_per_stage=1"], 2),
     "zbv_pp4_m8": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zbv", "strategy.pipeline_degree=4",

@@ -12,7 +12,7 @@ built plan row; the search gives them in closed form (`closed_form_in_flight`, `
 from __future__ import annotations
 
 from collections import Counter
-from strategies.schedule import BACKWARD, FORWARD, RECV_GRADIENT, SEND_GRADIENT, release_points
+from strategies.schedule import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_GRADIENT, SEND_GRADIENT, release_points
 from strategies.schedule.ir import POST_RECV_ACTIVATION, POST_RECV_GRADIENT, SEND_ARROW, posted_receive
 from cost.traffic import local_parameters
 from cost.inputs import BYTES, OPTIMIZER_STATE, Workload
@@ -149,16 +149,21 @@ def _gathered_gradients(workload: "Workload", tokens: float, fan_in: int, fan_ou
     return (gathered + (tokens + fan_out) * fan_in / workload.tensor_ranks) * workload.activation_bytes
 
 
+RELEASES = (BACKWARD, BACKWARD_WEIGHT)  # the action after which a micro-batch's stash is gone
+STARTS_BACKWARD = (BACKWARD, BACKWARD_INPUT)  # the action that sends its input gradient
+
+
 def in_flight(row, stages=None) -> int:
     """Most forwards (of `stages`, default all) alive at once in a plan row: run, backward not yet.
     Counted over time on the whole row, since different stages' peaks need not coincide
-    (interleaved 1F1B)."""
+    (interleaved 1F1B). A split backward's micro-batch stays alive until its W (Qi et al. 2023 §3.1
+    count it so: W still needs the saved inputs of the stage's linears)."""
     alive = peak = 0
     for action in row:
         if action is None or (stages is not None and action.stage not in stages):
             continue
         alive += action.kind == FORWARD
-        alive -= action.kind == BACKWARD
+        alive -= action.kind in RELEASES
         peak = max(peak, alive)
     return peak
 
@@ -168,17 +173,17 @@ def in_flight_moments(row) -> tuple:
     log-probabilities then; most forwards in flight at a backward once every stage of the row has
     run one — the stash beside all the row's gradients, 0 if there is none; gradient receives
     issued before the first backward — their buffers, strategies/schedule/point_to_point.py)."""
-    computed = [a for a in row if a is not None and a.kind in (FORWARD, BACKWARD)]
+    computed = [a for a in row if a is not None and a.kind in (FORWARD, *STARTS_BACKWARD, *RELEASES)]
     stages, started, alive, first, later = {a.stage for a in computed}, set(), Counter(), None, 0
     for action in computed:
-        if action.kind == BACKWARD:
-            if first is None:
-                first = alive[max(stages)]
+        if action.kind in STARTS_BACKWARD:
+            if first is None or action.kind == BACKWARD_INPUT:  # split: Ws deferred, the last stage's stash grows
+                first = max(first or 0, alive[max(stages)])
             if started == stages:
                 later = max(later, sum(alive.values()))
             started.add(action.stage)
-        alive[action.stage] += 1 if action.kind == FORWARD else -1
-    issued = next((index for index, a in enumerate(row) if a is not None and a.kind == BACKWARD), len(row))
+        alive[action.stage] += (action.kind == FORWARD) - (action.kind in RELEASES)
+    issued = next((index for index, a in enumerate(row) if a is not None and a.kind in STARTS_BACKWARD), len(row))
     posted = sum(a is not None and a.kind in (RECV_GRADIENT, POST_RECV_GRADIENT) for a in row[:issued])
     return first or 0, later, posted
 
@@ -199,7 +204,7 @@ def held_sends(plan, rank: int, completes_when_received: bool = False) -> tuple:
     stages = {action.stage for action in row if action.kind == FORWARD}
     held, done, started, posted, later = set(), set(), set(), set(), 0
     for action in row:
-        if action.kind == BACKWARD:
+        if action.kind in STARTS_BACKWARD:
             if started == stages:
                 later = max(later, _extra(held, done) + len(posted))
             started.add(action.stage)

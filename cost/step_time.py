@@ -25,7 +25,7 @@ from dataclasses import replace
 from parallel.comm import KINDS
 from cost.inputs import OPTIMIZER_STATE, Device, Workload
 from cost.memory import block_saved_bytes, stage_parameters  # the memory half
-from strategies.schedule import (BACKWARD, FORWARD, Action, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT,
+from strategies.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT,
                                  SEND_ACTIVATION, SEND_GRADIENT, simulate)
 from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, compute_runs
 from cost.inputs import BYTES
@@ -202,7 +202,8 @@ def gather_seconds(workload: Workload, device: Device, stage: int, stages: int) 
 
 
 def step_cost(workload: Workload, device: Device, plan):
-    """The simulator's cost of each action in seconds: F, B = (2 or 3)·F, receive waits, and the
+    """The simulator's cost of each action in seconds: F, B = (2 or 3)·F (a split backward's I and W
+    half of B each), receive waits, and the
     part of each ZeRO gather its prefetch does not hide (`exposed_gathers`). Without overlap
     (`Device.overlaps_communication`), gathers are whole, every reduction is paid where it is issued
     and a send costs its sender the copy."""
@@ -212,13 +213,16 @@ def step_cost(workload: Workload, device: Device, plan):
     def compute(action) -> float:
         if action.stage not in timings:
             timings[action.stage] = stage_seconds(workload, device, action.stage, plan.stages)
-        return timings[action.stage][action.kind == BACKWARD]
+        forward, backward = timings[action.stage]
+        if action.kind in (BACKWARD_INPUT, BACKWARD_WEIGHT):  # a split backward: each half of B (equal FLOPs)
+            return backward / 2
+        return backward if action.kind == BACKWARD else forward
     gathers = exposed_gathers(plan, compute if overlap else lambda action: 0.0,
                               lambda stage: gather_seconds(workload, device, stage, plan.stages))
     send = 0.0 if overlap else receive  # gloo's send writes the message on the sender's core
 
     def cost(action) -> float:
-        if action.kind in (FORWARD, BACKWARD):
+        if action.kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
             return compute(action)
         if action.kind in (GATHER_FORWARD, GATHER_BACKWARD):
             return gathers[action]

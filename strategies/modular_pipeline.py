@@ -23,6 +23,7 @@ from strategies.buckets import bucket_bytes
 from strategies.precision import activation_dtype
 from strategies.recompute import backward_factor, recompute_errors
 from strategies.registry import StrategyEntry, consolidate_replicated
+from strategies.schedule.generators import ZERO_BUBBLE
 from strategies.schedule import (FORWARD, POST_RECV_ACTIVATION, RECV_ACTIVATION, SEND_ACTIVATION, Plan,
                                  Timeline, add_communication, add_gradient_reductions, build_plan,
                                  execute, flop_cost, parse_action, plot_timeline, send_releases, simulate,
@@ -336,6 +337,10 @@ def check(cfg, world_size: int) -> list:
     if cfg.model.tie_embeddings and strategy.pipeline_degree > 1:
         errors.append("model.tie_embeddings=true puts one weight on the first and the last stage. "
                       "Fix: model.tie_embeddings=false for pipeline strategies.")
+    if strategy.schedule in ZERO_BUBBLE and getattr(strategy, "activation_recompute", "none") != "none":
+        errors.append(f"strategy.schedule={strategy.schedule} keeps each micro-batch's graph from I to W, which "
+                      f"activation recomputation (strategy.activation_recompute={strategy.activation_recompute}) "
+                      f"would rerun twice. Fix: strategy.activation_recompute=none, or strategy.schedule=one_f_one_b.")
     return errors or schedule_errors(cfg)
 
 

@@ -19,6 +19,7 @@ from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule import FORWARD, plot_timeline, simulate, validate_plan
 from models import block_of
 from strategies.schedule import curvature as units
+from strategies.schedule.generators import ZERO_BUBBLE
 from strategies.registry import StrategyEntry
 from strategies.stages import stage_blocks
 
@@ -174,8 +175,8 @@ def check(cfg, world_size: int) -> list:
         errors.append(f"strategy.tensor_parallel={cfg.strategy.tensor_parallel}: pipefisher keeps K-FAC factors "
                       f"per 1-D shard (a shard's rows or columns); 2-D/3-D grids also split a linear's tokens, "
                       f"whose factors are not built yet. Fix: strategy.tensor_parallel=1d or none.")
-    if cfg.strategy.schedule == "interleaved_one_f_one_b":
-        errors.append("strategy.schedule=interleaved_one_f_one_b is not supported by pipefisher. "
+    if cfg.strategy.schedule in ("interleaved_one_f_one_b", *ZERO_BUBBLE):
+        errors.append(f"strategy.schedule={cfg.strategy.schedule} is not supported by pipefisher. "
                       "Fix: gpipe, one_f_one_b or looped_breadth_first.")
     return errors or modular_pipeline.check(cfg, world_size)
 

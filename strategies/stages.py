@@ -16,7 +16,7 @@ from torch import nn
 from strategies.buckets import post_bucket_reductions, sum_over_groups
 from strategies.recompute import apply_activation_recompute
 from strategies.tensor_parallel.grids import local_activation_shape
-from strategies.schedule import (BACKWARD, FINISH, FORWARD, POST_RECV_ACTIVATION, POST_RECV_GRADIENT,
+from strategies.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FINISH, FORWARD, POST_RECV_ACTIVATION, POST_RECV_GRADIENT,
                                  RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT,
                                  Action, posted_receive)
 
@@ -73,6 +73,8 @@ class StepState:
     inputs: dict = field(default_factory=dict)  # leaf input of each stage's forward
     outputs: dict = field(default_factory=dict)  # output (or scaled loss on the last stage)
     output_gradients: dict = field(default_factory=dict)  # gradient arriving for an output
+    # split backward: (stage, micro-batch) -> (output, its gradient), kept with their graph from I to W
+    weight_work: dict = field(default_factory=dict)
     # peer rank -> (SEND, work, tensor) in issue order: a sent tensor stays alive until its work completes
     pending_sends: dict = field(default_factory=dict)
     proven: set = field(default_factory=set)  # SENDs whose receive the peer has issued (send_releases)
@@ -89,7 +91,9 @@ class StageWork:
     1. FORWARD(c, i): input (tokens, a received activation, or the local previous stage's output
        as a leaf) → blocks of c (+ head and loss/m on the last stage);
     2. BACKWARD(c, i): backpropagate the loss or the received output gradient into ∂W_c and the
-       input's gradient, which is what the previous stage receives;
+       input's gradient, which is what the previous stage receives; split (Qi et al. 2023 §2):
+       BACKWARD_INPUT(c, i) computes only the input's gradient, keeping the graph, and
+       BACKWARD_WEIGHT(c, i) later accumulates ∂W_c and frees the graph;
     3. SEND_* post asynchronous sends, each tensor kept until its transfer is known complete
        (`release_sends`); POST_RECV_* post asynchronous receives where the plan says
        (NCCL matches a pair's operations in issue order, so the plan fixes that order); RECV_*
@@ -127,6 +131,7 @@ class StageWork:
     def handlers(self) -> dict:
         """Action kind -> the method that runs it (the executor's dispatch table)."""
         return {FORWARD: self.forward, BACKWARD: self.backward,
+                BACKWARD_INPUT: self.backward_input, BACKWARD_WEIGHT: self.backward_weight,
                 SEND_ACTIVATION: self.send_activation, RECV_ACTIVATION: self.receive_activation,
                 SEND_GRADIENT: self.send_gradient, RECV_GRADIENT: self.receive_gradient,
                 POST_RECV_ACTIVATION: self.post_receive, POST_RECV_GRADIENT: self.post_receive,
@@ -154,7 +159,10 @@ class StageWork:
 
     def _stage_input(self, stage: int, micro_batch: int) -> torch.Tensor:
         if stage == 0:
-            return self.model.embed(self.batch["tokens"][micro_batch])
+            embedded = self.model.embed(self.batch["tokens"][micro_batch])
+            if self.training:  # a split backward's I stops at it (popped by B or I)
+                self.state.inputs[(stage, micro_batch)] = embedded
+            return embedded
         if (stage, micro_batch) not in self.state.inputs:  # previous stage ran on this rank
             previous = self.state.outputs[(stage - 1, micro_batch)]
             self.state.inputs[(stage, micro_batch)] = previous.detach().requires_grad_(self.training)
@@ -167,13 +175,45 @@ class StageWork:
             self.scale_loss(output).backward()
         else:
             output.backward(self.state.output_gradients.pop(key))
+        stage_input = self.state.inputs.pop(key)
         if action.stage > 0:
-            gradient = self.state.inputs.pop(key).grad
-            previous = (action.stage - 1, action.micro_batch)
-            if previous in self.state.outputs:  # the previous stage is on this rank
-                self.state.output_gradients[previous] = gradient
-            else:
-                self.state.inputs[key] = gradient  # held until SEND_GRADIENT
+            self._hand_back_input_gradient(action, stage_input.grad)
+
+    def backward_input(self, action: Action) -> None:
+        """I: the stage input's gradient only (autograd.grad, graph kept for W); ∂W_c is deferred.
+
+        Stage 0's input is the embedding's output: its gradient goes nowhere, but computing it keeps
+        the I/W split of the work the same on every stage."""
+        key = (action.stage, action.micro_batch)
+        output = self.state.outputs.pop(key)
+        if action.stage == self.stages - 1:
+            output, output_gradient = self.scale_loss(output), None
+        else:
+            output_gradient = self.state.output_gradients.pop(key)
+        self.state.weight_work[key] = (output, output_gradient)
+        (gradient,) = torch.autograd.grad(output, self.state.inputs.pop(key), output_gradient, retain_graph=True)
+        if action.stage > 0:
+            self._hand_back_input_gradient(action, gradient)
+
+    def backward_weight(self, action: Action) -> None:
+        """W: accumulate ∂W_c of this micro-batch into .grad, freeing the graph kept since I.
+
+        torch.autograd.backward with `inputs` restricted to the stage's parameters accumulates only
+        their gradients; it retraverses the activation-gradient path I went through (torch.pipelining
+        keeps I's intermediate gradients to skip it: stage_backward_weight), so this W costs a
+        little more than half a fused B."""
+        output, output_gradient = self.state.weight_work.pop((action.stage, action.micro_batch))
+        parameters = [parameter for parameter in
+                      stage_parameters(self.model, action.stage, self.stages, self.layers_per_stage)
+                      if parameter.requires_grad]
+        torch.autograd.backward(output, output_gradient, inputs=parameters)
+
+    def _hand_back_input_gradient(self, action: Action, gradient: torch.Tensor) -> None:
+        key, previous = (action.stage, action.micro_batch), (action.stage - 1, action.micro_batch)
+        if previous in self.state.outputs:  # the previous stage is on this rank
+            self.state.output_gradients[previous] = gradient
+        else:
+            self.state.inputs[key] = gradient  # held until SEND_GRADIENT
 
     # ----- point to point
     def _tag(self, action: Action, gradient: bool) -> int:

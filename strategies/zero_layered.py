@@ -18,6 +18,7 @@ from typing_extensions import override
 from strategies import modular_pipeline
 from strategies.modular_pipeline import ModularPipelineStrategy, compute_plan, forward_only
 from strategies.schedule import BACKWARD, FINISH, FORWARD, validate_plan
+from strategies.schedule.generators import ZERO_BUBBLE
 from strategies.schedule.zero import (GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, add_weight_gathers,
                                       add_zero)
 from strategies.buckets import sum_over_groups
@@ -226,6 +227,10 @@ def check(cfg, world_size: int) -> list:
     if cfg.model.tie_embeddings:
         errors.append("model.tie_embeddings=true shares one weight between the first and the last stage, "
                       "which are sharded separately. Fix: model.tie_embeddings=false.")
+    if strategy.schedule in ZERO_BUBBLE:
+        errors.append(f"strategy.schedule={strategy.schedule} splits each backward into I and W, which zero_layered's "
+                      f"gathers and reduce-scatters do not follow yet (issue 32). Fix: strategy=one_f_one_b "
+                      f"strategy.schedule={strategy.schedule}, or strategy.schedule=looped_breadth_first here.")
     return errors + modular_pipeline.check_recomputing(cfg, world_size)
 
 

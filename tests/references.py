@@ -91,6 +91,22 @@ SGD_CASES = {
                                                "hardware.devices_per_node=4"], 4),
     "gpipe_pp2_m4": SgdCase(["strategy=gpipe"], 2),
     "one_f_one_b_pp2_m4": SgdCase(["strategy=one_f_one_b"], 2),
+    # ZB-H1 (split backward I + W): p = 2, m = 4 and p = 4, m = 8 (W lags I by up to 3 on rank 3)
+    "zero_bubble_h1_pp2_m4": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1"], 2),
+    "zero_bubble_h1_pp4_m8": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1",
+                                      "strategy.pipeline_degree=4", "strategy.layers_per_stage=1",
+                                      "strategy.micro_batches=8", "hardware.devices_per_node=4"], 4),
+    # ZB-H1 with data replicas (REDUCE after each stage's last W) and over a 1-D tensor grid
+    "zero_bubble_h1_pp2_dp2_m4": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1",
+                                          "hardware.devices_per_node=4"], 4),
+    "zero_bubble_h1_pp2_p2_m4": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1",
+                                         "strategy.tensor_parallel=1d", "strategy.tensor_grid=2",
+                                         "hardware.devices_per_node=4"], 4),
+    # ZBV: the V placement, 2 stages per rank (rank 0 holds the first and the last); p = 2, m = 4 and p = 4, m = 8
+    "zbv_pp2_m4": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zbv", "strategy.layers_per_stage=1"], 2),
+    "zbv_pp4_m8": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zbv", "strategy.pipeline_degree=4",
+                           "strategy.layers_per_stage=1", "model.layers=8", "strategy.micro_batches=8",
+                           "hardware.devices_per_node=4"], 4, ("strategy=single", "model.layers=8")),
     "interleaved_1f1b_pp2_v2_m4": SgdCase(["strategy=interleaved_1f1b"], 2),
     "zero_layered_dp2_m4": SgdCase(["strategy=zero_layered"], 2),
     "zero_layered_pp2_dp2_m4": SgdCase(["strategy=zero_layered", "strategy.pipeline_degree=2",

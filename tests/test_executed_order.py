@@ -4,7 +4,7 @@
    iterating the plan, so comparing them with the plan proves little. Here each rank is watched from
    underneath instead: torch.distributed's isend/irecv (peer and tag, beneath the Communicator),
    and the stage's own first block (a forward pre-hook; the backward is a gradient hook on
-   the stage's input). The micro-batch of a forward is read from the data, not from a counter: on
+   the stage's input; a split backward's W, a gradient hook on the block's first weight). The micro-batch of a forward is read from the data, not from a counter: on
    stage 0 from which chunk of the batch the tokens are, on later stages from which received message
    the input tensor is. The observed per-rank sequence must equal schedule.json's claim, and the
    observed sends and receives toward each peer must equal the plan's transfers (`issue_sequences`).
@@ -12,7 +12,8 @@
    within a stated bound of the simulated one, on a model where compute dominates communication.
 
 Test ids: {schedule}_pp2_m4 = 2 pipeline ranks, 4 micro-batches; looped = looped breadth-first with
-2 stages per rank (modular_pipeline); interleaved = interleaved 1F1B.
+2 stages per rank (modular_pipeline); interleaved = interleaved 1F1B; zbv = split backward on the V
+placement (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2, which hands its output over locally).
 """
 
 import inspect
@@ -24,7 +25,7 @@ import pytest
 from layerwise.run.fit import fit_rank, train
 from layerwise.preflight import validate
 from strategies.modular_pipeline import training_plan
-from strategies.schedule import (BACKWARD, FORWARD, POST_RECV_ACTIVATION, POST_RECV_GRADIENT, RECV_ACTIVATION,
+from strategies.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, POST_RECV_ACTIVATION, POST_RECV_GRADIENT, RECV_ACTIVATION,
                                  RECV_GRADIENT, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, is_post,
                                  issue_sequences, parse_action, posted_receive)
 from tests.ranks import QUICK, compose_config, run_on_ranks
@@ -52,6 +53,7 @@ def observed_fit(rank, cfg, directory, world):
 
     steps, watching = [], [False]
     received, embedded = {}, {}  # id(tensor) -> (tensor, which message / micro-batch it is); kept alive
+    produced, running = {}, {}  # a stage output's data_ptr -> (output, (stage, micro-batch)); stage -> micro-batch
 
     def watch_transfer(name, kind):
         original = getattr(dist, name)
@@ -77,13 +79,35 @@ def observed_fit(rank, cfg, directory, world):
             hidden = args[0]
             if stage == 0:
                 micro_batch = embedded[id(hidden)][1]
-            else:
+            elif id(hidden) in received:
                 sender, micro_batch, what = received[id(hidden)][1]
                 assert (sender, what) == (stage - 1, "activation"), (stage, sender, what)
+            else:  # the previous stage ran on this rank (the V's turn): its output's storage, detached
+                sender, micro_batch = produced[hidden.data_ptr()][1]
+                assert sender == stage - 1, (stage, sender)
+            running[stage] = micro_batch
             steps[-1].append(("forward", stage, micro_batch))
             if hidden.requires_grad:  # fires when the stage's backward reaches its input
-                hidden.register_hook(lambda gradient: steps[-1].append(("backward", stage, micro_batch)))
+                hidden.register_hook(lambda gradient: backward_reached(stage, micro_batch))
         return before
+
+    def stage_ends(stage):
+        def after(module, args, output):
+            if watching[0]:
+                produced[output.data_ptr()] = (output, (stage, running[stage]))
+        return after
+
+    def backward_reached(stage, micro_batch):
+        # Once per step: stage 0's W (the embedding's weight gradient) passes the embedding's output
+        # again after its I did (strategies/stages.py backward_weight); that is the W's event.
+        if ("backward", stage, micro_batch) not in steps[-1]:
+            steps[-1].append(("backward", stage, micro_batch))
+
+    def weight_computed(stage):
+        def hook(gradient):
+            if watching[0]:
+                steps[-1].append(("weight", stage))
+        return hook
 
     def tokens_embedded(module, args, output):
         if watching[0]:
@@ -95,9 +119,14 @@ def observed_fit(rank, cfg, directory, world):
     def setup(self, trainer):
         original_setup(self, trainer)
         model, per_stage = self.lightning_module.model, self.layers_per_stage
+        split = BACKWARD_WEIGHT in self.plan.kinds  # W: the first weight's gradient (B computes it too)
         for name, block in model.blocks.items():
             if int(name) % per_stage == 0:
                 block.register_forward_pre_hook(stage_starts(int(name) // per_stage))
+            if int(name) % per_stage == per_stage - 1:
+                block.register_forward_hook(stage_ends(int(name) // per_stage))
+                if split:
+                    next(block.parameters()).register_hook(weight_computed(int(name) // per_stage))
         if model.embed is not None:
             model.embed.register_forward_hook(tokens_embedded)
 
@@ -110,6 +139,7 @@ def observed_fit(rank, cfg, directory, world):
             watching[0] = False
             received.clear()
             embedded.clear()
+            produced.clear()
 
     ModularPipelineStrategy.setup, ModularPipelineStrategy.run_step = setup, run_step
     fit_rank(rank, cfg, directory, world)
@@ -118,23 +148,26 @@ def observed_fit(rank, cfg, directory, world):
 
 # ----------------------------------------------------------------------------- what the claims say
 
-def claimed_events(row: list) -> list:
+def claimed_events(row: list, placement=None) -> list:
     """schedule.json's executed row as the events a watcher sees: a forward and a backward; a send at
     its SEND; a receive issued at its post, or at its RECV when it has none (a posted RECV only waits);
-    a REDUCE on a single replica calls nothing. Stage c runs on rank c mod p (looping, and GPipe's one
-    stage per rank)."""
+    a REDUCE on a single replica calls nothing. Stage c runs on rank `placement[c]`, by default
+    c mod p (looping, and GPipe's one stage per rank)."""
+    rank_of = (lambda stage: stage % RANKS) if placement is None else placement.__getitem__
     actions = [parse_action(text) for text in row]
     posted = {posted_receive(action) for action in actions if is_post(action)}
     events = []
     for action in actions:
         what = "gradient" if action.kind in GRADIENT_KINDS else "activation"
-        if action.kind in (FORWARD, BACKWARD):
+        if action.kind in (FORWARD, BACKWARD, BACKWARD_INPUT):
             events.append(("forward" if action.kind == FORWARD else "backward", action.stage, action.micro_batch))
+        elif action.kind == BACKWARD_WEIGHT:  # the watcher cannot tell a weight gradient's micro-batch
+            events.append(("weight", action.stage))
         elif action.kind in (SEND_ACTIVATION, SEND_GRADIENT):
-            events.append(("send", action.peer_stage % RANKS, action.stage, action.micro_batch, what))
+            events.append(("send", rank_of(action.peer_stage), action.stage, action.micro_batch, what))
         elif action.kind in (POST_RECV_ACTIVATION, POST_RECV_GRADIENT) or (
                 action.kind in (RECV_ACTIVATION, RECV_GRADIENT) and action not in posted):
-            events.append(("receive", action.peer_stage % RANKS, action.peer_stage, action.micro_batch, what))
+            events.append(("receive", rank_of(action.peer_stage), action.peer_stage, action.micro_batch, what))
         else:
             assert action.kind in (RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT), action
     return events
@@ -154,6 +187,8 @@ def planned_transfers(plan, rank: int, peer: int) -> list:
 ORDER_CASES = {
     "looped_pp2_v2_m4": ["strategy=modular_pipeline"],
     "one_f_one_b_pp2_m4": ["strategy=one_f_one_b"],
+    "zero_bubble_h1_pp2_m4": ["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1"],
+    "zbv_pp2_m4": ["strategy=one_f_one_b", "strategy.schedule=zbv", "strategy.layers_per_stage=1"],
     "interleaved_pp2_v2_m4": ["strategy=interleaved_1f1b"],
 }
 
@@ -170,13 +205,15 @@ def test_observed_order_equals_the_claimed_order_and_the_planned_transfers(case,
     for rank in range(RANKS):
         steps = observed[rank]
         assert len(steps) == STEPS
-        assert steps[-1] == claimed_events(claimed[rank]), f"rank {rank}: observed ≠ schedule.json"
+        assert steps[-1] == claimed_events(claimed[rank], plan.placement), f"rank {rank}: observed ≠ schedule.json"
         assert all(step == steps[-1] for step in steps), f"rank {rank}: steps ran different orders"
         stages = {event[1] for event in steps[-1] if event[0] == "forward"}
-        assert stages == set(range(rank, cfg.model.layers // cfg.strategy.layers_per_stage, RANKS))
+        assert stages == set(plan.stages_on(rank))
         for kind in ("forward", "backward"):  # each of its stages × micro-batches exactly once
             ran = sorted(event[1:] for event in steps[-1] if event[0] == kind)
             assert ran == sorted((stage, i) for stage in stages for i in range(MICRO_BATCHES)), kind
+        weights = sorted(event[1] for event in steps[-1] if event[0] == "weight")
+        assert weights == (sorted(list(stages) * MICRO_BATCHES) if BACKWARD_WEIGHT in plan.kinds else [])
         peer = 1 - rank
         transfers = [event for event in steps[-1] if event[0] in ("send", "receive")]
         assert all(event[1] == peer for event in transfers)

@@ -49,5 +49,5 @@ def plan_result(cfg, world_size: int, with_timeline: bool = False):
     result = {**_result_header(cfg, world_size, workload, device, step["step_seconds"]),
               "bubble_fraction": step["bubble_fraction"], "exposed_data_s": step["exposed_data_seconds"],
               "comm_bytes_per_step_by_pipeline_rank": step["bytes_by_rank"],
-              "roles": [_role(label, ranks, breakdown, margin, device) for label, ranks, breakdown in roles(per_rank)]}
+              "roles": [_role(label, ranks, breakdown, margin, device) for label, ranks, breakdown in roles(per_rank, schedule.placement[-1])]}
     return (result, step["timeline"]) if with_timeline else result

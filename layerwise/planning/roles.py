@@ -9,20 +9,21 @@ from models.transformer import model_flops_per_token
 GIB = 2 ** 30
 
 
-def roles(per_rank: list) -> list:
-    """Pipeline ranks with equal memory merged into one role: (label, ranks, breakdown)."""
+def roles(per_rank: list, head_rank: int = None) -> list:
+    """Pipeline ranks with equal memory merged into one role: (label, ranks, breakdown). The head is
+    on `head_rank`, by default the last (ZBV's V placement puts it on rank 0)."""
     merged = []
     for rank, breakdown in enumerate(per_rank):
         if merged and merged[-1][2] == breakdown:
             merged[-1][1].append(rank)
         else:
             merged.append((None, [rank], breakdown))
-    last = len(per_rank) - 1
-    return [(_label(ranks, last), ranks, breakdown) for _, ranks, breakdown in merged]
+    head = len(per_rank) - 1 if head_rank is None else head_rank
+    return [(_label(ranks, head), ranks, breakdown) for _, ranks, breakdown in merged]
 
 
-def _label(ranks: list, last: int) -> str:
-    parts = (["embedding"] if 0 in ranks else []) + (["head"] if last in ranks else [])
+def _label(ranks: list, head: int) -> str:
+    parts = (["embedding"] if 0 in ranks else []) + (["head"] if head in ranks else [])
     span = f"pipeline rank {ranks[0]}" if len(ranks) == 1 else f"pipeline ranks {ranks[0]}–{ranks[-1]}"
     return span + (f" ({' + '.join(parts)})" if parts else "")
 

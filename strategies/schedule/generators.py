@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from .ir import BACKWARD, FORWARD, Action, Plan
+from .ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, Plan
 
-PLACEMENTS = ("contiguous", "looping")
+PLACEMENTS = ("contiguous", "looping", "v")
 
 
 def stage_placement(stages: int, pipeline_degree: int, placement: str = "contiguous") -> tuple[int, ...]:
     """Rank of every stage: "contiguous" puts stage c on rank c // (stages/p); "looping" on rank c mod p.
 
     Looping is the modular pipeline of Lamy-Poirier 2021: each micro-batch loops v = stages/p
-    times around the ring of ranks.
+    times around the ring of ranks. "v" (stages = 2p, ZBV: Qi et al. 2024) goes down the ranks and
+    back up: stage c on rank c for c < p, else 2p − 1 − c, so rank 0 holds the first and the last.
     """
     if pipeline_degree < 1 or stages % pipeline_degree:
         raise ValueError(f"stages ({stages}) must be a positive multiple of strategy.pipeline_degree "
@@ -31,6 +32,12 @@ def stage_placement(stages: int, pipeline_degree: int, placement: str = "contigu
         return tuple(stage // (stages // pipeline_degree) for stage in range(stages))
     if placement == "looping":
         return tuple(stage % pipeline_degree for stage in range(stages))
+    if placement == "v":
+        if stages != 2 * pipeline_degree:
+            raise ValueError(f"the V placement holds 2 stages per rank: {stages} stages for "
+                             f"strategy.pipeline_degree={pipeline_degree} (set strategy.layers_per_stage to "
+                             f"model.layers / (2 × pipeline_degree))")
+        return tuple(stage if stage < pipeline_degree else stages - 1 - stage for stage in range(stages))
     raise ValueError(f"unknown strategy.placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")
 
 
@@ -168,6 +175,109 @@ def _interleaved_row(rank: int, pipeline_degree: int, micro_batches: int, loops:
     return [None] * rank + [action(FORWARD, k) for k in range(warmup)] + steady + cooldown
 
 
+def zero_bubble_h1(pipeline_degree: int, micro_batches: int, breadth_first_micro_batches: int | None = None) -> Plan:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism" §3.1): 1F1B's peak memory, a third of its bubble.
+
+    Each backward is split into I (input gradient, on the critical path) and W (weight gradient).
+    Rank r runs 1F1B's p−1−r warm-up forwards, then F, I pairs, each followed by a W from its
+    (r+1)-th pair on (W lags I by r micro-batches), then the cool-down Is with their Ws, then the r
+    Ws left. At most p micro-batches are between F and W on any rank (1F1B's peak, on rank 0);
+    the deferred Ws fill the cool-down: bubble (p−1)(T_F+T_B−T_W) vs 1F1B's (p−1)(T_F+T_B+T_W).
+    """
+    breadth_first = _breadth_first(micro_batches, breadth_first_micro_batches)
+    placement = stage_placement(pipeline_degree, pipeline_degree, "contiguous")
+    rows = [_zero_bubble_h1_row(rank, pipeline_degree, breadth_first) for rank in range(pipeline_degree)]
+    group = Plan(rows, pipeline_degree, breadth_first, placement)
+    name = _name("zero_bubble_h1", micro_batches, breadth_first, p=pipeline_degree)
+    return _in_depth_first_groups(group, micro_batches, name)
+
+
+def _zero_bubble_h1_row(rank: int, pipeline_degree: int, micro_batches: int) -> list[Action | None]:
+    warmup = min(pipeline_degree - 1 - rank, micro_batches)
+    row: list[Action | None] = [None] * rank + [Action(FORWARD, rank, i) for i in range(warmup)]
+    for k in range(micro_batches):
+        if warmup + k < micro_batches:
+            row.append(Action(FORWARD, rank, warmup + k))
+        row.append(Action(BACKWARD_INPUT, rank, k))
+        if k >= rank:  # W lags I by `rank` micro-batches: the later ranks' Is reach rank 0 sooner
+            row.append(Action(BACKWARD_WEIGHT, rank, k - rank))
+    return row + [Action(BACKWARD_WEIGHT, rank, k) for k in range(max(micro_batches - rank, 0), micro_batches)]
+
+
+def zbv(pipeline_degree: int, micro_batches: int, breadth_first_micro_batches: int | None = None) -> Plan:
+    """ZBV (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory" §4): split backward on the V placement.
+
+    2p stages, rank r holding stages r and 2p−1−r (`stage_placement` "v"), so the loss and the
+    first input are on rank 0 and the turn of the V needs no transfer. Each rank's order comes
+    from a unit-time list schedule (T_F = T_I = T_W per stage): at each unit a free rank starts the
+    first ready of its pending Is (the later stage first: it feeds the chain back), its next F
+    (the later stage first) while fewer than 2p stage-micro-batches are between F and W (1F1B's
+    peak memory: p micro-batches of two half-size stages), its oldest W.
+    """
+    breadth_first = _breadth_first(micro_batches, breadth_first_micro_batches)
+    stages = 2 * pipeline_degree
+    placement = stage_placement(stages, pipeline_degree, "v")
+    rows = _v_list_schedule(pipeline_degree, breadth_first, placement)
+    group = Plan(rows, stages, breadth_first, placement)
+    return _in_depth_first_groups(group, micro_batches, _name("zbv", micro_batches, breadth_first, p=pipeline_degree))
+
+
+def _v_list_schedule(pipeline_degree: int, micro_batches: int, placement: tuple) -> list[list[Action | None]]:
+    """Every rank's F/I/W order (zbv's docstring); ends become visible one unit after a start, on every rank alike."""
+    stages, cap = len(placement), 2 * pipeline_degree
+    finished: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro-batch) -> end time
+    state = _ListState(next_forward=[0] * stages, inputs=[[] for _ in range(stages)],
+                       weights=[[] for _ in range(pipeline_degree)], alive=[0] * pipeline_degree)
+    rows: list[list[Action | None]] = [[] for _ in range(pipeline_degree)]
+    time = 0
+    while sum(len(row) for row in rows) < 3 * stages * micro_batches:
+        def done(kind, stage, micro_batch):
+            return finished.get((kind, stage, micro_batch), time + 1) <= time
+        started = []
+        for rank in range(pipeline_degree):
+            local = sorted((stage for stage in range(stages) if placement[stage] == rank), reverse=True)
+            action = _first_ready(rank, local, stages, micro_batches, cap, state, done)
+            if action is not None:
+                started.append(action)
+                rows[rank].append(action)
+        for action in started:
+            finished[action.kind, action.stage, action.micro_batch] = time + 1
+        time += 1
+        if time > 6 * stages * (micro_batches + stages):  # cannot happen: some rank always has a ready action
+            raise AssertionError(f"zbv list schedule stalled at p={pipeline_degree}, m={micro_batches}")
+    return rows
+
+
+@dataclasses.dataclass
+class _ListState:
+    next_forward: list  # per stage: its next micro-batch to run forward
+    inputs: list  # per stage: micro-batches whose F ran and whose I has not, oldest first
+    weights: list  # per rank: its I actions whose W has not run, oldest first
+    alive: list  # per rank: stage-micro-batches between F and W
+
+
+def _first_ready(rank, local, stages, micro_batches, cap, state, done) -> Action | None:
+    for stage in local:
+        pending = state.inputs[stage]
+        if pending and done(FORWARD, stage, pending[0]) and \
+                (stage == stages - 1 or done(BACKWARD_INPUT, stage + 1, pending[0])):
+            action = Action(BACKWARD_INPUT, stage, pending.pop(0))
+            state.weights[rank].append(action)
+            return action
+    if state.alive[rank] < cap:
+        for stage in local:
+            micro_batch = state.next_forward[stage]
+            if micro_batch < micro_batches and (stage == 0 or done(FORWARD, stage - 1, micro_batch)):
+                state.next_forward[stage] += 1
+                state.inputs[stage].append(micro_batch)
+                state.alive[rank] += 1
+                return Action(FORWARD, stage, micro_batch)
+    if state.weights[rank]:
+        state.alive[rank] -= 1
+        return dataclasses.replace(state.weights[rank].pop(0), kind=BACKWARD_WEIGHT)
+    return None
+
+
 def layered(stages: int, micro_batches: int, breadth_first_micro_batches: int | None = None) -> Plan:
     """Single-rank layered gradient accumulation: `looped_breadth_first` at p = 1.
 
@@ -183,7 +293,9 @@ def layered(stages: int, micro_batches: int, breadth_first_micro_batches: int | 
 # Registry with the config-time checks
 
 
-SCHEDULES = ("gpipe", "one_f_one_b", "looped_breadth_first", "interleaved_one_f_one_b", "layered")
+SCHEDULES = ("gpipe", "one_f_one_b", "looped_breadth_first", "interleaved_one_f_one_b", "layered",
+             "zero_bubble_h1", "zbv")
+ZERO_BUBBLE = ("zero_bubble_h1", "zbv")  # split backward (I + W): one stage per rank, two (V) for zbv
 
 
 def build_plan(schedule: str, *, pipeline_degree: int, stages: int, micro_batches: int,
@@ -203,6 +315,10 @@ def build_plan(schedule: str, *, pipeline_degree: int, stages: int, micro_batche
         return looped_breadth_first(pipeline_degree, micro_batches, loops, breadth_first)
     if schedule == "interleaved_one_f_one_b":
         return interleaved_one_f_one_b(pipeline_degree, micro_batches, loops, breadth_first)
+    if schedule == "zero_bubble_h1":
+        return zero_bubble_h1(pipeline_degree, micro_batches, breadth_first)
+    if schedule == "zbv":
+        return zbv(pipeline_degree, micro_batches, breadth_first)
     return layered(stages, micro_batches, breadth_first)
 
 
@@ -213,7 +329,11 @@ def _check_combination(schedule, pipeline_degree, stages, micro_batches, breadth
         raise ValueError(f"strategy.pipeline_degree ({pipeline_degree}) and strategy.micro_batches "
                          f"({micro_batches}) must be at least 1")
     stage_placement(stages, pipeline_degree)  # stages must be a multiple of p
-    if schedule in ("gpipe", "one_f_one_b") and stages != pipeline_degree:
+    if schedule == "zbv" and stages != 2 * pipeline_degree:
+        raise ValueError(f"strategy.schedule=zbv puts two stages on each rank (the V placement) but there are "
+                         f"{stages} stages for strategy.pipeline_degree={pipeline_degree}: set "
+                         f"strategy.layers_per_stage to model.layers / (2 × pipeline_degree)")
+    if schedule in ("gpipe", "one_f_one_b", "zero_bubble_h1") and stages != pipeline_degree:
         raise ValueError(f"strategy.schedule={schedule} puts one stage on each rank but there are {stages} "
                          f"stages for strategy.pipeline_degree={pipeline_degree}: set strategy.layers_per_stage "
                          f"to model.layers / pipeline_degree, or use strategy.schedule=looped_breadth_first")

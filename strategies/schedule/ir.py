@@ -10,6 +10,7 @@ Compact string form of an action (stage, letter, micro-batch, optional arrow and
     "3B1→2"  stage 3 sends mb 1's gradient to 2       "2B1←3"  stage 2 receives it from stage 3
     "4f1←3"  post (issue) the receive "4F1←3" here    "2b1←3"  post the receive "2B1←3" here
     "3R"     reduce stage 3's gradient over the data-parallel group
+    "3I1"    input-gradient half of 3B1 (split backward)  "3W1"  its weight-gradient half
 A receive is issued where its post (lowercase letter) stands and waited on at the RECV (uppercase);
 a RECV without a post issues and waits at once. NCCL matches a pair of ranks' operations in the
 order each side issues them, so where a receive is issued is part of the plan (point_to_point.py).
@@ -36,6 +37,11 @@ RECV_GRADIENT = "RECV_GRADIENT"
 REDUCE_GRADIENT = "REDUCE_GRADIENT"
 POST_RECV_ACTIVATION = "POST_RECV_ACTIVATION"  # issue (irecv) a RECV_ACTIVATION ahead of its wait
 POST_RECV_GRADIENT = "POST_RECV_GRADIENT"  # issue (irecv) a RECV_GRADIENT ahead of its wait
+# Split backward (Qi et al. 2023, "Zero Bubble Pipeline Parallelism" §2): B = I (gradient of the
+# stage input, on the critical path: the previous stage waits for it) + W (gradient of the weights,
+# needed only by the optimizer, so it can move into bubbles). A plan uses B or I + W per (stage, mb).
+BACKWARD_INPUT = "BACKWARD_INPUT"
+BACKWARD_WEIGHT = "BACKWARD_WEIGHT"
 
 SEND_ARROW, RECEIVE_ARROW = "→", "←"
 _ASCII_ARROWS = {"->": SEND_ARROW, "<-": RECEIVE_ARROW}
@@ -54,6 +60,8 @@ class KindInfo(NamedTuple):
 KINDS: dict[str, KindInfo] = {
     FORWARD: KindInfo("F", None, True, True, False),
     BACKWARD: KindInfo("B", None, True, True, False),
+    BACKWARD_INPUT: KindInfo("I", None, True, True, False),
+    BACKWARD_WEIGHT: KindInfo("W", None, True, True, False),
     SEND_ACTIVATION: KindInfo("F", SEND_ARROW, True, False, True),
     RECV_ACTIVATION: KindInfo("F", RECEIVE_ARROW, True, False, True),
     SEND_GRADIENT: KindInfo("B", SEND_ARROW, True, False, True),
@@ -252,7 +260,7 @@ def dependencies(action: Action, plan: Plan) -> tuple[Action, ...]:
     F(s,i) needs F(s−1,i); B(s,i) needs F(s,i) and B(s+1,i) — the loss lives in the last stage's
     forward, so B(S−1,i) needs only F(S−1,i). In a plan with explicit transfers, a value made on
     another rank arrives through the receive on this rank, and a receive needs its send.
-    REDUCE_GRADIENT(s) needs every B(s,·). A kind may have several rules (a pass adds predecessors
+    REDUCE_GRADIENT(s) needs every B(s,·) (every W(s,·) in a split plan). A kind may have several rules (a pass adds predecessors
     to a core kind, e.g. L2L's weight copies before F and B): their predecessors add up.
     Kinds without a rule depend on nothing.
     """
@@ -266,11 +274,22 @@ def _forward_dependencies(action: Action, plan: Plan) -> tuple[Action, ...]:
 
 
 def _backward_dependencies(action: Action, plan: Plan) -> tuple[Action, ...]:
+    """B(s,i) and I(s,i): their forward, and the output gradient from B(s+1,i) or I(s+1,i)."""
     own_forward = Action(FORWARD, action.stage, action.micro_batch)
     if action.stage == plan.stages - 1:
         return (own_forward,)
-    upstream_gradient = Action(BACKWARD, action.stage + 1, action.micro_batch)
+    upstream_gradient = gradient_producer(plan, action.stage + 1, action.micro_batch)
     return own_forward, _arrival(plan, RECV_GRADIENT, upstream_gradient, action)
+
+
+def gradient_producer(plan: Plan, stage: int, micro_batch: int) -> Action:
+    """The action computing the input gradient of (stage, micro_batch): I in a split plan, else B."""
+    return Action(BACKWARD_INPUT if BACKWARD_INPUT in plan.kinds else BACKWARD, stage, micro_batch)
+
+
+def weight_gradient_producer(plan: Plan, stage: int, micro_batch: int) -> Action:
+    """The action after which (stage, micro_batch)'s weight gradient is accumulated: W in a split plan, else B."""
+    return Action(BACKWARD_WEIGHT if BACKWARD_WEIGHT in plan.kinds else BACKWARD, stage, micro_batch)
 
 
 def _arrival(plan: Plan, receive_kind: str, producer: Action, consumer: Action) -> Action:
@@ -286,12 +305,15 @@ Rule = Callable[[Action, Plan], tuple[Action, ...]]
 _DEPENDENCY_RULES: dict[str, tuple[Rule, ...]] = {
     FORWARD: (_forward_dependencies,),
     BACKWARD: (_backward_dependencies,),
+    BACKWARD_INPUT: (_backward_dependencies,),
+    # W needs only its own I: the graph I kept holds everything else (Qi et al. 2023 §2).
+    BACKWARD_WEIGHT: (lambda action, plan: (Action(BACKWARD_INPUT, action.stage, action.micro_batch),),),
     SEND_ACTIVATION: (lambda action, plan: (Action(FORWARD, action.stage, action.micro_batch),),),
-    SEND_GRADIENT: (lambda action, plan: (Action(BACKWARD, action.stage, action.micro_batch),),),
+    SEND_GRADIENT: (lambda action, plan: (gradient_producer(plan, action.stage, action.micro_batch),),),
     RECV_ACTIVATION: (lambda action, plan: (counterpart(action),),),
     RECV_GRADIENT: (lambda action, plan: (counterpart(action),),),
     REDUCE_GRADIENT: (lambda action, plan: tuple(
-        Action(BACKWARD, action.stage, micro_batch) for micro_batch in range(plan.micro_batches)),),
+        weight_gradient_producer(plan, action.stage, micro_batch) for micro_batch in range(plan.micro_batches)),),
 }
 
 

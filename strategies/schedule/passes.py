@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .ir import (BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT, SEND_ACTIVATION,
+from .ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT, SEND_ACTIVATION,
                  SEND_GRADIENT, Action, Plan, is_post)
 from .point_to_point import add_receive_posts
 
@@ -20,6 +20,7 @@ from .point_to_point import add_receive_posts
 _FLOW = {
     FORWARD: (-1, RECV_ACTIVATION, +1, SEND_ACTIVATION),
     BACKWARD: (+1, RECV_GRADIENT, -1, SEND_GRADIENT),
+    BACKWARD_INPUT: (+1, RECV_GRADIENT, -1, SEND_GRADIENT),  # a split backward's I moves B's messages; W none
 }
 
 
@@ -52,7 +53,7 @@ def _transfer(plan: Plan, kind: str, action: Action, peer_stage: int) -> list[Ac
 
 
 def add_gradient_reductions(plan: Plan) -> Plan:
-    """Insert REDUCE_GRADIENT(s) right after the last BACKWARD of stage s on its rank.
+    """Insert REDUCE_GRADIENT(s) right after the last BACKWARD (split: BACKWARD_WEIGHT) of stage s on its rank.
 
     Under layered accumulation that is long before the step ends, so the data-parallel reduction of
     stage s overlaps the backward of the earlier stages. If the backward's gradient send (and
@@ -66,7 +67,7 @@ def add_gradient_reductions(plan: Plan) -> Plan:
 
 def _reduce_after_last_backward(row: tuple[Action | None, ...]) -> list[Action | None]:
     last_backward = {action.stage: slot for slot, action in enumerate(row)
-                     if action is not None and action.kind == BACKWARD}
+                     if action is not None and action.kind in (BACKWARD, BACKWARD_WEIGHT)}
     reduce_after = {_after_its_sends(row, slot): stage for stage, slot in last_backward.items()}
     result = []
     for slot, action in enumerate(row):

@@ -15,10 +15,12 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.lines import Line2D
 
-from .ir import BACKWARD, FORWARD, REDUCE_GRADIENT
+from .ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, REDUCE_GRADIENT
 from .simulate import TimedAction, Timeline
 
-_COLOUR_MAPS = {FORWARD: colormaps["Blues"], BACKWARD: colormaps["Oranges"]}
+# Split backward: I (input gradient) keeps B's oranges, W (weight gradient) is drawn in greens.
+_COLOUR_MAPS = {FORWARD: colormaps["Blues"], BACKWARD: colormaps["Oranges"], BACKWARD_INPUT: colormaps["Oranges"],
+                BACKWARD_WEIGHT: colormaps["Greens"]}
 _OTHER_COMPUTE_MAP = colormaps["RdPu"]  # a pass's own compute kinds (K-FAC units), apart from F/B
 _COMMUNICATION_COLOUR, _REDUCE_COLOUR = "0.6", "tab:green"
 _FONT_SIZE = 7
@@ -100,15 +102,19 @@ def _decorate(axes, timeline: Timeline, title: str | None, time_unit: str) -> No
                f"bubble {timeline.bubble_fraction:.1%}")
     axes.set_title(f"{title or timeline.name or 'schedule'}\n{summary}", fontsize=10)
     other = any(_is_other_compute(record.action) for row in timeline.ranks for record in row)
-    handles = _legend_handles(other)
+    split = any(record.action.kind == BACKWARD_WEIGHT for row in timeline.ranks for record in row)
+    handles = _legend_handles(other, split)
     axes.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.12 / ranks),
-                ncol=len(handles), fontsize=8, frameon=False)
+                ncol=len(handles) if not split else 3, fontsize=8, frameon=False)
 
 
-def _legend_handles(other_compute: bool) -> list:
-    """The legend; the magenta entry only when the timeline has such units (legends of F/B plans unchanged)."""
+def _legend_handles(other_compute: bool, split_backward: bool = False) -> list:
+    """The legend; the magenta entry only when the timeline has such units, the W entry only for a split
+    backward (legends of F/B plans unchanged)."""
     other = [Patch(color=_OTHER_COMPUTE_MAP(0.6), label="K-FAC / other compute")] if other_compute else []
+    backward = "I: input gradient" if split_backward else "backward"
+    weight = [Patch(color=_COLOUR_MAPS[BACKWARD_WEIGHT](0.6), label="W: weight gradient")] if split_backward else []
     return [Patch(color=_COLOUR_MAPS[FORWARD](0.6), label="forward (darker = later stage)"),
-            Patch(color=_COLOUR_MAPS[BACKWARD](0.6), label="backward (darker = later stage)"), *other,
+            Patch(color=_COLOUR_MAPS[BACKWARD](0.6), label=f"{backward} (darker = later stage)"), *weight, *other,
             Patch(color=_COMMUNICATION_COLOUR, label="communication"),
             Line2D([], [], marker="D", linestyle="", color=_REDUCE_COLOUR, label="gradient reduction")]

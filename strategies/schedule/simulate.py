@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, NamedTuple, Sequence
 
-from .ir import BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, Action, Plan, PlanError, dependencies
+from .ir import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, Action, Plan, PlanError, dependencies
 
 Cost = Callable[[Action], float]
 
@@ -73,7 +73,8 @@ def unit_cost(action: Action) -> float:
 
 def flop_cost(forward_flops_per_stage: Sequence[float] | float, flops_per_second: float, backward_factor: float = 2.0,
               bytes_per_second: float | None = None, activation_bytes: float = 0) -> Cost:
-    """Cost model from FLOPs: F(s) = flops[s] / (FLOP/s), B(s) = backward_factor × F(s).
+    """Cost model from FLOPs: F(s) = flops[s] / (FLOP/s), B(s) = backward_factor × F(s); a split backward's
+    I(s) and W(s) take half of B(s) each (the input- and weight-gradient products have equal FLOPs).
 
     A receive's wait takes activation_bytes / bytes_per_second (gradients are the same size); sends
     and receive posts cost nothing on their rank (issued asynchronously); other kinds cost 0.
@@ -88,6 +89,8 @@ def flop_cost(forward_flops_per_stage: Sequence[float] | float, flops_per_second
             return forward_seconds(action.stage)
         if action.kind == BACKWARD:
             return backward_factor * forward_seconds(action.stage)
+        if action.kind in (BACKWARD_INPUT, BACKWARD_WEIGHT):  # each half of B (Qi et al. 2023: T_B ≈ T_W)
+            return backward_factor / 2 * forward_seconds(action.stage)
         is_receive = action.kind in (RECV_ACTIVATION, RECV_GRADIENT)
         return activation_bytes / bytes_per_second if is_receive and bytes_per_second else 0.0
 

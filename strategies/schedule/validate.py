@@ -1,8 +1,8 @@
 """The validator: every plan is checked before it runs, and a fault is shown on the rank × slot grid.
 
 Checks, in order: shape (stage, micro-batch and rank numbers in range), each action on the rank
-its stage is placed on, each action at most once and every F and B exactly once, F before its B
-on a rank, every transfer paired with its other end, every receive post before its RECV, every
+its stage is placed on, each action at most once and every F and B (or, split, its I and W) exactly
+once, F before its B (or I, and I before its W) on a rank, every transfer paired with its other end, every receive post before its RECV, every
 dependency present, a unit-time dry run (the simulator itself) that always makes progress, and
 NCCL's rule: each pair of ranks issues its point-to-point operations in one order
 (point_to_point.py).
@@ -10,7 +10,7 @@ NCCL's rule: each pair of ranks issues its point-to-point operations in one orde
 
 from __future__ import annotations
 
-from .ir import (BACKWARD, FORWARD, SEND_ARROW, Action, Plan, PlanError, counterpart, dependencies, is_post,
+from .ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SEND_ARROW, Action, Plan, PlanError, counterpart, dependencies, is_post,
                  posted_receive)
 from .point_to_point import check_point_to_point_order
 from .simulate import simulate, unit_cost
@@ -53,23 +53,38 @@ def _check_once(plan: Plan) -> None:
             raise PlanError(f"{action} occurs twice (first at rank {seen[action][0]}, slot {seen[action][1]}).",
                             plan, [seen[action], (rank, slot)])
         seen[action] = (rank, slot)
-    for kind in (FORWARD, BACKWARD):
-        for stage in range(plan.stages):
-            for micro_batch in range(plan.micro_batches):
-                if Action(kind, stage, micro_batch) not in seen:
-                    raise PlanError(f"{Action(kind, stage, micro_batch)} is missing: each stage runs the forward and "
-                                    f"the backward of every micro-batch exactly once (stage {stage} is on "
-                                    f"rank {plan.rank_of(stage)}).", plan)
+    for stage in range(plan.stages):
+        for micro_batch in range(plan.micro_batches):
+            for needed in _compute_of(stage, micro_batch, seen):
+                if needed not in seen:
+                    raise PlanError(f"{needed} is missing: each stage runs the forward and the backward (fused B, "
+                                    f"or split into I and W) of every micro-batch exactly once (stage {stage} is "
+                                    f"on rank {plan.rank_of(stage)}).", plan)
+            if Action(BACKWARD, stage, micro_batch) in seen and Action(BACKWARD_INPUT, stage, micro_batch) in seen:
+                raise PlanError(f"{Action(BACKWARD, stage, micro_batch)} and {Action(BACKWARD_INPUT, stage, micro_batch)}"
+                                f" both occur: a micro-batch's backward of a stage is fused (B) or split (I + W), "
+                                f"not both.", plan, [seen[Action(BACKWARD, stage, micro_batch)]])
+
+
+def _compute_of(stage: int, micro_batch: int, seen: dict) -> tuple[Action, ...]:
+    """The compute actions (stage, micro_batch) needs: F and B, or F, I and W when the plan splits its backward."""
+    split = Action(BACKWARD_INPUT, stage, micro_batch) in seen or Action(BACKWARD_WEIGHT, stage, micro_batch) in seen
+    backward = (BACKWARD_INPUT, BACKWARD_WEIGHT) if split else (BACKWARD,)
+    return tuple(Action(kind, stage, micro_batch) for kind in (FORWARD, *backward))
+
+
+_COMES_AFTER = {BACKWARD: FORWARD, BACKWARD_INPUT: FORWARD, BACKWARD_WEIGHT: BACKWARD_INPUT}
 
 
 def _check_forward_before_backward(plan: Plan) -> None:
     for rank, row in enumerate(plan.ranks):
         done = set()
         for slot, action in enumerate(row):
-            if action is not None and action.kind == BACKWARD:
-                forward = Action(FORWARD, action.stage, action.micro_batch)
-                if forward not in done:
-                    raise PlanError(f"{action} comes before its forward {forward} on rank {rank}.",
+            if action is not None and action.kind in _COMES_AFTER:
+                before = Action(_COMES_AFTER[action.kind], action.stage, action.micro_batch)
+                if before not in done:
+                    what = "forward" if before.kind == FORWARD else "input gradient"
+                    raise PlanError(f"{action} comes before its {what} {before} on rank {rank}.",
                                     plan, [(rank, slot)])
             done.add(action)
 

@@ -20,8 +20,8 @@ import layerwise.run.fit as run_module
 from layerwise.preflight import validate
 from layerwise.run.fit import train
 from layerwise.run.hangs import HUNG_EXIT_CODE, StragglerDetector, diagnose
-from layerwise.run.launch import HangError
-from tests.harness import QUICK, RankError, compose_config
+from layerwise.run.launch import HangError, RankError
+from tests.ranks import QUICK, compose_config
 
 TIMEOUT_S = 3.0
 STEPS, EVERY = 6, 2

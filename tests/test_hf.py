@@ -1,0 +1,109 @@
+"""models/hf.py against transformers itself: tiny random models built with transformers' own config
+classes and saved into a temporary directory (nothing is downloaded) give the same logits when
+loaded by layerwise, and layerwise's export loads back into transformers with no missing or
+unexpected keys and bit-identical tensors."""
+
+import json
+import re
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+from models.hf import SafetensorsFiles, load_pretrained, read_config, save_pretrained, hf_shape  # noqa: E402
+
+VOCAB = 97
+LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=64, initializer_range=0.3)
+CASES = {
+    "llama_gqa": ("LlamaConfig", "LlamaForCausalLM",
+                  dict(LLAMA, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=500000.0)),
+    "llama_tied_llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        LLAMA, num_key_value_heads=1, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(LLAMA, num_key_value_heads=2, sliding_window=64)),
+    "qwen2_bias_tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(LLAMA, num_key_value_heads=2, tie_word_embeddings=True)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.3)),
+}
+
+
+def hf_model(case: str, path, **changes):
+    """A random transformers model of `case` saved in `path`; norms and biases drawn away from their
+    init (1, 0) so that a mapping that dropped them would show."""
+    config_class, model_class, fields = CASES[case]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**dict(fields, **changes))).eval()
+    with torch.no_grad():
+        for name, value in model.named_parameters():
+            if value.dim() == 1:
+                value.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+    model.save_pretrained(path)
+    return model
+
+
+def tokens(length: int = 24) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_imported_logits_equal_transformers(case, tmp_path):
+    reference = hf_model(case, tmp_path)
+    ours = load_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        expected, got = reference(tokens()).logits, ours(tokens())
+    scale = expected.abs().max()
+    assert scale > 1.0  # logits of a size that a missing norm or bias would change
+    # fp32: the two compute the same products in a different order (fused q/k/v, SDPA kernels).
+    assert (got - expected).abs().max() <= 1e-4 * scale
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_import_then_export_is_bit_identical_and_loads_in_transformers(case, tmp_path):
+    hf_model(case, tmp_path / "in")
+    ours = load_pretrained(tmp_path / "in")
+    save_pretrained(ours, tmp_path / "out")
+    before, after = load_file(tmp_path / "in" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():
+        expected, got = reloaded.eval()(tokens()).logits, load_pretrained(tmp_path / "out").eval()(tokens())
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_sharded_export_writes_an_index_transformers_loads(tmp_path):
+    hf_model("llama_gqa", tmp_path / "in")
+    ours = load_pretrained(tmp_path / "in")
+    save_pretrained(ours, tmp_path / "out", shard_bytes=20_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert set(SafetensorsFiles(tmp_path / "out").names()) == set(load_file(tmp_path / "in" / "model.safetensors"))
+    again = load_pretrained(tmp_path / "out")
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values()))
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+@pytest.mark.parametrize("case, changes, field", [
+    ("mistral", dict(sliding_window=16), "sliding_window=16"),
+    ("llama_gqa", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=2.0)), "rope_parameters.rope_type='yarn'"),
+    ("llama_gqa", dict(attention_bias=True), "attention_bias=True"),
+    ("llama_gqa", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("gpt2", dict(layer_norm_epsilon=1e-6), "layer_norm_epsilon=1e-06"),
+    ("gpt2", dict(activation_function="relu"), "activation_function='relu'"),
+])
+def test_fields_that_change_the_computation_are_refused_by_name(case, changes, field, tmp_path):
+    config_class, model_class, fields = CASES[case]
+    getattr(transformers, config_class)(**dict(fields, **changes), architectures=[model_class]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"config.json field {field}") + ".* is not supported"):
+        hf_shape(read_config(tmp_path), sequence_length=32)
+
+
+def test_a_window_longer_than_the_sequences_changes_nothing_and_is_accepted(tmp_path):
+    hf_model("mistral", tmp_path, sliding_window=16)
+    assert hf_shape(read_config(tmp_path), sequence_length=16)["architecture"] == "llama"

@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
+from tests.ranks import compose_config  # noqa: E402
 from models.hf import SafetensorsFiles, load_pretrained, read_config, save_pretrained, hf_shape  # noqa: E402
 
 VOCAB = 97
@@ -107,3 +108,74 @@ def test_fields_that_change_the_computation_are_refused_by_name(case, changes, f
 def test_a_window_longer_than_the_sequences_changes_nothing_and_is_accepted(tmp_path):
     hf_model("mistral", tmp_path, sliding_window=16)
     assert hf_shape(read_config(tmp_path), sequence_length=16)["architecture"] == "llama"
+
+
+# ----- model=hf model.path=DIR in a run: the initial validation loss is transformers', and a trained
+# model exported with `--format hf` gives transformers the logits layerwise's own model gives
+
+RUN_MODEL = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_llama")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**RUN_MODEL)).save_pretrained(path)
+    return path
+
+
+def hf_run(directory, model_path, *overrides):
+    from layerwise.preflight import validate
+    from layerwise.run.fit import train
+    from tests.ranks import QUICK
+    cfg = compose_config(*QUICK, "model=hf", f"model.path={model_path}", "trainer.limit_val_batches=2",
+                         *overrides)
+    summary = train(cfg, directory, validate(cfg))
+    assert summary["status"] == "completed", summary.get("error")
+    return cfg, summary
+
+
+def transformers_validation_loss(cfg, model_path) -> float:
+    """The mean loss transformers computes on the validation batches layerwise evaluates."""
+    from layerwise.run import data as data_lib
+    from layerwise.run.fit import load_corpus
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path).eval()
+    losses = []
+    for index in range(cfg.trainer.limit_val_batches):
+        batch = data_lib.language_model_batch(load_corpus(cfg), split="validation", index=index,
+                                              global_batch_size=cfg.data.global_batch_size,
+                                              sequence_length=cfg.data.sequence_length, seed=cfg.seed,
+                                              objective="causal")
+        with torch.no_grad():
+            logits = model(batch["tokens"]).logits
+        losses.append(float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())))
+    return sum(losses) / len(losses)
+
+
+def test_initial_validation_loss_of_an_imported_model_is_transformers(hf_llama, tmp_path):
+    cfg, summary = hf_run(tmp_path, hf_llama, "strategy=single", "trainer.max_steps=1")
+    assert cfg.model.layers == 4 and cfg.model.kv_heads == 2 and cfg.model.vocab_size == 300
+    expected = transformers_validation_loss(cfg, hf_llama)
+    assert abs(summary["initial_val_loss"] - expected) <= 1e-5 * expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    ["strategy=modular_pipeline", "strategy.pipeline_degree=1", "strategy.tensor_parallel=1d", "hardware.devices_per_node=2"],
+    ["strategy=zero_layered", "optimizer.name=sgd"],
+], ids=["modular_pipeline_p2", "zero_layered_dp2"])
+def test_trained_then_exported_model_gives_transformers_layerwise_logits(overrides, hf_llama, tmp_path):
+    from layerwise.tools.export import export_hf, load_exported, export
+    cfg, summary = hf_run(tmp_path / "run", hf_llama, "trainer.max_steps=3", "trainer.checkpoint_every_n_steps=3",
+                          *overrides)
+    state = export_hf(tmp_path / "run", tmp_path / "hf")
+    export(tmp_path / "run", tmp_path / "plain.safetensors")
+    ours, _ = load_exported(tmp_path / "plain.safetensors")
+    assert not torch.equal(state["blocks.0.mlp.up.weight"], load_pretrained(hf_llama).blocks["0"].mlp.up.weight)
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    batch = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected, got = ours.eval()(batch), reloaded.eval()(batch).logits
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()

@@ -31,6 +31,10 @@ class ModelConfig:
     rope_theta: float = 10000.0  # RoPE base θ (Llama 3: 500000)
     rope_scaling: Optional[Dict[str, float]] = None  # Llama 3.1 long-context frequency scaling
     qkv_bias: bool = False  # biases on q/k/v (Qwen2)
+    # model=hf: a Hugging Face model directory (config.json + *.safetensors); its config.json sets the
+    # fields above (layerwise/run/rules.py fill_hf_model) and its weights replace the seeded init
+    path: Optional[str] = None
+    vocab_size: Optional[int] = None  # the model's vocabulary; null = the corpus's (model=hf: config.json's)
     planning_only: bool = False  # too large to build on this machine: composed for planning only
 
 

@@ -28,6 +28,35 @@ def gpu_errors(cfg, submitting: bool = False) -> list:
     return []
 
 
+HF_FIELDS = ("architecture", "layers", "hidden", "heads", "mlp_ratio", "kv_heads", "ffn_hidden", "norm_eps",
+             "rope_theta", "rope_scaling", "qkv_bias", "tie_embeddings", "max_sequence_length", "vocab_size")
+
+
+def fill_hf_model(cfg) -> list:
+    """model.path set (model=hf): the architecture and shape come from the directory's config.json
+    (models/hf.py hf_shape), written into cfg.model so every later rule, the plan and each rank see
+    the model that will be built; a field we cannot honour is an error naming it."""
+    if "path" in cfg.model and OmegaConf.is_missing(cfg.model, "path"):
+        return [f"model.path is not set: model={cfg.model.name} reads a Hugging Face model directory. "
+                f"Fix: model.path=/path/to/dir (config.json + *.safetensors)."]
+    path = cfg.model.get("path")
+    if not path:
+        return []
+    from models.hf import hf_shape, read_config
+    try:
+        shape = hf_shape(read_config(path), cfg.data.sequence_length)
+    except (FileNotFoundError, ValueError, KeyError) as error:
+        return [f"{error}".strip("'")]
+    for name in HF_FIELDS:
+        cfg.model[name] = shape.get(name) if name in shape else (None if name in ("kv_heads", "ffn_hidden") else cfg.model[name])
+    corpus_vocabulary = cfg.data.vocab_size if cfg.data.corpus == "token_bin" else 256
+    if corpus_vocabulary > shape["vocab_size"]:
+        return [f"data={cfg.data.name} gives token ids up to {corpus_vocabulary - 1}, beyond the "
+                f"{shape['vocab_size']} of model.path's config.json vocab_size. Fix: tokenize with the "
+                f"model's own tokenizer (data=text data.tokenizer=DIR)."]
+    return []
+
+
 def check_data(cfg) -> list:
     """The data group's files exist; plan mode without a dry run reads none (it needs only
     data.vocab_size, so a Llama 3 plan can price its 128,256-token vocabulary with no corpus here)."""

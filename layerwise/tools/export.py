@@ -1,6 +1,7 @@
 """Export a run's model as one plain file anything can load.
 
     python -m layerwise.export RUN_DIR --out model.safetensors [--checkpoint last]
+    python -m layerwise.export RUN_DIR --format hf --out DIR    a directory transformers loads
 
 Writes the plain model's state dict — the names and shapes `models.build_model` gives, whatever
 strategy trained it — with the model's config in the file's metadata, so
@@ -112,6 +113,35 @@ def export(run_directory, out, checkpoint: str = "last") -> dict:
     return state
 
 
+def export_hf(run_directory, out, checkpoint: str = "last") -> dict:
+    """Write `out` as a Hugging Face model directory (config.json, model.safetensors or shards past
+    5 GB with their index, and the run's tokenizer files when it used one: data.tokenizer) that
+    transformers.AutoModelForCausalLM loads; return the state dict written (our names)."""
+    import shutil
+
+    from models.hf import ShardWriter, hf_config, hf_tensors, write_config
+    state = plain_state(run_directory, checkpoint)
+    cfg = run_config(run_directory)
+    fields = {name: cfg.model.get(name) for name in ("layers", "hidden", "heads", "mlp_ratio", "tie_embeddings",
+                                                     "kv_heads", "ffn_hidden", "norm_eps", "rope_theta",
+                                                     "rope_scaling", "qkv_bias", "max_sequence_length")}
+    fields["rope_scaling"] = OmegaConf.to_container(cfg.model.rope_scaling) if cfg.model.get("rope_scaling") else None
+    config = hf_config(cfg.model.architecture, vocab_size=state["embed.token.weight"].shape[0],
+                       **{name: value for name, value in fields.items() if value is not None})
+    write_config(out, config)
+    writer = ShardWriter(out)
+    for name, tensor in hf_tensors(cfg.model.architecture, state.items(), bool(cfg.model.tie_embeddings)):
+        writer.add(name, tensor)
+    writer.close()
+    tokenizer = cfg.data.get("tokenizer")
+    if tokenizer:
+        for file in Path(tokenizer).iterdir():
+            if file.is_file() and file.name not in ("config.json",) and not file.name.endswith(".safetensors") \
+                    and not file.name.startswith("model.safetensors"):
+                shutil.copy2(file, Path(out) / file.name)
+    return state
+
+
 def load_exported(path):
     """(the plain model with the exported weights, its model config) from an exported file."""
     from safetensors import safe_open
@@ -131,11 +161,16 @@ def load_exported(path):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run_directory", type=Path, help="a run directory (runs/<run_name>)")
-    parser.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="the .safetensors file to write (--format hf: the directory)")
+    parser.add_argument("--format", choices=("layerwise", "hf"), default="layerwise",
+                        help="layerwise: one .safetensors file with the config in its metadata (default); "
+                             "hf: a Hugging Face model directory transformers loads")
     parser.add_argument("--checkpoint", default="last", help="which checkpoint: last (default) or a step name")
     arguments = parser.parse_args()
     try:
-        state = export(arguments.run_directory, arguments.out, arguments.checkpoint)
+        write = export_hf if arguments.format == "hf" else export
+        state = write(arguments.run_directory, arguments.out, arguments.checkpoint)
     except (FileNotFoundError, CheckpointError, UnsafeCheckpointError) as error:  # nothing was written
         print(f"layerwise: {error}", file=sys.stderr)
         sys.exit(2)

@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
@@ -132,6 +133,7 @@ def hf_run(directory, model_path, *overrides):
     cfg = compose_config(*QUICK, "model=hf", f"model.path={model_path}", "trainer.limit_val_batches=2",
                          *overrides)
     summary = train(cfg, directory, validate(cfg))
+    OmegaConf.save(cfg, directory / "config.yaml", resolve=True)  # as train.py does: export reads it
     assert summary["status"] == "completed", summary.get("error")
     return cfg, summary
 
@@ -162,11 +164,12 @@ def test_initial_validation_loss_of_an_imported_model_is_transformers(hf_llama, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
-    ["strategy=modular_pipeline", "strategy.pipeline_degree=1", "strategy.tensor_parallel=1d", "hardware.devices_per_node=2"],
+    ["strategy=modular_pipeline", "strategy.tensor_parallel=1d", "strategy.tensor_grid=2", "hardware.devices_per_node=4"],
     ["strategy=zero_layered", "optimizer.name=sgd"],
-], ids=["modular_pipeline_p2", "zero_layered_dp2"])
+], ids=["modular_pipeline_pp2_p2", "zero_layered_dp2_sgd"])
 def test_trained_then_exported_model_gives_transformers_layerwise_logits(overrides, hf_llama, tmp_path):
     from layerwise.tools.export import export_hf, load_exported, export
+    (tmp_path / "run").mkdir()
     cfg, summary = hf_run(tmp_path / "run", hf_llama, "trainer.max_steps=3", "trainer.checkpoint_every_n_steps=3",
                           *overrides)
     state = export_hf(tmp_path / "run", tmp_path / "hf")

@@ -26,6 +26,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "Qwen2ForCausalLM": "llama", "GPT2LMHeadModel": "gpt"}
 SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size ("5GB")
 INDEX = "model.safetensors.index.json"
+READ_ELEMENTS = 2**22  # at most this many elements of a weight read at once (16 MiB in fp32)
 
 # our name -> (Hugging Face name, stored transposed). "{i}" is the block index.
 NAMES = {
@@ -238,8 +239,20 @@ class PartWeights:
     def __call__(self, part: str, module: torch.nn.Module) -> None:
         for local, parameter in module.named_parameters():
             name, transposed = hf_name(self.architecture, f"{part}.{local}", self.tied)
-            value = self.files.get(name)
-            parameter.copy_(value.t() if transposed else value)
+            if parameter.dim() == 1:
+                parameter.copy_(self.files.get(name))
+                continue
+            # Stored rows [start, stop) at a time: a vocabulary-sized matrix never sits in memory
+            # twice (once read, once in the parameter). Conv1D's rows are our columns.
+            rows = parameter.shape[1] if transposed else parameter.shape[0]
+            step = max(1, READ_ELEMENTS // (parameter.numel() // rows))
+            for start in range(0, rows, step):
+                stop = min(rows, start + step)
+                value = self.files.get_rows(name, start, stop)
+                if transposed:
+                    parameter[:, start:stop].copy_(value.t())
+                else:
+                    parameter[start:stop].copy_(value)
 
 
 def load_pretrained(path, device="cpu", sequence_length: int = None, dropout: float = 0.0,

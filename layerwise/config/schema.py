@@ -43,8 +43,10 @@ class DataConfig:
     """Where tokens come from and how many make one optimizer step."""
 
     name: str = MISSING
-    corpus: str = "stdlib"  # stdlib | text_files | token_bin
-    path: Optional[str] = None  # directory for text_files / token_bin
+    corpus: str = "stdlib"  # stdlib | text_files | token_bin | text
+    path: Optional[str] = None  # directory for text_files / token_bin; file or directory for text
+    tokenizer: Optional[str] = None  # text only: a Hugging Face tokenizer directory (tokenizer.json)
+    cache_dir: Optional[str] = None  # text only: token cache; null = $LAYERWISE_CACHE/tokens or ~/.cache/layerwise/tokens
     vocab_size: int = 256  # token_bin only: the tokenizer's vocabulary (bytes give 256)
     max_bytes: int = 16 * 2**20  # cap on the bytes read from stdlib / text_files
     validation_fraction: float = 0.05  # share of files held out for validation

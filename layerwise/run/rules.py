@@ -49,7 +49,8 @@ def fill_hf_model(cfg) -> list:
         return [f"{error}".strip("'")]
     for name in HF_FIELDS:
         cfg.model[name] = shape.get(name) if name in shape else (None if name in ("kv_heads", "ffn_hidden") else cfg.model[name])
-    corpus_vocabulary = cfg.data.vocab_size if cfg.data.corpus == "token_bin" else 256
+    corpus_vocabulary = {"token_bin": cfg.data.vocab_size, "text": 0}.get(cfg.data.corpus, 256)  # text: the
+    # tokenizer's ids; a tokenizer larger than the model fails the run's first batch (embedding index)
     if corpus_vocabulary > shape["vocab_size"]:
         return [f"data={cfg.data.name} gives token ids up to {corpus_vocabulary - 1}, beyond the "
                 f"{shape['vocab_size']} of model.path's config.json vocab_size. Fix: tokenize with the "
@@ -63,6 +64,8 @@ def check_data(cfg) -> list:
     if cfg.mode == "plan" and not cfg.plan.dry_run:
         return []
     data, errors = cfg.data, []
+    if data.corpus == "text":
+        return text_data_errors(data)
     holding = "text files" if data.corpus == "text_files" else "train.bin and val.bin"
     if data.corpus in ("text_files", "token_bin"):
         if OmegaConf.is_missing(data, "path") or data.path is None:
@@ -73,6 +76,23 @@ def check_data(cfg) -> list:
                           f"holding your {holding}.")
         else:
             errors += data_path_errors(data, Path(str(data.path)).expanduser())
+    return errors
+
+
+def text_data_errors(data) -> list:
+    """data=text: the text and the tokenizer directory exist (layerwise/run/text.py reads them)."""
+    errors = []
+    if OmegaConf.is_missing(data, "path") or not data.path:
+        errors.append("data.path is not set: data=text reads your .txt/.jsonl/.parquet files. "
+                      "Fix: data.path=/a/file/or/directory.")
+    elif not Path(str(data.path)).expanduser().exists():
+        errors.append(f"data.path={data.path!r} does not exist. Fix: data.path=/a/file/or/directory of text.")
+    if OmegaConf.is_missing(data, "tokenizer") or not data.get("tokenizer"):
+        errors.append("data.tokenizer is not set: data=text tokenizes with a Hugging Face tokenizer. "
+                      "Fix: data.tokenizer=/a/directory holding tokenizer.json (a model directory will do).")
+    elif not (Path(str(data.tokenizer)).expanduser() / "tokenizer.json").is_file():
+        errors.append(f"data.tokenizer={data.tokenizer!r} holds no tokenizer.json. Fix: point it at a "
+                      f"Hugging Face tokenizer or model directory.")
     return errors
 
 

@@ -26,6 +26,8 @@ from strategies.checkpoint.portable import is_portable, portable_path, read_port
 from strategies.checkpoint.safe_load import UnsafeCheckpointError, read_dcp_tensors
 
 PREFIX = "model."
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model")  # what transformers' tokenizers read
 
 
 def checkpoint_path(run_directory: Path, checkpoint: str) -> Path:
@@ -135,10 +137,9 @@ def export_hf(run_directory, out, checkpoint: str = "last") -> dict:
     writer.close()
     tokenizer = cfg.data.get("tokenizer")
     if tokenizer:
-        for file in Path(tokenizer).iterdir():
-            if file.is_file() and file.name not in ("config.json",) and not file.name.endswith(".safetensors") \
-                    and not file.name.startswith("model.safetensors"):
-                shutil.copy2(file, Path(out) / file.name)
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer) / name).is_file():
+                shutil.copy2(Path(tokenizer) / name, Path(out) / name)
     return state
 
 

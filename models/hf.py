@@ -13,6 +13,7 @@ stored [in, out] and transposed; a tied output projection reads the token embedd
 """
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -182,10 +183,17 @@ def build_arguments(shape: dict, seed: int = 0, dropout: float = 0.0) -> dict:
 # ----------------------------------------------------------------------------- weights in
 
 
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+
+
 class SafetensorsFiles:
     """The tensors of a model directory by name: one `model.safetensors`, or the shards its
-    `model.safetensors.index.json` maps names to. Files are memory-mapped and opened per read, so
-    only the tensors (or slices) asked for are ever copied into memory."""
+    `model.safetensors.index.json` maps names to. `read` takes rows [r0, r1) and columns [c0, c1)
+    of a tensor by seeking in the file (the safetensors layout: an 8-byte header length, a JSON
+    header of dtype/shape/data_offsets, then row-major data), so only those bytes are ever in
+    memory: safe_open's get_slice returns a view of a storage the size of the whole tensor."""
 
     def __init__(self, path):
         self.path = Path(path)
@@ -207,15 +215,45 @@ class SafetensorsFiles:
             raise KeyError(f"model.path: tensor {name} is missing from {self.path}")
         return safe_open(self.path / self.files[name], framework="pt")
 
-    def get(self, name: str) -> torch.Tensor:
-        with self._open(name) as handle:
-            return handle.get_tensor(name)
+    def _entry(self, name: str) -> tuple:
+        """(file, byte offset of the data, dtype, shape) of tensor `name`."""
+        if name not in self.files:
+            raise KeyError(f"model.path: tensor {name} is missing from {self.path}")
+        file = self.path / self.files[name]
+        with file.open("rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            entry = json.loads(handle.read(length))[name]
+        return file, 8 + length + entry["data_offsets"][0], DTYPES[entry["dtype"]], tuple(entry["shape"])
 
-    def get_rows(self, name: str, start: int, stop: int, dim: int = 0) -> torch.Tensor:
-        """tensor[start:stop] along `dim` (0 or 1), read without reading the rest."""
-        with self._open(name) as handle:
-            piece = handle.get_slice(name)
-            return piece[start:stop] if dim == 0 else piece[:, start:stop]
+    def get(self, name: str) -> torch.Tensor:
+        return self.read(name)
+
+    def read(self, name: str, rows: tuple = None, columns: tuple = None) -> torch.Tensor:
+        """tensor[r0:r1, c0:c1] (a 1-D tensor: [r0:r1]), reading rows r0..r1 only; columns are
+        cut from at most READ_ELEMENTS elements of rows at a time."""
+        file, start, dtype, shape = self._entry(name)
+        rows = rows or (0, shape[0] if shape else 1)
+        width = math.prod(shape[1:])
+        columns = columns or (0, width)
+        row_bytes = width * torch.empty((), dtype=dtype).element_size()
+        out = torch.empty((rows[1] - rows[0],) + ((columns[1] - columns[0],) if len(shape) > 1 else ()), dtype=dtype)
+        step = max(1, READ_ELEMENTS // max(width, 1))
+        with file.open("rb") as handle:
+            for first in range(rows[0], rows[1], step):
+                last = min(rows[1], first + step)
+                handle.seek(start + first * row_bytes)
+                buffer = bytearray((last - first) * row_bytes)
+                handle.readinto(buffer)
+                chunk = torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
+                if len(shape) > 1:
+                    out[first - rows[0]:last - rows[0]] = chunk.view(last - first, width)[:, columns[0]:columns[1]]
+                else:
+                    out[first - rows[0]:last - rows[0]] = chunk
+        return out.reshape(shape) if rows == (0, shape[0] if shape else 1) and columns == (0, width) else out
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """tensor[start:stop], read without reading the rest."""
+        return self.read(name, rows=(start, stop))
 
 
 class PartWeights:
@@ -253,6 +291,41 @@ class PartWeights:
                     parameter[:, start:stop].copy_(value.t())
                 else:
                     parameter[start:stop].copy_(value)
+
+
+    @torch.no_grad()
+    def read_cut(self, name: str, shape, cut, device) -> torch.Tensor:
+        """`cut(full)` for our parameter `name` of `shape`, reading only the rows and columns the
+        cut covers (`get_slice`): the cut is applied to a meta tensor, and when it is a view (a
+        chunk, as tensor parallelism's are) its strides and offset give the rectangle to read."""
+        theirs, transposed = hf_name(self.architecture, name, self.tied)
+        full = torch.empty(shape, device="meta")
+        view = cut(full)
+        rectangle = None if transposed or not view._is_view() else _rectangle(shape, view)
+        if rectangle is None:  # not a plain slice (fused q/k/v interleaved, Conv1D): the whole tensor
+            value = self.files.get(theirs)
+            return cut(value.t() if transposed else value).to(device).contiguous()
+        rows, columns, strides = rectangle
+        value = self.files.read(theirs, rows, None if len(shape) == 1 else columns)
+        return value.as_strided(view.shape, strides).to(device).contiguous()
+
+
+def _rectangle(shape, view):
+    """((rows), (columns), strides within the rectangle) of a view of a contiguous [R, C] or [R]
+    tensor that covers a rectangle of it, else None."""
+    offset, sizes, strides = view.storage_offset(), view.shape, view.stride()
+    if len(shape) == 1:
+        return ((offset, offset + view.numel()), (0, 1), strides) if strides in ((1,), ()) else None
+    columns = shape[1]
+    if any(stride % columns and stride >= columns for stride in strides):
+        return None
+    row0, column0 = divmod(offset, columns)
+    rows = 1 + sum((size - 1) * (stride // columns) for size, stride in zip(sizes, strides) if stride % columns == 0)
+    width = 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides) if stride % columns)
+    if column0 + width > columns:
+        return None
+    inner = tuple(stride // columns * width if stride % columns == 0 else stride for stride, size in zip(strides, sizes))
+    return (row0, row0 + rows), (column0, column0 + width), inner
 
 
 def load_pretrained(path, device="cpu", sequence_length: int = None, dropout: float = 0.0,

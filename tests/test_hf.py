@@ -155,8 +155,14 @@ def transformers_validation_loss(cfg, model_path) -> float:
     return sum(losses) / len(losses)
 
 
-def test_initial_validation_loss_of_an_imported_model_is_transformers(hf_llama, tmp_path):
-    cfg, summary = hf_run(tmp_path, hf_llama, "strategy=single", "trainer.max_steps=1")
+@pytest.mark.parametrize("overrides", [
+    ["strategy=single"],
+    # each rank reads only its shards (get_slice): a wrong rectangle would change the loss
+    ["strategy=tp_1d", "strategy.tensor_grid=2"],
+    ["strategy=tp_2d", "strategy.tensor_grid=2", "hardware.devices_per_node=4"],
+], ids=["single", "tp_1d_p2", "tp_2d_q2"])
+def test_initial_validation_loss_of_an_imported_model_is_transformers(overrides, hf_llama, tmp_path):
+    cfg, summary = hf_run(tmp_path, hf_llama, "trainer.max_steps=1", *overrides)
     assert cfg.model.layers == 4 and cfg.model.kv_heads == 2 and cfg.model.vocab_size == 300
     expected = transformers_validation_loss(cfg, hf_llama)
     assert abs(summary["initial_val_loss"] - expected) <= 1e-5 * expected

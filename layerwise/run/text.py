@@ -128,7 +128,16 @@ def tokenized(path, tokenizer_directory, validation_fraction: float, cache_dir=N
     partial = directory.with_name(directory.name + f".partial{os.getpid()}")
     partial.mkdir(parents=True, exist_ok=True)
     counts = {"train": [0, 0], "validation": [0, 0]}  # documents, tokens
-    started, index, last = time.perf_counter(), 0, 0.0
+    started, index, last = time.perf_counter(), 0, [0.0]
+
+    def progress(number: int, final: bool = False) -> None:  # a line every 5 s and at each file's end
+        elapsed = time.perf_counter() - started
+        if final or elapsed - last[0] > 5:
+            last[0] = elapsed
+            total = counts["train"][1] + counts["validation"][1]
+            say(f"tokenizing: file {number}/{len(files)}, {index:,} documents, {total:,} tokens, "
+                f"{total / max(elapsed, 1e-9):,.0f} tokens/s")
+
     with (partial / "train.bin").open("wb") as train, (partial / "val.bin").open("wb") as validation:
         for number, file in enumerate(files, 1):
             batch = []
@@ -137,12 +146,9 @@ def tokenized(path, tokenizer_directory, validation_fraction: float, cache_dir=N
                 if len(batch) == 256:
                     index = _write(tokenizer, batch, eos, dtype, index, stride, train, validation, counts)
                     batch = []
+                    progress(number)
             index = _write(tokenizer, batch, eos, dtype, index, stride, train, validation, counts)
-            elapsed = time.perf_counter() - started
-            if elapsed - last > 2 or number == len(files):
-                last = elapsed
-                total = counts["train"][1] + counts["validation"][1]
-                say(f"tokenizing: file {number}/{len(files)}, {total:,} tokens, {total / max(elapsed, 1e-9):,.0f} tokens/s")
+            progress(number, final=True)
     if index and not counts["train"][0]:  # a single document: hold out its tail instead
         _split_single(partial, dtype, validation_fraction, counts)
     meta = {"vocab_size": vocabulary, "dtype": np.dtype(dtype).name, "eos_id": eos, "files": len(files),

@@ -15,6 +15,7 @@ under AdamW): only the plain model is ever whole in memory. Merging uses each st
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -115,32 +116,48 @@ def export(run_directory, out, checkpoint: str = "last") -> dict:
     return state
 
 
+def part_states(run_directory, checkpoint: str, layers: int):
+    """The plain model's state dict one part at a time (embed, blocks.0, ..., head) from the
+    portable checkpoint (only that part's tensors are read); from per-rank files, whole (merged
+    one pipeline position at a time by plain_state)."""
+    path = checkpoint_path(Path(run_directory), checkpoint)
+    if not is_portable(portable_path(path)):
+        yield plain_state(run_directory, checkpoint)
+        return
+    for part in ["embed", *(f"blocks.{index}" for index in range(layers)), "head"]:
+        state = read_portable(portable_path(path), f"{PREFIX}{part}.")  # the dot: blocks.1 is not blocks.10
+        yield {name[len(PREFIX):]: value for name, value in state.items()}
+
+
 def export_hf(run_directory, out, checkpoint: str = "last") -> dict:
     """Write `out` as a Hugging Face model directory (config.json, model.safetensors or shards past
     5 GB with their index, and the run's tokenizer files when it used one: data.tokenizer) that
-    transformers.AutoModelForCausalLM loads; return the state dict written (our names)."""
+    transformers.AutoModelForCausalLM loads, reading the checkpoint one part at a time; return the
+    shapes written (our names)."""
     import shutil
 
     from models.hf import ShardWriter, hf_config, hf_tensors, write_config
-    state = plain_state(run_directory, checkpoint)
     cfg = run_config(run_directory)
+    shapes, writer = {}, ShardWriter(out)
+    for state in part_states(run_directory, checkpoint, cfg.model.layers):
+        for name, tensor in hf_tensors(cfg.model.architecture, state.items(), bool(cfg.model.tie_embeddings)):
+            writer.add(name, tensor)
+        shapes.update({name: value.shape for name, value in state.items()})
+        del state  # the next part replaces it
     fields = {name: cfg.model.get(name) for name in ("layers", "hidden", "heads", "mlp_ratio", "tie_embeddings",
                                                      "kv_heads", "ffn_hidden", "norm_eps", "rope_theta",
                                                      "rope_scaling", "qkv_bias", "max_sequence_length")}
     fields["rope_scaling"] = OmegaConf.to_container(cfg.model.rope_scaling) if cfg.model.get("rope_scaling") else None
-    config = hf_config(cfg.model.architecture, vocab_size=state["embed.token.weight"].shape[0],
+    config = hf_config(cfg.model.architecture, vocab_size=shapes["embed.token.weight"][0],
                        **{name: value for name, value in fields.items() if value is not None})
-    write_config(out, config)
-    writer = ShardWriter(out)
-    for name, tensor in hf_tensors(cfg.model.architecture, state.items(), bool(cfg.model.tie_embeddings)):
-        writer.add(name, tensor)
     writer.close()
+    write_config(out, config)
     tokenizer = cfg.data.get("tokenizer")
     if tokenizer:
         for name in TOKENIZER_FILES:
             if (Path(tokenizer) / name).is_file():
                 shutil.copy2(Path(tokenizer) / name, Path(out) / name)
-    return state
+    return shapes
 
 
 def load_exported(path):
@@ -175,7 +192,7 @@ def main() -> None:
     except (FileNotFoundError, CheckpointError, UnsafeCheckpointError) as error:  # nothing was written
         print(f"layerwise: {error}", file=sys.stderr)
         sys.exit(2)
-    parameters = sum(value.numel() for value in state.values())
+    parameters = sum(math.prod(getattr(value, "shape", value)) for value in state.values())
     print(f"[layerwise] exported {len(state)} tensors ({parameters:,} parameters) to {arguments.out}")
 
 

@@ -16,7 +16,7 @@ from layerwise.config.validate import (CHOICES, check_choices, check_hardware, c
 from layerwise.planning.fits import planned_memory_errors
 from layerwise.planning.inputs import plan_mode_errors
 from layerwise.reproduce import CHOICES as CLAIM_CHOICES
-from layerwise.run.rules import check_data, check_resume_from, gpu_errors
+from layerwise.run.rules import check_data, check_resume_from, fill_hf_model, gpu_errors
 
 
 def validate(cfg, submitting: bool = False) -> int:
@@ -25,6 +25,9 @@ def validate(cfg, submitting: bool = False) -> int:
 
     `submitting`: the run goes to a cluster (layerwise/cluster/slurm.py checks every point before submission),
     so this machine's own devices do not matter."""
+    errors = fill_hf_model(cfg)  # model=hf: the shape is config.json's, before any rule reads it
+    if errors:
+        raise ConfigError(errors)
     errors = check_choices(cfg, {**CHOICES, **CLAIM_CHOICES}) + check_schema_keys(cfg) + check_ranges(cfg)
     if errors:  # later checks assume known names, declared keys and values in range
         raise ConfigError(errors)

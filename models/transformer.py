@@ -268,7 +268,7 @@ class LanguageModel(nn.Module):
 
     def __init__(self, *, vocab_size: int, sequence_length: int, layers: int, hidden: int,
                  heads: int, mlp_ratio: int = 4, dropout: float = 0.0,
-                 tie_embeddings: bool = False, seed: int = 0, device=None):
+                 tie_embeddings: bool = False, seed: int = 0, device=None, weights=None):
         super().__init__()
         if layers < 1:
             raise ValueError(f"model.layers: need at least one block, got {layers}")
@@ -278,6 +278,10 @@ class LanguageModel(nn.Module):
         self.hidden, self.heads, self.mlp_ratio, self.dropout = hidden, heads, mlp_ratio, dropout
         self.tie_embeddings = tie_embeddings
         self.seed = seed
+        # None: seeded values. Else a callable (part, module) filling a part's empty storage, e.g.
+        # from a Hugging Face checkpoint (models/hf.py PartWeights): every strategy materialises
+        # through build_part, so each process reads only the parts it owns.
+        self.weights = weights
         self.embed = self.build_part("embed", "meta")
         self.head = self.build_part("head", "meta")  # registered before the blocks: parameter order
         self.blocks = nn.ModuleDict({str(index): self.build_part(f"blocks.{index}", "meta")
@@ -295,7 +299,12 @@ class LanguageModel(nn.Module):
         return names + (["head"] if self.head is not None else [])
 
     def build_part(self, part: str, device) -> nn.Module:
-        """The part named `part`, alone, with the values it has in the full model seeded `seed`."""
+        """The part named `part`, alone, with the values it has in the full model seeded `seed`
+        (or, with a `weights` hook, the values the hook fills in)."""
+        if self.weights is not None and torch.device(device).type != "meta":
+            module = self.build_part(part, "meta").to_empty(device=device)
+            self.weights(part, module)
+            return module
         if part.startswith("blocks."):
             return seeded_module(self.make_block, device, seed=self.seed,
                                  name=int(part.removeprefix("blocks.")),

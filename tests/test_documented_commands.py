@@ -291,6 +291,36 @@ def helped(outcome: Outcome) -> None:
         assert f"{group.name}: {options}" in outcome.stdout, group.name
 
 
+def my_llama_and_text(cwd: Path) -> None:
+    """README's "Your model, your text": my-llama/ (a tiny random transformers Llama with a BPE
+    tokenizer trained on stdlib text) and my-text/ (stdlib modules as .txt documents)."""
+    import sysconfig
+
+    import torch
+    import transformers
+
+    from tests.test_text_data import train_tokenizer
+    tokenizer = train_tokenizer(cwd / "my-llama", vocab_size=512)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(config).save_pretrained(tokenizer)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    (cwd / "my-text").mkdir()
+    for name in ("textwrap.py", "shlex.py", "string.py", "glob.py", "fnmatch.py", "colorsys.py"):
+        (cwd / "my-text" / f"{name}.txt").write_text((stdlib / name).read_text())
+
+
+def exported_hf(outcome: Outcome) -> None:
+    """layerwise.export --format hf: a directory transformers loads with no missing or unexpected keys."""
+    import transformers
+    exits(outcome)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(outcome.cwd / "my-llama-tuned",
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert (outcome.cwd / "my-llama-tuned" / "tokenizer.json").is_file()
+
+
 def exported(outcome: Outcome) -> None:
     """layerwise.tools.export: a safetensors file that loads into the plain model."""
     from layerwise.tools.export import load_exported
@@ -320,6 +350,7 @@ class How:
     after: str = ""  # a documented command whose working directory this one reads
     cap: Tuple[str, ...] = TRAINING_CAP  # for run="capped"
     extra: Tuple[str, ...] = ()  # appended to every run; {cwd} is the working directory
+    prepare: Callable[[Path], None] = None  # makes the files the command reads in its directory
 
 
 TRAINS_FOR_MINUTES = "trains 600 steps (minutes): capped at 2"
@@ -373,6 +404,14 @@ HOW: Dict[str, How] = {
     "python -m layerwise.export runs/modular_pipeline-gpt_tiny-cpu --out model.safetensors":
         How("real", exported, after="make run"),
     "python train.py strategy=ddp data.global_batch_size=3 model.heads=3": How("real", rejected),
+    # ----- README: your model, your text (a tiny random Llama and its BPE made here: nothing downloaded)
+    "python train.py model=hf model.path=my-llama data=text data.path=my-text data.tokenizer=my-llama "
+    "strategy=modular_pipeline strategy.pipeline_degree=2 data.sequence_length=64":
+        How("capped", trained(), why=TRAINS_FOR_MINUTES, prepare=lambda cwd: my_llama_and_text(cwd),
+            extra=("data.cache_dir={cwd}/token_cache",)),
+    "python -m layerwise.export runs/modular_pipeline-hf-cpu --format hf --out my-llama-tuned":
+        How("real", exported_hf, after="python train.py model=hf model.path=my-llama data=text data.path=my-text "
+            "data.tokenizer=my-llama strategy=modular_pipeline strategy.pipeline_degree=2 data.sequence_length=64"),
     # ----- README: sweeps
     "python train.py -m strategy=modular_pipeline,zero_layered strategy.micro_batches=2,4 debug=fast "
     "data.global_batch_size=8":
@@ -508,6 +547,8 @@ class Runner:
             shutil.copytree(before.cwd, cwd, symlinks=True)
         else:
             cwd.mkdir()
+        if how.prepare is not None:
+            how.prepare(cwd)
         argv = argv_of(command, how, cwd)
         started = time.time()
         code, stdout, stderr, seconds = run_in(argv, cwd)

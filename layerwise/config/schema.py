@@ -31,6 +31,10 @@ class ModelConfig:
     rope_theta: float = 10000.0  # RoPE base θ (Llama 3: 500000)
     rope_scaling: Optional[Dict[str, float]] = None  # Llama 3.1 long-context frequency scaling
     qkv_bias: bool = False  # biases on q/k/v (Qwen2)
+    # model=hf: a Hugging Face model directory (config.json + *.safetensors); its config.json sets the
+    # fields above (layerwise/run/rules.py fill_hf_model) and its weights replace the seeded init
+    path: Optional[str] = None
+    vocab_size: Optional[int] = None  # the model's vocabulary; null = the corpus's (model=hf: config.json's)
     planning_only: bool = False  # too large to build on this machine: composed for planning only
 
 
@@ -39,8 +43,10 @@ class DataConfig:
     """Where tokens come from and how many make one optimizer step."""
 
     name: str = MISSING
-    corpus: str = "stdlib"  # stdlib | text_files | token_bin
-    path: Optional[str] = None  # directory for text_files / token_bin
+    corpus: str = "stdlib"  # stdlib | text_files | token_bin | text
+    path: Optional[str] = None  # directory for text_files / token_bin; file or directory for text
+    tokenizer: Optional[str] = None  # text only: a Hugging Face tokenizer directory (tokenizer.json)
+    cache_dir: Optional[str] = None  # text only: token cache; null = $LAYERWISE_CACHE/tokens or ~/.cache/layerwise/tokens
     vocab_size: int = 256  # token_bin only: the tokenizer's vocabulary (bytes give 256)
     max_bytes: int = 16 * 2**20  # cap on the bytes read from stdlib / text_files
     validation_fraction: float = 0.05  # share of files held out for validation

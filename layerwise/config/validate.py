@@ -22,7 +22,7 @@ from strategies.schedule.generators import SCHEDULES
 CHOICES = {
     "mode": ("fit", "check", "plan", "calibrate", "reproduce"),
     "model.architecture": ("gpt", "bert", "llama"),
-    "data.corpus": ("stdlib", "text_files", "token_bin"),
+    "data.corpus": ("stdlib", "text_files", "token_bin", "text"),
     "hardware.accelerator": ("cpu", "gpu"),
     "hardware.process_group_backend": ("gloo", "nccl"),
     "optimizer.name": ("adamw", "lamb", "sgd"),

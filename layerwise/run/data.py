@@ -9,6 +9,7 @@ This file knows nothing about process groups: the rank and degree arrive as plai
 
 import functools
 import hashlib
+import json
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -19,12 +20,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from layerwise.run.text import token_dtype, tokenized
+
 BYTE_VOCABULARY = 256
 DEFAULT_MAX_BYTES = 16 * 2**20  # enough text to learn from, small enough to start in a second
 MASK_FRACTION = 0.15  # BERT: share of positions per sequence the model must recover
 SPLITS = ("train", "validation")
 OBJECTIVES = ("causal", "masked")
-CORPORA = ("stdlib", "text_files", "token_bin")
+CORPORA = ("stdlib", "text_files", "token_bin", "text")
 TOKEN_BIN_FILES = ("train.bin", "val.bin")  # under data.path; layerwise/config/validate.py checks them first
 
 
@@ -46,12 +49,17 @@ class Corpus:
 
 
 def load_corpus(kind: str, *, path: Optional[str] = None, max_bytes: Optional[int] = None,
-                validation_fraction: float = 0.05, vocab_size: int = 50304) -> Corpus:
-    """The corpus `kind` ("stdlib" | "text_files" | "token_bin"), split into train and validation.
+                validation_fraction: float = 0.05, vocab_size: int = 50304, tokenizer: Optional[str] = None,
+                cache_dir: Optional[str] = None, say=print) -> Corpus:
+    """The corpus `kind` ("stdlib" | "text_files" | "token_bin" | "text"), split into train and validation.
 
     stdlib and text_files are read as bytes (vocabulary 256), at most `max_bytes` of them
-    (default 16 MiB), and split by file. token_bin reads nanoGPT's train.bin / val.bin.
+    (default 16 MiB), and split by file. token_bin reads nanoGPT's train.bin / val.bin (uint16, or
+    uint32 when vocab_size exceeds 65,536). text tokenizes .txt/.jsonl/.parquet documents with the
+    Hugging Face tokenizer in `tokenizer`, once, into a cache of token memmaps (layerwise/run/text.py).
     """
+    if kind == "text":
+        return _load_text(path, tokenizer, validation_fraction, cache_dir, say)
     max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
     if kind == "stdlib":
         return _load_stdlib(max_bytes, validation_fraction)
@@ -86,8 +94,23 @@ def _load_text_files(path: Optional[str], max_bytes: int, validation_fraction: f
 
 def _load_token_bin(path: Optional[str], vocab_size: int) -> Corpus:
     directory = _existing_directory(path, "token_bin")
-    splits = [_memmap_tokens(directory / name) for name in TOKEN_BIN_FILES]
+    dtype = token_dtype(vocab_size)
+    splits = [_memmap_tokens(directory / name, dtype) for name in TOKEN_BIN_FILES]
     return Corpus(splits[0], splits[1], vocab_size, f"token_bin:{directory}")
+
+
+def _load_text(path, tokenizer, validation_fraction: float, cache_dir, say) -> Corpus:
+    if not tokenizer:
+        raise DataError("data.tokenizer is not set: data=text tokenizes with a Hugging Face tokenizer. "
+                        "Fix: data.tokenizer=/a/tokenizer/or/model/directory")
+    try:
+        directory = tokenized(path, tokenizer, validation_fraction, cache_dir, say)
+    except ValueError as error:
+        raise DataError(str(error)) from error
+    meta = json.loads((directory / "meta.json").read_text())
+    dtype = np.dtype(meta["dtype"]).type
+    splits = [_memmap_tokens(directory / name, dtype) for name in TOKEN_BIN_FILES]
+    return Corpus(splits[0], splits[1], meta["vocab_size"], f"text:{path}")
 
 
 def _files_under(root: Path, wanted, skip=()) -> List[Path]:
@@ -115,14 +138,16 @@ def _existing_directory(path: Optional[str], kind: str) -> Path:
     return directory
 
 
-def _memmap_tokens(file: Path) -> torch.Tensor:
+def _memmap_tokens(file: Path, dtype=np.uint16) -> torch.Tensor:
+    kind = np.dtype(dtype).name
     if not file.is_file():
-        raise DataError(f"data.path: {file.parent} has no {file.name} (nanoGPT's uint16 format)")
+        raise DataError(f"data.path: {file.parent} has no {file.name} (nanoGPT's format, {kind} here)")
     size = file.stat().st_size
-    if size == 0 or size % 2 != 0:
-        raise DataError(f"data.path: {file} holds {size} bytes, not a non-empty uint16 array")
+    if size == 0 or size % np.dtype(dtype).itemsize != 0:
+        raise DataError(f"data.path: {file} holds {size} bytes, not a non-empty {kind} array "
+                        f"(uint16 when data.vocab_size <= 65536, else uint32)")
     # Copy-on-write mode: the tensor is writable as torch wants, and the file is never modified.
-    return torch.from_numpy(np.memmap(file, dtype=np.uint16, mode="c"))
+    return torch.from_numpy(np.memmap(file, dtype=dtype, mode="c"))
 
 
 def _read_files(files: List[Path], max_bytes: int) -> List[bytes]:

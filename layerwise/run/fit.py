@@ -147,11 +147,27 @@ def precision_arguments(hardware) -> tuple:
     return hardware.precision, []
 
 
-def load_corpus(cfg):
+def load_corpus(cfg, say=lambda message: None):
     data = cfg.data
     return data_lib.load_corpus(data.corpus, path=data.path, max_bytes=data.max_bytes,
                                 validation_fraction=data.validation_fraction,
-                                vocab_size=data.vocab_size)
+                                vocab_size=data.vocab_size, tokenizer=data.get("tokenizer"),
+                                cache_dir=data.get("cache_dir"), say=say)
+
+
+def tokenize_once(cfg) -> None:
+    """data=text: tokenize into the cache here, before any rank starts, so ranks only read it
+    (layerwise/run/text.py); under torchrun/srun global rank 0 does it and the others wait."""
+    if cfg.data.corpus != "text":
+        return
+    from layerwise.run.text import text_files, cache_key, cache_root
+    if not launched_externally() or global_rank() == 0:
+        load_corpus(cfg, say=lambda message: print(f"[layerwise] {message}", flush=True))
+        return
+    import time
+    key = cache_key(text_files(cfg.data.path), cfg.data.tokenizer, cfg.data.validation_fraction)
+    while not (cache_root(cfg.data.get("cache_dir")) / key / "meta.json").is_file():
+        time.sleep(1.0)
 
 
 def fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:
@@ -204,6 +220,7 @@ def train(cfg, run_directory: Path, world_size: int):
     run_directory = Path(run_directory)
     run_directory.mkdir(parents=True, exist_ok=True)
     os.environ.update(nccl_flight_recorder_environment(cfg, run_directory))  # GPU profiles: NCCL's own record
+    tokenize_once(cfg)
     try:
         if world_size == 1 or launched_externally():
             try:

@@ -51,12 +51,44 @@ def local_launch_problems(cfg, gpus: int) -> list:
     return []
 
 
+HF_FIELDS = ("architecture", "layers", "hidden", "heads", "mlp_ratio", "kv_heads", "ffn_hidden", "norm_eps",
+             "rope_theta", "rope_scaling", "qkv_bias", "tie_embeddings", "max_sequence_length", "vocab_size")
+
+
+def fill_hf_model(cfg) -> list:
+    """model.path set (model=hf): the architecture and shape come from the directory's config.json
+    (models/hf.py hf_shape), written into cfg.model so every later rule, the plan and each rank see
+    the model that will be built; a field we cannot honour is an error naming it."""
+    if "path" in cfg.model and OmegaConf.is_missing(cfg.model, "path"):
+        return [f"model.path is not set: model={cfg.model.name} reads a Hugging Face model directory. "
+                f"Fix: model.path=/path/to/dir (config.json + *.safetensors)."]
+    path = cfg.model.get("path")
+    if not path:
+        return []
+    from models.hf import hf_shape, read_config
+    try:
+        shape = hf_shape(read_config(path), cfg.data.sequence_length)
+    except (FileNotFoundError, ValueError, KeyError) as error:
+        return [f"{error}".strip("'")]
+    for name in HF_FIELDS:
+        cfg.model[name] = shape.get(name) if name in shape else (None if name in ("kv_heads", "ffn_hidden") else cfg.model[name])
+    corpus_vocabulary = {"token_bin": cfg.data.vocab_size, "text": 0}.get(cfg.data.corpus, 256)  # text: the
+    # tokenizer's ids; a tokenizer larger than the model fails the run's first batch (embedding index)
+    if corpus_vocabulary > shape["vocab_size"]:
+        return [f"data={cfg.data.name} gives token ids up to {corpus_vocabulary - 1}, beyond the "
+                f"{shape['vocab_size']} of model.path's config.json vocab_size. Fix: tokenize with the "
+                f"model's own tokenizer (data=text data.tokenizer=DIR)."]
+    return []
+
+
 def check_data(cfg) -> list:
     """The data group's files exist; plan mode without a dry run reads none (it needs only
     data.vocab_size, so a Llama 3 plan can price its 128,256-token vocabulary with no corpus here)."""
     if cfg.mode == "plan" and not cfg.plan.dry_run:
         return []
     data, errors = cfg.data, []
+    if data.corpus == "text":
+        return text_data_errors(data)
     holding = "text files" if data.corpus == "text_files" else "train.bin and val.bin"
     if data.corpus in ("text_files", "token_bin"):
         if OmegaConf.is_missing(data, "path") or data.path is None:
@@ -67,6 +99,23 @@ def check_data(cfg) -> list:
                           f"holding your {holding}.")
         else:
             errors += data_path_errors(data, Path(str(data.path)).expanduser())
+    return errors
+
+
+def text_data_errors(data) -> list:
+    """data=text: the text and the tokenizer directory exist (layerwise/run/text.py reads them)."""
+    errors = []
+    if OmegaConf.is_missing(data, "path") or not data.path:
+        errors.append("data.path is not set: data=text reads your .txt/.jsonl/.parquet files. "
+                      "Fix: data.path=/a/file/or/directory.")
+    elif not Path(str(data.path)).expanduser().exists():
+        errors.append(f"data.path={data.path!r} does not exist. Fix: data.path=/a/file/or/directory of text.")
+    if OmegaConf.is_missing(data, "tokenizer") or not data.get("tokenizer"):
+        errors.append("data.tokenizer is not set: data=text tokenizes with a Hugging Face tokenizer. "
+                      "Fix: data.tokenizer=/a/directory holding tokenizer.json (a model directory will do).")
+    elif not (Path(str(data.tokenizer)).expanduser() / "tokenizer.json").is_file():
+        errors.append(f"data.tokenizer={data.tokenizer!r} holds no tokenizer.json. Fix: point it at a "
+                      f"Hugging Face tokenizer or model directory.")
     return errors
 
 

@@ -33,6 +33,15 @@ def model_arguments(model_config, vocab_size: int, seed: int) -> dict:
     return arguments
 
 
+def initial_weights(model_config):
+    """The `weights` hook of the model (models/transformer.py build_part): model.path's Hugging Face
+    tensors, read by each rank for the parts it materialises; None = seeded values."""
+    if not model_config.get("path"):
+        return None
+    from models.hf import PartWeights
+    return PartWeights(model_config.path, model_config.architecture, model_config.tie_embeddings)
+
+
 class LanguageModelTask(pl.LightningModule):
     """A GPT (causal) or BERT (masked) language model with its optimizer and LR schedule.
 
@@ -46,8 +55,8 @@ class LanguageModelTask(pl.LightningModule):
     def __init__(self, cfg, vocab_size: int):
         super().__init__()
         self.cfg = cfg
-        self.vocab_size = vocab_size
-        self.model = build_model(cfg.model.architecture, device="meta",
+        self.vocab_size = vocab_size = cfg.model.get("vocab_size") or vocab_size
+        self.model = build_model(cfg.model.architecture, device="meta", weights=initial_weights(cfg.model),
                                  **model_arguments(cfg.model, vocab_size, cfg.seed))
 
     def training_step(self, batch, batch_index):

@@ -1,6 +1,7 @@
 """Export a run's model as one plain file anything can load.
 
     python -m layerwise.export RUN_DIR --out model.safetensors [--checkpoint last]
+    python -m layerwise.export RUN_DIR --format hf --out DIR    a directory transformers loads
 
 Writes the plain model's state dict — the names and shapes `models.build_model` gives, whatever
 strategy trained it — with the model's config in the file's metadata, so
@@ -14,6 +15,7 @@ under AdamW): only the plain model is ever whole in memory. Merging uses each st
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -25,6 +27,8 @@ from strategies.checkpoint.portable import is_portable, portable_path, read_port
 from strategies.checkpoint.safe_load import UnsafeCheckpointError, read_dcp_tensors
 
 PREFIX = "model."
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model")  # what transformers' tokenizers read
 
 
 def checkpoint_path(run_directory: Path, checkpoint: str) -> Path:
@@ -112,6 +116,50 @@ def export(run_directory, out, checkpoint: str = "last") -> dict:
     return state
 
 
+def part_states(run_directory, checkpoint: str, layers: int):
+    """The plain model's state dict one part at a time (embed, blocks.0, ..., head) from the
+    portable checkpoint (only that part's tensors are read); from per-rank files, whole (merged
+    one pipeline position at a time by plain_state)."""
+    path = checkpoint_path(Path(run_directory), checkpoint)
+    if not is_portable(portable_path(path)):
+        yield plain_state(run_directory, checkpoint)
+        return
+    for part in ["embed", *(f"blocks.{index}" for index in range(layers)), "head"]:
+        state = read_portable(portable_path(path), f"{PREFIX}{part}.")  # the dot: blocks.1 is not blocks.10
+        yield {name[len(PREFIX):]: value for name, value in state.items()}
+
+
+def export_hf(run_directory, out, checkpoint: str = "last") -> dict:
+    """Write `out` as a Hugging Face model directory (config.json, model.safetensors or shards past
+    5 GB with their index, and the run's tokenizer files when it used one: data.tokenizer) that
+    transformers.AutoModelForCausalLM loads, reading the checkpoint one part at a time; return the
+    shapes written (our names)."""
+    import shutil
+
+    from models.hf import ShardWriter, hf_config, hf_tensors, write_config
+    cfg = run_config(run_directory)
+    shapes, writer = {}, ShardWriter(out)
+    for state in part_states(run_directory, checkpoint, cfg.model.layers):
+        for name, tensor in hf_tensors(cfg.model.architecture, state.items(), bool(cfg.model.tie_embeddings)):
+            writer.add(name, tensor)
+        shapes.update({name: value.shape for name, value in state.items()})
+        del state  # the next part replaces it
+    fields = {name: cfg.model.get(name) for name in ("layers", "hidden", "heads", "mlp_ratio", "tie_embeddings",
+                                                     "kv_heads", "ffn_hidden", "norm_eps", "rope_theta",
+                                                     "rope_scaling", "qkv_bias", "max_sequence_length")}
+    fields["rope_scaling"] = OmegaConf.to_container(cfg.model.rope_scaling) if cfg.model.get("rope_scaling") else None
+    config = hf_config(cfg.model.architecture, vocab_size=shapes["embed.token.weight"][0],
+                       **{name: value for name, value in fields.items() if value is not None})
+    writer.close()
+    write_config(out, config)
+    tokenizer = cfg.data.get("tokenizer")
+    if tokenizer:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer) / name).is_file():
+                shutil.copy2(Path(tokenizer) / name, Path(out) / name)
+    return shapes
+
+
 def load_exported(path):
     """(the plain model with the exported weights, its model config) from an exported file."""
     from safetensors import safe_open
@@ -131,15 +179,20 @@ def load_exported(path):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run_directory", type=Path, help="a run directory (runs/<run_name>)")
-    parser.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="the .safetensors file to write (--format hf: the directory)")
+    parser.add_argument("--format", choices=("layerwise", "hf"), default="layerwise",
+                        help="layerwise: one .safetensors file with the config in its metadata (default); "
+                             "hf: a Hugging Face model directory transformers loads")
     parser.add_argument("--checkpoint", default="last", help="which checkpoint: last (default) or a step name")
     arguments = parser.parse_args()
     try:
-        state = export(arguments.run_directory, arguments.out, arguments.checkpoint)
+        write = export_hf if arguments.format == "hf" else export
+        state = write(arguments.run_directory, arguments.out, arguments.checkpoint)
     except (FileNotFoundError, CheckpointError, UnsafeCheckpointError) as error:  # nothing was written
         print(f"layerwise: {error}", file=sys.stderr)
         sys.exit(2)
-    parameters = sum(value.numel() for value in state.values())
+    parameters = sum(math.prod(getattr(value, "shape", value)) for value in state.values())
     print(f"[layerwise] exported {len(state)} tensors ({parameters:,} parameters) to {arguments.out}")
 
 

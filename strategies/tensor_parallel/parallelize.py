@@ -14,7 +14,7 @@ from typing import Callable, Dict, Tuple
 import torch
 import torch.nn as nn
 
-from models import DESCRIPTIONS, describe_block
+from models import DESCRIPTIONS, describe_block, on_meta
 from strategies.tensor_parallel.grids import Style, grid_of, interleave_fused
 from strategies.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -86,15 +86,17 @@ def cut(grid, style: Style, name: str, full: torch.Tensor) -> torch.Tensor:
     return grid.cut(style, name, full)
 
 
-def parallel_module(module: nn.Module, style: Style, grid, layout) -> nn.Module:
-    """The parallel form of one plain module, holding this rank's shards."""
+def parallel_module(module: nn.Module, style: Style, grid, layout, shard=None) -> nn.Module:
+    """The parallel form of one plain module, holding this rank's shards. `shard(path, leaf, full)`
+    gives the shard of the parameter at `path` (default: cut from the materialised `full`)."""
+    shard = shard or (lambda path, leaf, full: cut(grid, style, leaf, full))
     if style.kind == "embedding":
         position = getattr(module, "position", None)  # Llama has none: RoPE in every block
-        return ParallelEmbedding(cut(grid, style, "weight", module.token.weight),
-                                 None if position is None else cut(grid, style, "weight", position.weight),
+        return ParallelEmbedding(shard("token.weight", "weight", module.token.weight),
+                                 None if position is None else shard("position.weight", "weight", position.weight),
                                  getattr(getattr(module, "dropout", None), "p", 0.0), grid.input_rows())
-    weight = cut(grid, style, "weight", module.weight)
-    bias = cut(grid, style, "bias", getattr(module, "bias", None))
+    weight = shard("weight", "weight", module.weight)
+    bias = None if getattr(module, "bias", None) is None else shard("bias", "bias", module.bias)
     if style.kind == "norm":
         if grid.norm_family is None:  # 1-D: features whole, the plain LayerNorm / RMSNorm is right;
             module.register_forward_hook(CopyToGroup(layout))  # its output feeds column linears
@@ -130,12 +132,22 @@ def parallelize(model: nn.Module, layout, device=None, parts=None, loss_over_dat
     grid = grid_of(layout.tensor_grid, layout.degrees.tensor, layout.index("tensor"))
     parts = model.part_names() if parts is None else parts
     plan = plan_of_parts(parts, model)  # names found on meta: parts are materialised one by one below
+    # A weights hook that reads shards (models/hf.py PartWeights.read_cut) fills each parameter's
+    # shard straight from its file: the full part is never in memory.
+    read_cut = getattr(getattr(model, "weights", None), "read_cut", None)
     for part in parts:
-        model.materialise(device, [part])
+        if read_cut is None:
+            model.materialise(device, [part])
         for name, style in plan.items():
             if name == part or name.startswith(part + "."):
                 parent, _, child = name.rpartition(".")
-                replacement = parallel_module(model.get_submodule(name), style, grid, layout)
+                shard = None if read_cut is None else (
+                    lambda path, leaf, full, name=name, style=style: read_cut(
+                        f"{name}.{path}", full.shape, lambda t: cut(grid, style, leaf, t), device))
+                module = model.get_submodule(name)
+                replacement = parallel_module(module, style, grid, layout, shard)
+                if replacement is module and on_meta(module):  # kept whole (1-D norms): filled whole
+                    model.weights(name, module.to_empty(device=device))
                 setattr(model.get_submodule(parent) if parent else model, child, replacement)
         if part.startswith("blocks."):  # heads are split with q/k/v's output chunks: a share of each
             attention = model.get_submodule(part).attention

@@ -72,6 +72,22 @@ def test_documents_are_tokenized_with_eos_split_by_document_and_cached_once(toke
         (text_dir / "b.txt").write_text((STDLIB / "shlex.py").read_text())
 
 
+def test_a_parquet_text_column_gives_the_same_documents_as_jsonl(text_dir, tmp_path):
+    """A .parquet file's "text" column is read row by row, as a .jsonl's lines (pyarrow, a test
+    dependency; users without it get an error naming it)."""
+    parquet = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+
+    from layerwise.run.text import documents
+    expected = list(documents(text_dir / "c.jsonl"))
+    parquet.write_table(pyarrow.table({"text": expected, "id": list(range(len(expected)))}), tmp_path / "c.parquet",
+                        row_group_size=3)  # three row groups: the reader goes batch by batch
+    assert list(documents(tmp_path / "c.parquet")) == expected and len(expected) == 8
+    parquet.write_table(pyarrow.table({"body": expected}), tmp_path / "d.parquet")
+    with pytest.raises(ValueError, match=r'd.parquet has no "text" column \(it has: body\)'):
+        list(documents(tmp_path / "d.parquet"))
+
+
 def test_token_bin_reads_uint32_for_vocabularies_past_uint16(tmp_path):
     assert token_dtype(65536) is np.uint16 and token_dtype(128256) is np.uint32
     ids = np.array([0, 70000, 128255, 5], dtype=np.uint32)

@@ -60,7 +60,11 @@ def documents(file: Path):
             import pyarrow.parquet as parquet
         except ImportError as error:
             raise ValueError(f"data.path: {file} is parquet, which needs pyarrow (pip install pyarrow)") from error
-        for batch in parquet.ParquetFile(file).iter_batches(columns=["text"]):
+        table = parquet.ParquetFile(file)
+        if "text" not in table.schema_arrow.names:
+            raise ValueError(f"data.path: {file} has no \"text\" column (it has: "
+                             f"{', '.join(table.schema_arrow.names)})")
+        for batch in table.iter_batches(columns=["text"]):
             yield from batch.column("text").to_pylist()
     else:
         yield file.read_text(encoding="utf-8", errors="replace")

@@ -76,7 +76,18 @@ def check_resume_from(cfg) -> list:
     from strategies.checkpoint.portable import resume_errors
 
     def expected_shapes(vocabulary: int) -> dict:
-        model = build_model(cfg.model.architecture, device="meta",
-                            **model_arguments(cfg.model, vocabulary, cfg.seed))
+        arguments = model_arguments(cfg.model, vocabulary, cfg.seed)
+        arguments["layers"] = resumed_depth(cfg)
+        model = build_model(cfg.model.architecture, device="meta", **arguments)
         return {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
     return resume_errors(cfg.resume_from, expected_shapes)
+
+
+def resumed_depth(cfg) -> int:
+    """The depth `resume_from` continues at: the checkpoint's recorded depth when this config's
+    growth schedule (strategy.grow_at, grow_by) reaches it, else model.layers."""
+    from strategies.checkpoint.portable import read_sidecar, resolve_portable
+    depth = read_sidecar(resolve_portable(cfg.resume_from)).get("model_depth", cfg.model.layers)
+    growths = len(cfg.strategy.get("grow_at", ()) or ())
+    reachable = {cfg.model.layers + i * cfg.strategy.get("grow_by", 1) for i in range(growths + 1)}
+    return depth if depth in reachable else cfg.model.layers

@@ -107,7 +107,7 @@ class DynamicDepthConfig:
 
     layer_drop: float = 0.0  # p: each step drops each block (not the first or last) with probability p
     grow_at: List[int] = field(default_factory=list)  # steps at which the model gains grow_by blocks
-    grow_by: int = 1  # k: blocks added at each grow_at step, copied from the bottom ones (stacking)
+    grow_by: int = 1  # k: blocks added at each grow_at step, copies of the bottom k; 0 = double (stack all)
 
 
 @dataclass

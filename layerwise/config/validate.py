@@ -90,7 +90,7 @@ RANGES_STRATEGY = {  # where the strategy's schema has the field
     "layers_per_stage": ("count", 1), "breadth_first_micro_batches": ("count", 2),
     "tensor_grid": ("count", 2), "bucket_mb": ("non_negative", 25), "refresh_interval": ("count", 1),
     "damping": ("positive", "1e-3"), "bubble_margin": ("probability", 0.05), "layer_drop": ("probability", 0.1),
-    "grow_by": ("count", 1),
+    "grow_by": ("non_negative", 1),
 }
 NOT_EMPTY = {"run_name": "my-run", "logger.project": "layerwise"}  # names of directories and W&B projects
 DYNAMIC_DEPTH = ("layer_drop", "grow_at", "grow_by")  # schema DynamicDepthConfig: single, ddp, l2l only
@@ -253,9 +253,18 @@ def micro_batches(strategy) -> int:
 def dynamic_depth_errors(cfg) -> list:
     """LayerDrop and progressive stacking (schema DynamicDepthConfig; docs/strategies/l2l.md)."""
     strategy, errors = cfg.strategy, []
-    if "grow_at" not in strategy or not strategy.grow_at:
+    if "grow_at" not in strategy:
+        return errors
+    if strategy.layer_drop > 0 and cfg.model.layers <= 2 and not strategy.grow_at:
+        errors.append(f"strategy.layer_drop={strategy.layer_drop} with model.layers={cfg.model.layers} drops "
+                      f"nothing: the first and last blocks are always kept (Fan et al. 2019). Fix: model.layers=4 "
+                      f"or more, or strategy.layer_drop=0.")
+    if not strategy.grow_at:
         return errors
     steps = list(strategy.grow_at)
+    if strategy.grow_by == 0 and cfg.trainer.max_steps and len(steps) > 8:
+        errors.append(f"strategy.grow_at={steps} with strategy.grow_by=0 doubles the depth {len(steps)} times "
+                      f"(model.layers × {2 ** len(steps)}). Fix: fewer grow_at steps, or strategy.grow_by=k.")
     if steps != sorted(set(steps)) or steps[0] < 1:  # steps past trainer.max_steps: a later resume's
         errors.append(f"strategy.grow_at={steps} must be increasing steps, each at least 1 (step 0's depth "
                       f"is model.layers). Fix: e.g. strategy.grow_at=[{max(1, cfg.trainer.max_steps // 2)}].")

@@ -86,8 +86,7 @@ def check_resume_from(cfg) -> list:
 def resumed_depth(cfg) -> int:
     """The depth `resume_from` continues at: the checkpoint's recorded depth when this config's
     growth schedule (strategy.grow_at, grow_by) reaches it, else model.layers."""
+    from layerwise.run.task import depths
     from strategies.checkpoint.portable import read_sidecar, resolve_portable
     depth = read_sidecar(resolve_portable(cfg.resume_from)).get("model_depth", cfg.model.layers)
-    growths = len(cfg.strategy.get("grow_at", ()) or ())
-    reachable = {cfg.model.layers + i * cfg.strategy.get("grow_by", 1) for i in range(growths + 1)}
-    return depth if depth in reachable else cfg.model.layers
+    return depth if depth in depths(cfg) else cfg.model.layers

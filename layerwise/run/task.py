@@ -35,9 +35,16 @@ def model_arguments(model_config, vocab_size: int, seed: int) -> dict:
 
 def depth_at(cfg, step: int) -> int:
     """Blocks at training step `step`: model.layers, plus strategy.grow_by at each strategy.grow_at
-    step already reached (growth happens at the start of that step)."""
-    grown = sum(1 for at in cfg.strategy.get("grow_at", ()) if at <= step)
-    return cfg.model.layers + grown * cfg.strategy.get("grow_by", 1)
+    step already reached (growth happens at the start of that step); grow_by = 0 doubles the depth."""
+    return depths(cfg)[sum(1 for at in cfg.strategy.get("grow_at", ()) if at <= step)]
+
+
+def depths(cfg) -> list:
+    """The depths a run passes through: model.layers, then after each strategy.grow_at step."""
+    found = [cfg.model.layers]
+    for _ in cfg.strategy.get("grow_at", ()):
+        found.append(found[-1] + (cfg.strategy.get("grow_by", 1) or found[-1]))
+    return found
 
 
 class LanguageModelTask(pl.LightningModule):

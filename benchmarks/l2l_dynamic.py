@@ -14,6 +14,7 @@
 """
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -150,13 +151,17 @@ def main():
     parser.add_argument("part", choices=("layer_drop", "growth"))
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--figure", default="docs/results/l2l_growth.png")
+    parser.add_argument("--curves", default="docs/results/l2l_growth_curves.json")
     arguments = parser.parse_args()
     torch.set_num_threads(1)  # a shared machine: one core per benchmark
     if arguments.part == "layer_drop":
         layer_drop_table()
     else:
         with tempfile.TemporaryDirectory() as directory:
-            plot(growth_table(range(1, arguments.seeds + 1), directory), arguments.figure)
+            curves = growth_table(range(1, arguments.seeds + 1), directory)
+        Path(arguments.curves).write_text(json.dumps({f"seed{seed} {'grown' if grown else 'deep'}": losses
+                                                      for (seed, grown), losses in curves.items()}))
+        plot(curves, arguments.figure)
 
 
 if __name__ == "__main__":

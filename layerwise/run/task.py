@@ -79,14 +79,15 @@ class LanguageModelTask(pl.LightningModule):
     def vary_depth(self, step: int) -> None:
         """This step's depth (progressive stacking: grown at each `grow_at` step reached), then
         LayerDrop's mask from (seed, step) alone: every rank and strategy draws the same."""
-        self.grow_to(depth_at(self.cfg, step))
+        if self.cfg.strategy.get("grow_at"):
+            self.grow_to(depth_at(self.cfg, step))
         p = self.cfg.strategy.get("layer_drop", 0.0)
         if p:
             self.model.drop_blocks(layer_drop_mask(int(self.cfg.seed), step, len(self.model.blocks), p))
 
     def grow_to(self, depth: int) -> None:
         """Stack blocks until the model has `depth`; the optimizer (if built) gets them, stateless."""
-        missing = depth - len(self.model.blocks)
+        missing = depth - self.model.layers  # the whole model's depth (a pipeline rank holds fewer blocks)
         if missing <= 0:
             return
         added = self.model.grow(missing)

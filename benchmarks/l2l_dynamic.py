@@ -1,7 +1,7 @@
 """L2L's dynamic architectures (issue 34; docs/results/l2l.md, "Dynamic architectures"), measured.
 
-    .venv/bin/python benchmarks/l2l_dynamic.py layer_drop      # bytes, step time, peak against p (~2 min)
-    .venv/bin/python benchmarks/l2l_dynamic.py growth --seeds 1  # 4 -> 8 -> 16 vs 16 blocks (~10 min a seed)
+    .venv/bin/python benchmarks/l2l_dynamic.py layer_drop      # bytes, step time, peak against p (~4 min here)
+    .venv/bin/python benchmarks/l2l_dynamic.py growth --seeds 3  # 4 -> 8 -> 16 vs 16 blocks (4-8 min a seed here)
 
 1. LayerDrop: the relay alone (strategies/l2l.py `Relay`, AdamW on the host), 16 blocks × 128, batch
    8 × 64 tokens, m = 2, fp32, both variants, p ∈ {0, 0.25, 0.5}; each step draws the mask of

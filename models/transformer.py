@@ -352,9 +352,9 @@ class LanguageModel(nn.Module):
 
     @torch.no_grad()
     def grow(self, count: int) -> list:
-        """Progressive stacking (Gong et al. 2019, §3): append `count` blocks, new block L + i a copy
-        of block i mod L (count = L stacks the whole model on itself, as the paper does). Returns the
-        new blocks' parameters, for the caller's optimizer (their state starts fresh)."""
+        """Progressive stacking (Gong et al. 2019; docs/strategies/l2l.md): append `count` blocks,
+        new block L + i a copy of block i mod L (count = L stacks the whole model on itself, as the
+        paper does). Returns the new blocks' parameters, for the caller's optimizer (fresh state)."""
         if any(on_meta(block) for block in self.blocks.values()):
             raise ValueError("grow: every block must hold values (a pipeline rank holds only some)")
         depth, added = len(self.blocks), []
@@ -384,9 +384,9 @@ class LanguageModel(nn.Module):
 
 
 def layer_drop_mask(seed: int, step: int, layers: int, p: float) -> frozenset:
-    """Names of the blocks step `step` drops (LayerDrop, Fan et al. 2019, §3.1): each block but the
-    first and the last independently with probability p, from a generator seeded by (seed, step)
-    alone, so every rank, every strategy and every rerun draws the same mask."""
+    """Names of the blocks step `step` drops (LayerDrop, Fan et al. 2019; docs/strategies/l2l.md):
+    each block but the first and the last independently with probability p, from a generator seeded
+    by (seed, step) alone, so every rank, every strategy and every rerun draws the same mask."""
     if p == 0 or layers <= 2:
         return frozenset()
     generator = torch.Generator(device="cpu").manual_seed(derived_seed(seed, f"layer_drop/{step}"))

@@ -240,7 +240,7 @@ class Relay:
 
     def use_stages(self, modules) -> None:
         """Relay `modules` from now on: the host's eager parameter server lets every step run a
-        different list of layers (Pudipeddi et al. 2020, §3; LayerDrop, a grown model) with no
+        different list of layers (Pudipeddi et al. 2020; LayerDrop, a grown model; docs/strategies/l2l.md) with no
         device memory to repartition: only the plan and the per-stage parameter lists change."""
         if [id(module) for module in modules] == [id(module) for module in self.modules]:
             return

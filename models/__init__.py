@@ -17,6 +17,7 @@ from models.transformer import (
     LanguageModel,
     build_block,
     initialize_block,
+    layer_drop_mask,
     model_flops_per_token,
     on_meta,
     parameter_count,
@@ -51,5 +52,5 @@ def build_model(architecture: str, **kwargs) -> LanguageModel:
 
 __all__ = [
     "ARCHITECTURES", "BERT", "Block", "BlockDescription", "GPT", "Llama", "LinearShape", "block_of", "describe_block", "LanguageModel", "build_block", "build_model",
-    "initialize_block", "model_flops_per_token", "on_meta", "parameter_count",
+    "initialize_block", "layer_drop_mask", "model_flops_per_token", "on_meta", "parameter_count",
 ]

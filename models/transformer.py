@@ -282,6 +282,7 @@ class LanguageModel(nn.Module):
         # from a Hugging Face checkpoint (models/hf.py PartWeights): every strategy materialises
         # through build_part, so each process reads only the parts it owns.
         self.weights = weights
+        self.dropped = frozenset()  # names of the blocks this training step skips (LayerDrop)
         self.embed = self.build_part("embed", "meta")
         self.head = self.build_part("head", "meta")  # registered before the blocks: parameter order
         self.blocks = nn.ModuleDict({str(index): self.build_part(f"blocks.{index}", "meta")
@@ -341,14 +342,65 @@ class LanguageModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
-        for block in self.blocks.values():
+        for block in self.running_blocks():
             x = block(x)
         return self.head(x)
+
+    # ----- dynamic depth (docs/strategies/l2l.md, "Dynamic architectures")
+    def drop_blocks(self, names) -> None:
+        """Skip the blocks named `names` in training forwards until the next call (LayerDrop's mask):
+        a dropped block is the identity. Evaluation (`eval()`) always runs every block."""
+        unknown = set(names) - set(self.blocks)
+        if unknown:
+            raise ValueError(f"drop_blocks: no blocks {sorted(unknown)} in a {len(self.blocks)}-block model")
+        self.dropped = frozenset(names)
+
+    def running_blocks(self) -> list:
+        """The blocks a forward runs now, in order: all of them, less the dropped ones in training."""
+        return [block for name, block in self.blocks.items() if not (self.training and name in self.dropped)]
+
+    @torch.no_grad()
+    def grow(self, count: int) -> list:
+        """Progressive stacking (Gong et al. 2019; docs/strategies/l2l.md): append `count` blocks,
+        new block L + i a copy of block i mod L (count = L stacks the whole model on itself, as the
+        paper does). Returns the new blocks' parameters, for the caller's optimizer (fresh state)."""
+        if any(on_meta(block) for block in self.blocks.values()):
+            raise ValueError("grow: every block must hold values (a pipeline rank holds only some)")
+        depth, added = len(self.blocks), []
+        for offset in range(count):
+            source = self.blocks[str(offset % depth)]
+            block = self.make_block_like(source)
+            block.load_state_dict(source.state_dict())
+            self.blocks[str(depth + offset)] = block
+            added += list(block.parameters())
+        self.layers = len(self.blocks)
+        return added
+
+    def make_block_like(self, source: nn.Module) -> nn.Module:
+        """A new block with `source`'s device, dtype and training mode (values: the caller's)."""
+        parameter = next(source.parameters())
+        with torch.device("meta"):
+            block = self.make_block()
+        return block.to_empty(device=parameter.device).to(parameter.dtype).train(source.training)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy in nats over the positions whose target is not -100."""
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                targets.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+# ----------------------------------------------------------------------------- LayerDrop
+
+
+def layer_drop_mask(seed: int, step: int, layers: int, p: float) -> frozenset:
+    """Names of the blocks step `step` drops (LayerDrop, Fan et al. 2019; docs/strategies/l2l.md):
+    each block but the first and the last independently with probability p, from a generator seeded
+    by (seed, step) alone, so every rank, every strategy and every rerun draws the same mask."""
+    if p == 0 or layers <= 2:
+        return frozenset()
+    generator = torch.Generator(device="cpu").manual_seed(derived_seed(seed, f"layer_drop/{step}"))
+    draws = torch.rand(layers, generator=generator)  # all L drawn: the mask of block i depends on i only
+    return frozenset(str(index) for index in range(1, layers - 1) if draws[index] < p)
 
 
 # ----------------------------------------------------------------------------- accounting

@@ -265,8 +265,8 @@ class HostStore:
 
 
 def stage_modules(model) -> list:
-    """The relay's stages: embed, every block, the head (its loss is computed with it)."""
-    return [model.embed, *model.blocks.values(), model.head]
+    """The relay's stages: embed, every block the model runs this step, the head (with its loss)."""
+    return [model.embed, *model.running_blocks(), model.head]
 
 
 def owners(modules) -> dict:
@@ -286,21 +286,34 @@ class Relay:
                  constant_memory: bool = False, prefetch: bool = True,
                  device=torch.device("cpu"), dtype=torch.float32, bucket_bytes: int = 0):
         self.model, self.micro_batches, self.communicator = model, micro_batches, communicator
-        self.modules = stage_modules(model)
-        self.parameters = [dict(module.named_parameters()) for module in self.modules]
-        owner = owners(self.modules)
-        self.owned = [[p for p in params.values() if owner[id(p)] == stage]
-                      for stage, params in enumerate(self.parameters)]
+        self.prefetch, self.reduces, self.plans, self.modules = prefetch, data_group.size > 1, {}, []
+        self.use_stages(stage_modules(model))
         self.store = HostStore(optimizer, communicator, data_group, bucket_bytes)
         self.copier = DeviceCopier(torch.device(device), dtype)
         self.stash = Stash(constant_memory, self.copier, self.sent)
-        self.plan = validate_plan(relay_plan(len(self.modules), micro_batches, prefetch,
-                                             reduce=data_group.size > 1))
         self.weights, self.transferred = {}, {}
+
+    def use_stages(self, modules) -> None:
+        """Relay `modules` from now on: the host's eager parameter server lets every step run a
+        different list of layers (Pudipeddi et al. 2020; LayerDrop, a grown model; docs/strategies/l2l.md) with no
+        device memory to repartition: only the plan and the per-stage parameter lists change."""
+        if [id(module) for module in modules] == [id(module) for module in self.modules]:
+            return
+        self.modules = modules
+        self.parameters = [dict(module.named_parameters()) for module in modules]
+        owner = owners(modules)
+        self.owned = [[p for p in params.values() if owner[id(p)] == stage]
+                      for stage, params in enumerate(self.parameters)]
+        if len(modules) not in self.plans:  # a plan per depth, built once
+            self.plans[len(modules)] = validate_plan(relay_plan(len(modules), self.micro_batches, self.prefetch,
+                                                                reduce=self.reduces))
+        self.plan = self.plans[len(modules)]
 
     # ----- the step
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Run the relay plan on this rank's batch; returns its loss (mean over its scored tokens)."""
+        """Run the relay plan on this rank's batch; returns its loss (mean over its scored tokens).
+        A block the model drops this step (LayerDrop) is no stage: neither fetched nor returned."""
+        self.use_stages(stage_modules(self.model))
         self.begin(tokens, targets)
         execute(self.plan.ranks[0], self.handlers())
         return self.loss

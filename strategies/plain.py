@@ -111,7 +111,9 @@ def build_single(cfg, world_size: int) -> SingleStrategy:
 def build_ddp(cfg, world_size: int) -> "CountedDDPStrategy":
     return CountedDDPStrategy(process_group_backend=cfg.hardware.process_group_backend,
                               activation_recompute=cfg.strategy.activation_recompute,
-                              bucket_cap_mb=cfg.strategy.bucket_mb)
+                              bucket_cap_mb=cfg.strategy.bucket_mb,
+                              # a LayerDrop step leaves the dropped blocks without gradients
+                              find_unused_parameters=cfg.strategy.layer_drop > 0)
 
 
 SINGLE = StrategyEntry(check=check, degrees=degrees, build=build_single, one_process=True,

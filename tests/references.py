@@ -118,6 +118,13 @@ SGD_CASES = {
     "tp_2d_q2": SgdCase(["strategy=tp_2d", "hardware.devices_per_node=4"], 4),
     "l2l_m4": SgdCase(["strategy=l2l", "hardware.devices_per_node=1"], 1),
     "l2l_dp2_m2_const": SgdCase(["strategy=l2l", "strategy.micro_batches=2", "strategy.constant_memory=true"], 2),
+    # LayerDrop (issue 34): the same (seed, step) mask in the run and in its single reference.
+    "l2l_m4_layer_drop": SgdCase(["strategy=l2l", "hardware.devices_per_node=1", "strategy.layer_drop=0.5"], 1,
+                                 ("strategy=single", "strategy.layer_drop=0.5")),
+    "l2l_dp2_m2_const_layer_drop": SgdCase(["strategy=l2l", "strategy.micro_batches=2", "strategy.constant_memory=true",
+                                            "strategy.layer_drop=0.5"], 2, ("strategy=single", "strategy.layer_drop=0.5")),
+    "ddp_dp2_layer_drop": SgdCase(["strategy=ddp", "strategy.layer_drop=0.5"], 2,
+                                  ("strategy=single", "strategy.layer_drop=0.5")),
     # Composed layouts (issue 14): a tensor grid inside each pipeline stage, × data or ZeRO shards.
     "modular_pipeline_pp2_p2_m4": SgdCase(["strategy=modular_pipeline", "strategy.tensor_parallel=1d",
                                            "strategy.tensor_grid=2", "hardware.devices_per_node=4"], 4),

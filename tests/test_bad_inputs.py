@@ -150,6 +150,12 @@ BAD_INPUTS = [
     ("hardware.process_group_backend=nccl", "hardware.process_group_backend", "must be gloo on CPU"),
     ("hardware=dgx_a100_80g", "hardware=dgx_a100_80g", "needs CUDA GPUs and this machine has none"),
     ("trainer.gradient_clip_val=1.0", "trainer.gradient_clip_val", "runs its own optimizer step"),
+    # ----- dynamic depth (issue 34): LayerDrop and progressive stacking
+    ("strategy=gpipe strategy.layer_drop=0.2", "strategy.layer_drop", "cannot vary its depth per step"),
+    ("strategy=l2l strategy.layer_drop=1", "strategy.layer_drop", "strategy.layer_drop=1.0 must be in [0, 1)"),
+    ("strategy=single model.layers=2 strategy.layer_drop=0.1", "strategy.layer_drop", "drops nothing: the first and last blocks"),
+    ("strategy=ddp strategy.grow_at=[2]", "strategy.grow_at", "DDP registers its parameters once"),
+    ("strategy=single strategy.grow_at=[3,2]", "strategy.grow_at", "must be increasing steps"),
 ]
 
 

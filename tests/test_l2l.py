@@ -131,10 +131,13 @@ def test_cross_mixed_precision_keeps_fp32_masters_and_halves_the_bytes():
 # ----------------------------------------------------------------------------- compute-side memory
 
 
-def relay_peak(layers, micro_batches, constant_memory, micro_batch_size=1, sequence=32, hidden=128):
-    """Compute-side peak of the second step (optimizer state exists) of a gpt_tiny-width relay."""
+def relay_peak(layers, micro_batches, constant_memory, micro_batch_size=1, sequence=32, hidden=128, p=0.0):
+    """Compute-side peak of the second step (optimizer state exists) of a gpt_tiny-width relay
+    (`p`: both steps drop LayerDrop's step-0 mask)."""
+    from models import layer_drop_mask
     model = build_model("gpt", vocab_size=256, sequence_length=sequence, layers=layers, hidden=hidden, heads=4,
                         mlp_ratio=4, dropout=0.1, seed=0)
+    model.drop_blocks(layer_drop_mask(0, 0, layers, p))
     tokens = torch.randint(0, 256, (micro_batches * micro_batch_size, sequence))
     return relay_peak_bytes(model, build_optimizer(OPTIMIZER, model.named_parameters()), tokens, tokens,
                             micro_batches, constant_memory)
@@ -215,7 +218,8 @@ def test_l2l_data_parallel_with_tied_weights_reproduces_single(tmp_path):
     assert {float(row["comm_bytes_all_reduce"]) for row in rows} == {2 * (2 - 1) / 2 * unique * 4}
 
 
-@pytest.mark.parametrize("case", ["l2l_m4", "l2l_dp2_m2_const", "llama_l2l_dp2_m2_const"])
+@pytest.mark.parametrize("case", ["l2l_m4", "l2l_dp2_m2_const", "llama_l2l_dp2_m2_const", "l2l_m4_layer_drop",
+                                  "l2l_dp2_m2_const_layer_drop", "ddp_dp2_layer_drop"])
 def test_l2l_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
     """Plain SGD sees the gradient's scale, which AdamW normalises away (references.SgdComparison):
     losses, the first step's gradients and the parameters after references.SGD_STEPS steps."""
@@ -294,3 +298,158 @@ def test_every_copy_to_the_device_is_awaited_before_it_is_read(constant_memory, 
                          f"strategy.constant_memory={str(constant_memory).lower()}", "hardware.devices_per_node=1")
     summary = train(cfg, tmp_path, world_size(cfg))
     assert summary["status"] == "completed" and len(summary["losses"]) == 2
+
+
+# ----------------------------------------------------------------------------- dynamic architectures
+
+
+# Blocks 1, 2 droppable. p = 0.25 under AdamW: a block kept only once leaves its key bias (gradient
+# analytically 0, round-off in practice) with one Adam step, whose round-off can be exactly 0 in the
+# reference: tolerances.adam_tolerance then reads it as an unreachable element (v = 0) and allows 0.
+LAYER_DROP = ["model.layers=4", "strategy.layer_drop=0.25", "model.dropout=0.1"]
+
+
+def test_layer_drop_mask_depends_on_seed_and_step_only():
+    from models import layer_drop_mask
+    masks = [layer_drop_mask(1234, step, 6, 0.5) for step in range(6)]
+    assert masks == [layer_drop_mask(1234, step, 6, 0.5) for step in range(6)]  # a rerun draws the same
+    assert len(set(masks)) > 1 and all(mask <= {"1", "2", "3", "4"} for mask in masks)  # first, last kept
+    assert layer_drop_mask(1234, 0, 6, 0.0) == frozenset()
+    assert masks != [layer_drop_mask(4321, step, 6, 0.5) for step in range(6)]
+
+
+def test_dropped_blocks_are_identities_and_eval_runs_every_block():
+    model = tiny_model(layers=4, dropout=0.0)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    full = model(tokens)
+    model.drop_blocks({"1", "2"})
+    shallow = model(tokens)
+    x = model.embed(tokens)
+    for name in ("0", "3"):
+        x = model.blocks[name](x)
+    assert torch.equal(shallow, model.head(x)) and not torch.equal(shallow, full)
+    assert torch.equal(model.eval()(tokens), full)
+
+
+@pytest.fixture(scope="module")
+def single_with_layer_drop(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("single_layer_drop")
+    with tracing_optimizer(directory / "single"):
+        return run(directory, "single", "strategy=single", *LAYER_DROP)
+
+
+def block_parameters(parameters, name):
+    return sum(value.numel() for key, value in parameters.items() if key.startswith(f"model.blocks.{name}."))
+
+
+@pytest.mark.parametrize("case", [(4, False), (1, True)], ids=variant_id)
+def test_l2l_layer_drop_reproduces_single_and_moves_only_the_kept_blocks(single_with_layer_drop, tmp_path, case):
+    """AdamW, the same (seed, step) mask: losses and parameters equal single's; a dropped block is never
+    fetched nor returned, so each step moves 3·4·(P − dropped blocks' parameters) bytes (+ the stash)."""
+    from models import layer_drop_mask
+    micro_batches, constant_memory = case
+    summary, directory = run(tmp_path, "l2l", "strategy=l2l", "hardware.devices_per_node=1", *LAYER_DROP,
+                             f"strategy.micro_batches={micro_batches}", f"strategy.constant_memory={constant_memory}")
+    assert_same_losses(summary["losses"], single_with_layer_drop[0]["losses"])
+    parameters = consolidated_parameters(directory, "l2l")
+    assert_same_parameters(parameters, consolidated_parameters(single_with_layer_drop[1], "single"),
+                           OptimizerTrace.load(single_with_layer_drop[1]))
+    total, expected = sum(p.numel() for p in parameters.values()), []
+    for step in range(STEPS):
+        dropped = layer_drop_mask(1234, step, 4, 0.25)
+        moved = 3 * 4 * (total - sum(block_parameters(parameters, name) for name in dropped))
+        if constant_memory:  # the stash crosses the L_kept + 1 stage boundaries
+            moved += 5 * (4 - len(dropped) + 1) * 8 * 32 * 32 * 4
+        expected.append(moved)
+    assert len(set(expected)) > 1  # the mask varies over these steps
+    assert [float(row["comm_bytes_host_device"]) for row in metrics(directory)] == expected
+
+
+def test_layer_drop_keeps_the_device_peak_flat():
+    """Constant variant, 8 blocks: the peak is one layer's, whatever p; the standard variant's stash
+    only shrinks with the dropped blocks (docs/results/l2l.md, "Dynamic architectures")."""
+    from models import layer_drop_mask
+    assert [len(layer_drop_mask(0, 0, 8, p)) for p in (0.0, 0.25, 0.5)] == [0, 2, 3]  # the masks measured
+    constant = {p: relay_peak(8, 2, True, hidden=64, p=p) for p in (0.0, 0.25, 0.5)}
+    standard = {p: relay_peak(8, 2, False, hidden=64, p=p) for p in (0.0, 0.5)}
+    assert max(constant.values()) <= 1.05 * min(constant.values()), constant
+    assert standard[0.5] <= standard[0.0], standard
+
+
+GROWTH = ["model.layers=2", "strategy.grow_at=[2]", "strategy.grow_by=2", "model.dropout=0.1"]  # 2 -> 4 at step 2
+
+
+@pytest.fixture(scope="module")
+def single_growing(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("single_growing")
+    with tracing_optimizer(directory / "single"):
+        return run(directory, "single", "strategy=single", *GROWTH)
+
+
+@pytest.mark.parametrize("case", [(2, False), (1, True)], ids=variant_id)
+def test_l2l_reproduces_single_across_a_growth(single_growing, tmp_path, case):
+    """Progressive stacking at step 2 (blocks 2, 3 copies of 0, 1, fresh AdamW state): losses and the
+    4-block parameters equal single's; the bytes per step follow the depth (3·4·P of the model then)."""
+    micro_batches, constant_memory = case
+    summary, directory = run(tmp_path, "l2l", "strategy=l2l", "hardware.devices_per_node=1", *GROWTH,
+                             f"strategy.micro_batches={micro_batches}", f"strategy.constant_memory={constant_memory}")
+    assert_same_losses(summary["losses"], single_growing[0]["losses"])
+    parameters = consolidated_parameters(directory, "l2l")
+    assert sum(name.endswith("blocks.3.mlp.fc_out.weight") for name in parameters) == 1  # grown to 4 blocks
+    assert_same_parameters(parameters, consolidated_parameters(single_growing[1], "single"),
+                           OptimizerTrace.load(single_growing[1]))
+    total = sum(p.numel() for p in parameters.values())
+    shallow = total - sum(block_parameters(parameters, name) for name in ("2", "3"))
+    expected = [3 * 4 * (shallow if step < 2 else total) for step in range(STEPS)]
+    if constant_memory:
+        expected = [moved + 5 * ((2 if step < 2 else 4) + 1) * 8 * 32 * 32 * 4 for step, moved in enumerate(expected)]
+    assert [float(row["comm_bytes_host_device"]) for row in metrics(directory)] == expected
+
+
+def test_grown_model_resumes_before_and_after_the_growth(tmp_path):
+    """Checkpoints after step 1 (2 blocks) and step 3 (4 blocks) resume to the uninterrupted run, bit for bit."""
+    overrides = ["strategy=l2l", "hardware.devices_per_node=1", "strategy.micro_batches=2", *GROWTH,
+                 "trainer.checkpoint_every_n_steps=1"]
+    whole, whole_directory = run(tmp_path, "whole", *overrides)
+    for stop in (1, 3):
+        first, directory = run(tmp_path, f"resumed{stop}", *overrides, steps=stop)
+        assert first["steps"] == stop
+        resumed, _ = run(tmp_path, f"resumed{stop}", *overrides)
+        assert resumed["losses"] == whole["losses"], stop
+        expected = consolidated_parameters(whole_directory, "l2l")
+        actual = consolidated_parameters(directory, "l2l")
+        assert actual.keys() == expected.keys()
+        for name, value in actual.items():
+            assert torch.equal(value, expected[name]), (stop, name)
+
+
+def test_growth_keeps_the_device_peak_flat():
+    """Constant variant: a model grown from 8 to 32 blocks (stacked twice) peaks as the 8-block one."""
+    model = build_model("gpt", vocab_size=256, sequence_length=32, layers=8, hidden=32, heads=4, mlp_ratio=4,
+                        dropout=0.1, seed=0)
+    optimizer = build_optimizer(OPTIMIZER, model.named_parameters())
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    peaks = {8: relay_peak_bytes(model, optimizer, tokens, tokens, 2, True)}
+    from layerwise.run.optim import add_parameters
+    for _ in range(2):
+        add_parameters(optimizer, model.grow(len(model.blocks)))
+    assert len(model.blocks) == 32
+    peaks[32] = relay_peak_bytes(model, optimizer, tokens, tokens, 2, True)
+    assert max(peaks.values()) <= 1.05 * min(peaks.values()), peaks
+
+
+def test_growth_copies_the_bottom_blocks_and_starts_their_state_fresh():
+    model = tiny_model(layers=3, dropout=0.0)
+    optimizer = build_optimizer(OPTIMIZER, model.named_parameters())
+    model.loss(model(torch.zeros(1, 16, dtype=torch.long)), torch.zeros(1, 16, dtype=torch.long)).backward()
+    optimizer.step()
+    from layerwise.run.optim import add_parameters
+    added = model.grow(4)
+    add_parameters(optimizer, added)
+    assert list(model.blocks) == [str(index) for index in range(7)] and model.layers == 7
+    for new, source in ((3, 0), (4, 1), (5, 2), (6, 0)):  # block L + i copies block i mod L
+        for (name, value), copied in zip(model.blocks[str(new)].state_dict().items(),
+                                         model.blocks[str(source)].state_dict().values()):
+            assert torch.equal(value, copied) and value.data_ptr() != copied.data_ptr(), name
+    assert all(parameter not in optimizer.state for parameter in added)
+    assert sum(len(group["params"]) for group in optimizer.param_groups) == len(list(model.parameters()))

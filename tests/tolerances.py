@@ -163,12 +163,16 @@ class OptimizerTrace:
     def _group(optimizer, parameter):
         return next(group for group in optimizer.param_groups if any(p is parameter for p in group["params"]))
 
-    def before_step(self, named_parameters, optimizer):
+    def before_step(self, named_parameters, optimizer, only_new: bool = False):
         """Before an optimizer step; `named_parameters` with every name a state dict has (tied
-        weights under each of their names: `named_parameters(remove_duplicate=False)`)."""
+        weights under each of their names: `named_parameters(remove_duplicate=False)`). `only_new`:
+        add the parameters not yet recorded (blocks a growing model gained after the step began)."""
         import torch
-        self._before = {}
+        if not only_new:
+            self._before = {}
         for name, parameter in named_parameters:
+            if name in self._before:
+                continue
             state = optimizer.state.get(parameter, {})
             average = state["exp_avg"].detach().clone() if "exp_avg" in state else torch.zeros_like(parameter)
             self._before[name] = (parameter.detach().clone(), average, self._group(optimizer, parameter)["lr"])
@@ -215,6 +219,12 @@ def optimizer_trace_callback(run_directory):
         def on_train_batch_start(self, trainer, module, batch, batch_index):
             assert trainer.world_size == 1, "trace the one-process reference"
             self.trace.before_step(module.named_parameters(remove_duplicate=False), trainer.optimizers[0])
+
+        def on_before_backward(self, trainer, module, loss):
+            # A growing model (strategy.grow_at) gains its blocks in the task's on_train_batch_start,
+            # after this callback's: record them here, still before the step.
+            self.trace.before_step(module.named_parameters(remove_duplicate=False), trainer.optimizers[0],
+                                   only_new=True)
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
             self.trace.after_step(module.named_parameters(remove_duplicate=False), trainer.optimizers[0])

@@ -109,7 +109,17 @@ class BucketedReductionConfig:
 
 
 @dataclass
-class PlainStrategyConfig(StrategyConfig, ActivationRecomputeConfig):
+class DynamicDepthConfig:
+    """Mixin of the strategies that may run a different set of blocks each step (single, ddp, l2l):
+    LayerDrop (Fan et al. 2019) and progressive stacking (Gong et al. 2019); docs/strategies/l2l.md."""
+
+    layer_drop: float = 0.0  # p: each step drops each block (not the first or last) with probability p
+    grow_at: List[int] = field(default_factory=list)  # steps at which the model gains grow_by blocks
+    grow_by: int = 1  # k: blocks added at each grow_at step, copies of the bottom k; 0 = double (stack all)
+
+
+@dataclass
+class PlainStrategyConfig(StrategyConfig, ActivationRecomputeConfig, DynamicDepthConfig):
     """`single`: the whole model in one process; its only knob is activation recomputation."""
 
 
@@ -164,7 +174,7 @@ class TensorParallelStrategyConfig(StrategyConfig, ActivationRecomputeConfig):
 
 
 @dataclass
-class L2LStrategyConfig(MicroBatchedStrategyConfig, BucketedReductionConfig):
+class L2LStrategyConfig(MicroBatchedStrategyConfig, BucketedReductionConfig, DynamicDepthConfig):
     """L2L relay with an eager host parameter server (docs/strategies/l2l.md); one device per data rank."""
 
     constant_memory: bool = False  # stash activations on the host: compute memory flat in depth and m

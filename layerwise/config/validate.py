@@ -92,9 +92,11 @@ RANGES_STRATEGY = {  # where the strategy's schema has the field
     "micro_batches": ("count", 4), "pipeline_degree": ("count", 2), "data_degree": ("count", 1),
     "layers_per_stage": ("count", 1), "breadth_first_micro_batches": ("count", 2),
     "tensor_grid": ("count", 2), "bucket_mb": ("non_negative", 25), "refresh_interval": ("count", 1),
-    "damping": ("positive", "1e-3"), "bubble_margin": ("probability", 0.05),
+    "damping": ("positive", "1e-3"), "bubble_margin": ("probability", 0.05), "layer_drop": ("probability", 0.1),
+    "grow_by": ("non_negative", 1),
 }
 NOT_EMPTY = {"run_name": "my-run", "logger.project": "layerwise"}  # names of directories and W&B projects
+DYNAMIC_DEPTH = ("layer_drop", "grow_at", "grow_by")  # schema DynamicDepthConfig: single, ddp, l2l only
 SCHEMA_GROUPS = ("strategy", "model", "hardware", "data", "optimizer", "logger", "trainer")
 WEIGHT_AND_GRADIENT_BYTES = 8  # fp32 weight and gradient; the optimizer's state: cost.inputs.OPTIMIZER_STATE
 
@@ -251,12 +253,40 @@ def micro_batches(strategy) -> int:
     return strategy.micro_batches if "micro_batches" in strategy else 1
 
 
+def dynamic_depth_errors(cfg) -> list:
+    """LayerDrop and progressive stacking (schema DynamicDepthConfig; docs/strategies/l2l.md)."""
+    strategy, errors = cfg.strategy, []
+    if "grow_at" not in strategy:
+        return errors
+    if strategy.layer_drop > 0 and cfg.model.layers <= 2 and not strategy.grow_at:
+        errors.append(f"strategy.layer_drop={strategy.layer_drop} with model.layers={cfg.model.layers} drops "
+                      f"nothing: the first and last blocks are always kept (Fan et al. 2019). Fix: model.layers=4 "
+                      f"or more, or strategy.layer_drop=0.")
+    if not strategy.grow_at:
+        return errors
+    steps = list(strategy.grow_at)
+    if strategy.grow_by == 0 and cfg.trainer.max_steps and len(steps) > 8:
+        errors.append(f"strategy.grow_at={steps} with strategy.grow_by=0 doubles the depth {len(steps)} times "
+                      f"(model.layers × {2 ** len(steps)}). Fix: fewer grow_at steps, or strategy.grow_by=k.")
+    if steps != sorted(set(steps)) or steps[0] < 1:  # steps past trainer.max_steps: a later resume's
+        errors.append(f"strategy.grow_at={steps} must be increasing steps, each at least 1 (step 0's depth "
+                      f"is model.layers). Fix: e.g. strategy.grow_at=[{max(1, cfg.trainer.max_steps // 2)}].")
+    if strategy.name == "ddp":
+        errors.append(f"strategy.grow_at={steps}: DDP registers its parameters once, when it wraps the model, "
+                      f"so a grown block would never be all-reduced. Fix: strategy=l2l (data parallel too), "
+                      f"or strategy=single.")
+    if strategy.get("activation_recompute", "none") != "none":
+        errors.append(f"strategy.grow_at={steps} with strategy.activation_recompute={strategy.activation_recompute}: "
+                      f"the grown blocks would not be recomputed. Fix: strategy.activation_recompute=none.")
+    return errors
+
+
 def check_strategy(cfg, world: int) -> list:
     if cfg.strategy.name not in REGISTRY:
         return []
     entry = strategy_entry(cfg.strategy.name)
     errors = (entry.check(cfg, world) + gradient_clipping_errors(cfg.strategy.name, cfg.trainer.gradient_clip_val)
-              + fp16_errors(cfg.strategy.name, cfg.hardware.precision))
+              + fp16_errors(cfg.strategy.name, cfg.hardware.precision) + dynamic_depth_errors(cfg))
     if errors:
         return errors
     data_degree, micro = entry.degrees(cfg, world).data, micro_batches(cfg.strategy)
@@ -309,6 +339,11 @@ def unknown_key_problem(message: str, cause) -> str:
     owner = f"schema {cause.object_type.__name__}" if cause.object_type else "the config"
     if "name" in declared and group in SCHEMA_GROUPS:
         owner = f"{group}={cause.parent_node.name} ({owner})"
+    if group == "strategy" and str(cause.key) in DYNAMIC_DEPTH:
+        return (f"Could not override '{cause.full_key}': {owner} cannot vary its depth per step: its blocks "
+                f"are cut into pipeline stages or split over a tensor grid once, before training, and a "
+                f"dropped or added block would unbalance them. Fix: strategy=l2l (or single, ddp) with "
+                f"{cause.full_key}={value}, or remove it.")
     fix = (f"{prefix}{close[0]}={value}" if close
            else f"remove {cause.full_key}={value} (the settings here: {', '.join(declared)})")
     return f"Could not override '{cause.full_key}': {owner} has no such setting. Fix: {fix}."

@@ -54,6 +54,14 @@ def parameter_groups(named_parameters, weight_decay: float):
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def add_parameters(optimizer: torch.optim.Optimizer, parameters) -> None:
+    """Append new parameters (a grown model's blocks) to the groups `parameter_groups` would give
+    them; their state starts empty, so their first step is a fresh optimizer's (progressive stacking)."""
+    decay, no_decay = optimizer.param_groups[0]["params"], optimizer.param_groups[-1]["params"]
+    for parameter in parameters:
+        (decay if parameter.dim() >= 2 else no_decay).append(parameter)
+
+
 def build_optimizer(config, named_parameters) -> torch.optim.Optimizer:
     """AdamW (default), LAMB or momentum SGD over `named_parameters`."""
     groups = parameter_groups(named_parameters, config.weight_decay)

@@ -148,7 +148,17 @@ def check_resume_from(cfg) -> list:
     from strategies.checkpoint.portable import resume_errors
 
     def expected_shapes(vocabulary: int) -> dict:
-        model = build_model(cfg.model.architecture, device="meta",
-                            **model_arguments(cfg.model, vocabulary, cfg.seed))
+        arguments = model_arguments(cfg.model, vocabulary, cfg.seed)
+        arguments["layers"] = resumed_depth(cfg)
+        model = build_model(cfg.model.architecture, device="meta", **arguments)
         return {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
     return resume_errors(cfg.resume_from, expected_shapes)
+
+
+def resumed_depth(cfg) -> int:
+    """The depth `resume_from` continues at: the checkpoint's recorded depth when this config's
+    growth schedule (strategy.grow_at, grow_by) reaches it, else model.layers."""
+    from layerwise.run.task import depths
+    from strategies.checkpoint.portable import read_sidecar, resolve_portable
+    depth = read_sidecar(resolve_portable(cfg.resume_from)).get("model_depth", cfg.model.layers)
+    return depth if depth in depths(cfg) else cfg.model.layers

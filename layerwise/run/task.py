@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from layerwise.run import data as data_lib
-from layerwise.run.optim import build_optimizer, build_scheduler
-from models import build_model
+from layerwise.run.optim import add_parameters, build_optimizer, build_scheduler
+from models import build_model, layer_drop_mask
 
 
 def objective_of(model_config) -> str:
@@ -42,6 +42,20 @@ def initial_weights(model_config):
     return PartWeights(model_config.path, model_config.architecture, model_config.tie_embeddings)
 
 
+def depth_at(cfg, step: int) -> int:
+    """Blocks at training step `step`: model.layers, plus strategy.grow_by at each strategy.grow_at
+    step already reached (growth happens at the start of that step); grow_by = 0 doubles the depth."""
+    return depths(cfg)[sum(1 for at in cfg.strategy.get("grow_at", ()) if at <= step)]
+
+
+def depths(cfg) -> list:
+    """The depths a run passes through: model.layers, then after each strategy.grow_at step."""
+    found = [cfg.model.layers]
+    for _ in cfg.strategy.get("grow_at", ()):
+        found.append(found[-1] + (cfg.strategy.get("grow_by", 1) or found[-1]))
+    return found
+
+
 class LanguageModelTask(pl.LightningModule):
     """A GPT (causal) or BERT (masked) language model with its optimizer and LR schedule.
 
@@ -69,6 +83,31 @@ class LanguageModelTask(pl.LightningModule):
         rank, _ = self.trainer.strategy.data_parallel()
         # Integers only: tuple hashes of ints are stable across processes (strings are salted).
         torch.manual_seed(hash((int(self.cfg.seed), int(self.global_step), rank)) % 2**63)
+        self.vary_depth(int(self.global_step))
+
+    def vary_depth(self, step: int) -> None:
+        """This step's depth (progressive stacking: grown at each `grow_at` step reached), then
+        LayerDrop's mask from (seed, step) alone: every rank and strategy draws the same."""
+        if self.cfg.strategy.get("grow_at"):
+            self.grow_to(depth_at(self.cfg, step))
+        p = self.cfg.strategy.get("layer_drop", 0.0)
+        if p:
+            self.model.drop_blocks(layer_drop_mask(int(self.cfg.seed), step, len(self.model.blocks), p))
+
+    def grow_to(self, depth: int) -> None:
+        """Stack blocks until the model has `depth`; the optimizer (if built) gets them, stateless."""
+        missing = depth - self.model.layers  # the whole model's depth (a pipeline rank holds fewer blocks)
+        if missing <= 0:
+            return
+        added = self.model.grow(missing)
+        for optimizer in (self.trainer.optimizers if self._trainer is not None else []):
+            add_parameters(optimizer, added)
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["model_depth"] = self.model.layers  # the whole model's: a grown one resumes at its depth
+
+    def on_load_checkpoint(self, checkpoint):
+        self.grow_to(checkpoint.get("model_depth", 0))  # before the weights and optimizer state load
 
     def optimizer_zero_grad(self, epoch, batch_index, optimizer):
         # Lightning's closure zeroes gradients *after* training_step; a strategy whose

@@ -369,6 +369,8 @@ def load_portable(strategy, path) -> dict:
     pieces this strategy materialised (the model and optimizers must exist: restore after setup)."""
     path = Path(path)
     saved = read_sidecar(path)
+    if "model_depth" in saved:  # a grown model (progressive stacking): its blocks exist before they load
+        strategy.lightning_module.grow_to(saved["model_depth"])
     optimizers = strategy.optimizers
     _initialise_optimizer_state(optimizers, saved.get("optimizer_state_keys", []))
     state = PortableState(strategy.lightning_module, optimizers, strategy_layout(strategy), strategy.global_rank)

@@ -76,9 +76,12 @@ class StepExchange:
         if self.result is None:
             if self.work is not None:
                 self.work.wait()
-            by_rank = self.by_rank = torch.stack(self.pieces)
-            totals = torch.cat([by_rank[:, :1].sum(dim=0), by_rank[:, 1:].amax(dim=0)]).tolist()  # one sync
-            self.result = totals[0], totals[1:]
+            stacked = torch.stack(self.pieces)
+            width = stacked.shape[1]
+            # one sync for the totals and every rank's row (the straggler check reads the rows)
+            flat = torch.cat([stacked[:, :1].sum(dim=0), stacked[:, 1:].amax(dim=0), stacked.flatten()]).tolist()
+            self.result = flat[0], flat[1:width]
+            self.by_rank = [flat[width * (1 + rank):width * (2 + rank)] for rank in range(stacked.shape[0])]
         return self.result
 
 
@@ -269,9 +272,9 @@ class RunEvidence(pl.Callback):
         if self._exchange is None:
             return None
         self.world_loss_sum(None)
-        by_rank = self._exchange.by_rank
-        column = by_rank.shape[1] - len(self.per_rank) + list(self.per_rank).index(name)
-        return by_rank[:, column].tolist()
+        by_rank = self._exchange.by_rank  # host lists: read with the totals' one sync
+        column = len(by_rank[0]) - len(self.per_rank) + list(self.per_rank).index(name)
+        return [row[column] for row in by_rank]
 
     def exchanged(self) -> bool:
         """Whether a step's exchange has been issued since the last step started."""

@@ -108,6 +108,13 @@ def test_two_torchrun_nodes_train_the_same_run_as_the_fork_launcher(tmp_path):
         own_shard = ("open", str(torchrun_directory / "checkpoints" / "last.ckpt.tmp" / f"rank{rank}.pt"))
         own_pieces = ("open", str(portable / f"__{rank}_0.distcp"))
         allowed = {("os.mkdir", str(torchrun_directory)), own_shard, own_pieces, ("os.mkdir", str(portable))}
+        # its own process record (the hang diagnosis reads its pid; docs/faults.md), written
+        # atomically, and a stale hang record of its own removed at start
+        records = torchrun_directory / "processes"
+        allowed |= {("os.mkdir", str(records)), ("os.rename", str(records / f"rank-{rank}.json")),
+                    ("os.remove", str(torchrun_directory / "hang" / f"rank-{rank}.json"))}
+        allowed |= {write for write in writes[rank] if write[0] == "open"
+                    and Path(write[1]).parent == records and Path(write[1]).name.startswith(f".rank-{rank}.json.")}
         assert writes[rank] <= allowed, (rank, writes[rank])
         assert ("os.mkdir", str(torchrun_directory)) in writes[rank]
     assert sorted(p.name for p in (torchrun_directory / "checkpoints" / "last.ckpt").iterdir()) == [

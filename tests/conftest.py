@@ -41,6 +41,11 @@ def pytest_terminal_summary(terminalreporter, config):
 
 # ----- the local Slurm cluster (scripts/local_slurm.sh) for tests marked `slurm` (-m slurm)
 
+def pytest_unconfigure(config):
+    from tests.warm_python import stop  # the warm interpreter of the suite's `python train.py` commands
+    stop()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slurm: needs the local Slurm cluster (scripts/local_slurm.sh); "
                                        "skipped with the reason when it cannot start")

@@ -107,7 +107,7 @@ class DeviceSyncCounter:
         from torch.utils._pytree import tree_flatten
         from torch.utils.weak import WeakIdKeyDictionary
 
-        import layerwise.run.fit as fit
+        from tests.ranks import add_callbacks
         import strategies.l2l as l2l
         from parallel.memory import on_host_side
 
@@ -248,22 +248,14 @@ class DeviceSyncCounter:
                 sink(trainer.global_rank, trainer.global_step, mode.counts)
                 mode.counts = None
 
-        building = fit.build_trainer
-
-        def build_trainer(*arguments, **keywords):
-            trainer = building(*arguments, **keywords)
-            # first in, last out: the evidence's memory meter enters and leaves inside this window
-            trainer.callbacks.insert(0, Start())
-            trainer.callbacks.append(End())
-            return trainer
-
         for name in self.FACTORIES:
             set_attribute(torch, name, factory(name, getattr(torch, name)))
         set_attribute(torch.Tensor, "tolist", tolist)
         set_attribute(l2l.DeviceCopier, "to_host", counted_to_host)
         set_attribute(l2l.DeviceCopier, "to_device", marked_to_device)
         set_attribute(l2l.DeviceCopier, "to_host_async", marked_to_host_async)
-        set_attribute(fit, "build_trainer", build_trainer)
+        # first in, last out: the evidence's memory meter enters and leaves inside this window
+        add_callbacks(set_attribute, End(), first=[Start()])
 
 
 # ----- copies in flight on a side stream (issue 37, item 7)
@@ -283,7 +275,7 @@ class InFlightCopies:
         from torch.utils._pytree import tree_flatten
         from torch.utils.weak import WeakIdKeyDictionary
 
-        import layerwise.run.fit as fit
+        from tests.ranks import add_callbacks
         import strategies.l2l as l2l
 
         in_flight = WeakIdKeyDictionary()  # storage -> what the copy carried
@@ -329,16 +321,9 @@ class InFlightCopies:
             def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
                 mode.__exit__(None, None, None)
 
-        building = fit.build_trainer
-
-        def build_trainer(*arguments, **keywords):
-            trainer = building(*arguments, **keywords)
-            trainer.callbacks.insert(0, Start())
-            trainer.callbacks.append(End())
-            return trainer
-
         set_attribute(l2l.DeviceCopier, "to_device", copied)
         set_attribute(l2l.DeviceCopier, "ready", all_ready)
         if wait_for is not None:
             set_attribute(l2l.DeviceCopier, "wait_for", waited)
-        set_attribute(fit, "build_trainer", build_trainer)
+        # first in, last out: the evidence's memory meter enters and leaves inside this window
+        add_callbacks(set_attribute, End(), first=[Start()])

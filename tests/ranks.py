@@ -30,3 +30,18 @@ def compose_config(*overrides: str):
 def run_on_ranks(function, world_size: int, *arguments):
     assert "LOCAL_RANK" not in os.environ, "a previous test leaked LOCAL_RANK"
     return run_ranks(function, world_size, *arguments, timeout=300)
+
+
+def add_callbacks(set_attribute, *callbacks, first=()):
+    """Every Trainer layerwise.run.fit builds (also in forked ranks, which inherit the patch) gets
+    `callbacks` appended and `first` put in front; `set_attribute` is monkeypatch.setattr, which
+    puts build_trainer back after the test."""
+    import layerwise.run.fit as fit
+    build = fit.build_trainer
+
+    def build_with(*arguments, **keywords):
+        trainer = build(*arguments, **keywords)
+        trainer.callbacks[:0] = list(first)
+        trainer.callbacks.extend(callbacks)
+        return trainer
+    set_attribute(fit, "build_trainer", build_with)

@@ -3,7 +3,6 @@ and the fix. docs/reliability.md's table is generated from BAD_INPUTS (scripts/b
 and a test here keeps it equal to the messages the code gives today.
 """
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from layerwise.config.errors import ConfigError
 from layerwise.config.validate import composition_problem
 from layerwise.preflight import validate
 from tests.ranks import compose_config
+from tests.warm_python import python
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -244,9 +244,9 @@ def test_reliability_doc_matches_the_code(places):
     (["-m", "strategy=single,ddp", "model.nonexistent=1"], "Could not override 'model.nonexistent'"),
 ], ids=["type error", "unknown key", "unknown key in a sweep"])
 def test_train_py_reports_hydra_errors_as_invalid_configuration(arguments, field, tmp_path):
-    result = subprocess.run([sys.executable, "train.py", *arguments, "mode=check",
+    result = python([sys.executable, "train.py", *arguments, "mode=check",
                              f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={tmp_path}/sweep"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+                            cwd=ROOT, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.startswith("layerwise: invalid configuration (1 problem):"), result.stderr[-2000:]
     assert field in result.stderr and "Fix:" in result.stderr

@@ -3,7 +3,6 @@
 import ast
 import dataclasses
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from omegaconf import OmegaConf
 from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
 from tests.ranks import compose_config
+from tests.warm_python import python
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -220,9 +220,8 @@ def test_all_problems_are_reported_together():
 
 def test_train_py_rejects_bad_input_before_starting_ranks(tmp_path):
     """The user's view: exit code 2, the field in the message, no run directory content."""
-    result = subprocess.run([sys.executable, "train.py", "data.global_batch_size=3",
-                             f"hydra.run.dir={tmp_path}/run"], cwd=CONF.parent,
-                            capture_output=True, text=True, timeout=60)
+    result = python([sys.executable, "train.py", "data.global_batch_size=3",
+                             f"hydra.run.dir={tmp_path}/run"], cwd=CONF.parent, timeout=60)
     assert result.returncode == 2
     assert "data.global_batch_size=3" in result.stderr
     assert not (tmp_path / "run" / "metrics.csv").exists()
@@ -231,18 +230,16 @@ def test_train_py_rejects_bad_input_before_starting_ranks(tmp_path):
 def test_sweep_over_a_knob_one_strategy_lacks_runs_no_point(tmp_path):
     """Hydra's sweeper composes every point before the launcher starts any: a point whose strategy
     has no such knob stops the whole sweep, naming the field."""
-    result = subprocess.run([sys.executable, "train.py", "-m", "strategy=single,modular_pipeline",
+    result = python([sys.executable, "train.py", "-m", "strategy=single,modular_pipeline",
                              "strategy.micro_batches=4", "hydra/launcher=local", "debug=fast",
-                             f"hydra.sweep.dir={tmp_path}/sweep"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+                             f"hydra.sweep.dir={tmp_path}/sweep"], cwd=ROOT, timeout=120)
     assert result.returncode != 0
     assert "Could not override 'strategy.micro_batches'" in result.stderr
     assert not list((tmp_path / "sweep").glob("*/summary.json"))
 
 
 def test_help_lists_the_groups():
-    result = subprocess.run([sys.executable, "train.py", "--help"], cwd=CONF.parent,
-                            capture_output=True, text=True, timeout=60)
+    result = python([sys.executable, "train.py", "--help"], cwd=CONF.parent, timeout=60)
     for group in GROUPS:
         assert f"{group}:" in result.stdout or f"{group}\n" in result.stdout
     assert "mode=check" in result.stdout

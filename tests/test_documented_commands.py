@@ -23,20 +23,18 @@ output is asserted too), and leave its evidence: a training run `summary.json` w
 and no run. A command that cannot run here carries its reason next to it in the document (`mark`:
 "(needs a GPU)", "(needs Slurm)"); that the mark is there is tested, nothing is skipped silently.
 
-Every command runs in its own temporary directory (runs/ lands there, not in the repository), at most
+Every command runs in its own temporary directory (runs/ lands there, not in the repository), as a
+process of its own forked from one warm interpreter (tests/warm_python.py: no 6 s of imports each), at most
 two at once (this machine has 2 cores); a command that reads another's output (`after`) runs in that
 one's directory once it has finished.
 """
 
-import contextlib
 import csv
 import json
 import os
 import re
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +43,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import pytest
+
+from tests.warm_python import python
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -507,23 +507,6 @@ def argv_of(command: str, how: How, cwd: Path) -> List[str]:
     return words + list(added) + [argument.format(cwd=cwd) for argument in how.extra]
 
 
-def run_in(argv: List[str], cwd: Path) -> Tuple[int, str, str, float]:
-    """Run in a session of its own, so that on a timeout its forked ranks go with it."""
-    environment = {**os.environ, "WANDB_MODE": "disabled"}
-    started = time.monotonic()
-    process = subprocess.Popen(argv, cwd=cwd, env=environment, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        stderr += f"\n[killed after {TIMEOUT_S} s]"
-    with contextlib.suppress(ProcessLookupError):  # a rank left behind by a failed run
-        os.killpg(process.pid, signal.SIGKILL)
-    return process.returncode, stdout, stderr, time.monotonic() - started
-
-
 class Runner:
     """Runs the commands at most WORKERS at once, each once per session, prerequisites first."""
 
@@ -551,7 +534,9 @@ class Runner:
             how.prepare(cwd)
         argv = argv_of(command, how, cwd)
         started = time.time()
-        code, stdout, stderr, seconds = run_in(argv, cwd)
+        started_s = time.monotonic()
+        result = python(argv, cwd, {**os.environ, "WANDB_MODE": "disabled"}, TIMEOUT_S)
+        code, stdout, stderr, seconds = result.returncode, result.stdout, result.stderr, time.monotonic() - started_s
         return Outcome(command, argv, cwd, code, stdout, stderr, seconds, started)
 
     def close(self) -> None:

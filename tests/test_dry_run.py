@@ -129,7 +129,7 @@ def formula_bytes(cfg, world_size: int, pipeline_rank: int, vocabulary: int) -> 
         traffic = rank_traffic(workload_of(cfg, world_size, vocabulary), training_plan_of(cfg), pipeline_rank)
         return {kind: float(traffic.get(kind, 0.0)) for kind in KINDS}
     if name not in TENSOR_FAMILIES:
-        raise NotImplementedError(f"no traffic formula wired for strategy {name!r} yet")
+        raise ValueError(f"formula_bytes covers the planned pipelines and {sorted(TENSOR_FAMILIES)}, not {name!r}")
     shape = GptShape(cfg.model.hidden, cfg.model.mlp_ratio, vocabulary, cfg.data.sequence_length,
                      cfg.model.max_sequence_length)
     layout = ComposedLayout(degrees.data, 1, TENSOR_FAMILIES[name], strategy.tensor_grid)

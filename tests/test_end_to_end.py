@@ -3,9 +3,9 @@
 import csv
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+from tests.warm_python import python
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,8 +15,7 @@ FAST = ["debug=fast", "model.layers=2", "trainer.max_steps=6", "trainer.val_chec
 
 def train_py(*arguments, wandb_mode="disabled", timeout=300):
     environment = {**os.environ, "WANDB_MODE": wandb_mode}
-    result = subprocess.run([sys.executable, "train.py", *arguments], cwd=ROOT, env=environment,
-                            capture_output=True, text=True, timeout=timeout)
+    result = python([sys.executable, "train.py", *arguments], cwd=ROOT, env=environment, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 

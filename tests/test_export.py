@@ -4,7 +4,6 @@ The exported file rebuilt with `models.build_model` gives the run's last validat
 same validation batches, and its tensors are exactly the consolidated checkpoint's.
 """
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from layerwise.run.task import objective_of
 from layerwise.preflight import validate
 from tests.ranks import QUICK, compose_config
 from tests.references import consolidated_parameters
+from tests.warm_python import python
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {
@@ -57,8 +57,8 @@ def test_exported_model_gives_the_runs_last_validation_loss(case, tmp_path):
 
 
 def test_export_command_writes_the_file_and_names_a_missing_checkpoint(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "layerwise.tools.export", str(tmp_path), "--out",
-                             str(tmp_path / "model.safetensors")], cwd=ROOT, capture_output=True, text=True,
+    result = python([sys.executable, "-m", "layerwise.tools.export", str(tmp_path), "--out",
+                             str(tmp_path / "model.safetensors")], cwd=ROOT,
                             timeout=120)
     assert result.returncode == 2 and "checkpoints/last.ckpt does not exist" in result.stderr
 

@@ -18,7 +18,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-import layerwise.run.fit as run_module
 import strategies.checkpoint.per_rank as checkpoint_module
 from layerwise.run.faults import NonFiniteLoss
 from layerwise.run.fit import train
@@ -26,7 +25,7 @@ from layerwise.preflight import validate
 from strategies.checkpoint.per_rank import CheckpointError, load_per_rank, read_checkpoint_file
 from strategies.checkpoint.safe_load import load_torch_file
 from layerwise.run.launch import RankError
-from tests.ranks import QUICK, compose_config
+from tests.ranks import QUICK, add_callbacks, compose_config
 from tests.same_checkpoints import assert_same_checkpoints
 
 STEPS, EVERY = 6, 2  # a checkpoint after steps 2, 4, 6: a fault at step 3 or 4 loses ≤ 2 steps
@@ -74,17 +73,6 @@ def assert_resumes_like_reference(directory, strategy, reference, capfd):
     assert summary["losses"] == expected["losses"]  # exactly: a resume replays the same arithmetic
     assert assert_same_checkpoints(directory, expected_directory) > 0
     assert saved_step(directory, "previous") == STEPS - EVERY  # both kept: last and the one before
-
-
-def add_callbacks(monkeypatch, *callbacks):
-    """Every Trainer that run.py builds (also in forked ranks) gets these callbacks too."""
-    build = run_module.build_trainer
-
-    def build_with(*arguments, **keywords):
-        trainer = build(*arguments, **keywords)
-        trainer.callbacks.extend(callbacks)
-        return trainer
-    monkeypatch.setattr(run_module, "build_trainer", build_with)
 
 
 class Poison(pl.Callback):
@@ -221,7 +209,7 @@ STOPS = {"single": "on rank 0, the output of blocks.1 (its parameters are finite
 @pytest.mark.parametrize("strategy", list(STOPS))
 def test_nonfinite_loss_stops_naming_step_rank_and_layer(strategy, tmp_path, monkeypatch, reference, capfd):
     reference(strategy)  # before the poison: the lazily made reference must not inherit it
-    add_callbacks(monkeypatch, Poison(step=3, rank=1 if strategy == "ddp" else None))
+    add_callbacks(monkeypatch.setattr, Poison(step=3, rank=1 if strategy == "ddp" else None))
     with pytest.raises((NonFiniteLoss, RankError)) as caught:
         run(tmp_path, strategy)
     monkeypatch.undo()
@@ -239,7 +227,7 @@ def test_skip_nonfinite_steps_leaves_weights_and_optimizer_state_untouched(strat
     expected, _ = reference(strategy)  # before the poison: the lazily made reference must not inherit it
     snapshots = tmp_path / "snapshots"
     snapshots.mkdir()
-    add_callbacks(monkeypatch, Poison(step=3), Snapshot(snapshots))
+    add_callbacks(monkeypatch.setattr, Poison(step=3), Snapshot(snapshots))
     summary = run(tmp_path / "run", strategy, "trainer.skip_nonfinite_steps=true")
     assert summary["status"] == "completed" and summary["steps"] == STEPS
     assert summary["skipped_steps"] == [3]
@@ -352,7 +340,7 @@ def test_sigterm_on_a_rank_other_than_zero_stops_every_rank_and_the_rerun_resume
     # The flag travels in the step's evidence exchange (Lightning's own check broadcasts rank 0's
     # only): rank 1's SIGTERM after step 3 rides in step 4's exchange, both ranks stop before step 5,
     # rank 0 writes every finished step's row and an "interrupted" summary, and the rerun resumes.
-    add_callbacks(monkeypatch, Terminate(step=3, rank=1))
+    add_callbacks(monkeypatch.setattr, Terminate(step=3, rank=1))
     with pytest.raises(RankError, match="Terminated: SIGTERM received by a rank; stopped before step 5"):
         run(tmp_path, "modular_pipeline")
     monkeypatch.undo()

@@ -16,12 +16,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 
-import layerwise.run.fit as run_module
 from layerwise.preflight import validate
 from layerwise.run.fit import train
 from layerwise.run.hangs import HUNG_EXIT_CODE, StragglerDetector, diagnose
 from layerwise.run.launch import HangError, RankError
-from tests.ranks import QUICK, compose_config
+from tests.ranks import QUICK, add_callbacks, compose_config
 
 TIMEOUT_S = 3.0
 STEPS, EVERY = 6, 2
@@ -35,16 +34,6 @@ PIPELINE_4 = ["strategy=modular_pipeline", "strategy.pipeline_degree=4", "hardwa
 def run(directory: Path, *overrides: str) -> dict:
     cfg = compose_config(*BASE, *overrides)
     return train(cfg, directory, validate(cfg))
-
-
-def add_callbacks(monkeypatch, *callbacks):
-    build = run_module.build_trainer
-
-    def build_with(*arguments, **keywords):
-        trainer = build(*arguments, **keywords)
-        trainer.callbacks.extend(callbacks)
-        return trainer
-    monkeypatch.setattr(run_module, "build_trainer", build_with)
 
 
 def children() -> list:
@@ -121,7 +110,7 @@ class StopSelf(pl.Callback):
 
 
 def test_a_stopped_rank_is_named_and_the_rerun_resumes(tmp_path, monkeypatch, capfd):
-    add_callbacks(monkeypatch, StopSelf(rank=2, step=4))
+    add_callbacks(monkeypatch.setattr, StopSelf(rank=2, step=4))
     error, elapsed, printed, diagnosis = hung_run(tmp_path, monkeypatch, capfd, *PIPELINE_4)
     report(tmp_path, elapsed, printed, error.exit_codes)
     assert error.rank == 2 and diagnosis["stuck_rank"] == 2
@@ -175,7 +164,7 @@ def test_a_rank_that_skips_a_collective_is_named(tmp_path, monkeypatch, capfd):
 # ============================================================ a rank killed
 
 def test_a_killed_rank_is_named(tmp_path, monkeypatch, capfd):
-    add_callbacks(monkeypatch, StopSelf(rank=1, step=4, sig=signal.SIGKILL))
+    add_callbacks(monkeypatch.setattr, StopSelf(rank=1, step=4, sig=signal.SIGKILL))
     start = time.monotonic()
     with pytest.raises(RankError) as failed:
         run(tmp_path, *PIPELINE_4)
@@ -207,7 +196,7 @@ class Slow(pl.Callback):
 
 
 def test_a_slowed_rank_is_flagged_as_a_straggler(tmp_path, monkeypatch, capfd):
-    add_callbacks(monkeypatch, Slow(rank=1, seconds=0.1))
+    add_callbacks(monkeypatch.setattr, Slow(rank=1, seconds=0.1))
     summary = run(tmp_path, "strategy=modular_pipeline", "trainer.straggler_window=3")
     printed = [line for line in capfd.readouterr().out.splitlines() if "straggler" in line]
     report(tmp_path, 0.0, printed)
@@ -265,7 +254,7 @@ def test_the_slurm_launcher_reads_this_job_s_diagnosis_only(tmp_path):
 def test_a_stopped_ddp_rank_is_named_though_ddp_waits_outside_the_record(tmp_path, monkeypatch, capfd):
     # torch DDP's reducer waits on the all-reduce's future inside the backward: no recorded wait;
     # the watchdog sees the all-reduce in flight with nothing issued since
-    add_callbacks(monkeypatch, StopSelf(rank=1, step=3))
+    add_callbacks(monkeypatch.setattr, StopSelf(rank=1, step=3))
     error, elapsed, printed, diagnosis = hung_run(tmp_path, monkeypatch, capfd, "strategy=ddp")
     report(tmp_path, elapsed, printed, error.exit_codes)
     assert error.rank == 1 and diagnosis["states"]["1"].startswith("stopped (SIGSTOP")

@@ -5,7 +5,6 @@ last differ), with the activation stash counted from the plan's own in-flight fo
 """
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
 from cost.memory import backward_working_bytes, block_extra_bytes, block_saved_bytes, head_saved_bytes, in_flight
 from tests.ranks import QUICK, compose_config
+from tests.warm_python import python
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT3 = ["mode=plan", "model=gpt3_175b", "hardware=dgx_a100_80g", "hardware.nodes=64", "logger=none",
@@ -110,9 +110,9 @@ def test_plan_refuses_a_strategy_it_does_not_cover():
 
 
 def test_train_py_mode_plan_prints_the_table(tmp_path):
-    result = subprocess.run([sys.executable, "train.py", *GPT3, "strategy=one_f_one_b",
+    result = python([sys.executable, "train.py", *GPT3, "strategy=one_f_one_b",
                              "strategy.activation_recompute=full", f"hydra.run.dir={tmp_path}"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+                            cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "pipeline rank 0 (embedding)" in result.stdout and "MFU" in result.stdout
     assert (tmp_path / "plan.json").is_file()

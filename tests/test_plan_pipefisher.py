@@ -3,7 +3,6 @@ pipeline's bytes plus K-FAC's, and the step of the K-FAC units packed into the b
 the same code the paper-scale reproduction uses."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from cost.kfac import factor_dimensions
 from strategies.kfac import KFAC, block_linears
 from strategies.stages import keep_local_stages
 from tests.ranks import compose_config
+from tests.warm_python import python
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = ["logger=none", "model=gpt_tiny", "model.layers=4", "strategy.pipeline_degree=2",
@@ -94,8 +94,8 @@ def test_a_1d_grid_splits_one_factor_of_each_linear():
 
 
 def test_train_py_mode_plan_strategy_pipefisher(tmp_path):
-    result = subprocess.run([sys.executable, "train.py", *LAYOUT, "strategy=pipefisher", f"hydra.run.dir={tmp_path}"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = python([sys.executable, "train.py", *LAYOUT, "strategy=pipefisher", f"hydra.run.dir={tmp_path}"],
+                            cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "kfac" in result.stdout and "PipeFisher: first-order step" in result.stdout
     written = json.loads((tmp_path / "plan.json").read_text())

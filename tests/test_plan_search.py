@@ -8,7 +8,6 @@ is what makes the search fast; these tests are the oracle that keeps it equal to
 import csv
 import dataclasses
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from strategies.schedule.passes import add_communication
 from cost.inputs import ComposedLayout, GptShape
 from strategies.zero_layered import ZeroLayeredStrategy
 from tests.ranks import compose_config
+from tests.warm_python import python
 
 ROOT = Path(__file__).resolve().parent.parent
 A100 = Device(3.12e14, 0.5, 8e10, 3e11, 2.5e10, 8)
@@ -165,8 +165,8 @@ def test_search_writes_the_evaluators_rows_and_a_sweep_line_that_validates(tmp_p
 
 
 def test_train_py_mode_plan_search_prints_the_ranking(tmp_path):
-    result = subprocess.run([sys.executable, "train.py", *SMALL, f"hydra.run.dir={tmp_path}"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = python([sys.executable, "train.py", *SMALL, f"hydra.run.dir={tmp_path}"],
+                            cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "layouts per minute" in result.stdout and "python train.py -m" in result.stdout
     assert (tmp_path / "plan_search.csv").is_file()

@@ -10,7 +10,6 @@ and export in tests/test_resume_matrix.py, test_export.py, test_faults.py and be
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from layerwise.preflight import validate
 from strategies.checkpoint.portable import read_portable, resume_errors
 from strategies.checkpoint.safe_load import UnsafeCheckpointError, dcp_metadata, load_torch_file
 from tests.ranks import QUICK, compose_config
+from tests.warm_python import python
 
 ROOT = Path(__file__).resolve().parent.parent
 CALLABLE = "pathlib.Path"  # what the payload names (Path.touch; protocol 2 spells it getattr(Path, "touch"))
@@ -159,8 +159,8 @@ def test_export_refuses_a_payload_and_writes_nothing(single_run, tmp_path, plant
     with pytest.raises(UnsafeCheckpointError) as refused:
         export(run_directory, out)
     assert_refused(str(refused.value), checkpoints / planted, marker)
-    result = subprocess.run([sys.executable, "-m", "layerwise.tools.export", str(run_directory), "--out", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = python([sys.executable, "-m", "layerwise.tools.export", str(run_directory), "--out", str(out)],
+                            cwd=ROOT, timeout=120)
     assert result.returncode == 2, result.stderr
     assert_refused(result.stderr, checkpoints / planted, marker)
     assert not out.exists()
@@ -188,9 +188,9 @@ def test_the_wandb_key_lands_in_no_file_of_the_run_directory(tmp_path):
     key = "0123456789abcdef0123456789abcdef" + "marker36"  # W&B keys are 40 characters
     run_directory = tmp_path / "run"
     quick = [item for item in QUICK if not item.startswith("logger=")]
-    result = subprocess.run([sys.executable, "train.py", *quick, "logger=wandb", "strategy=single",
+    result = python([sys.executable, "train.py", *quick, "logger=wandb", "strategy=single",
                              "trainer.max_steps=2", f"hydra.run.dir={run_directory}"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            cwd=ROOT, timeout=300,
                             env={**os.environ, "WANDB_API_KEY": key, "WANDB_MODE": "offline"})
     assert result.returncode == 0, result.stderr[-2000:]
     files = [path for path in run_directory.rglob("*") if path.is_file()]

@@ -22,6 +22,7 @@ from layerwise.cluster.slurm import job_resources
 from layerwise.preflight import validate
 from tests.ranks import CONFIG_DIRECTORY
 from tests.tolerances import assert_same_losses
+from tests.warm_python import python
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 16
@@ -38,8 +39,7 @@ COMMON = ["hardware.nodes=2", "debug=fast", "data.global_batch_size=8", "data.ma
 
 def train_py(*arguments, environment=None, timeout=300):
     environment = {**os.environ, "WANDB_MODE": "offline", **(environment or {})}
-    return subprocess.run([sys.executable, "train.py", *arguments], cwd=ROOT, env=environment,
-                          capture_output=True, text=True, timeout=timeout)
+    return python([sys.executable, "train.py", *arguments], cwd=ROOT, env=environment, timeout=timeout)
 
 
 def start_train_py(*arguments, log: Path):
@@ -76,8 +76,7 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
 
 
 def sacct_states(job: str) -> list:
-    result = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-o", "State", "-j", job],
-                            capture_output=True, text=True)
+    result = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-o", "State", "-j", job])
     return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
 
 

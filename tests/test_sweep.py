@@ -13,7 +13,6 @@ import csv
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -27,6 +26,7 @@ from hydra.types import RunMode
 from layerwise import sweep as sweep_module
 from layerwise.config.store import register_schemas
 from tests.ranks import CONFIG_DIRECTORY
+from tests.warm_python import python
 
 ROOT = Path(__file__).resolve().parent.parent
 ISSUE_SWEEP = ["strategy=modular_pipeline,zero_layered", "strategy.micro_batches=2,4", "debug=fast"]
@@ -36,7 +36,7 @@ POINT_3_FIX = ("point #3 (strategy=zero_layered strategy.micro_batches=4 debug=f
 
 def train_py(*arguments, timeout=300):
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "train.py", *arguments], cwd=ROOT, capture_output=True, text=True,
+    result = python([sys.executable, "train.py", *arguments], cwd=ROOT,
                             timeout=timeout, env={**os.environ, "WANDB_MODE": "disabled"})
     return result, time.monotonic() - started
 

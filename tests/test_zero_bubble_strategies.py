@@ -1,0 +1,88 @@
+"""Zero-bubble schedules (split backward I + W) inside zero_layered and pipefisher (issue 32).
+
+zero_layered: each run of a stage's compute is gathered (I and W share a backward run; one that
+starts at a W is gathered by "Aw"), and the stage is reduce-scattered once, after its last W,
+when its weight gradient is complete. Proven equal to `single` (AdamW and SGD) on p2 × d2, with
+the bytes each rank moves counted below torch.distributed against the plan's gathers and scatters.
+Ids: pp{p} pipeline ranks, dp{n} data replicas, m{m} micro-batches.
+"""
+
+import math
+from collections import Counter
+
+import pytest
+
+from strategies.schedule import add_communication, build_plan, validate_plan
+from strategies.schedule.zero import GATHERS, REDUCE_SCATTER, add_zero
+from tests.references import cached_references, compare_under_sgd, consolidated_parameters
+from tests.test_zero_layered import BYTES, STEPS, run, run_counted
+from tests.tolerances import EXACT_RTOL, OptimizerTrace, assert_same_losses, assert_same_parameters
+
+ZERO_BUBBLE_ZERO = ["strategy=zero_layered", "strategy.pipeline_degree=2", "strategy.layers_per_stage=2",
+                    "hardware.devices_per_node=4", "model.layers=4", "strategy.micro_batches=4"]
+
+
+def stage_padded(parameters: dict, stage: int, data: int) -> int:
+    """P of stage `stage` of 2 (2 blocks each; the embedding on the first, the head on the last): its
+    matrices and its vectors, each padded to a multiple of n (what is gathered)."""
+    names = [n for n in parameters if any(n.startswith(f"model.blocks.{2 * stage + b}.") for b in (0, 1))]
+    names += [n for n in parameters if n.startswith("model.embed." if stage == 0 else "model.head.")]
+    return sum(math.ceil(sum(parameters[n].numel() for n in names if (parameters[n].dim() >= 2) == matrix) / data)
+               * data for matrix in (True, False))
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    return cached_references(tmp_path_factory, run)
+
+
+def test_zero_plans_reduce_scatter_once_after_the_last_w():
+    """Every split schedule: per stage one reduce-scatter, right after its last W (after it on the row,
+    no W of the stage follows); one gather per run of the stage's forwards or backwards (I, W)."""
+    for schedule, stages in (("zero_bubble_h1", 2), ("zero_bubble_h2", 2), ("zbv", 4)):
+        for micro_batches in (3, 4, 8):
+            plan = validate_plan(add_zero(add_communication(build_plan(
+                schedule, pipeline_degree=2, stages=stages, micro_batches=micro_batches))))
+            for row in plan.ranks:
+                actions = [a for a in row if a is not None]
+                for stage in {a.stage for a in actions if a.kind == REDUCE_SCATTER}:
+                    mine = [a for a in actions if a.stage == stage]
+                    scatter = [i for i, a in enumerate(mine) if a.kind == REDUCE_SCATTER]
+                    assert len(scatter) == 1 and all(a.kind not in ("BACKWARD_INPUT", "BACKWARD_WEIGHT")
+                                                     for a in mine[scatter[0]:]), (schedule, mine)
+                    assert Counter(a.kind for a in mine)["BACKWARD_WEIGHT"] == micro_batches
+                assert {a.stage for a in actions if a.kind == REDUCE_SCATTER} == \
+                    {a.stage for a in actions if a.kind == "FORWARD"}
+
+
+def test_zero_layered_zero_bubble_h1_equals_single_and_moves_the_planned_bytes(references, tmp_path):
+    """p = 2 × d = 2, ZB-H1, AdamW: losses and parameters equal `single`'s; each rank's all-gather and
+    reduce-scatter bytes, counted on raw torch.distributed tensors every step, are (its gathers) ×
+    and 1 × (n−1)/n·P of its stage."""
+    expected, reference_directory = references(4)
+    parameters = consolidated_parameters(reference_directory, "single")
+    summary, tallies = run_counted(tmp_path, *ZERO_BUBBLE_ZERO, "strategy.schedule=zero_bubble_h1")
+    assert summary["status"] == "completed" and summary["world_size"] == 4
+    assert_same_losses(summary["losses"], expected["losses"])
+    assert_same_parameters(consolidated_parameters(tmp_path, "zero_layered"), parameters,
+                           OptimizerTrace.load(reference_directory))
+    plan = validate_plan(add_zero(add_communication(build_plan("zero_bubble_h1", pipeline_degree=2, stages=2,
+                                                               micro_batches=4))))
+    data = 2
+    for rank, tally in enumerate(tallies):
+        pipeline_rank = rank % 2
+        counts = Counter(a.kind for a in plan.ranks[pipeline_rank] if a is not None)
+        gathers = sum(counts[kind] for kind in GATHERS)
+        assert gathers == (3 + 3, 4 + 4)[pipeline_rank] and counts[REDUCE_SCATTER] == 1
+        volume = stage_padded(parameters, pipeline_rank, data) * (data - 1) / data * BYTES
+        print(f"rank {rank}: {gathers} gathers + 1 reduce-scatter of {volume:.0f} B per step; counted "
+              f"{tally['all_gather'] / STEPS:.0f} B and {tally['reduce_scatter'] / STEPS:.0f} B")
+        assert tally["all_gather"] / STEPS == pytest.approx(gathers * volume, rel=EXACT_RTOL)
+        assert tally["reduce_scatter"] / STEPS == pytest.approx(volume, rel=EXACT_RTOL)
+
+
+@pytest.mark.parametrize("case", ["zero_layered_zero_bubble_h1_pp2_dp2_m4"])
+def test_zero_layered_zero_bubble_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
+    """Plain SGD sees the gradient's scale (references.SgdComparison): a W left out of the one
+    reduce-scatter, or a gradient buffer restarted between a stage's backward runs, shows here."""
+    compare_under_sgd(case, tmp_path, tmp_path_factory).check()

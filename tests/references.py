@@ -154,6 +154,9 @@ SGD_CASES = {
     "pipefisher_gpipe_pp2_dp2_m4_k2": SgdCase(["strategy=pipefisher", "strategy.schedule=gpipe",
                                                "strategy.layers_per_stage=2", "hardware.devices_per_node=4",
                                                *KFAC_SGD], 4, ("strategy=kfac", *KFAC_SGD)),
+    "pipefisher_zero_bubble_h1_pp2_m4_k2": SgdCase(["strategy=pipefisher", "strategy.schedule=zero_bubble_h1",
+                                                    "strategy.layers_per_stage=2", *KFAC_SGD], 2,
+                                                   ("strategy=kfac", *KFAC_SGD)),
     # The Llama family (issue 29): one case per strategy family against its own single reference.
     "llama_ddp_dp2": SgdCase(["strategy=ddp", *LLAMA], 2, LLAMA_REFERENCE),
     "llama_interleaved_1f1b_pp2_v2_m4": SgdCase(["strategy=interleaved_1f1b", *LLAMA], 2, LLAMA_REFERENCE),

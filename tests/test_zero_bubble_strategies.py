@@ -4,7 +4,9 @@ zero_layered: each run of a stage's compute is gathered (I and W share a backwar
 starts at a W is gathered by "Aw"), and the stage is reduce-scattered once, after its last W,
 when its weight gradient is complete. Proven equal to `single` (AdamW and SGD) on p2 × d2, with
 the bytes each rank moves counted below torch.distributed against the plan's gathers and scatters.
-Ids: pp{p} pipeline ranks, dp{n} data replicas, m{m} micro-batches.
+pipefisher: the K-FAC units fill whatever bubble is left (curvature B after W); proven equal to
+the one-process `kfac` oracle (LAMB and SGD outside) at p = 2, m = 4, k = 2.
+Ids: pp{p} pipeline ranks, dp{n} data replicas, m{m} micro-batches, k{k} K-FAC refresh interval.
 """
 
 import math
@@ -12,9 +14,11 @@ from collections import Counter
 
 import pytest
 
-from strategies.schedule import add_communication, build_plan, validate_plan
+from strategies.schedule import (BACKWARD_WEIGHT, Action, add_communication, add_gradient_reductions, build_plan,
+                                 simulate, validate_plan)
+from strategies.schedule import curvature as units
 from strategies.schedule.zero import GATHERS, REDUCE_SCATTER, add_zero
-from tests.references import cached_references, compare_under_sgd, consolidated_parameters
+from tests.references import cached_references, compare_under_sgd, consolidated_parameters, tracing_optimizer
 from tests.test_zero_layered import BYTES, STEPS, run, run_counted
 from tests.tolerances import EXACT_RTOL, OptimizerTrace, assert_same_losses, assert_same_parameters
 
@@ -86,3 +90,66 @@ def test_zero_layered_zero_bubble_equals_single_under_sgd(case, tmp_path, tmp_pa
     """Plain SGD sees the gradient's scale (references.SgdComparison): a W left out of the one
     reduce-scatter, or a gradient buffer restarted between a stage's backward runs, shows here."""
     compare_under_sgd(case, tmp_path, tmp_path_factory).check()
+
+
+# ----- pipefisher: K-FAC units packed into what bubble the split schedule leaves
+
+BERT_BASE = units.BlockShape(hidden=768, mlp_ratio=4, sequence_length=128, tokens=32 * 128)
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble_h1", "zero_bubble_h2", "zbv"])
+def test_packing_fills_the_split_schedules_bubbles(schedule):
+    """p = 2, m = 4, 4 BERT-Base blocks (2 per stage; ZBV: 1 per stage, 2 stages per rank): every
+    unit runs once after its producers (curvature B after W, when the output gradients are final), the
+    pipeline's order and makespan are kept; the smaller bubble needs more steps than 1F1B's, and with
+    k forced to 1 the report says which share of the K-FAC work went onto the critical path."""
+    stages = 4 if schedule == "zbv" else 2
+    shape = BERT_BASE._replace(layers_per_stage=1 if schedule == "zbv" else 2)
+    plan = validate_plan(add_gradient_reductions(add_communication(build_plan(
+        schedule, pipeline_degree=2, stages=stages, micro_batches=4))))
+    cost = units.pipefisher_cost(shape, flops_per_second=15.7e12)
+    cycle = units.pack(plan, cost)
+    units.check_cycle(plan, cycle.plans)
+    makespan = simulate(plan, cost).makespan
+    for step_plan in cycle.plans:
+        assert simulate(step_plan, cost).makespan == pytest.approx(makespan, rel=1e-9)
+        for row in step_plan.ranks:  # B curvature after the micro-batch's W
+            actions = [a for a in row if a is not None]
+            for slot, action in enumerate(actions):
+                if units.is_curvature(action.kind) and units.UNITS[action.kind][0] == "B" and step_plan is cycle.plans[0]:
+                    weight = Action(BACKWARD_WEIGHT, action.stage, action.micro_batch)
+                    assert weight in actions[:slot], action
+    assert cycle.spilled_to_critical_path == 0 and cycle.spilled_work == 0
+    one_f_one_b = units.pack(validate_plan(add_gradient_reductions(add_communication(build_plan(
+        "one_f_one_b", pipeline_degree=2, stages=2, micro_batches=4)))),
+        units.pipefisher_cost(BERT_BASE._replace(layers_per_stage=2), 15.7e12))
+    assert cycle.refresh_interval > one_f_one_b.refresh_interval
+    forced = units.pack(plan, cost, refresh_interval=1)
+    units.check_cycle(plan, forced.plans)
+    print(f"\n{schedule}: k = {cycle.refresh_interval} (1F1B {one_f_one_b.refresh_interval}), K-FAC work / bubble "
+          f"{cycle.ratio:.3f}; at k = 1 {forced.spilled_work:.3f} of the work did not fit")
+    assert 0 < forced.spilled_work < 1 and forced.report()["spilled_work"] == forced.spilled_work
+
+
+def test_pipefisher_zero_bubble_h1_equals_one_process_kfac(tmp_path):
+    """p = 2, m = 4, k = 2, LAMB outside: pipefisher on ZB-H1 (a and g captured through the split
+    backward: g on I's way to the stage input and again by W) equals the one-process `kfac` oracle."""
+    from tests.test_pipefisher import run as kfac_run
+
+    with tracing_optimizer(tmp_path / "kfac"):
+        expected = kfac_run(tmp_path / "kfac", "strategy=kfac", "strategy.refresh_interval=2", "strategy.micro_batches=4")
+    summary = kfac_run(tmp_path / "pipefisher", "strategy=pipefisher", "strategy.refresh_interval=2",
+                       "strategy.micro_batches=4", "strategy.schedule=zero_bubble_h1", "strategy.layers_per_stage=2",
+                       "hardware.devices_per_node=2")
+    assert summary["status"] == "completed"
+    bubble = summary["bubble_fraction"]
+    print(f"\npipefisher ZB-H1 p2 m4 k2: {bubble}")
+    assert bubble["refresh_interval"] == 2 and bubble["simulated_with_kfac"] < bubble["simulated"]
+    assert_same_losses(summary["losses"], expected["losses"])
+    assert_same_parameters(consolidated_parameters(tmp_path / "pipefisher", "pipefisher"),
+                           consolidated_parameters(tmp_path / "kfac", "kfac"), OptimizerTrace.load(tmp_path / "kfac"))
+
+
+def test_pipefisher_zero_bubble_equals_kfac_under_sgd(tmp_path, tmp_path_factory):
+    """Plain SGD outside K-FAC sees the preconditioned gradient's scale (references.SgdComparison)."""
+    compare_under_sgd("pipefisher_zero_bubble_h1_pp2_m4_k2", tmp_path, tmp_path_factory).check()

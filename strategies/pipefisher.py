@@ -177,7 +177,25 @@ def check(cfg, world_size: int) -> list:
     if cfg.strategy.schedule == "interleaved_one_f_one_b":
         errors.append(f"strategy.schedule={cfg.strategy.schedule} is not supported by pipefisher. Fix: gpipe, "
                       f"one_f_one_b, looped_breadth_first, zero_bubble_h1, zero_bubble_h2 or zbv.")
-    return errors or modular_pipeline.check(cfg, world_size)
+    return errors or modular_pipeline.check(cfg, world_size) or packing_errors(cfg, world_size)
+
+
+def packing_errors(cfg, world_size: int) -> list:
+    """refresh_interval=null: every unit must fit some bubble (the k the packing needs); a zero-bubble
+    schedule's gaps can all be smaller than a unit. Packed as `build` packs (FLOPs alone)."""
+    if cfg.strategy.refresh_interval is not None:
+        return []
+    degrees = modular_pipeline.degrees(cfg, world_size)
+    cost = units.pipefisher_cost(block_shape(cfg, degrees.data), flops_per_second=1.0)
+    try:
+        units.pack(modular_pipeline.training_plan(cfg.strategy, cfg.model.layers), cost,
+                   margin=cfg.strategy.bubble_margin)
+    except ValueError as error:
+        return [f"strategy.refresh_interval=null packs every K-FAC unit into the bubbles of the steps it needs, "
+                f"but the {error}: strategy.schedule={cfg.strategy.schedule} leaves gaps smaller than some unit. "
+                f"Fix: strategy.refresh_interval=<k> (what does not fit in k steps runs on the critical path; "
+                f"summary.json's bubble_fraction.spilled_work says how much), or strategy.schedule=one_f_one_b."]
+    return []
 
 
 def build(cfg, world_size: int):

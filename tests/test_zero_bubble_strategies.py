@@ -14,10 +14,14 @@ from collections import Counter
 
 import pytest
 
+from layerwise.config.errors import ConfigError
+from layerwise.preflight import validate
+
 from strategies.schedule import (BACKWARD_WEIGHT, Action, add_communication, add_gradient_reductions, build_plan,
                                  simulate, validate_plan)
 from strategies.schedule import curvature as units
 from strategies.schedule.zero import GATHERS, REDUCE_SCATTER, add_zero
+from tests.ranks import QUICK, compose_config
 from tests.references import cached_references, compare_under_sgd, consolidated_parameters, tracing_optimizer
 from tests.test_zero_layered import BYTES, STEPS, run, run_counted
 from tests.tolerances import EXACT_RTOL, OptimizerTrace, assert_same_losses, assert_same_parameters
@@ -153,3 +157,13 @@ def test_pipefisher_zero_bubble_h1_equals_one_process_kfac(tmp_path):
 def test_pipefisher_zero_bubble_equals_kfac_under_sgd(tmp_path, tmp_path_factory):
     """Plain SGD outside K-FAC sees the preconditioned gradient's scale (references.SgdComparison)."""
     compare_under_sgd("pipefisher_zero_bubble_h1_pp2_m4_k2", tmp_path, tmp_path_factory).check()
+
+
+def test_a_k_the_packing_cannot_reach_is_refused_before_launch():
+    """refresh_interval=null asks for the k that fits every unit; ZB-H1 at p = 2, m = 4 leaves no gap
+    as large as some unit, so the error names strategy.refresh_interval (forced, the rest runs on
+    the critical path and the report says how much)."""
+    with pytest.raises(ConfigError, match=r"strategy.refresh_interval=null packs .* does not fit in the bubbles "
+                                          r"of 64 steps.*Fix: strategy.refresh_interval=<k>"):
+        validate(compose_config(*QUICK, "strategy=pipefisher", "strategy.schedule=zero_bubble_h1", "model.layers=4",
+                                "strategy.layers_per_stage=2", "strategy.micro_batches=4"))

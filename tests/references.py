@@ -120,6 +120,10 @@ SGD_CASES = {
     "zero_layered_zero_bubble_h1_pp2_dp2_m4": SgdCase(["strategy=zero_layered", "strategy.pipeline_degree=2",
                                                        "strategy.schedule=zero_bubble_h1", "strategy.layers_per_stage=2",
                                                        "hardware.devices_per_node=4"], 4),
+    # ... and ZBV: 2 stages per rank, backward runs that start at a W (gathered by "Aw")
+    "zero_layered_zbv_pp2_dp2_m4": SgdCase(["strategy=zero_layered", "strategy.pipeline_degree=2",
+                                            "strategy.schedule=zbv", "strategy.layers_per_stage=1",
+                                            "hardware.devices_per_node=4"], 4),
     "zero_depth_first_dp2_m4": SgdCase(["strategy=zero_depth_first"], 2),
     "fsdp2_dp2_m4": SgdCase(["strategy=fsdp2"], 2),
     "three_d_q2": SgdCase(["strategy=three_d", "hardware.devices_per_node=8"], 8),

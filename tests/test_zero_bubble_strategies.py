@@ -89,7 +89,7 @@ def test_zero_layered_zero_bubble_h1_equals_single_and_moves_the_planned_bytes(r
         assert tally["reduce_scatter"] / STEPS == pytest.approx(volume, rel=EXACT_RTOL)
 
 
-@pytest.mark.parametrize("case", ["zero_layered_zero_bubble_h1_pp2_dp2_m4"])
+@pytest.mark.parametrize("case", ["zero_layered_zero_bubble_h1_pp2_dp2_m4", "zero_layered_zbv_pp2_dp2_m4"])
 def test_zero_layered_zero_bubble_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
     """Plain SGD sees the gradient's scale (references.SgdComparison): a W left out of the one
     reduce-scatter, or a gradient buffer restarted between a stage's backward runs, shows here."""

@@ -1,7 +1,7 @@
 """PipeFisherStrategy: K-FAC's curvature, factor sync and inversion run in the pipeline's bubbles.
 
 Osawa et al., MLSys 2023 (docs/strategies/pipefisher.md). The pipeline is ModularPipelineStrategy's (GPipe,
-1F1B or looped breadth-first); strategies/schedule/curvature.py packs the K-FAC work units into the
+1F1B, looped breadth-first or a zero-bubble schedule: K-FAC then fills what bubble is left); strategies/schedule/curvature.py packs the K-FAC work units into the
 bubbles of k consecutive steps; strategies/kfac.py does the math. Numerically it equals the
 one-process `kfac` strategy with the same refresh interval k, damping and outer optimizer.
 """
@@ -19,7 +19,6 @@ from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule import FORWARD, plot_timeline, simulate, validate_plan
 from models import block_of
 from strategies.schedule import curvature as units
-from strategies.schedule.generators import ZERO_BUBBLE
 from strategies.registry import StrategyEntry
 from strategies.stages import stage_blocks
 
@@ -175,10 +174,28 @@ def check(cfg, world_size: int) -> list:
         errors.append(f"strategy.tensor_parallel={cfg.strategy.tensor_parallel}: pipefisher keeps K-FAC factors "
                       f"per 1-D shard (a shard's rows or columns); 2-D/3-D grids also split a linear's tokens, "
                       f"whose factors are not built yet. Fix: strategy.tensor_parallel=1d or none.")
-    if cfg.strategy.schedule in ("interleaved_one_f_one_b", *ZERO_BUBBLE):
-        errors.append(f"strategy.schedule={cfg.strategy.schedule} is not supported by pipefisher. "
-                      "Fix: gpipe, one_f_one_b or looped_breadth_first.")
-    return errors or modular_pipeline.check(cfg, world_size)
+    if cfg.strategy.schedule == "interleaved_one_f_one_b":
+        errors.append(f"strategy.schedule={cfg.strategy.schedule} is not supported by pipefisher. Fix: gpipe, "
+                      f"one_f_one_b, looped_breadth_first, zero_bubble_h1, zero_bubble_h2 or zbv.")
+    return errors or modular_pipeline.check(cfg, world_size) or packing_errors(cfg, world_size)
+
+
+def packing_errors(cfg, world_size: int) -> list:
+    """refresh_interval=null: every unit must fit some bubble (the k the packing needs); a zero-bubble
+    schedule's gaps can all be smaller than a unit. Packed as `build` packs (FLOPs alone)."""
+    if cfg.strategy.refresh_interval is not None:
+        return []
+    degrees = modular_pipeline.degrees(cfg, world_size)
+    cost = units.pipefisher_cost(block_shape(cfg, degrees.data), flops_per_second=1.0)
+    try:
+        units.pack(modular_pipeline.training_plan(cfg.strategy, cfg.model.layers), cost,
+                   margin=cfg.strategy.bubble_margin)
+    except ValueError as error:
+        return [f"strategy.refresh_interval=null packs every K-FAC unit into the bubbles of the steps it needs, "
+                f"but the {error}: strategy.schedule={cfg.strategy.schedule} leaves gaps smaller than some unit. "
+                f"Fix: strategy.refresh_interval=<k> (what does not fit in k steps runs on the critical path; "
+                f"summary.json's bubble_fraction.spilled_work says how much), or strategy.schedule=one_f_one_b."]
+    return []
 
 
 def build(cfg, world_size: int):

@@ -105,8 +105,12 @@ class FlatShard:
 
     # ----- gradients
     def attach_gradients(self) -> None:
-        """Backward accumulates in place into views of one flat buffer: no copy before the reduce-scatter."""
-        self.gradient = torch.zeros(self.padded, device=self.parameter.device)
+        """Backward accumulates in place into views of one flat buffer: no copy before the reduce-scatter.
+
+        The buffer lives until the reduce-scatter takes it: a split backward's Ws of one stage span
+        several runs (strategies/schedule/zero.py) and are reduce-scattered once, after the last."""
+        if self.gradient is None:
+            self.gradient = torch.zeros(self.padded, device=self.parameter.device)
         for leaf, entry in zip(self.leaves, self.entries):
             leaf.grad = self.gradient[entry.offset:entry.offset + entry.numel].view(entry.shape)
 

@@ -18,8 +18,7 @@ from typing_extensions import override
 from strategies import modular_pipeline
 from strategies.modular_pipeline import ModularPipelineStrategy, compute_plan, forward_only
 from strategies.schedule import BACKWARD, FINISH, FORWARD, validate_plan
-from strategies.schedule.generators import ZERO_BUBBLE
-from strategies.schedule.zero import (GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, add_weight_gathers,
+from strategies.schedule.zero import (GATHER_BACKWARD, GATHER_FORWARD, GATHER_WEIGHT, REDUCE_SCATTER, add_weight_gathers,
                                       add_zero)
 from strategies.buckets import sum_over_groups
 from strategies.checks import divisors
@@ -67,6 +66,7 @@ class ShardedStageWork(StageWork):
 
     def handlers(self) -> dict:
         return {**super().handlers(), GATHER_FORWARD: self.gather, GATHER_BACKWARD: self.gather,
+                GATHER_WEIGHT: self.gather,
                 REDUCE_SCATTER: self.reduce_scatter, FINISH: self.finish}
 
     # ----- weights
@@ -74,7 +74,7 @@ class ShardedStageWork(StageWork):
         self._release()  # by the plan's construction, the installed run is over
         group, communicator = self.peers.data_group, self.peers.communicator
         posted = [shard.post_gather(communicator, group) for shard in self.shards_of[action.stage]]
-        kind = BACKWARD if action.kind == GATHER_BACKWARD else FORWARD
+        kind = FORWARD if action.kind == GATHER_FORWARD else BACKWARD
         self.gathers.append((action.stage, kind, posted))
 
     def _install(self, stage: int, kind: str) -> None:
@@ -120,6 +120,18 @@ class ShardedStageWork(StageWork):
     def backward(self, action) -> None:
         self._install(action.stage, BACKWARD)
         super().backward(action)
+
+    def backward_input(self, action) -> None:
+        self._install(action.stage, BACKWARD)  # I and W share B's run and gather (schedule/zero.py)
+        super().backward_input(action)
+
+    def backward_weight(self, action) -> None:
+        """W into the installed leaves' gradients, views of the flat buffer kept until the stage's
+        reduce-scatter (the modules' parameters are the shards' leaves, not nn.Parameters)."""
+        self._install(action.stage, BACKWARD)
+        output, output_gradient = self.state.weight_work.pop((action.stage, action.micro_batch))
+        leaves = [leaf for shard in self.shards_of[action.stage] for leaf in shard.leaves]
+        torch.autograd.backward(output, output_gradient, inputs=leaves)
 
     # ----- gradients
     def reduce_scatter(self, action) -> None:
@@ -227,10 +239,6 @@ def check(cfg, world_size: int) -> list:
     if cfg.model.tie_embeddings:
         errors.append("model.tie_embeddings=true shares one weight between the first and the last stage, "
                       "which are sharded separately. Fix: model.tie_embeddings=false.")
-    if strategy.schedule in ZERO_BUBBLE:
-        errors.append(f"strategy.schedule={strategy.schedule} splits each backward into I and W, which zero_layered's "
-                      f"gathers and reduce-scatters do not follow yet (issue 32). Fix: strategy=one_f_one_b "
-                      f"strategy.schedule={strategy.schedule}, or strategy.schedule=looped_breadth_first here.")
     return errors + modular_pipeline.check_recomputing(cfg, world_size)
 
 

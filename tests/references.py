@@ -102,6 +102,11 @@ SGD_CASES = {
     "zero_bubble_h1_pp2_p2_m4": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1",
                                          "strategy.tensor_parallel=1d", "strategy.tensor_grid=2",
                                          "hardware.devices_per_node=4"], 4),
+    # ZB-H2: 2p − 1 micro-batches between F and W, Ws at the tail; p = 2, m = 4 and p = 4, m = 8 (m ≥ 2p − 1)
+    "zero_bubble_h2_pp2_m4": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h2"], 2),
+    "zero_bubble_h2_pp4_m8": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h2",
+                                      "strategy.pipeline_degree=4", "strategy.layers_per_stage=1",
+                                      "strategy.micro_batches=8", "hardware.devices_per_node=4"], 4),
     # ZBV: the V placement, 2 stages per rank (rank 0 holds the first and the last); p = 2, m = 4 and p = 4, m = 8
     "zbv_pp2_m4": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zbv", "strategy.layers_per_stage=1"], 2),
     "zbv_pp4_m8": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zbv", "strategy.pipeline_degree=4",
@@ -111,6 +116,14 @@ SGD_CASES = {
     "zero_layered_dp2_m4": SgdCase(["strategy=zero_layered"], 2),
     "zero_layered_pp2_dp2_m4": SgdCase(["strategy=zero_layered", "strategy.pipeline_degree=2",
                                         "hardware.devices_per_node=4"], 4),
+    # zero_layered with a split backward (ZB-H1): one reduce-scatter per stage after its last W
+    "zero_layered_zero_bubble_h1_pp2_dp2_m4": SgdCase(["strategy=zero_layered", "strategy.pipeline_degree=2",
+                                                       "strategy.schedule=zero_bubble_h1", "strategy.layers_per_stage=2",
+                                                       "hardware.devices_per_node=4"], 4),
+    # ... and ZBV: 2 stages per rank, backward runs that start at a W (gathered by "Aw")
+    "zero_layered_zbv_pp2_dp2_m4": SgdCase(["strategy=zero_layered", "strategy.pipeline_degree=2",
+                                            "strategy.schedule=zbv", "strategy.layers_per_stage=1",
+                                            "hardware.devices_per_node=4"], 4),
     "zero_depth_first_dp2_m4": SgdCase(["strategy=zero_depth_first"], 2),
     "fsdp2_dp2_m4": SgdCase(["strategy=fsdp2"], 2),
     "three_d_q2": SgdCase(["strategy=three_d", "hardware.devices_per_node=8"], 8),
@@ -145,6 +158,9 @@ SGD_CASES = {
     "pipefisher_gpipe_pp2_dp2_m4_k2": SgdCase(["strategy=pipefisher", "strategy.schedule=gpipe",
                                                "strategy.layers_per_stage=2", "hardware.devices_per_node=4",
                                                *KFAC_SGD], 4, ("strategy=kfac", *KFAC_SGD)),
+    "pipefisher_zero_bubble_h1_pp2_m4_k2": SgdCase(["strategy=pipefisher", "strategy.schedule=zero_bubble_h1",
+                                                    "strategy.layers_per_stage=2", *KFAC_SGD], 2,
+                                                   ("strategy=kfac", *KFAC_SGD)),
     # The Llama family (issue 29): one case per strategy family against its own single reference.
     "llama_ddp_dp2": SgdCase(["strategy=ddp", *LLAMA], 2, LLAMA_REFERENCE),
     "llama_interleaved_1f1b_pp2_v2_m4": SgdCase(["strategy=interleaved_1f1b", *LLAMA], 2, LLAMA_REFERENCE),

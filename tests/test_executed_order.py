@@ -188,6 +188,7 @@ ORDER_CASES = {
     "looped_pp2_v2_m4": ["strategy=modular_pipeline"],
     "one_f_one_b_pp2_m4": ["strategy=one_f_one_b"],
     "zero_bubble_h1_pp2_m4": ["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1"],
+    "zero_bubble_h2_pp2_m4": ["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h2"],
     "zbv_pp2_m4": ["strategy=one_f_one_b", "strategy.schedule=zbv", "strategy.layers_per_stage=1"],
     "interleaved_pp2_v2_m4": ["strategy=interleaved_1f1b"],
 }

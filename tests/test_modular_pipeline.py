@@ -40,6 +40,9 @@ CASES = {
     "zero_bubble_h1_pp2_m4": ("one_f_one_b", 4, 4, 2, 2, ["strategy.schedule=zero_bubble_h1"]),
     "zero_bubble_h1_pp4_m8": ("one_f_one_b", 4, 8, 4, 1, ["strategy.schedule=zero_bubble_h1",
                                                           "strategy.pipeline_degree=4"]),
+    "zero_bubble_h2_pp2_m4": ("one_f_one_b", 4, 4, 2, 2, ["strategy.schedule=zero_bubble_h2"]),
+    "zero_bubble_h2_pp4_m8": ("one_f_one_b", 4, 8, 4, 1, ["strategy.schedule=zero_bubble_h2",
+                                                          "strategy.pipeline_degree=4"]),
     "zbv_pp2_m4": ("one_f_one_b", 4, 4, 2, 1, ["strategy.schedule=zbv"]),
     "zbv_pp4_m8": ("one_f_one_b", 8, 8, 4, 1, ["strategy.schedule=zbv", "strategy.pipeline_degree=4"]),
     "interleaved_pp2_v2_m4": ("interleaved_1f1b", 4, 4, 2, 1, []),
@@ -63,6 +66,7 @@ def test_pipeline_equals_single(case, references, tmp_path):
 @pytest.mark.parametrize("case", ["modular_pipeline_pp2_v2_m4", "modular_pipeline_pp2_dp2_v2_m4", "gpipe_pp2_m4",
                                   "one_f_one_b_pp2_m4", "zero_bubble_h1_pp2_m4", "zero_bubble_h1_pp4_m8",
                                   "zero_bubble_h1_pp2_dp2_m4", "zero_bubble_h1_pp2_p2_m4",
+                                  "zero_bubble_h2_pp2_m4", "zero_bubble_h2_pp4_m8",
                                   "zbv_pp2_m4", "zbv_pp4_m8", "interleaved_1f1b_pp2_v2_m4",
                                   "llama_interleaved_1f1b_pp2_v2_m4"])
 def test_pipeline_equals_single_under_sgd(case, tmp_path, tmp_path_factory):

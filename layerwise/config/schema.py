@@ -142,7 +142,7 @@ class StagedStrategyConfig(MicroBatchedStrategyConfig):
     Stage placement is not a knob: the schedule decides it (gpipe and one_f_one_b contiguous,
     looped_breadth_first and interleaved_one_f_one_b looping)."""
 
-    schedule: str = "looped_breadth_first"  # gpipe | one_f_one_b | looped_breadth_first | ... | zero_bubble_h1 | zbv
+    schedule: str = "looped_breadth_first"  # gpipe | one_f_one_b | looped_breadth_first | ... | zero_bubble_h1 | zero_bubble_h2 | zbv
     pipeline_degree: int = 1  # pipeline ranks
     data_degree: Optional[int] = None  # data-parallel replicas; null = world / pipeline_degree
     layers_per_stage: int = 1  # k consecutive blocks per stage; stages = layers / k

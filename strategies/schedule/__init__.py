@@ -15,7 +15,8 @@ add_communication places the receive posts it needs, validate_plan checks it on 
 from . import curvature, offload, zero
 from .execute import FINISH, ExecutedAction, execute
 from .generators import (PLACEMENTS, SCHEDULES, build_plan, gpipe, interleaved_one_f_one_b, layered,
-                         looped_breadth_first, one_f_one_b, stage_placement, zbv, zero_bubble_h1)
+                         looped_breadth_first, one_f_one_b, stage_placement, zbv, zero_bubble_h1,
+                         zero_bubble_h2)
 from .ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KINDS, POST_RECV_ACTIVATION, POST_RECV_GRADIENT, RECV_ACTIVATION, RECV_GRADIENT,
                  REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, Action, KindInfo, Plan, PlanError, counterpart,
                  dependencies, is_post, kind_of, parse_action, parse_row, post_of, posted_receive, register_kinds)
@@ -36,7 +37,7 @@ __all__ = [
     "FORWARD", "BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "SEND_ACTIVATION", "RECV_ACTIVATION", "SEND_GRADIENT", "RECV_GRADIENT", "REDUCE_GRADIENT",
     "POST_RECV_ACTIVATION", "POST_RECV_GRADIENT",
     "PLACEMENTS", "SCHEDULES", "stage_placement", "gpipe", "one_f_one_b", "looped_breadth_first",
-    "interleaved_one_f_one_b", "layered", "zero_bubble_h1", "zbv", "build_plan",
+    "interleaved_one_f_one_b", "layered", "zero_bubble_h1", "zero_bubble_h2", "zbv", "build_plan",
     "add_communication", "add_gradient_reductions", "validate_plan",
     "add_receive_posts", "check_point_to_point_order", "issue_sequences", "pair_orders", "send_releases", "most_sends_held",
     "release_points", "send_completions",

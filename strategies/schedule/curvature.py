@@ -13,6 +13,9 @@ split over its tokens (A = Σ_tokens aᵀa, so head + tail = whole); the tail ru
 Every producer of a unit runs on the unit's own rank, so a rank's list order carries the dependency:
 a unit sits after its producers in the same step, or in a later step of the k-step cycle (spilled).
 So the kinds have no dependency rule; `check_cycle` checks order.
+Under a split backward (zero-bubble schedules, Qi et al. 2023) the curvature B of (s, i) waits for
+W(s, i): I captures each Linear's output gradient g on its way to the stage input, and W, which
+retraverses that path for the weights' gradients, captures it again; after W it is final.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import dataclasses
 import math
 from typing import NamedTuple, Sequence
 
-from .ir import BACKWARD, FORWARD, SEND_ARROW, Action, KindInfo, Plan, PlanError, is_post
+from .ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, SEND_ARROW, Action, KindInfo, Plan, PlanError,
+                 is_post)
 from .simulate import Cost, TimedAction, Timeline, simulate
 from .validate import validate_plan
 
@@ -59,16 +63,25 @@ def is_curvature(kind: str) -> bool:
     return kind in UNITS and UNITS[kind][1] is not None
 
 
-def producers(unit: Action, micro_batches: int, split: frozenset = frozenset()) -> tuple:
-    """What must run before `unit`, all on the unit's own rank (the step's F/B, or earlier units).
+PIPELINE = (FORWARD, BACKWARD, BACKWARD_WEIGHT)  # the pipeline actions a unit can wait for
 
-    `split`: the curvature kinds run as token halves (their tail waits for their head).
+
+def gradient_kind(plan: Plan) -> str:
+    """The action after which a micro-batch's output gradients g are final: W in a split plan, else B."""
+    return BACKWARD_WEIGHT if BACKWARD_WEIGHT in plan.kinds else BACKWARD
+
+
+def producers(unit: Action, micro_batches: int, split: frozenset = frozenset(), backward: str = BACKWARD) -> tuple:
+    """What must run before `unit`, all on the unit's own rank (the step's F/B (W), or earlier units).
+
+    `split`: the curvature kinds run as token halves (their tail waits for their head); `backward`:
+    `gradient_kind` of the plan.
     """
     stage, factor = unit.stage, UNITS[unit.kind][0]
     if TOKEN_HALF.get(unit.kind) == 1:
         return (Action(HALVES[WHOLE[unit.kind]][0], stage, unit.micro_batch),)
     if is_curvature(unit.kind):
-        return (Action(FORWARD if factor == "A" else BACKWARD, stage, unit.micro_batch),)
+        return (Action(FORWARD if factor == "A" else backward, stage, unit.micro_batch),)
     if unit.kind in (SYNC_A, SYNC_B):
         return tuple(curvature_units(stage, CURVATURE_A if factor == "A" else CURVATURE_B, micro_batches, split))
     return Action(SYNC_A, stage), Action(SYNC_B, stage)
@@ -153,6 +166,7 @@ def pipefisher_cost(shape: BlockShape, flops_per_second: float, backward_factor:
     seconds = {kind: flops / flops_per_second for kind, flops in unit_flops(shape).items()}
     seconds[FORWARD] = forward_flops(shape) / flops_per_second
     seconds[BACKWARD] = backward_factor * seconds[FORWARD]
+    seconds[BACKWARD_INPUT] = seconds[BACKWARD_WEIGHT] = seconds[BACKWARD] / 2  # as simulate.flop_cost
     for kind, factor in ((SYNC_A, "A"), (SYNC_B, "B")):
         seconds[kind] = sync_bytes(shape, factor, data_degree) / bytes_per_second if bytes_per_second else 0.0
     return lambda action: seconds.get(action.kind, 0.0)
@@ -188,7 +202,7 @@ def _curvature_after(actions: list, slot: int) -> list:
     while compute >= 0 and _issues_transfer(actions[compute]):
         compute -= 1  # a row may start with receive posts
     following = actions[slot + 1] if slot + 1 < len(actions) else None
-    if compute < 0 or actions[compute].kind not in (FORWARD, BACKWARD) \
+    if compute < 0 or actions[compute].kind not in PIPELINE \
             or (following is not None and _issues_transfer(following)):
         return []
     kinds = CURVATURE_A if actions[compute].kind == FORWARD else CURVATURE_B
@@ -218,6 +232,7 @@ class Cycle:
     packing: float
     spilled_to_critical_path: int  # units appended after the last action (k forced too small)
     split: frozenset = frozenset()
+    spilled_work: float = 0.0  # their share of the refresh's K-FAC work (cost), the part that did not fit
 
     @property
     def refresh_interval(self) -> int:
@@ -226,7 +241,7 @@ class Cycle:
     def report(self) -> dict:
         return {"refresh_interval": self.refresh_interval, "needed": self.needed, "ratio": self.ratio,
                 "fill": self.fill, "fill_before_last": self.fill_before_last, "packing": self.packing,
-                "spilled_to_critical_path": self.spilled_to_critical_path,
+                "spilled_to_critical_path": self.spilled_to_critical_path, "spilled_work": self.spilled_work,
                 "split_in_token_halves": sorted(ACTION_KINDS[kind].letter for kind in self.split)}
 
 
@@ -255,8 +270,11 @@ def pack(plan: Plan, cost: Cost, refresh_interval: int | None = None, margin: fl
         raise ValueError(f"K-FAC work of {plan.name} does not fit in the bubbles of {max_steps} steps")
     k = refresh_interval or needed
     plans = tuple(validate_plan(_step_plan(plan, per_rank, step, k)) for step in range(k))  # each step runs as is
+    spilled = sum(cost(unit) for _, leftover, _ in per_rank for unit in leftover)
+    work = sum(cost(unit) for stage in range(plan.stages) for unit in stage_units(stage, plan.micro_batches, split))
     return Cycle(plans, needed, *_fill_figures(plan, timeline, cost, per_rank, k, split),
-                 spilled_to_critical_path=sum(len(leftover) for _, leftover, _ in per_rank), split=split)
+                 spilled_to_critical_path=sum(len(leftover) for _, leftover, _ in per_rank), split=split,
+                 spilled_work=spilled / work if work else 0.0)
 
 
 def split_kinds(plan: Plan, timeline: Timeline, cost: Cost, margin: float) -> frozenset:
@@ -281,14 +299,14 @@ def _pack_rank(plan: Plan, rank: int, timeline: Timeline, cost: Cost, margin: fl
         placed = {}
         for gap in _gaps(timeline.ranks[rank], timeline.makespan):
             before = set(row[:gap.position])  # this step's F/B that precede the gap
-            ready = [unit for unit in waiting if _ready(unit, done, before, len(steps), plan.micro_batches, split)]
+            ready = [unit for unit in waiting if _ready(unit, done, before, len(steps), plan, split)]
             room, units = (1 - margin) * gap.length, []
             while (unit := _first_fitting(ready, room, cost)) is not None:
                 units.append(unit)
                 done.add(unit)
                 waiting.remove(unit)
                 room -= cost(unit)
-                ready = [u for u in waiting if _ready(u, done, before, len(steps), plan.micro_batches, split)]
+                ready = [u for u in waiting if _ready(u, done, before, len(steps), plan, split)]
             if units:
                 placed[gap.position] = units
             if ready:
@@ -305,10 +323,10 @@ def _gaps(records: Sequence[TimedAction], makespan: float) -> list:
             if start - end > 1e-12 * max(1.0, makespan)]
 
 
-def _ready(unit: Action, done: set, before: set, step: int, micro_batches: int, split: frozenset) -> bool:
-    """Every producer is placed already, or is an F/B: earlier in this step's list, or in the cycle's step 0."""
-    return all(need in done or need in before or (step > 0 and need.kind in (FORWARD, BACKWARD))
-               for need in producers(unit, micro_batches, split))
+def _ready(unit: Action, done: set, before: set, step: int, plan: Plan, split: frozenset) -> bool:
+    """Every producer is placed already, or is an F/B (W): earlier in this step's list, or in the cycle's step 0."""
+    return all(need in done or need in before or (step > 0 and need.kind in PIPELINE)
+               for need in producers(unit, plan.micro_batches, split, gradient_kind(plan)))
 
 
 def _first_fitting(ready: list, room: float, cost: Cost):
@@ -359,19 +377,19 @@ def check_cycle(base: Plan, cycle_plans: Sequence[Plan]) -> None:
             if [a for a in row if a.kind not in PRIORITY] != expected:
                 raise PlanError(f"step {step} of the K-FAC cycle changed rank {rank}'s pipeline actions", plan)
             for slot, action in enumerate(row):
-                _check_unit(action, rank, step, slot, row, seen, plan, base.micro_batches, split)
+                _check_unit(action, rank, step, slot, row, seen, plan, base.micro_batches, split, gradient_kind(base))
         _check_complete(base, rank, seen, split, cycle_plans[-1])
 
 
-def _check_unit(action, rank, step, slot, row, seen, plan, micro_batches, split) -> None:
+def _check_unit(action, rank, step, slot, row, seen, plan, micro_batches, split, backward) -> None:
     if action.kind not in PRIORITY:
         return
     if action in seen:
         raise PlanError(f"{action} runs twice in the K-FAC cycle (steps {seen[action][0]} and {step})", plan,
                         [(rank, slot)])
-    for need in producers(action, micro_batches, split):
+    for need in producers(action, micro_batches, split, backward):
         early = (seen.get(need, (step + 1,))[0] < step) or need in row[:slot]
-        if not (early or (need.kind in (FORWARD, BACKWARD) and step > 0)):
+        if not (early or (need.kind in PIPELINE and step > 0)):
             raise PlanError(f"{action} runs before {need} (step {step} of the K-FAC cycle)", plan, [(rank, slot)])
     seen[action] = (step, slot)
 

@@ -217,14 +217,49 @@ def zbv(pipeline_degree: int, micro_batches: int, breadth_first_micro_batches: i
     breadth_first = _breadth_first(micro_batches, breadth_first_micro_batches)
     stages = 2 * pipeline_degree
     placement = stage_placement(stages, pipeline_degree, "v")
-    rows = _v_list_schedule(pipeline_degree, breadth_first, placement)
+    rows = _list_schedule(pipeline_degree, breadth_first, placement, cap=2 * pipeline_degree)
     group = Plan(rows, stages, breadth_first, placement)
     return _in_depth_first_groups(group, micro_batches, _name("zbv", micro_batches, breadth_first, p=pipeline_degree))
 
 
-def _v_list_schedule(pipeline_degree: int, micro_batches: int, placement: tuple) -> list[list[Action | None]]:
-    """Every rank's F/I/W order (zbv's docstring); ends become visible one unit after a start, on every rank alike."""
-    stages, cap = len(placement), 2 * pipeline_degree
+def zero_bubble_h2(pipeline_degree: int, micro_batches: int, breadth_first_micro_batches: int | None = None) -> Plan:
+    """ZB-H2 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism" §3.1): no bubble for (2p−1)× a stage's stash.
+
+    One stage per rank, backward split into I and W. Rank r fills the wait for its first I with
+    forwards (2(p−1−r)+1 of them, rank 0 2p−1, where 1F1B runs p−r), then runs I > F > W by
+    priority while at most 2p−1 micro-batches are between F and W (the paper's (2p−1)M_B), so the
+    Ws drift to the tail and each rank works without a gap from its first input to its end: the
+    parallelogram of Figure 3, bubble (p−1)(T_F+T_B−2T_W) = 0 at T_F = T_B = T_W once the step's
+    synchronisation is bypassed (their §4). Needs m ≥ 2p−1 (the warm-up forwards); the order is the
+    unit-time list schedule zbv uses, on the contiguous placement.
+    """
+    breadth_first = _breadth_first(micro_batches, breadth_first_micro_batches)
+    _check_h2_batches(pipeline_degree, micro_batches, breadth_first)
+    placement = stage_placement(pipeline_degree, pipeline_degree, "contiguous")
+    rows = _list_schedule(pipeline_degree, breadth_first, placement, cap=2 * pipeline_degree - 1)
+    rows = [[None] * rank + row for rank, row in enumerate(rows)]  # rank r's first input arrives after r forwards
+    group = Plan(rows, pipeline_degree, breadth_first, placement)
+    name = _name("zero_bubble_h2", micro_batches, breadth_first, p=pipeline_degree)
+    return _in_depth_first_groups(group, micro_batches, name)
+
+
+def _check_h2_batches(pipeline_degree: int, micro_batches: int, breadth_first: int) -> None:
+    # Rank 0 runs 2p−1 forwards before its first I arrives (Qi et al. 2023 §3.1, ZB-H2's warm-up).
+    needed = 2 * pipeline_degree - 1
+    if micro_batches < needed:
+        raise ValueError(f"strategy.schedule=zero_bubble_h2 needs strategy.micro_batches ({micro_batches}) >= "
+                         f"2 × strategy.pipeline_degree − 1 = {needed}: its warm-up runs that many forwards on "
+                         f"rank 0. Fix: raise strategy.micro_batches, or use strategy.schedule=zero_bubble_h1")
+    if breadth_first < needed:
+        raise ValueError(f"strategy.schedule=zero_bubble_h2 needs strategy.breadth_first_micro_batches "
+                         f"({breadth_first}) >= 2 × strategy.pipeline_degree − 1 = {needed} (each depth-first "
+                         f"group has its own warm-up): raise it, or set it to null")
+
+
+def _list_schedule(pipeline_degree: int, micro_batches: int, placement: tuple, cap: int) -> list[list[Action | None]]:
+    """Every rank's F/I/W order (zbv's docstring), at most `cap` stage-micro-batches between F and W per
+    rank; ends become visible one unit after a start, on every rank alike."""
+    stages = len(placement)
     finished: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro-batch) -> end time
     state = _ListState(next_forward=[0] * stages, inputs=[[] for _ in range(stages)],
                        weights=[[] for _ in range(pipeline_degree)], alive=[0] * pipeline_degree)
@@ -244,7 +279,7 @@ def _v_list_schedule(pipeline_degree: int, micro_batches: int, placement: tuple)
             finished[action.kind, action.stage, action.micro_batch] = time + 1
         time += 1
         if time > 6 * stages * (micro_batches + stages):  # cannot happen: some rank always has a ready action
-            raise AssertionError(f"zbv list schedule stalled at p={pipeline_degree}, m={micro_batches}")
+            raise AssertionError(f"list schedule stalled at p={pipeline_degree}, m={micro_batches}")
     return rows
 
 
@@ -294,8 +329,8 @@ def layered(stages: int, micro_batches: int, breadth_first_micro_batches: int | 
 
 
 SCHEDULES = ("gpipe", "one_f_one_b", "looped_breadth_first", "interleaved_one_f_one_b", "layered",
-             "zero_bubble_h1", "zbv")
-ZERO_BUBBLE = ("zero_bubble_h1", "zbv")  # split backward (I + W): one stage per rank, two (V) for zbv
+             "zero_bubble_h1", "zero_bubble_h2", "zbv")
+ZERO_BUBBLE = ("zero_bubble_h1", "zero_bubble_h2", "zbv")  # split backward (I + W): one stage per rank, two (V) for zbv
 
 
 def build_plan(schedule: str, *, pipeline_degree: int, stages: int, micro_batches: int,
@@ -317,6 +352,8 @@ def build_plan(schedule: str, *, pipeline_degree: int, stages: int, micro_batche
         return interleaved_one_f_one_b(pipeline_degree, micro_batches, loops, breadth_first)
     if schedule == "zero_bubble_h1":
         return zero_bubble_h1(pipeline_degree, micro_batches, breadth_first)
+    if schedule == "zero_bubble_h2":
+        return zero_bubble_h2(pipeline_degree, micro_batches, breadth_first)
     if schedule == "zbv":
         return zbv(pipeline_degree, micro_batches, breadth_first)
     return layered(stages, micro_batches, breadth_first)
@@ -333,13 +370,15 @@ def _check_combination(schedule, pipeline_degree, stages, micro_batches, breadth
         raise ValueError(f"strategy.schedule=zbv puts two stages on each rank (the V placement) but there are "
                          f"{stages} stages for strategy.pipeline_degree={pipeline_degree}: set "
                          f"strategy.layers_per_stage to model.layers / (2 × pipeline_degree)")
-    if schedule in ("gpipe", "one_f_one_b", "zero_bubble_h1") and stages != pipeline_degree:
+    if schedule in ("gpipe", "one_f_one_b", "zero_bubble_h1", "zero_bubble_h2") and stages != pipeline_degree:
         raise ValueError(f"strategy.schedule={schedule} puts one stage on each rank but there are {stages} "
                          f"stages for strategy.pipeline_degree={pipeline_degree}: set strategy.layers_per_stage "
                          f"to model.layers / pipeline_degree, or use strategy.schedule=looped_breadth_first")
     if schedule == "layered" and pipeline_degree != 1:
         raise ValueError(f"strategy.schedule=layered runs on one rank: set strategy.pipeline_degree=1 "
                          f"(got {pipeline_degree}) or use strategy.schedule=looped_breadth_first")
+    if schedule == "zero_bubble_h2":
+        _check_h2_batches(pipeline_degree, micro_batches, breadth_first or micro_batches)
     if schedule == "looped_breadth_first" and stages > pipeline_degree:
         _check_looped_batches(pipeline_degree, micro_batches, breadth_first or micro_batches)
 

@@ -8,6 +8,13 @@ backwards), so a stage is gathered twice and reduce-scattered once: 3(n−1)/n·
     "0Af0"  all-gather stage 0's weights for the forward run starting at micro-batch 0
     "0Ab0"  all-gather them again for the backward run starting at micro-batch 0
     "0Rs3"  reduce-scatter stage 0's gradient after the backward run ending at micro-batch 3
+    "0Aw2"  all-gather them for a split backward's run starting at W of micro-batch 2 (one starting
+            at I(2) is "0Ab2")
+
+A split backward (zero-bubble schedules: I and W, Qi et al. 2023) puts I and W in one backward run
+(both need the weights; a run starting at a W is gathered by "Aw", one starting at an I by "Ab"); its stage's gradient is complete only after its last W, so
+the stage is reduce-scattered once, there, and the flat gradient buffer accumulates over every
+backward run before it (sharding.FlatShard.attach_gradients keeps it).
 
 Double buffering is a placement choice: the gather of run k+1 sits right before the first compute
 of run k, so it is in flight while run k computes; run k−1 is complete by then, so a rank holds at
@@ -18,32 +25,40 @@ from __future__ import annotations
 
 import dataclasses
 
-from .ir import BACKWARD, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_GRADIENT, Action, KindInfo, Plan, is_post
+from .ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_ACTIVATION, RECV_GRADIENT, SEND_GRADIENT,
+                 Action, KindInfo, Plan, is_post, weight_gradient_producer)
 
 GATHER_FORWARD = "GATHER_FORWARD"
 GATHER_BACKWARD = "GATHER_BACKWARD"
+GATHER_WEIGHT = "GATHER_WEIGHT"  # a backward run that starts at a W
 REDUCE_SCATTER = "REDUCE_SCATTER"
-GATHER_FOR = {FORWARD: GATHER_FORWARD, BACKWARD: GATHER_BACKWARD}
+GATHER_FOR = {FORWARD: GATHER_FORWARD, BACKWARD: GATHER_BACKWARD, BACKWARD_INPUT: GATHER_BACKWARD,
+              BACKWARD_WEIGHT: GATHER_WEIGHT}  # by a run's first action
+GATHERS = (GATHER_FORWARD, GATHER_BACKWARD, GATHER_WEIGHT)
+PHASE = {FORWARD: FORWARD, BACKWARD: BACKWARD, BACKWARD_INPUT: BACKWARD, BACKWARD_WEIGHT: BACKWARD}
 
 # Registered by strategies/schedule/__init__.py, like every pass module's table.
 ACTION_KINDS = {
     GATHER_FORWARD: KindInfo("Af", None, True, False, True),
     GATHER_BACKWARD: KindInfo("Ab", None, True, False, True),
+    GATHER_WEIGHT: KindInfo("Aw", None, True, False, True),
     REDUCE_SCATTER: KindInfo("Rs", None, True, False, True),
 }
-# The reduce-scatter of a backward run needs the run's last backward (list order gives the others).
+# The reduce-scatter of a backward run needs the run's last backward (list order gives the others);
+# under a split backward, the stage's last W.
 DEPENDENCY_RULES = {
-    REDUCE_SCATTER: lambda action, plan: (Action(BACKWARD, action.stage, action.micro_batch),),
+    REDUCE_SCATTER: lambda action, plan: (weight_gradient_producer(plan, action.stage, action.micro_batch),),
 }
 
 
 def compute_runs(row) -> list[list[tuple[int, Action]]]:
-    """(slot, action) of each run of one stage's compute of one kind, in row order."""
+    """(slot, action) of each run of one stage's compute of one phase (forward; backward: B, or I and W), in row order."""
     runs = []
     for slot, action in enumerate(row):
         if action is None or action.kind not in GATHER_FOR:
             continue
-        if runs and (runs[-1][-1][1].stage, runs[-1][-1][1].kind) == (action.stage, action.kind):
+        last = runs[-1][-1][1] if runs else None
+        if last is not None and (last.stage, PHASE[last.kind]) == (action.stage, PHASE[action.kind]):
             runs[-1].append((slot, action))
         else:
             runs.append([(slot, action)])
@@ -52,7 +67,7 @@ def compute_runs(row) -> list[list[tuple[int, Action]]]:
 
 def add_weight_gathers(plan: Plan) -> Plan:
     """Insert one all-gather per run, posted one run ahead (double buffering): see the module docstring."""
-    if any(action.kind in (GATHER_FORWARD, GATHER_BACKWARD) for _, _, action in plan.positions()):
+    if any(action.kind in GATHERS for _, _, action in plan.positions()):
         raise ValueError(f"plan {plan.name!r} already has its weight gathers")
     return dataclasses.replace(plan, ranks=[_with_gathers(row) for row in plan.ranks])
 
@@ -92,9 +107,11 @@ def add_gradient_reduce_scatters(plan: Plan) -> Plan:
 
 def _with_reduce_scatters(row) -> list[Action | None]:
     after = {}
+    last_weight = {action.stage: slot for slot, action in enumerate(row)
+                   if action is not None and action.kind == BACKWARD_WEIGHT}  # a stage's last W wins
     for run in compute_runs(row):
         slot, last = run[-1]
-        if last.kind == BACKWARD:
+        if last.kind == BACKWARD or (last.kind == BACKWARD_WEIGHT and last_weight[last.stage] == slot):
             while slot + 1 < len(row) and (is_post(row[slot + 1]) or _sends_gradient_of(row[slot + 1], last)):
                 slot += 1
             after[slot] = Action(REDUCE_SCATTER, last.stage, last.micro_batch)

@@ -27,7 +27,7 @@ from cost.inputs import OPTIMIZER_STATE, Device, Workload
 from cost.memory import block_saved_bytes, stage_parameters  # the memory half
 from strategies.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT,
                                  SEND_ACTIVATION, SEND_GRADIENT, simulate)
-from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER, compute_runs
+from strategies.schedule.zero import GATHER_FOR, GATHERS, REDUCE_SCATTER, compute_runs
 from cost.inputs import BYTES
 from cost.traffic import (all_gather, all_reduce, block_traffic, grid_collectives, head_traffic, local_parameters,
                           step_traffic)
@@ -224,7 +224,7 @@ def step_cost(workload: Workload, device: Device, plan):
     def cost(action) -> float:
         if action.kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
             return compute(action)
-        if action.kind in (GATHER_FORWARD, GATHER_BACKWARD):
+        if action.kind in GATHERS:
             return gathers[action]
         if action.kind in (REDUCE_GRADIENT, REDUCE_SCATTER) and not overlap:
             return reduction_seconds(workload, device, action.stage, plan.stages)
@@ -243,8 +243,7 @@ def exposed_gathers(plan, compute, gather) -> dict:
         previous = 0.0
         for run in compute_runs(row):
             first = run[0][1]
-            kind = GATHER_FORWARD if first.kind == FORWARD else GATHER_BACKWARD
-            exposed[Action(kind, first.stage, first.micro_batch)] = max(0.0, gather(first.stage) - previous)
+            exposed[Action(GATHER_FOR[first.kind], first.stage, first.micro_batch)] = max(0.0, gather(first.stage) - previous)
             previous = sum(compute(action) for _, action in run)
     return exposed
 

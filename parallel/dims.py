@@ -14,6 +14,11 @@ AXES = ("data", "pipeline", "tensor")
 DIMENSION = {"1d": 1, "2d": 2, "3d": 3}
 
 
+def tensor_ranks(tensor_grid: Optional[str], edge: int) -> int:
+    """Ranks of one tensor block: q^dimension of the grid `tensor_grid` of edge q, 1 without one."""
+    return edge ** DIMENSION[tensor_grid] if tensor_grid else 1
+
+
 @dataclass(frozen=True)
 class Layout:
     """The degrees of one run: data × pipeline × tensor == world size.
@@ -34,8 +39,8 @@ class Layout:
 
     @property
     def tensor(self) -> int:
-        """Ranks of one tensor block: q^dimension of the grid, 1 without one."""
-        return self.edge ** DIMENSION[self.tensor_grid] if self.tensor_grid else 1
+        """Ranks of one tensor block (the tensor degree)."""
+        return tensor_ranks(self.tensor_grid, self.edge)
 
     @property
     def world_size(self) -> int:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from parallel.dims import Layout
+from parallel.dims import Layout, tensor_ranks
 from parallel.timing import EventClock
 from strategies.base import OwnedStepStrategy
 from strategies.checks import divisors, grid_errors, nearest_multiples
@@ -295,7 +295,7 @@ def tensor_parallel(strategy_config):
 def tensor_degree(strategy_config) -> int:
     """Ranks of one tensor block: q, q² or q³ (1 without a grid)."""
     mode = tensor_parallel(strategy_config)
-    return Layout(tensor_grid=mode, edge=strategy_config.tensor_grid).tensor if mode in DIMENSION else 1
+    return tensor_ranks(mode, strategy_config.tensor_grid) if mode in DIMENSION else 1
 
 
 def degrees(cfg, world_size: int, zero: bool = False) -> Layout:

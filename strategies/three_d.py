@@ -11,7 +11,7 @@ groups holding copies and every gradient over the data group, and steps (docs/st
 
 from typing_extensions import override
 
-from parallel.dims import Layout
+from parallel.dims import Layout, tensor_ranks
 from strategies.base import LayerwiseStrategy
 from strategies.buckets import sum_over_groups
 from strategies.checks import grid_errors
@@ -94,7 +94,7 @@ def _mode(cfg) -> str:
 
 
 def _tensor_degree(cfg) -> int:
-    return Layout(tensor_grid=_mode(cfg), edge=cfg.strategy.tensor_grid).tensor
+    return tensor_ranks(_mode(cfg), cfg.strategy.tensor_grid)
 
 
 def degrees(cfg, world_size: int) -> Layout:

@@ -301,9 +301,9 @@ def tensor_degree(strategy_config) -> int:
 def degrees(cfg, world_size: int, zero: bool = False) -> Layout:
     """Pipeline × the stage's tensor grid (none: one rank) × data, the rest of the world."""
     mode, pipeline = tensor_parallel(cfg.strategy), cfg.strategy.pipeline_degree
-    grid = Layout(pipeline=pipeline, tensor_grid=mode if mode in DIMENSION else None,  # unknown: check refuses it
-                  edge=cfg.strategy.tensor_grid, zero=zero)
-    return replace(grid, data=max(1, world_size // (pipeline * grid.tensor)))
+    layout = Layout(pipeline=pipeline, tensor_grid=mode if mode in DIMENSION else None,  # unknown: check refuses it
+                    edge=cfg.strategy.tensor_grid, zero=zero)
+    return replace(layout, data=max(1, world_size // (pipeline * layout.tensor)))
 
 
 def check(cfg, world_size: int) -> list:

@@ -64,6 +64,14 @@ class Point:
     micro_batches: int
     activation_recompute: str  # none | full
 
+    @property
+    def schedule(self) -> str:
+        return FAMILIES[self.family][0]
+
+    @property
+    def breadth_first_micro_batches(self):
+        return FAMILIES[self.family][2]
+
     @classmethod
     def of(cls, family: str, pipeline_degree: int, tensor_parallel: str, tensor_grid: int, layers_per_stage: int,
            micro_batches: int, activation_recompute: str, data_degree: int) -> "Point":
@@ -92,14 +100,6 @@ class Point:
 
     def row(self) -> dict:
         return {name: getattr(self, name) for name in COLUMNS}
-
-    @property
-    def schedule(self) -> str:
-        return FAMILIES[self.family][0]
-
-    @property
-    def breadth_first_micro_batches(self):
-        return FAMILIES[self.family][2]
 
     def strategy_fields(self) -> dict:
         """What the point's `strategy` node holds (the family's yaml plus these)."""

@@ -55,16 +55,15 @@ class ParallelLayout:
     5. groups of size one never touch the process group (single-process runs need none);
     6. every collective goes through `self.communicator`, which counts logical bytes.
 
-    `tensor_grid` names the families (e.g. "3d"); `describe()` records it, so a checkpoint cut on
-    one grid is not resumed on another.
+    The layout's `tensor_grid` names the families (e.g. "3d"); `describe()` records it, so a
+    checkpoint cut on one grid is not resumed on another.
     """
 
     def __init__(self, degrees: Layout, rank: int = 0,
-                 families: Optional[Mapping[str, Sequence[Sequence[int]]]] = None,
-                 tensor_grid: Optional[str] = None, host_axes: Sequence[str] = ()):
+                 families: Optional[Mapping[str, Sequence[Sequence[int]]]] = None, host_axes: Sequence[str] = ()):
         self.degrees = degrees
         self.rank = rank
-        self.tensor_grid = tensor_grid
+        self.tensor_grid = degrees.tensor_grid
         self.coordinates = coordinates(rank, degrees)
         self.communicator = Communicator()
         self.groups: Dict[str, Group] = {}

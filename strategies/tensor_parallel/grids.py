@@ -270,7 +270,7 @@ def family_members(family: str, tensor_grid: str, tensor_degree: int) -> tuple:
 
 def layout_arguments(tensor_grid: str, tensor_degree: int) -> dict:
     """ParallelLayout's arguments for this grid: its families (created after the axes, in this
-    order on every rank) and its name, which checkpoints record to refuse a different grid."""
+    order on every rank); the grid's name comes with the layout (parallel.dims.Layout.tensor_grid)."""
     families = {family: family_members(family, tensor_grid, tensor_degree)
                 for family in GRIDS[tensor_grid].VARYING}
-    return {"families": families, "tensor_grid": tensor_grid}
+    return {"families": families}

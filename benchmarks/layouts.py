@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from layerwise.run.fit import train  # noqa: E402
 from layerwise.preflight import validate  # noqa: E402
-from strategies import strategy_entry  # noqa: E402
+from layerwise.config.layout import layout_of  # noqa: E402
 from benchmarks.common import compose_config  # noqa: E402
 
 WORLD = 8
@@ -91,7 +91,7 @@ def check(arguments) -> None:
     for name, overrides in SPLITS.items():
         cfg = config(arguments, overrides)
         world = validate(cfg)
-        degrees = strategy_entry(cfg.strategy.name).degrees(cfg, world)
+        degrees = layout_of(cfg, world)
         print(f"{name:<28} world {world}: d{degrees.data} × p{degrees.pipeline} × t{degrees.tensor}"
               f" ({grid(cfg)})", flush=True)
 

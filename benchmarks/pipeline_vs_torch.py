@@ -24,7 +24,8 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleLoopedBFS)
 
 from layerwise.run.launch import run_ranks  # noqa: E402
-from parallel.layout import Degrees, ParallelLayout  # noqa: E402
+from parallel.dims import Layout  # noqa: E402
+from parallel.layout import ParallelLayout  # noqa: E402
 from models import build_model  # noqa: E402
 from strategies.modular_pipeline import training_plan  # noqa: E402
 from strategies.schedule import execute  # noqa: E402
@@ -105,7 +106,7 @@ def timed(step, batch):
 def rank_main(rank, arguments):
     torch.manual_seed(0)
     dist.init_process_group("gloo", rank=rank, world_size=arguments.ranks)
-    layout = ParallelLayout(Degrees(pipeline=arguments.ranks), rank=rank)
+    layout = ParallelLayout(Layout(pipeline=arguments.ranks), rank=rank)
     model = build_model("gpt", vocab_size=256, sequence_length=arguments.sequence, layers=arguments.layers,
                         hidden=arguments.hidden, heads=4, seed=0)
     batch = {"tokens": torch.randint(0, 256, (arguments.batch, arguments.sequence)),

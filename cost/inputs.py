@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 
 from models import BlockDescription, describe_block
-from parallel.layout import Degrees
-from strategies.tensor_parallel.grids import DIMENSION, grid_of, local_activation_shape
+from parallel.dims import Layout
+from strategies.tensor_parallel.grids import grid_of, local_activation_shape
 
 
 BYTES = 4  # fp32: activations, gradients and the tensor grid's partial sums
@@ -66,29 +66,6 @@ class GptShape:
 
 
 @dataclass(frozen=True)
-class ComposedLayout:
-    """The run's degrees (parallel.layout.Degrees: data × pipeline × tensor) with how the tensor
-    ranks are arranged — the grid of edge q, q^dimension ranks — and `zero`: the stage parameters
-    are flat ZeRO-3 shards over data. Planning and search describe a layout with this one type;
-    `degrees` is the run's view of it (torchtitan's ParallelDims plays both parts)."""
-
-    data: int
-    pipeline: int
-    tensor_grid: str = None  # None | "1d" | "2d" | "3d"
-    edge: int = 1
-    zero: bool = False
-
-    @property
-    def tensor(self) -> int:
-        """Ranks of one tensor block: q^dimension of the grid, 1 without one."""
-        return self.edge ** DIMENSION[self.tensor_grid] if self.tensor_grid else 1
-
-    @property
-    def degrees(self) -> Degrees:
-        return Degrees(self.data, self.pipeline, self.tensor)
-
-
-@dataclass(frozen=True)
 class Device:
     """What the time and memory models need of a hardware profile."""
 
@@ -125,7 +102,7 @@ class Workload:
     shape: GptShape
     layers: int
     heads: int
-    layout: ComposedLayout
+    layout: Layout  # parallel.dims: the run's degrees, its tensor grid and ZeRO
     layers_per_stage: int
     micro_batch_rows: int  # sequences per micro-batch of one data rank
     optimizer: str = "adamw"
@@ -168,10 +145,10 @@ class Workload:
 OPTIMIZER_STATE = {"adamw": 2, "lamb": 2, "sgd": 1}  # fp32 tensors per parameter (SGD: momentum)
 
 
-def activation_piece(layout: ComposedLayout, rows: int, shape: GptShape) -> int:
+def activation_piece(layout: Layout, rows: int, shape: GptShape) -> int:
     """Elements of the residual-stream piece one rank holds between blocks, which is what a stage
     boundary carries (grids.local_activation_shape; the whole activation without a grid)."""
     if not layout.tensor_grid:
         return rows * shape.length * shape.hidden
-    grid = grid_of(layout.tensor_grid, layout.edge ** DIMENSION[layout.tensor_grid], 0)
+    grid = grid_of(layout.tensor_grid, layout.tensor, 0)
     return math.prod(local_activation_shape(grid, rows, shape.length, shape.hidden))

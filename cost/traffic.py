@@ -19,11 +19,12 @@ shape: nothing here runs a model. Volumes use parallel.comm.ring_factor, as the 
 
 from collections import Counter
 
-from cost.inputs import BYTES, ComposedLayout, GptShape, activation_piece
+from cost.inputs import BYTES, GptShape, activation_piece
 from parallel.comm import ring_factor
+from parallel.dims import Layout, tensor_ranks
 from strategies.schedule import FORWARD, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT
 from strategies.schedule.zero import GATHERS, REDUCE_SCATTER
-from strategies.tensor_parallel.grids import DIMENSION, grid_of
+from strategies.tensor_parallel.grids import grid_of
 
 
 def all_reduce(elements: float, group: int) -> float:
@@ -51,7 +52,7 @@ def norm_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
     square), forward and again backward, over q."""
     if grid == "1d":
         return Counter()
-    local_rows = rows // grid_of(grid, q ** DIMENSION[grid], 0).input_rows()[1]
+    local_rows = rows // grid_of(grid, tensor_ranks(grid, q), 0).input_rows()[1]
     return Counter(all_reduce=2 * shape.norm_vectors * all_reduce(local_rows * shape.length, q))
 
 
@@ -85,7 +86,7 @@ def grid_collectives(grid: str, blocks: int, head: bool, shape: GptShape = None)
 def head_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
     """The head (norm, vocabulary-split linear) and the vocabulary-parallel loss on one micro-batch:
     3 all-reduces of the rows' max, Σexp and target logit, and the loss's sum over batch splits."""
-    grid_object = grid_of(grid, q ** DIMENSION[grid], 0)
+    grid_object = grid_of(grid, tensor_ranks(grid, q), 0)
     logit_rows = rows // grid_object.logit_rows()[1] * shape.length
     if grid == "1d":  # column-parallel head: its input's gradient is summed in the backward
         traffic = Counter(all_reduce=all_reduce(rows * shape.length * shape.hidden, q))
@@ -102,7 +103,7 @@ def local_parameters(grid, q: int, shape: GptShape, embed: bool, blocks: int, he
     """Elements this grid position holds: {"all": every parameter, "replicated": those whose
     gradients are summed over the grid} (1-D replicates norms and row-parallel biases too, but its
     copies see identical gradients, so nothing is summed)."""
-    ranks = q ** DIMENSION[grid] if grid else 1
+    ranks = tensor_ranks(grid, q)
     split = 1 if grid in (None, "1d") else q  # 2-D/3-D split biases, norms and tables by q
     h = shape.hidden
     weights = sum(fan_in * fan_out for fan_in, fan_out, _, _ in shape.linears()) / ranks
@@ -124,13 +125,13 @@ def model_parameters(shape: GptShape, layers: int) -> float:
 # ----- a whole step of one rank
 
 
-def replicated_group(layout: ComposedLayout) -> int:
+def replicated_group(layout: Layout) -> int:
     """Ranks holding copies of a piece a 2-D (a column: q) or 3-D grid (a union of two axes: q²)
     replicates; 1-D replicas see identical gradients, so nothing is summed there."""
     return layout.edge if layout.tensor_grid == "2d" else layout.edge ** 2
 
 
-def step_traffic(plan, layout: ComposedLayout, pipeline_rank: int, shape: GptShape, layers_per_stage: int,
+def step_traffic(plan, layout: Layout, pipeline_rank: int, shape: GptShape, layers_per_stage: int,
                  micro_batch_rows: int) -> Counter:
     """Logical bytes by kind (parallel.comm.KINDS) one rank at `pipeline_rank` moves in one step."""
     row = [action for action in plan.ranks[pipeline_rank] if action is not None]
@@ -143,7 +144,7 @@ def step_traffic(plan, layout: ComposedLayout, pipeline_rank: int, shape: GptSha
     return traffic
 
 
-def _stage_traffic(row, stage: int, stages: int, layout: ComposedLayout, shape: GptShape,
+def _stage_traffic(row, stage: int, stages: int, layout: Layout, shape: GptShape,
                    layers_per_stage: int, rows: int) -> Counter:
     grid, q, n = layout.tensor_grid, layout.edge, layout.data
     forwards = sum(action.kind == FORWARD and action.stage == stage for action in row)
@@ -167,7 +168,7 @@ def _zero_traffic(row, stage, stages, layout, shape, layers_per_stage) -> Counte
     padded to a multiple of n (strategies/sharding.py); before each reduce-scatter, the grid's
     replicated pieces summed over the tensor groups holding them."""
     n, grid, q = layout.data, layout.tensor_grid, layout.edge
-    ranks = q ** DIMENSION[grid] if grid else 1
+    ranks = layout.tensor
     split = 1 if grid in (None, "1d") else q
     parameters = local_parameters(grid, q, shape, stage == 0, layers_per_stage, stage == stages - 1)
     matrices = layers_per_stage * sum(i * o for i, o, _, _ in shape.linears()) / ranks

@@ -12,45 +12,28 @@ block. This floor knows nothing of grids; strategies/tensor_parallel/grids.py co
 """
 
 import itertools
-from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 from parallel.comm import Communicator, Group
+from parallel.dims import AXES, Layout
 
-AXES = ("data", "pipeline", "tensor")
 RANK_ORDER = ("tensor", "pipeline", "data")  # fastest-varying first: summary.json `layout.order`
 
 
-@dataclass(frozen=True)
-class Degrees:
-    """How the world is split; data × pipeline × tensor == world size."""
-
-    data: int = 1
-    pipeline: int = 1
-    tensor: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.data * self.pipeline * self.tensor
-
-    def as_dict(self) -> Dict[str, int]:
-        return {axis: getattr(self, axis) for axis in AXES}
-
-
-def coordinates(rank: int, degrees: Degrees) -> Dict[str, int]:
+def coordinates(rank: int, degrees: Layout) -> Dict[str, int]:
     """This rank's index along each axis."""
     tensor, rest = rank % degrees.tensor, rank // degrees.tensor
     pipeline, data = rest % degrees.pipeline, rest // degrees.pipeline
     return {"data": data, "pipeline": pipeline, "tensor": tensor}
 
 
-def rank_of(coords: Dict[str, int], degrees: Degrees) -> int:
+def rank_of(coords: Dict[str, int], degrees: Layout) -> int:
     return coords["tensor"] + degrees.tensor * (coords["pipeline"] + degrees.pipeline * coords["data"])
 
 
-def group_members(axis: str, degrees: Degrees) -> Tuple[Tuple[int, ...], ...]:
+def group_members(axis: str, degrees: Layout) -> Tuple[Tuple[int, ...], ...]:
     """All groups along `axis`: ranks that differ only in that coordinate, in a fixed order."""
     others = [a for a in AXES if a != axis]
     groups = []
@@ -72,16 +55,15 @@ class ParallelLayout:
     5. groups of size one never touch the process group (single-process runs need none);
     6. every collective goes through `self.communicator`, which counts logical bytes.
 
-    `tensor_grid` names the families (e.g. "3d"); `describe()` records it, so a checkpoint cut on
-    one grid is not resumed on another.
+    The layout's `tensor_grid` names the families (e.g. "3d"); `describe()` records it, so a
+    checkpoint cut on one grid is not resumed on another.
     """
 
-    def __init__(self, degrees: Degrees, rank: int = 0,
-                 families: Optional[Mapping[str, Sequence[Sequence[int]]]] = None,
-                 tensor_grid: Optional[str] = None, host_axes: Sequence[str] = ()):
+    def __init__(self, degrees: Layout, rank: int = 0,
+                 families: Optional[Mapping[str, Sequence[Sequence[int]]]] = None, host_axes: Sequence[str] = ()):
         self.degrees = degrees
         self.rank = rank
-        self.tensor_grid = tensor_grid
+        self.tensor_grid = degrees.tensor_grid
         self.coordinates = coordinates(rank, degrees)
         self.communicator = Communicator()
         self.groups: Dict[str, Group] = {}

@@ -14,7 +14,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from parallel.comm import Group
-from parallel.layout import Degrees, ParallelLayout
+from parallel.dims import Layout
+from parallel.layout import ParallelLayout
 from strategies.checkpoint.per_rank import PerRankCheckpoints
 from strategies.hooks import RunHooks
 from strategies.precision import AgreedGradScaler
@@ -31,7 +32,7 @@ class LayerwiseStrategy(RunHooks, PortableCheckpoints, PerRankCheckpoints, DDPSt
        (strategies/checkpoint/portable.py).
     """
 
-    def __init__(self, degrees: Degrees, process_group_backend: str = "gloo",
+    def __init__(self, degrees: Layout, process_group_backend: str = "gloo",
                  timeout_seconds: float = 300.0, **kwargs):
         super().__init__(process_group_backend=process_group_backend,
                          timeout=timedelta(seconds=timeout_seconds), **kwargs)

@@ -2,6 +2,7 @@
 are written once. Strategies call these from their `check`; layerwise/config/validate.py calls the rest.
 """
 
+from parallel.dims import tensor_ranks
 from strategies.registry import REGISTRY, strategy_entry
 from strategies.tensor_parallel.grids import DIMENSION, grid_of
 
@@ -44,7 +45,7 @@ def grid_errors(cfg, mode: str, q: int, batch_splits: int, splitter: str) -> lis
     the global batch (data ranks, × micro-batches in a pipeline) must each split over the grid's
     rows; hidden, heads and kv heads over its feature and head chunks; an untied GPT or Llama; whole-tensor-free
     optimizers. Each error names the field and the fix."""
-    dimension, grid = DIMENSION[mode], grid_of(mode, q ** DIMENSION[mode], 0)
+    dimension, grid = DIMENSION[mode], grid_of(mode, tensor_ranks(mode, q), 0)
     batch_parts = grid.input_rows()[1]  # ranks that split a piece's sequences
     errors = unsupported_model_errors(cfg)
     if cfg.data.global_batch_size % (batch_splits * batch_parts):

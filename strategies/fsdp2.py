@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 from typing_extensions import override
 
-from parallel.layout import Degrees
+from parallel.dims import Layout
 from strategies.hooks import RunHooks
 from strategies.registry import StrategyEntry
 from strategies.checkpoint.safe_load import dcp_load, load_torch_file
@@ -129,8 +129,9 @@ def fill_shards(sharded: nn.Module, seeded: nn.Module, filled: set) -> None:
 
 # ----- the registry interface (see strategies/__init__.py)
 
-def degrees(cfg, world_size: int) -> Degrees:
-    return Degrees(data=world_size)
+def degrees(cfg, world_size: int) -> Layout:
+    """Data only; every parameter sharded over it (FSDP2 is ZeRO-3 per parameter)."""
+    return Layout(data=world_size, zero=True)
 
 
 def check(cfg, world_size: int) -> list:

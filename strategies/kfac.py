@@ -20,7 +20,8 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from typing_extensions import override
 
-from parallel.layout import Degrees, ParallelLayout
+from parallel.dims import Layout
+from parallel.layout import ParallelLayout
 from strategies.hooks import RunHooks
 from strategies.checkpoint.portable import PortableCheckpoints
 from strategies.plain import one_process_device
@@ -276,7 +277,7 @@ class KFACStrategy(RunHooks, KFACInCheckpoint, PortableCheckpoints, SingleDevice
         super().__init__(device=torch.device(device))
         self.damping, self.refresh_interval, self.micro_batches = damping, refresh_interval, micro_batches
         self.factor_blocks = factor_blocks  # > 1: the oracle of PipeFisher over a 1-D grid of that many
-        self.layout = ParallelLayout(Degrees(), rank=0)
+        self.layout = ParallelLayout(Layout(), rank=0)
 
     @override
     def setup(self, trainer) -> None:
@@ -319,8 +320,8 @@ class KFACStrategy(RunHooks, KFACInCheckpoint, PortableCheckpoints, SingleDevice
 
 # ----- the registry interface (see strategies/__init__.py)
 
-def degrees(cfg, world_size: int) -> Degrees:
-    return Degrees()
+def degrees(cfg, world_size: int) -> Layout:
+    return Layout()
 
 
 def check(cfg, world_size: int) -> list:

@@ -20,7 +20,7 @@ from torch.func import functional_call
 from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
-from parallel.layout import Degrees
+from parallel.dims import Layout
 from parallel.memory import host_side
 from models.transformer import IGNORE_INDEX
 from strategies.base import OwnedStepStrategy
@@ -458,7 +458,7 @@ class L2LOffloadStrategy(OwnedStepStrategy):
 
     strategy_name = "l2l"
 
-    def __init__(self, degrees: Degrees, micro_batches: int, constant_memory: bool = False,
+    def __init__(self, degrees: Layout, micro_batches: int, constant_memory: bool = False,
                  prefetch: bool = True, compute_dtype: torch.dtype = torch.float32, bucket_mb: float = 25.0,
                  **kwargs):
         super().__init__(degrees, **kwargs)
@@ -541,8 +541,8 @@ def relay_peak_bytes(model, optimizer, tokens, targets, micro_batches: int, cons
     return meter.peak_bytes
 
 
-def degrees(cfg, world_size: int) -> Degrees:
-    return Degrees(data=world_size)
+def degrees(cfg, world_size: int) -> Layout:
+    return Layout(data=world_size)
 
 
 def check(cfg, world_size: int) -> list:

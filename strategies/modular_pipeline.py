@@ -9,13 +9,14 @@ import contextlib
 import functools
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from parallel.layout import Degrees
+from parallel.dims import Layout, tensor_ranks
 from parallel.timing import EventClock
 from strategies.base import OwnedStepStrategy
 from strategies.checks import divisors, grid_errors, nearest_multiples
@@ -81,7 +82,7 @@ class ModularPipelineStrategy(OwnedStepStrategy):
     stage work is made, which plan a step runs, which handlers run which kinds, and the step's context.
     """
 
-    def __init__(self, degrees: Degrees, compute: Plan, layers_per_stage: int,
+    def __init__(self, degrees: Layout, compute: Plan, layers_per_stage: int,
                  activation_dtype: torch.dtype = torch.float32, activation_recompute: str = "none",
                  bucket_mb: float = 25.0, tensor_parallel: str = None, **kwargs):
         super().__init__(degrees, **kwargs)
@@ -294,12 +295,15 @@ def tensor_parallel(strategy_config):
 def tensor_degree(strategy_config) -> int:
     """Ranks of one tensor block: q, q² or q³ (1 without a grid)."""
     mode = tensor_parallel(strategy_config)
-    return strategy_config.tensor_grid ** DIMENSION[mode] if mode in DIMENSION else 1
+    return tensor_ranks(mode, strategy_config.tensor_grid) if mode in DIMENSION else 1
 
 
-def degrees(cfg, world_size: int) -> Degrees:
-    pipeline, tensor = cfg.strategy.pipeline_degree, tensor_degree(cfg.strategy)
-    return Degrees(data=max(1, world_size // (pipeline * tensor)), pipeline=pipeline, tensor=tensor)
+def degrees(cfg, world_size: int, zero: bool = False) -> Layout:
+    """Pipeline × the stage's tensor grid (none: one rank) × data, the rest of the world."""
+    mode, pipeline = tensor_parallel(cfg.strategy), cfg.strategy.pipeline_degree
+    layout = Layout(pipeline=pipeline, tensor_grid=mode if mode in DIMENSION else None,  # unknown: check refuses it
+                    edge=cfg.strategy.tensor_grid, zero=zero)
+    return replace(layout, data=max(1, world_size // (pipeline * layout.tensor)))
 
 
 def check(cfg, world_size: int) -> list:

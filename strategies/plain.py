@@ -12,7 +12,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
-from parallel.layout import Degrees, ParallelLayout
+from parallel.dims import Layout
+from parallel.layout import ParallelLayout
 from strategies.hooks import RunHooks
 from strategies.checkpoint.portable import PortableCheckpoints
 from strategies.recompute import apply_activation_recompute, recompute_errors
@@ -41,7 +42,7 @@ class SingleStrategy(WholeModelHooks, PortableCheckpoints, SingleDeviceStrategy)
 
     def __init__(self, device: str = "cpu", activation_recompute: str = "none"):
         super().__init__(device=torch.device(device))
-        self.layout = ParallelLayout(Degrees(), rank=0)
+        self.layout = ParallelLayout(Layout(), rank=0)
         self.activation_recompute = activation_recompute
 
 
@@ -76,7 +77,7 @@ class CountedDDPStrategy(WholeModelHooks, PortableCheckpoints, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # creates the process group
         if self.layout is None:  # setup_environment runs again for validate/test: stay idempotent
-            self.layout = ParallelLayout(Degrees(data=self.world_size), rank=self.global_rank)
+            self.layout = ParallelLayout(Layout(data=self.world_size), rank=self.global_rank)
 
     @override
     def configure_ddp(self) -> None:
@@ -87,8 +88,8 @@ class CountedDDPStrategy(WholeModelHooks, PortableCheckpoints, DDPStrategy):
 
 # ----- the registry interface (see strategies/__init__.py)
 
-def degrees(cfg, world_size: int) -> Degrees:
-    return Degrees(data=world_size)
+def degrees(cfg, world_size: int) -> Layout:
+    return Layout(data=world_size)
 
 
 def check(cfg, world_size: int) -> list:

@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from parallel.layout import Degrees
+from parallel.dims import Layout
 
 
 def consolidate_replicated(rank_state_dicts: list, layout: dict) -> dict:
@@ -35,7 +35,7 @@ class StrategyEntry:
     """
 
     check: Callable[..., list]
-    degrees: Callable[..., Degrees]
+    degrees: Callable[..., Layout]
     build: Callable[..., object]
     consolidate: Callable[[list, dict], dict] = consolidate_replicated
     one_process: bool = False  # runs as one process whatever hardware.devices_per_node says

@@ -11,7 +11,7 @@ groups holding copies and every gradient over the data group, and steps (docs/st
 
 from typing_extensions import override
 
-from parallel.layout import Degrees
+from parallel.dims import Layout, tensor_ranks
 from strategies.base import LayerwiseStrategy
 from strategies.buckets import sum_over_groups
 from strategies.checks import grid_errors
@@ -36,7 +36,7 @@ class TensorParallelStrategy(LayerwiseStrategy):
     4. `optimizer_step`: closure, sum replicated and data-parallel gradients, step.
     """
 
-    def __init__(self, degrees: Degrees, tensor_grid: str, activation_recompute: str = "none", **kwargs):
+    def __init__(self, degrees: Layout, tensor_grid: str, activation_recompute: str = "none", **kwargs):
         super().__init__(degrees, **kwargs)
         self.tensor_grid = tensor_grid
         self.activation_recompute = activation_recompute
@@ -94,12 +94,14 @@ def _mode(cfg) -> str:
 
 
 def _tensor_degree(cfg) -> int:
-    return cfg.strategy.tensor_grid ** DIMENSION[_mode(cfg)]
+    return tensor_ranks(_mode(cfg), cfg.strategy.tensor_grid)
 
 
-def degrees(cfg, world_size: int) -> Degrees:
+def degrees(cfg, world_size: int) -> Layout:
+    """One tensor grid × data (strategy.data_degree, or the rest of the world)."""
     tensor = _tensor_degree(cfg)
-    return Degrees(data=cfg.strategy.data_degree or max(1, world_size // tensor), tensor=tensor)
+    return Layout(data=cfg.strategy.data_degree or max(1, world_size // tensor), tensor_grid=_mode(cfg),
+                  edge=cfg.strategy.tensor_grid)
 
 
 def check(cfg, world_size: int) -> list:

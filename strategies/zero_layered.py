@@ -15,6 +15,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
+from parallel.dims import Layout
 from strategies import modular_pipeline
 from strategies.modular_pipeline import ModularPipelineStrategy, compute_plan, forward_only
 from strategies.schedule import BACKWARD, FINISH, FORWARD, validate_plan
@@ -242,8 +243,13 @@ def check(cfg, world_size: int) -> list:
     return errors + modular_pipeline.check_recomputing(cfg, world_size)
 
 
+def degrees(cfg, world_size: int) -> Layout:
+    """The pipeline's layout, its stage parameters flat ZeRO-3 shards over the data ranks."""
+    return modular_pipeline.degrees(cfg, world_size, zero=True)
+
+
 def build(cfg, world_size: int):
-    return ZeroLayeredStrategy(modular_pipeline.degrees(cfg, world_size),
+    return ZeroLayeredStrategy(degrees(cfg, world_size),
                                compute_plan(cfg.strategy, cfg.model.layers), cfg.strategy.layers_per_stage,
                                **modular_pipeline.pipeline_arguments(cfg),
                                activation_recompute=cfg.strategy.activation_recompute)
@@ -268,5 +274,5 @@ def unshard_over_data(states: list) -> dict:
     return merged
 
 
-ZERO_LAYERED = StrategyEntry(check=check, degrees=modular_pipeline.degrees, build=build, consolidate=consolidate,
+ZERO_LAYERED = StrategyEntry(check=check, degrees=degrees, build=build, consolidate=consolidate,
                              planned_as="pipeline")

@@ -22,7 +22,6 @@ from layerwise.tools.dry_run import dry_run
 from layerwise.planning.inputs import training_plan_of
 from layerwise.planning.result import plan_result
 from parallel.comm import KINDS
-from strategies import strategy_entry
 from strategies.schedule import most_sends_held
 from tests.ranks import QUICK, compose_config
 
@@ -134,10 +133,12 @@ def formula_bytes(cfg, world_size: int, pipeline_rank: int, vocabulary: int) -> 
     from layerwise.planning.inputs import PLANNED, training_plan_of, workload_of
     from cost.step_time import rank_traffic
     from strategies.schedule import add_communication, add_gradient_reductions, build_plan
-    from cost.inputs import ComposedLayout, GptShape
+    from cost.inputs import GptShape
+    from layerwise.config.layout import layout_of
+    from parallel.dims import Layout
     from cost.traffic import all_reduce, step_traffic
     strategy, name = cfg.strategy, cfg.strategy.name
-    degrees = strategy_entry(name).degrees(cfg, world_size)
+    degrees = layout_of(cfg, world_size)
     if name in PLANNED:  # the pipelines: the very workload and plan plan mode uses
         traffic = rank_traffic(workload_of(cfg, world_size, vocabulary), training_plan_of(cfg), pipeline_rank)
         return {kind: float(traffic.get(kind, 0.0)) for kind in KINDS}
@@ -145,7 +146,7 @@ def formula_bytes(cfg, world_size: int, pipeline_rank: int, vocabulary: int) -> 
         raise ValueError(f"formula_bytes covers the planned pipelines and {sorted(TENSOR_FAMILIES)}, not {name!r}")
     shape = GptShape(cfg.model.hidden, cfg.model.mlp_ratio, vocabulary, cfg.data.sequence_length,
                      cfg.model.max_sequence_length)
-    layout = ComposedLayout(degrees.data, 1, TENSOR_FAMILIES[name], strategy.tensor_grid)
+    layout = Layout(degrees.data, 1, TENSOR_FAMILIES[name], strategy.tensor_grid)
     plan = add_gradient_reductions(add_communication(build_plan("gpipe", pipeline_degree=1, stages=1,
                                                                 micro_batches=1)))
     traffic = step_traffic(plan, layout, pipeline_rank, shape, cfg.model.layers,

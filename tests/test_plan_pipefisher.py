@@ -86,9 +86,10 @@ def test_step_is_the_reproduction_modules_schedule_row():
 
 def test_a_1d_grid_splits_one_factor_of_each_linear():
     from cost.inputs import Workload
-    from cost.inputs import ComposedLayout, GptShape
+    from cost.inputs import GptShape
+    from parallel.dims import Layout
     workload = Workload(GptShape(hidden=64, mlp_ratio=4, vocabulary=256, length=16, max_length=16), layers=2,
-                        heads=4, layout=ComposedLayout(1, 2, "1d", 4), layers_per_stage=1, micro_batch_rows=2)
+                        heads=4, layout=Layout(1, 2, "1d", 4), layers_per_stage=1, micro_batch_rows=2)
     # qkv, fc_in column-parallel (their outputs split: B); proj, fc_out row-parallel (inputs split: A)
     assert factor_dimensions(workload) == {"q": ((64, 48),), "p": ((16, 64),), "i": ((64, 64),), "o": ((64, 64),)}
 

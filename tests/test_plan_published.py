@@ -57,7 +57,7 @@ def test_the_table_is_plan_modes_closed_form(base, runs):
     run = next(run for run in runs if run.name == "N21 145.6B")
     row = published.predict(base, run)
     evaluate = Evaluator(published.point_config(base, run), run.gpus)
-    layout = published.layout_of(run)
+    layout = published.point_of(run)
     step = closed_form_step(published.workload_of(evaluate, run), evaluate.device, layout.schedule,
                             layout.micro_batches, layout.breadth_first_micro_batches)
     assert row["step_time_s"] == step["step_seconds"]

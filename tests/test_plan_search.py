@@ -15,7 +15,7 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from layerwise.planning.result import plan_result
-from layerwise.planning.search import (FAMILIES, Evaluator, Layout, layout_of, layouts, point_config, role_bytes,
+from layerwise.planning.search import (FAMILIES, Evaluator, Point, layouts, point_of, point_config, role_bytes,
                                        search, strategy_overrides)
 from layerwise.preflight import validate
 from cost.inputs import Device, Workload
@@ -24,7 +24,8 @@ from cost.memory import closed_form_in_flight, closed_form_moments, in_flight, i
 from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule.generators import build_plan
 from strategies.schedule.passes import add_communication
-from cost.inputs import ComposedLayout, GptShape
+from cost.inputs import GptShape
+from parallel.dims import Layout
 from strategies.zero_layered import ZeroLayeredStrategy
 from tests.ranks import compose_config
 from tests.warm_python import python
@@ -45,7 +46,7 @@ def built(schedule, pipeline, stages, micro, breadth_first, zero):
 
 def workload(pipeline, per_stage, grid, vocabulary, zero, recompute=False, data=4, layers=24):
     shape = GptShape(1024, 4, vocabulary, 512, 512)
-    return Workload(shape, layers, 16, ComposedLayout(data, pipeline, grid, 2 if grid else 1, zero), per_stage,
+    return Workload(shape, layers, 16, Layout(data, pipeline, grid, 2 if grid else 1, zero), per_stage,
                     2, "adamw", recompute, 2)
 
 
@@ -79,8 +80,8 @@ def test_closed_form_agrees_with_the_simulated_plan(case, grid, vocabulary):
         last_alive, later, posted = closed_form_moments(schedule, pipeline, loops, breadth_first or micro, micro, rank)
         assert (later, posted) == in_flight_moments(plan.ranks[rank])[1:]
         assert rank < pipeline - 1 or last_alive == in_flight_moments(plan.ranks[rank])[0]  # read on the head's rank only
-    layout = Layout(next(f for f, (s, z, b) in FAMILIES.items() if (s, z) == (schedule, zero)), pipeline,
-                    grid or "none", 2 if grid else 1, per_stage, micro, "none", data)
+    layout = Point.of(next(f for f, (s, z, b) in FAMILIES.items() if (s, z) == (schedule, zero)), pipeline,
+                      grid or "none", 2 if grid else 1, per_stage, micro, "none", data)
     for gloo in (True, False):  # gloo: exactly the plan's; NCCL: the held sends' bound, at most one piece above
         backend = dataclasses.replace(load, gloo=gloo)
         searched = max(sum(role_bytes(backend, layout, rank, plan.stages, breadth_first or micro, True).values())
@@ -126,10 +127,10 @@ def test_every_kind_of_searched_layout_composes_from_its_overrides_and_validates
     assert 0 < sum(row["fits"] for row in chosen) < len(chosen)
     common = [item for item in SMALL if not item.startswith(("mode=", "plan.search="))]
     for row in chosen:
-        group, dictionary = strategy_overrides([layout_of(row)])
+        group, dictionary = strategy_overrides([point_of(row)])
         point = compose_config(*common, "mode=check", group, dictionary.strip("'"))
         if row["fits"]:
-            assert validate(point) == 16, layout_of(row).describe()
+            assert validate(point) == 16, point_of(row).describe()
         assert point.strategy.pipeline_degree == row["pipeline_degree"]
 
 
@@ -145,11 +146,11 @@ def test_search_writes_the_evaluators_rows_and_a_sweep_line_that_validates(tmp_p
     steps = [float(row["step_time_s"]) for row in written]
     assert steps == sorted(steps)
     for row, top in zip(written, result["top"]):
-        expected = evaluate(layout_of(top))
+        expected = evaluate(point_of(top))
         assert expected == top and float(row["step_time_s"]) == pytest.approx(expected["step_time_s"], rel=1e-12)
         assert float(row["worst_role_bytes"]) == pytest.approx(expected["worst_role_bytes"], rel=1e-12)
     for entry, top in zip(result["replanned"], result["top"]):  # the full path, side by side
-        full = plan_result(point_config(cfg, layout_of(top)), world)
+        full = plan_result(point_config(cfg, point_of(top)), world)
         assert entry["simulated_step_time_s"] == full["step_time_s"]
     assert "layouts per minute" in output
     line = next(text.strip() for text in output.splitlines() if text.strip().startswith("python train.py -m"))

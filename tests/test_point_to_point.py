@@ -14,7 +14,8 @@ from layerwise.run.fit import train
 from layerwise.preflight import validate
 from models import build_model
 from parallel.comm import Communicator, IssuedOperation, PointToPointOrderError, first_order_mismatch
-from parallel.layout import Degrees, ParallelLayout
+from parallel.dims import Layout
+from parallel.layout import ParallelLayout
 from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule import (add_communication, add_gradient_reductions, execute, looped_breadth_first,
                                  validate_plan)
@@ -51,7 +52,7 @@ def test_a_mismatch_names_the_pair_k_and_both_operations(theirs, expected):
 def exchange_on_rank(rank: int, sends_first_on_both: bool):
     """Rank 0 sends then receives; rank 1 receives then sends (NCCL-safe) or also sends first."""
     dist.init_process_group("gloo")
-    communicator, group = Communicator(), ParallelLayout(Degrees(pipeline=2), rank=rank).group("pipeline")
+    communicator, group = Communicator(), ParallelLayout(Layout(pipeline=2), rank=rank).group("pipeline")
     communicator.record_point_to_point()
     outgoing, incoming, peer = torch.full((4,), float(rank)), torch.empty(4), 1 - rank
     send = lambda: communicator.send(outgoing, peer, group, tag=rank)  # noqa: E731
@@ -77,7 +78,7 @@ def test_strict_communicator_catches_an_order_gloo_hides():
 def pipeline_step_on_rank(rank: int, plans):
     """One training step of each plan with StageWork on two gloo ranks; what the strict check says."""
     dist.init_process_group("gloo")
-    layout = ParallelLayout(Degrees(pipeline=2), rank=rank)
+    layout = ParallelLayout(Layout(pipeline=2), rank=rank)
     layout.communicator.record_point_to_point()
     pipeline = layout.group("pipeline")
     results = []

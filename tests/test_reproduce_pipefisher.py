@@ -3,7 +3,8 @@ verdict logic on tiny inputs (the experiments themselves run from train.py, not 
 
 import pytest
 
-from cost.inputs import ComposedLayout, Device, GptShape, Workload
+from cost.inputs import Device, GptShape, Workload
+from parallel.dims import Layout
 from cost.kfac import kfac_cost, preconditioning_flops
 from layerwise.reproduce import pipefisher as pf
 from strategies.schedule import FORWARD, Action, add_communication, add_gradient_reductions, build_plan
@@ -24,7 +25,7 @@ def test_preconditioning_flops_by_hand():
 
 
 def tiny_workload():
-    layout = ComposedLayout(data=1, pipeline=2)
+    layout = Layout(data=1, pipeline=2)
     return Workload(GptShape(hidden=128, mlp_ratio=4, vocabulary=257, length=128, max_length=256),
                     layers=2, heads=4, layout=layout, layers_per_stage=1, micro_batch_rows=4)
 

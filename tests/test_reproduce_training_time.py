@@ -10,7 +10,7 @@ import pytest
 from layerwise.config.store import compose
 from layerwise.reproduce import training_time as tt
 from layerwise.reproduce import training_time_small as small
-from layerwise.planning.search import Evaluator, Layout
+from layerwise.planning.search import Evaluator, Point
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_non_embedding_parameters_of_gpt3():
 # ----- configurations and the points planned
 
 def _layout(family, pipeline=2, grid="none", per_stage=4, micro=4, data=8, q=1):
-    return Layout(family, pipeline, grid, q, per_stage, micro, "none", data)
+    return Point.of(family, pipeline, grid, q, per_stage, micro, "none", data)
 
 
 def test_configurations_keep_contiguous_zero_and_megatron_grids_only():
@@ -79,11 +79,11 @@ def test_depth_first_needs_m_times_the_bandwidth_of_layered(base):
     micro-batch) behind 1/m of what layered accumulation hides it behind (docs/strategies/modular_pipeline.md)."""
     point = tt.point_config(base, "gpt_6.7b", "dgx_a100_80g", 256)
     for depth_first, layered in (("one_f_one_b", "modular_pipeline"), ("zero_depth_first", "zero_layered")):
-        rows = [{**Layout(family, 4, "1d", 8, 8, 8, "full", 8).__dict__, "gpus": 256}
+        rows = [{**Point.of(family, 4, "1d", 8, 8, 8, "full", 8).row(), "gpus": 256}
                 for family in (depth_first, layered)]
         needed = [tt.bandwidth_needed(point, row) for row in rows]
         assert needed[0] == pytest.approx(8 * needed[1], rel=1e-12)
-    replicated = {**Layout("zero_layered", 4, "1d", 8, 8, 8, "full", 1).__dict__, "gpus": 32}
+    replicated = {**Point.of("zero_layered", 4, "1d", 8, 8, 8, "full", 1).row(), "gpus": 32}
     assert tt.bandwidth_needed(point, replicated) == 0.0
 
 
@@ -91,13 +91,13 @@ def test_one_f_one_b_is_credited_at_most_one_micro_batch_backward(base):
     point = tt.point_config(base, "gpt_6.7b", "dgx_a100_80g", 256)
     evaluate = Evaluator(point, 256)
     for micro in (1, 8):
-        layout = Layout("one_f_one_b", 4, "1d", 8, 8, micro, "none", 8)
+        layout = Point.of("one_f_one_b", 4, "1d", 8, 8, micro, "none", 8)
         raw, credited = evaluate(layout), tt.evaluated(evaluate, layout)
         credit = raw["step_time_s"] - credited["step_time_s"]
         assert 0 < credit <= raw["exposed_data_s"] + 1e-12
         assert credited["overlap_credit_s"] == pytest.approx(credit)
         assert credited["mfu"] * credited["step_time_s"] == pytest.approx(raw["mfu"] * raw["step_time_s"])
-    layered = Layout("modular_pipeline", 4, "1d", 8, 8, 8, "none", 8)
+    layered = Point.of("modular_pipeline", 4, "1d", 8, 8, 8, "none", 8)
     assert tt.evaluated(evaluate, layered)["step_time_s"] == evaluate(layered)["step_time_s"]
 
 

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parallel.layout import Degrees, ParallelLayout
+from parallel.dims import Layout
+from parallel.layout import ParallelLayout
 from layerwise.run.fit import train
 from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
@@ -151,7 +152,7 @@ def check_loss(layout, grid):
 
 def operators_on_rank(rank):
     dist.init_process_group("gloo")
-    layout = ParallelLayout(Degrees(tensor=Q ** 3), rank=rank, **layout_arguments("3d", Q ** 3))
+    layout = ParallelLayout(Layout(tensor_grid="3d", edge=Q), rank=rank, **layout_arguments("3d", Q ** 3))
     grid = grid_of("3d", Q ** 3, layout.index("tensor"))
     counter = IndependentCounter(lambda name, value: setattr(dist, name, value))
     traffic = [check_linear(layout, grid, position, counter) for position in ("first", "second")]
@@ -261,7 +262,7 @@ def test_the_vocabulary_parallel_loss_counts_more_targets_than_fp16_holds():
     65,504 (64 sequences × 1024 tokens), and the loss and every gradient become 0, finite, so the
     non-finite guard never fires (issue 37, item 8). One rank, a 2-word vocabulary, 70,000 targets."""
     torch.manual_seed(0)
-    layout = ParallelLayout(Degrees(), rank=0, **layout_arguments("1d", 1))
+    layout = ParallelLayout(Layout(tensor_grid="1d"), rank=0, **layout_arguments("1d", 1))
     logits = torch.randn(70, 1000, 2).half().requires_grad_()
     targets = torch.randint(0, 2, (70, 1000))
     loss = VocabularyParallelLoss(layout, grid_of("1d", 1, 0), layout.group("data"))(logits, targets)

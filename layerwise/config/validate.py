@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from cost.inputs import OPTIMIZER_STATE
+from layerwise.config.layout import layout_of
 from layerwise.config.schema import Config
 from strategies import REGISTRY, strategy_entry
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors, nearest_multiples
@@ -289,7 +290,7 @@ def check_strategy(cfg, world: int) -> list:
               + fp16_errors(cfg.strategy.name, cfg.hardware.precision) + dynamic_depth_errors(cfg))
     if errors:
         return errors
-    data_degree, micro = entry.degrees(cfg, world).data, micro_batches(cfg.strategy)
+    data_degree, micro = layout_of(cfg, world).data, micro_batches(cfg.strategy)
     batch = cfg.data.global_batch_size
     if batch % (data_degree * micro):
         errors.append(f"data.global_batch_size={batch} does not split into {data_degree} data-parallel "

@@ -6,13 +6,13 @@ inputs (cost/inputs.py) here, and nowhere else.
 
 from omegaconf import OmegaConf
 
-from cost.inputs import ComposedLayout, Device, GptShape, Workload
+from cost.inputs import Device, GptShape, Workload
 from models import block_of
 from layerwise.config.errors import ConfigError
 from layerwise.config.schema import PipelineStrategyConfig
-from strategies import strategy_entry
+from layerwise.config.layout import layout_of
 from strategies.registry import planned_as, strategies_planned_as
-from strategies.modular_pipeline import compute_plan, tensor_parallel
+from strategies.modular_pipeline import compute_plan
 
 
 # Which strategies plan mode prices, and how, is each one's StrategyEntry.planned_as (strategies/registry.py).
@@ -67,13 +67,9 @@ def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
         raise ConfigError(plan_mode_errors(cfg))
     through_forward = cfg.strategy.name in ONE_STAGE  # Lightning's closure zeroes gradients after the forward
     cfg = as_planned(cfg)
-    degrees = strategy_entry(cfg.strategy.name).degrees(cfg, world_size)
-    shape = shape_of(cfg, vocabulary)
-    layout = ComposedLayout(degrees.data, degrees.pipeline, tensor_parallel(cfg.strategy),
-                            cfg.strategy.tensor_grid, cfg.strategy.name.startswith("zero"))
-    assert layout.degrees == degrees, (layout, degrees)  # one layout: the cost model's is the run's
-    return Workload(shape, cfg.model.layers, cfg.model.heads, layout, cfg.strategy.layers_per_stage,
-                    cfg.data.global_batch_size // (degrees.data * cfg.strategy.micro_batches),
+    layout = layout_of(cfg, world_size)  # the run's own: the cost model prices what the ranks build
+    return Workload(shape_of(cfg, vocabulary), cfg.model.layers, cfg.model.heads, layout, cfg.strategy.layers_per_stage,
+                    cfg.data.global_batch_size // (layout.data * cfg.strategy.micro_batches),
                     cfg.optimizer.name, cfg.strategy.activation_recompute == "full",
                     compute_bytes(cfg), through_forward, cfg.hardware.process_group_backend == "gloo")
 

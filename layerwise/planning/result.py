@@ -1,7 +1,7 @@
 """What plan.json holds for any planned strategy: the pipeline family's simulated plan, PipeFisher's
 (planning/pipefisher.py) and L2L's relay in closed form."""
 
-from cost.inputs import ComposedLayout, Workload
+from cost.inputs import Workload
 from cost.memory import memory
 from cost.step_time import predict_step, relay_host_memory, relay_memory, relay_step
 from cost.traffic import all_reduce
@@ -9,6 +9,7 @@ from layerwise.planning.inputs import (TENSOR_ONLY, compute_bytes, device_of, sh
                                        workload_of)
 from layerwise.planning.pipefisher import pipefisher_plan_result
 from layerwise.planning.roles import _result_header, _role, roles
+from parallel.dims import Layout
 from strategies.registry import planned_as
 
 
@@ -17,7 +18,7 @@ def relay_plan_result(cfg, world_size: int) -> dict:
     from its host store. Not priced: the data replicas' gradient all-reduce and the host's optimizer."""
     strategy, margin, device = cfg.strategy, cfg.plan.allocator_margin, device_of(cfg, world_size)
     weight_bytes = compute_bytes(cfg)
-    workload = Workload(shape_of(cfg), cfg.model.layers, cfg.model.heads, ComposedLayout(world_size, 1), cfg.model.layers,
+    workload = Workload(shape_of(cfg), cfg.model.layers, cfg.model.heads, Layout(world_size, 1), cfg.model.layers,
                         cfg.data.global_batch_size // (world_size * strategy.micro_batches), cfg.optimizer.name,
                         False, weight_bytes)
     step = relay_step(workload, device, strategy.micro_batches, cfg.hardware.host_device_bandwidth, weight_bytes,

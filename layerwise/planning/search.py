@@ -20,7 +20,7 @@
 
 import csv
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -29,10 +29,11 @@ from layerwise.planning.inputs import compute_bytes, device_of, shape_of
 from layerwise.planning.result import plan_result
 from models.transformer import model_flops_per_token
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
-from cost.inputs import ComposedLayout, Workload
+from cost.inputs import Workload
 from cost.step_time import closed_form_step, model_flops_utilization
 from cost.memory import closed_form_held, closed_form_in_flight, closed_form_moments, stage_memory
 from strategies.schedule.generators import _check_combination
+from parallel.dims import Layout
 from strategies.tensor_parallel.grids import DIMENSION, grid_of
 
 GIB = 2 ** 30
@@ -46,18 +47,22 @@ FAMILIES = {"modular_pipeline": ("looped_breadth_first", False, None),
 ONE_STAGE_PER_RANK = ("gpipe", "one_f_one_b")  # their schedules need layers_per_stage = layers / p
 
 
+# plan_search.csv's first columns: a point under the strategy group's own field names
+COLUMNS = ("family", "pipeline_degree", "tensor_parallel", "tensor_grid", "layers_per_stage", "micro_batches",
+           "activation_recompute", "data_degree")
+
+
 @dataclass(frozen=True)
-class Layout:
-    """One point of the search space, in the strategy group's own fields."""
+class Point:
+    """One point of the search space: a family's schedule on a layout (parallel.dims.Layout, the one
+    type every run and plan describes a layout with) and the stage size, micro-batches and
+    recomputation. `of` builds one from the strategy group's fields, `row` reads them back."""
 
     family: str
-    pipeline_degree: int
-    tensor_parallel: str  # none | 1d | 2d | 3d
-    tensor_grid: int  # q (1 without a grid)
+    layout: Layout
     layers_per_stage: int
     micro_batches: int
     activation_recompute: str  # none | full
-    data_degree: int
 
     @property
     def schedule(self) -> str:
@@ -67,15 +72,34 @@ class Layout:
     def breadth_first_micro_batches(self):
         return FAMILIES[self.family][2]
 
-    @property
-    def composed(self) -> ComposedLayout:
-        """The point's layout as planning and the cost model describe every layout (cost.inputs)."""
-        grid = None if self.tensor_parallel == "none" else self.tensor_parallel
-        return ComposedLayout(self.data_degree, self.pipeline_degree, grid, self.tensor_grid, FAMILIES[self.family][1])
+    @classmethod
+    def of(cls, family: str, pipeline_degree: int, tensor_parallel: str, tensor_grid: int, layers_per_stage: int,
+           micro_batches: int, activation_recompute: str, data_degree: int) -> "Point":
+        """The point of these strategy fields (tensor_parallel none | 1d | 2d | 3d, tensor_grid q);
+        ZeRO is the family's."""
+        grid = None if tensor_parallel == "none" else tensor_parallel
+        return cls(family, Layout(data_degree, pipeline_degree, grid, tensor_grid, FAMILIES[family][1]),
+                   layers_per_stage, micro_batches, activation_recompute)
 
     @property
-    def tensor_ranks(self) -> int:
-        return self.composed.tensor
+    def pipeline_degree(self) -> int:
+        return self.layout.pipeline
+
+    @property
+    def data_degree(self) -> int:
+        return self.layout.data
+
+    @property
+    def tensor_parallel(self) -> str:
+        return self.layout.tensor_grid or "none"
+
+    @property
+    def tensor_grid(self) -> int:
+        """q, as strategy.tensor_grid names it."""
+        return self.layout.edge
+
+    def row(self) -> dict:
+        return {name: getattr(self, name) for name in COLUMNS}
 
     def strategy_fields(self) -> dict:
         """What the point's `strategy` node holds (the family's yaml plus these)."""
@@ -140,7 +164,7 @@ def layouts(cfg, world: int):
                                 schedule, pipeline, layers // per_stage, micro, breadth_first):
                             continue
                         for recompute in ("none", "full"):
-                            yield Layout(family, pipeline, mode, q, per_stage, micro, recompute, data)
+                            yield Point.of(family, pipeline, mode, q, per_stage, micro, recompute, data)
 
 
 def stage_sizes(family: str, layers: int, pipeline: int) -> list:
@@ -175,13 +199,13 @@ class Evaluator:
                                                  self.shape.vocabulary, cfg.model.mlp_ratio, self.shape.block) * self.tokens
         self.activation_bytes = compute_bytes(cfg)
 
-    def workload(self, layout: Layout) -> Workload:
-        rows = self.cfg.data.global_batch_size // (layout.data_degree * layout.micro_batches)
-        return Workload(self.shape, self.cfg.model.layers, self.cfg.model.heads, layout.composed, layout.layers_per_stage,
-                        rows, self.cfg.optimizer.name, layout.activation_recompute == "full", self.activation_bytes,
+    def workload(self, point: Point) -> Workload:
+        rows = self.cfg.data.global_batch_size // (point.data_degree * point.micro_batches)
+        return Workload(self.shape, self.cfg.model.layers, self.cfg.model.heads, point.layout, point.layers_per_stage,
+                        rows, self.cfg.optimizer.name, point.activation_recompute == "full", self.activation_bytes,
                         gloo=self.cfg.hardware.process_group_backend == "gloo")
 
-    def __call__(self, layout: Layout) -> dict:
+    def __call__(self, layout: Point) -> dict:
         """One csv row: the layout's fields, the step, MFU and the largest role's bytes."""
         workload = self.workload(layout)
         p, stages = layout.pipeline_degree, self.cfg.model.layers // layout.layers_per_stage
@@ -195,7 +219,7 @@ class Evaluator:
                                  for rank in {0, min(1, p - 1), p - 1}), key=lambda pair: sum(pair[1].values()))
         total = sum(worst.values()) * (1 + self.cfg.plan.allocator_margin)
         seconds = step["step_seconds"]
-        return {**asdict(layout), "step_time_s": seconds, "tokens_per_s": self.tokens / seconds,
+        return {**layout.row(), "step_time_s": seconds, "tokens_per_s": self.tokens / seconds,
                 "mfu": model_flops_utilization(self.model_flops, seconds, self.device.flops_per_second, self.world),
                 "bubble_fraction": step["bubble_fraction"], "exposed_data_s": step["exposed_data_seconds"],
                 "worst_pipeline_rank": worst_rank, "worst_role_bytes": total,
@@ -203,7 +227,7 @@ class Evaluator:
 
 
 
-def role_bytes(workload: Workload, layout: Layout, rank: int, stages: int, breadth_first: int, flash: bool) -> dict:
+def role_bytes(workload: Workload, layout: Point, rank: int, stages: int, breadth_first: int, flash: bool) -> dict:
     """`cost.memory.memory` of pipeline rank `rank` without its plan row: the stages it holds (looping
     r, r + p, …; at v = 1 the contiguous placement's one stage r) and the closed-form in-flight counts."""
     loops = stages // layout.pipeline_degree
@@ -238,7 +262,7 @@ def search(cfg, world: int, run_directory) -> dict:
         print(replan_table(replanned))
     if top:
         print("launch the top layouts as a sweep (GPU profiles: add hydra/launcher=slurm; add mode=check or "
-              "mode=plan to check or plan each point here):\n  " + sweep_line(cfg, [layout_of(row) for row in top[:3]]))
+              "mode=plan to check or plan each point here):\n  " + sweep_line(cfg, [point_of(row) for row in top[:3]]))
     rate = len(rows) / seconds * 60 if seconds else float("inf")
     print(f"searched {len(rows)} layouts in {seconds:.2f} s: {rate:,.0f} layouts per minute "
           f"(plan_search.csv in {directory})")
@@ -248,28 +272,28 @@ def search(cfg, world: int, run_directory) -> dict:
 
 
 def write_csv(rows: list, path: Path) -> None:
-    fields = list(rows[0]) if rows else list(Layout.__dataclass_fields__)
+    fields = list(rows[0]) if rows else list(COLUMNS)
     with open(path, "w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
 
 
-def layout_of(row: dict) -> Layout:
-    return Layout(**{name: row[name] for name in Layout.__dataclass_fields__})
+def point_of(row: dict) -> Point:
+    return Point.of(**{name: row[name] for name in COLUMNS})
 
 
 def top_table(rows: list) -> str:
     lines = [f"{'#':>3s} {'layout':58s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>6s} {'bubble':>7s} "
              f"{'largest role GiB':>17s}"]
     for number, row in enumerate(rows, 1):
-        lines.append(f"{number:3d} {layout_of(row).describe():58s} {row['step_time_s']:8.4g} "
+        lines.append(f"{number:3d} {point_of(row).describe():58s} {row['step_time_s']:8.4g} "
                      f"{row['tokens_per_s']:10.0f} {row['mfu']:6.1%} {row['bubble_fraction']:7.1%} "
                      f"{row['worst_role_bytes'] / GIB:17.3g}")
     return "\n".join(lines)
 
 
-def point_config(cfg, layout: Layout):
+def point_config(cfg, layout: Point):
     """The config of one searched layout: the user's, with the strategy node replaced by the
     family's fields (an untyped copy: the families' schemas differ) and plan.search off."""
     container = OmegaConf.to_container(cfg, resolve=True)
@@ -285,14 +309,14 @@ def replan(cfg, world: int, row: dict) -> dict:
     own plan and the simulator; returns both predictions."""
     from layerwise.config.validate import check_strategy
     from layerwise.config.errors import ConfigError
-    point = point_config(cfg, layout_of(row))
+    point = point_config(cfg, point_of(row))
     problems = check_strategy(point, world)
     if problems:
-        raise ConfigError([f"search produced a layout validation refuses ({layout_of(row).describe()}): "
+        raise ConfigError([f"search produced a layout validation refuses ({point_of(row).describe()}): "
                            + "; ".join(problems)])
     full = plan_result(point, world)
     worst = max(role["peak_with_margin_bytes"] for role in full["roles"])
-    return {"layout": layout_of(row).describe(), "closed_form_step_time_s": row["step_time_s"],
+    return {"layout": point_of(row).describe(), "closed_form_step_time_s": row["step_time_s"],
             "simulated_step_time_s": full["step_time_s"], "closed_form_worst_role_bytes": row["worst_role_bytes"],
             "planned_worst_role_bytes": worst, "closed_form_mfu": row["mfu"], "simulated_mfu": full["mfu"]}
 

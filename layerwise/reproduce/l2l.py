@@ -25,7 +25,8 @@ from layerwise.reproduce import Finding, Verdict
 from cost.inputs import Workload
 from cost.step_time import relay_host_memory, relay_memory, relay_stage_parameters, relay_step, stage_seconds
 from cost.memory import stage_memory
-from cost.inputs import ComposedLayout, GptShape
+from cost.inputs import GptShape
+from parallel.dims import Layout
 
 GIB = 2 ** 30
 BERT_VOCABULARY = 30522  # BERT's WordPiece vocabulary (Devlin et al. 2019), [MASK] included
@@ -60,7 +61,7 @@ def workload(hidden: int, heads: int, layers: int, rows: int, sequence: int, voc
              activation_bytes: int, optimizer: str = "adamw", max_length: int = 512) -> Workload:
     """One device, no grid: `rows` sequences per micro-batch (the baseline's micro-batch is its batch)."""
     shape = GptShape(hidden, 4, vocabulary, sequence, max(max_length, sequence))
-    return Workload(shape, layers, heads, ComposedLayout(1, 1), layers, rows, optimizer, False, activation_bytes)
+    return Workload(shape, layers, heads, Layout(1, 1), layers, rows, optimizer, False, activation_bytes)
 
 
 def paper_workload(cfg, rows: int, sequence: int, layers: int = None) -> Workload:

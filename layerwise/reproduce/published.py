@@ -20,7 +20,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from cost.step_time import closed_form_step
-from layerwise.planning.search import Evaluator, Layout
+from layerwise.planning.search import Evaluator, Point
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "benchmarks" / "published" / "megatron_runs.csv"  # data, read as a file (never imported)
@@ -108,14 +108,14 @@ def point_config(base, run: PublishedRun):
     return OmegaConf.create(container)
 
 
-def layout_of(run: PublishedRun) -> Layout:
-    """The search's Layout of the run: 1F1B, or interleaved 1F1B with v virtual stages per rank
+def point_of(run: PublishedRun) -> Point:
+    """The search's point of the run: 1F1B, or interleaved 1F1B with v virtual stages per rank
     (Narayanan et al. 2021 §2.2.2), the 1-D (Megatron) tensor grid, one stage = l / (p·v) layers."""
     family = "interleaved_1f1b" if run.virtual_stages > 1 else "one_f_one_b"
     grid = "1d" if run.tensor_parallel > 1 else "none"
-    return Layout(family, run.pipeline_parallel, grid, run.tensor_parallel,
-                  run.layers // (run.pipeline_parallel * run.virtual_stages), run.micro_batches,
-                  "full" if run.recompute == "full" else "none", run.data_parallel)
+    return Point.of(family, run.pipeline_parallel, grid, run.tensor_parallel,
+                    run.layers // (run.pipeline_parallel * run.virtual_stages), run.micro_batches,
+                    "full" if run.recompute == "full" else "none", run.data_parallel)
 
 
 def workload_of(evaluate: Evaluator, run: PublishedRun):
@@ -127,7 +127,7 @@ def workload_of(evaluate: Evaluator, run: PublishedRun):
     sequence parallelism, --tp-comm-overlap and the distributed optimizer (--overlap-param-gather
     exists only with it: gradients reduce-scattered, parameters gathered beside the next forward)."""
     modern = run.flops == "megatron"  # the 2024 Megatron-Core runs
-    return replace(evaluate.workload(layout_of(run)), wire_bytes=2, scatter_gather=True,
+    return replace(evaluate.workload(point_of(run)), wire_bytes=2, scatter_gather=True,
                    reduction_overlaps_backward=run.data_reduction == "overlapped", tensor_overlap=modern,
                    attention_scores=not modern, sequence_parallel=run.sequence_parallel,
                    distributed_optimizer=modern)
@@ -153,7 +153,7 @@ def predict(base, run: PublishedRun, ablate: str = None) -> dict:
     simulator's formulas), and the TFLOP/s per GPU it implies as the source counts; `ablate` names an
     ABLATIONS term to switch off."""
     evaluate = Evaluator(point_config(base, run), run.gpus)
-    layout = layout_of(run)
+    layout = point_of(run)
     workload, device = workload_of(evaluate, run), evaluate.device
     if ablate is not None:
         workload, device = ABLATIONS[ablate](workload, device)

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from layerwise.reproduce import Finding, Verdict
 from layerwise.reproduce.training_time_small import at_small_scale  # noqa: F401 (the claim's small scale)
-from layerwise.planning.search import FAMILIES, Evaluator, layout_of, layouts, role_bytes
+from layerwise.planning.search import FAMILIES, Evaluator, layouts, point_of, role_bytes
 from cost.step_time import link_bandwidth, receive_seconds, stage_seconds
 from cost.traffic import all_gather, all_reduce, local_parameters
 
@@ -243,7 +243,7 @@ def scan(point) -> dict:
 
 def memory_breakdown(point, row: dict) -> dict:
     """The largest pipeline rank's bytes by kind (ranks 0, 1, p − 1 bound every role, as in the search)."""
-    evaluate, layout = Evaluator(point, row["gpus"]), layout_of(row)
+    evaluate, layout = Evaluator(point, row["gpus"]), point_of(row)
     workload, p = evaluate.workload(layout), layout.pipeline_degree
     stages = point.model.layers // layout.layers_per_stage
     breadth_first = layout.breadth_first_micro_batches or layout.micro_batches
@@ -257,7 +257,7 @@ def bandwidth_needed(point, row: dict) -> float:
     during the backward of all micro-batches (with ZeRO: 2 gathers + 1 reduce-scatter during the
     forward and backward of all micro-batches); depth-first accumulation only has the last
     micro-batch's backward (with ZeRO: the 3 collectives again for every micro-batch)."""
-    layout = layout_of(row)
+    layout = point_of(row)
     if layout.data_degree == 1:
         return 0.0
     evaluate = Evaluator(point, row["gpus"])
@@ -279,7 +279,7 @@ def bandwidth_needed(point, row: dict) -> float:
 def pipeline_transfer_share(point, row: dict) -> float:
     """Share of the step a rank spends receiving activations and their gradients: 2 receives per
     local stage and micro-batch (v·m each way, docs/strategies/modular_pipeline.md), of the activation piece."""
-    layout = layout_of(row)
+    layout = point_of(row)
     if layout.pipeline_degree == 1:
         return 0.0
     evaluate = Evaluator(point, row["gpus"])
@@ -292,7 +292,7 @@ def network_free_step(point, row: dict) -> float:
     """The same layout's step with infinitely fast links: the compute-bound step."""
     evaluate = Evaluator(point, row["gpus"])
     evaluate.device = replace(evaluate.device, intra_node_bandwidth=math.inf, inter_node_bandwidth=math.inf)
-    return evaluated(evaluate, layout_of(row))["step_time_s"]
+    return evaluated(evaluate, point_of(row))["step_time_s"]
 
 
 def missing_row(point, budget: dict, configuration: str, entry: dict) -> dict:
@@ -303,12 +303,12 @@ def missing_row(point, budget: dict, configuration: str, entry: dict) -> dict:
     return {"model": point.model.name, "hardware": point.hardware.name, "configuration": configuration,
             "reason": reason,
             "unconstrained_days": budget["steps"] * free["step_time_s"] / 86400 if free else math.nan,
-            "unconstrained_layout": layout_of(free).describe() if free else ""}
+            "unconstrained_layout": point_of(free).describe() if free else ""}
 
 
 def summary_row(point, budget: dict, configuration: str, entry: dict) -> dict:
     """One row of the results table: the shortest training time of one configuration and what it needs."""
-    row, layout = entry["fitting"], layout_of(entry["fitting"])
+    row, layout = entry["fitting"], point_of(entry["fitting"])
     breakdown = memory_breakdown(point, row)
     evaluate = Evaluator(point, row["gpus"])
     state = breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer"]

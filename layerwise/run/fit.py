@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from omegaconf import OmegaConf
 
+from layerwise.config.layout import layout_of
 from layerwise.run import data as data_lib
 from layerwise.run.console import console_to_log
 from layerwise.run.evidence import PointToPointOrderCheck, RunEvidence, write_json_atomically
@@ -183,7 +184,7 @@ def _fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:
     objective = objective_of(cfg.model)
     task = LanguageModelTask(cfg, data_lib.model_vocab_size(corpus, objective))
     entry = strategy_entry(cfg.strategy.name)
-    layout = {**entry.degrees(cfg, world_size).as_dict(), "order": list(RANK_ORDER)}  # tensor innermost
+    layout = {**layout_of(cfg, world_size).as_dict(), "order": list(RANK_ORDER)}  # tensor innermost
     evidence = RunEvidence(run_directory, cfg, world_size, layout,
                            progress_lines=not show_bar(cfg) and cfg.trainer.progress != "none",
                            flags=slurm_step_flags())

@@ -31,7 +31,8 @@ from omegaconf import OmegaConf
 from layerwise.run.launch import run_ranks
 from layerwise.run.optim import build_optimizer
 from models.transformer import build_block
-from cost.inputs import ComposedLayout, GptShape
+from cost.inputs import GptShape
+from parallel.dims import Layout
 
 MATMUL_EDGES = (128, 256, 384, 512, 768, 1024)
 QUICK_MATMUL_EDGES = (64, 128, 256)
@@ -173,7 +174,7 @@ def block_rows(cfg, products: dict, rows_per_micro_batch, repeats: int, blocks: 
     measured = []
     for rows in rows_per_micro_batch:
         workload = Workload(GptShape(model.hidden, model.mlp_ratio, 1, length, length), 1, model.heads,
-                            ComposedLayout(1, 1), 1, rows)
+                            Layout(1, 1), 1, rows)
         x = torch.randn(rows, length, model.hidden, requires_grad=True)  # host: the CPU being timed
         seconds = median_seconds(lambda: stage.train()(x).sum().backward(), repeats) / blocks
         modelled = forward_flops(workload, 0, 2) / products["flops_per_second"] + \

@@ -17,10 +17,10 @@ Where they disagree the entry says so, with both numbers; nothing is hidden or a
 from __future__ import annotations
 
 from cost.traffic import model_parameters as traffic_model_parameters
+from layerwise.config.layout import layout_of
 from layerwise.tools.dry_run import dry_run
 from parallel.comm import KINDS
 from parallel.layout import rank_of
-from strategies import strategy_entry
 
 MEMORY_TOLERANCE = 0.05  # issue 16 item 2: the two estimators agree within 5% on memory
 # Above this many parameters the dry run uses fake tensors (shapes only, no storage): a model of
@@ -38,8 +38,7 @@ def model_parameters(cfg) -> float:
 
 def role_rank(cfg, world_size: int, pipeline_rank: int) -> int:
     """The global rank at `pipeline_rank` with data and tensor index 0 (parallel/layout.py's order)."""
-    degrees = strategy_entry(cfg.strategy.name).degrees(cfg, world_size)
-    return rank_of({"data": 0, "pipeline": pipeline_rank, "tensor": 0}, degrees)
+    return rank_of({"data": 0, "pipeline": pipeline_rank, "tensor": 0}, layout_of(cfg, world_size))
 
 
 def compare(role: dict, analytic_kinds: dict, measured: dict) -> dict:

@@ -22,6 +22,8 @@ from typing import Dict
 
 import torch
 
+from parallel.dims import DIMENSION
+
 
 def take(tensor: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
     """Chunk `index` of `parts` equal chunks along `dim`."""
@@ -51,7 +53,7 @@ class Style:
 class Grid3D:
     """q³ ranks, t = i + q·(j + q·k) (docs/strategies/three_d.md)."""
 
-    name, dimension = "3d", 3
+    name = "3d"  # q^DIMENSION["3d"] ranks (parallel/dims.py)
     # family -> the coordinates that vary inside one of its groups: groups of q along one axis,
     # and the unions of q² that hold copies of a replicated parameter
     VARYING = {"input": ("j",), "weight": ("i",), "output": ("k",),
@@ -127,7 +129,7 @@ class Grid3D:
 class Grid2D:
     """q² ranks, t = column + q·row; SUMMA's layout (rows by `row`, features by `column`)."""
 
-    name, dimension = "2d", 2
+    name = "2d"  # q^DIMENSION["2d"] ranks (parallel/dims.py)
     VARYING = {"row": ("column",), "column": ("row",)}  # `row` holds one row of the grid
 
     def __init__(self, edge: int, local: int):
@@ -181,7 +183,7 @@ class Grid2D:
 class Grid1D:
     """P ranks in one group (Megatron): "first" linears split outputs, "second" split inputs."""
 
-    name, dimension = "1d", 1
+    name = "1d"  # q^DIMENSION["1d"] ranks (parallel/dims.py)
     VARYING = {}  # the tensor group itself is the only group
 
     def __init__(self, edge: int, local: int):
@@ -239,7 +241,6 @@ def local_activation_shape(grid, rows: int, length: int, hidden: int) -> tuple:
 
 
 GRIDS = {"1d": Grid1D, "2d": Grid2D, "3d": Grid3D}
-DIMENSION = {name: grid.dimension for name, grid in GRIDS.items()}  # a block has q^dimension ranks
 
 
 def grid_edge(tensor_grid: str, tensor_degree: int) -> int:
@@ -269,7 +270,7 @@ def family_members(family: str, tensor_grid: str, tensor_degree: int) -> tuple:
 
 def layout_arguments(tensor_grid: str, tensor_degree: int) -> dict:
     """ParallelLayout's arguments for this grid: its families (created after the axes, in this
-    order on every rank) and its name, which checkpoints record to refuse a different grid."""
+    order on every rank); the grid's name comes with the layout (parallel.dims.Layout.tensor_grid)."""
     families = {family: family_members(family, tensor_grid, tensor_degree)
                 for family in GRIDS[tensor_grid].VARYING}
-    return {"families": families, "tensor_grid": tensor_grid}
+    return {"families": families}

@@ -55,6 +55,8 @@ CONFIGS = {
                                "hardware.devices_per_node=4"],
     "modular_pipeline p2 × 3d q2": ["strategy=modular_pipeline", "strategy.tensor_parallel=3d",
                                     "hardware.devices_per_node=16", "data.global_batch_size=32"],
+    # issue 31's 3-D grid on 8 ranks (+12% memory there): a tuned row; the p2 × 3-D row above is held out
+    "three_d q2": ["strategy=three_d", "strategy.tensor_grid=2", "hardware.devices_per_node=8"],
 }
 
 
@@ -102,7 +104,8 @@ CONFIGS.update({
 # table, never looked at while a term was tuned, reported on their own. They include the 3-D and 2-D
 # grids, ZeRO (depth-first and × tensor × data), L2L, the interleaved schedule, a 4-stage pipeline and a
 # Llama composition, so every family has tuned and held-out rows. One set for both tables (a name held
-# out is held out in both): 9 of CONFIGS' 22 memory rows, 7 of TIME_CONFIGS' 19 step rows.
+# out is held out in both): 9 of CONFIGS' 23 memory rows, 7 of TIME_CONFIGS' 19 step rows. three_d q2's
+# step is held out although issue 31 reported its error (−49%): no term below is fitted to that row.
 HELD_OUT = {
     "modular_pipeline p2 × 3d q2", "one_f_one_b p2 × 2d q2", "zero_layered p2 × 1d2 × d2", "interleaved_1f1b p2 v2",
     "modular_pipeline p4 m8", "llama modular_pipeline p2 × 1d2", "pipefisher p2 (1F1B)",

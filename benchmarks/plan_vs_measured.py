@@ -56,7 +56,7 @@ CONFIGS = {
     "modular_pipeline p2 × 3d q2": ["strategy=modular_pipeline", "strategy.tensor_parallel=3d",
                                     "hardware.devices_per_node=16", "data.global_batch_size=32"],
     # issue 31's 3-D grid on 8 ranks (+12% memory there): a tuned row; the p2 × 3-D row above is held out
-    "three_d q2": ["strategy=three_d", "strategy.tensor_grid=2", "hardware.devices_per_node=8"],
+    "three_d q2 (memory)": ["strategy=three_d", "strategy.tensor_grid=2", "hardware.devices_per_node=8"],
 }
 
 
@@ -74,7 +74,7 @@ TIME_CONFIGS = {
     "pipefisher p2": ["strategy=pipefisher", "strategy.layers_per_stage=4"],
     **{name: CONFIGS[name] for name in ("modular_pipeline p2 × d2", "modular_pipeline p2 × 1d2", "zero_layered p2 × d2")},
     "tp_2d q2": ["strategy=tp_2d", "strategy.tensor_grid=2", "hardware.devices_per_node=4"],
-    "three_d q2": ["strategy=three_d", "strategy.tensor_grid=2", "hardware.devices_per_node=8"],
+    "three_d q2 (memory)": ["strategy=three_d", "strategy.tensor_grid=2", "hardware.devices_per_node=8"],
 }
 
 # The Llama family (issue 29): RMSNorm, RoPE, SwiGLU, grouped-query attention (llama_tiny: 4 heads, 2 kv heads).

@@ -10,7 +10,7 @@ largest role's bytes before the allocator margin. Memory is exact accounting on 
 
 `--time`: the predicted step against the measured median step (`TIME_CONFIGS`: every strategy plan
 mode prices, and the compositions), with `hardware=calibrated` (run `python train.py mode=calibrate`
-first) and `plan.efficiency=1` (the calibrated peak is already the achieved rate); the meter runs on
+first; its `matmul_efficiency: 1` says its peak is the achieved rate, so no `plan.efficiency`); the meter runs on
 the first 2 steps and the last only, so the median of 12 steps is an unmetered step. Each
 configuration is measured `--repeats` times (3) in interleaved passes and compared with its median
 run. Layouts of more ranks than this machine's cores are included: the plan models their sharing
@@ -134,7 +134,7 @@ def compare(name: str, overrides: list, steps: int) -> dict:
 
 
 def compare_time(name: str, overrides: list, steps: int) -> dict:
-    calibrated = [*COMMON, *overrides, "hardware=calibrated", "plan.efficiency=1.0"]
+    calibrated = [*COMMON, *overrides, "hardware=calibrated"]  # its matmul_efficiency is 1: no plan.efficiency
     with tempfile.TemporaryDirectory() as directory:
         cfg = compose_config(*calibrated, "mode=plan")
         predicted = plan(cfg, validate(cfg), Path(directory) / "plan")

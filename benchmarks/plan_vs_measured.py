@@ -74,7 +74,7 @@ TIME_CONFIGS = {
     "pipefisher p2": ["strategy=pipefisher", "strategy.layers_per_stage=4"],
     **{name: CONFIGS[name] for name in ("modular_pipeline p2 × d2", "modular_pipeline p2 × 1d2", "zero_layered p2 × d2")},
     "tp_2d q2": ["strategy=tp_2d", "strategy.tensor_grid=2", "hardware.devices_per_node=4"],
-    "three_d q2 (memory)": ["strategy=three_d", "strategy.tensor_grid=2", "hardware.devices_per_node=8"],
+    "three_d q2": ["strategy=three_d", "strategy.tensor_grid=2", "hardware.devices_per_node=8"],
 }
 
 # The Llama family (issue 29): RMSNorm, RoPE, SwiGLU, grouped-query attention (llama_tiny: 4 heads, 2 kv heads).

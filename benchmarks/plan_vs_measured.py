@@ -10,11 +10,14 @@ largest role's bytes before the allocator margin. Memory is exact accounting on 
 
 `--time`: the predicted step against the measured median step (`TIME_CONFIGS`: every strategy plan
 mode prices, and the compositions), with `hardware=calibrated` (run `python train.py mode=calibrate`
-first) and `plan.efficiency=1` (the calibrated peak is already the achieved rate); the meter runs on
+first; its `matmul_efficiency: 1` says its peak is the achieved rate, so no `plan.efficiency`); the meter runs on
 the first 2 steps and the last only, so the median of 12 steps is an unmetered step. Each
 configuration is measured `--repeats` times (3) in interleaved passes and compared with its median
 run. Layouts of more ranks than this machine's cores are included: the plan models their sharing
 of the cores (layerwise.planning.inputs.device_of), and their runs vary most from pass to pass.
+
+Both tables print the tuned rows and the held-out ones (`HELD_OUT`, fixed before the model was changed
+for issue 31) separately, each group with its mean and worst error.
 """
 
 import argparse
@@ -52,6 +55,8 @@ CONFIGS = {
                                "hardware.devices_per_node=4"],
     "modular_pipeline p2 × 3d q2": ["strategy=modular_pipeline", "strategy.tensor_parallel=3d",
                                     "hardware.devices_per_node=16", "data.global_batch_size=32"],
+    # issue 31's 3-D grid on 8 ranks (+12% memory there): a tuned row; the p2 × 3-D row above is held out
+    "three_d q2 (memory)": ["strategy=three_d", "strategy.tensor_grid=2", "hardware.devices_per_node=8"],
 }
 
 
@@ -95,6 +100,27 @@ CONFIGS.update({
                             "hardware.devices_per_node=4"],
 })
 
+# Held out (issue 31 goal 3), chosen 2026-11-26 02:45 UTC before any model term changed: a third of each
+# table, never looked at while a term was tuned, reported on their own. They include the 3-D and 2-D
+# grids, ZeRO (depth-first and × tensor × data), L2L, the interleaved schedule, a 4-stage pipeline and a
+# Llama composition, so every family has tuned and held-out rows. One set for both tables (a name held
+# out is held out in both): 9 of CONFIGS' 23 memory rows, 7 of TIME_CONFIGS' 19 step rows. three_d q2's
+# step is held out although issue 31 reported its error (−49%): no term below is fitted to that row.
+HELD_OUT = {
+    "modular_pipeline p2 × 3d q2", "one_f_one_b p2 × 2d q2", "zero_layered p2 × 1d2 × d2", "interleaved_1f1b p2 v2",
+    "modular_pipeline p4 m8", "llama modular_pipeline p2 × 1d2", "pipefisher p2 (1F1B)",
+    "three_d q2", "tp_2d q2", "zero_depth_first d2", "l2l constant memory", "modular_pipeline p2 × 1d2", "gpipe p2",
+}
+
+
+def summary(label: str, errors: list) -> str:
+    """Mean and worst |predicted / measured − 1| of one group of rows."""
+    if not errors:
+        return f"{label}: no rows"
+    worst = max(errors, key=abs)
+    return (f"{label}: mean |error| {statistics.mean(abs(e) for e in errors):.1%}, worst {worst:+.1%} "
+            f"over {len(errors)} configurations")
+
 
 def compare(name: str, overrides: list, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as directory:
@@ -108,7 +134,7 @@ def compare(name: str, overrides: list, steps: int) -> dict:
 
 
 def compare_time(name: str, overrides: list, steps: int) -> dict:
-    calibrated = [*COMMON, *overrides, "hardware=calibrated", "plan.efficiency=1.0"]
+    calibrated = [*COMMON, *overrides, "hardware=calibrated"]  # its matmul_efficiency is 1: no plan.efficiency
     with tempfile.TemporaryDirectory() as directory:
         cfg = compose_config(*calibrated, "mode=plan")
         predicted = plan(cfg, validate(cfg), Path(directory) / "plan")
@@ -131,14 +157,15 @@ def time_table(steps: int, only=None, repeats: int = 3) -> None:
             runs[name].append(row["measured_s"])
             print(f"pass {attempt + 1}: {name}: predicted {row['predicted_s']:.4f} s, measured {row['measured_s']:.4f} s",
                   flush=True)
-    print("\n| configuration | predicted s | measured s (each pass) | median | predicted / median |\n|---|---|---|---|---|")
-    for name in names:
-        median = statistics.median(runs[name])
-        print(f"| {name} | {predicted[name]:.4f} | {', '.join(f'{t:.4f}' for t in runs[name])} | {median:.4f} | "
-              f"{predicted[name] / median:.2f} |")
-    errors = sorted(abs(predicted[name] / statistics.median(runs[name]) - 1) for name in names)
-    print(f"|predicted / measured − 1|: median {statistics.median(errors):.1%}, worst {errors[-1]:.1%} "
-          f"over {len(names)} configurations")
+    errors = {name: predicted[name] / statistics.median(runs[name]) - 1 for name in names}
+    for label, group in (("tuned", [n for n in names if n not in HELD_OUT]), ("held out", [n for n in names if n in HELD_OUT])):
+        print(f"\n{label}:\n| configuration | predicted s | measured s (each pass) | median | predicted / median |"
+              "\n|---|---|---|---|---|")
+        for name in group:
+            median = statistics.median(runs[name])
+            print(f"| {name} | {predicted[name]:.4f} | {', '.join(f'{t:.4f}' for t in runs[name])} | {median:.4f} | "
+                  f"{predicted[name] / median:.2f} |")
+        print(summary(f"step time, {label}", [errors[n] for n in group]))
 
 
 def main() -> None:
@@ -156,14 +183,13 @@ def main() -> None:
             rows.append(compare(name, overrides, arguments.steps))
             print(f"{name}: predicted {rows[-1]['predicted'] / 2**20:.2f} MiB, measured "
                   f"{rows[-1]['measured'] / 2**20:.2f} MiB", flush=True)
-    print(f"\n{'configuration':32s} {'predicted MiB':>14s} {'measured MiB':>13s} {'ratio':>6s} "
-          f"{'pred s':>7s} {'meas s':>7s}")
-    for row in rows:
-        print(f"{row['name']:32s} {row['predicted'] / 2**20:14.2f} {row['measured'] / 2**20:13.2f} "
-              f"{row['predicted'] / row['measured']:6.3f} {row['predicted_s']:7.3f} {row['measured_s']:7.3f}")
-    ratios = sorted(row["predicted"] / row["measured"] for row in rows)
-    print(f"memory ratio predicted/measured: median {ratios[len(ratios) // 2]:.3f}, range "
-          f"{ratios[0]:.3f}–{ratios[-1]:.3f} over {len(rows)} configurations")
+    for label, group in (("tuned", [r for r in rows if r["name"] not in HELD_OUT]),
+                         ("held out", [r for r in rows if r["name"] in HELD_OUT])):
+        print(f"\n{label}:\n{'configuration':32s} {'predicted MiB':>14s} {'measured MiB':>13s} {'ratio':>6s}")
+        for row in group:
+            print(f"{row['name']:32s} {row['predicted'] / 2**20:14.2f} {row['measured'] / 2**20:13.2f} "
+                  f"{row['predicted'] / row['measured']:6.3f}")
+        print(summary(f"memory, {label}", [row["predicted"] / row["measured"] - 1 for row in group]))
 
 
 if __name__ == "__main__":

@@ -222,17 +222,19 @@ def _extra(held: set, done: set) -> int:
     return sum(send.kind == SEND_GRADIENT or (send.stage, send.micro_batch) in done for send in held)
 
 
-def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True) -> dict:
-    """Bytes by kind on one rank of pipeline position `pipeline_rank` (the parts it holds)."""
+def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True, temporaries: bool = True) -> dict:
+    """Bytes by kind on one rank of pipeline position `pipeline_rank` (the parts it holds);
+    `temporaries=False` leaves gloo's reduce-scatter temporaries out (the fake group makes none)."""
     row = [action for action in plan.ranks[pipeline_rank] if action is not None]
     stages = sorted({action.stage for action in row if action.kind == FORWARD})
     last_alive, later, posted = in_flight_moments(row)
     return stage_memory(workload, stages, plan.stages, in_flight(row), flash, later, last_alive, posted,
-                        held_sends(plan, pipeline_rank, completes_when_received=not workload.gloo))
+                        held_sends(plan, pipeline_rank, completes_when_received=not workload.gloo), temporaries)
 
 
 def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int, flash: bool = True,
-                 later: int = None, last_alive: int = None, posted: int = None, sends_held: tuple = (0, 0)) -> dict:
+                 later: int = None, last_alive: int = None, posted: int = None, sends_held: tuple = (0, 0),
+                 temporaries: bool = True) -> dict:
     """Bytes by kind on a rank holding `stages` (of `total_stages`) at its peak: what `memory` reads
     off a built plan, and what the search gives in closed form (`closed_form_in_flight`,
     `closed_form_moments`). Parameters and optimizer state stay; the step starts with
@@ -272,8 +274,17 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     working = backward_working_bytes(workload, tokens, last)
     pipelined = layout.pipeline > 1  # sends are kept until proven received, receives from their post
     sent_first = (alive - (last_alive if last else 0)) * pipelined
-    growth = part[max(stages)] + working if layout.zero else _first_backward_growth(
-        workload, tokens, stages, total_stages, block, working)
+    # gloo's reduce-scatter temporaries live inside a backward's wait() (`gloo_temporaries`): beside the
+    # first backward's start, the head's product's on the last stage; beside a block's backward, the
+    # largest block product's. None at the forward's end (where a one-stage tensor-grid plan peaks,
+    # beside last step's gradients), at the step's start or at the data-parallel reduction.
+    block_copies = gloo_temporaries(workload, tokens) if temporaries else 0.0
+    start_copies = gloo_temporaries(workload, tokens, head=True) if temporaries and last else block_copies
+    if layout.zero:
+        growth = part[max(stages)] + working + block_copies
+    else:
+        at_start, during, end = _first_backward_growth(workload, tokens, stages, total_stages, block, working)
+        growth = max(at_start + start_copies, during + block_copies, end + block_copies)
     posted = sent_first if posted is None else posted
     first_backward = alive * kept + last_alive * head + (sent_first + posted) * piece + growth
     senders = (loops - last) * pipelined
@@ -284,25 +295,29 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     flat = largest if layout.data > 1 and not layout.zero else 0  # ZeRO's gathered buffers are counted below
     forward = alive * kept + last_alive * head + working if workload.gradients_through_forward else 0
     moments = {"start": (gradients, 0, 0), "first backward": (0, first_backward, 0), "forward": (gradients, forward, 0),
-               "later": (gradients, later_peak - gradients - later_buffers, later_buffers),
+               "later": (gradients, later_peak - gradients - later_buffers, later_buffers + block_copies),
                "reduction": (gradients, 0, every_send + flat)}
     kept_gradients, activations, buffers = max(moments.values(), key=sum)
     return {"parameters": sharded, "gradients": kept_gradients,
             "optimizer": OPTIMIZER_STATE.get(workload.optimizer, 2) * sharded,
             "activations": activations,
-            "buffers": buffers + (two if layout.zero else 0) + gloo_temporaries(workload, tokens)}
+            "buffers": buffers + (two if layout.zero else 0)}
 
 
-def gloo_temporaries(workload: Workload, tokens: float) -> float:
+def gloo_temporaries(workload: Workload, tokens: float, head: bool = False) -> float:
     """On gloo, a 2-D/3-D grid's reduce-scatter of a backward partial (dX or dW, fp32) makes two
     full-size temporaries inside `wait()` on the calling thread (found by the dry run: NCCL and the
-    fake group have none): two of the largest such partial, which a backward holds at its peak. The
-    plan of a gloo run (this machine's) counts them; a GPU plan does not."""
+    fake group have none): two of the largest such partial of a block's products, which a block's
+    backward holds at its peak, or (`head`) of the head's product, the first a last stage's backward
+    reduce-scatters (three_d q2 here: the real gloo run's peak is the dry run's + 0.49 MiB, the head's
+    0.5 MiB, not a block's 2 MiB). The plan of a gloo run (this machine's) counts them; a GPU plan does not."""
     if not workload.gloo or workload.layout.tensor_grid not in ("2d", "3d"):
         return 0.0
     q = workload.layout.edge
     gather = q if workload.layout.tensor_grid == "2d" else q * q
-    largest = max(max(tokens * fan_in, fan_in * fan_out) / gather for fan_in, fan_out, _, _ in workload.shape.linears())
+    products = [(workload.shape.hidden, workload.shape.vocabulary)] if head else \
+        [(fan_in, fan_out) for fan_in, fan_out, _, _ in workload.shape.linears()]
+    largest = max(max(tokens * fan_in, fan_in * fan_out) / gather for fan_in, fan_out in products)
     return 2 * largest * BYTES
 
 
@@ -312,7 +327,7 @@ def _first_backward_growth(workload: Workload, tokens: float, stages: list, tota
     stage's gradients (full size) and frees the micro-batch's saved tensors: the working set at its
     start (the head's, on the last stage); its last block's working set beside the other blocks'
     gradients (and the head's) less what they freed; or, at its end, every gradient of the stage,
-    the embedding's last, less everything the micro-batch kept."""
+    the embedding's last, less everything the micro-batch kept: (at its start, during, at its end)."""
     stage, per_stage = max(stages), workload.layers_per_stage
     shape, layout, last = workload.shape, workload.layout, max(stages) == total_stages - 1
     block_gradients = local_parameters(layout.tensor_grid, layout.edge, shape, False, 1, False)["all"] * BYTES
@@ -323,7 +338,7 @@ def _first_backward_growth(workload: Workload, tokens: float, stages: list, tota
     others = (per_stage - 1) * (block_gradients - freed) + head
     during = others + backward_working_bytes(workload, tokens, False)
     end = others + block_gradients - freed + embedding - (workload.piece * BYTES if workload.recompute else 0)
-    return max(working, during, end)
+    return working, during, end
 
 
 def closed_form_in_flight(schedule: str, pipeline_degree: int, loops: int, breadth_first: int, rank: int) -> int:

@@ -158,20 +158,46 @@ def elementwise_seconds(workload: Workload, device: Device, embedding: bool = Fa
 
 
 def memory_bound_block_seconds(workload: Workload, device: Device) -> float:
-    """A block's forward operators between products on a GPU (norms, softmax, GeLU, dropout, residual
-    additions): memory-bound, so bytes ÷ the memory bandwidth. Bytes: what the block saves for its
-    backward, s·b·h·(34 + 5·a·s/h) in 16-bit training (Korthikanti et al. 2022 §4.1; on a 1-D grid
-    10 of the 34 stay whole, all split with sequence parallelism or a 2-D/3-D grid; the 5·a·s/h of the attention
+    """A block's forward operators between products on a GPU (norms, softmax, the MLP's activation,
+    dropout, RoPE, residual additions): memory-bound, so bytes ÷ the memory bandwidth. Bytes:
+    `memory_bound_bytes_per_token` of the block description (Korthikanti et al. 2022 §4.1's
+    34 + 5·a·s/h per token and hidden unit for GPT's block in 16-bit training; on a 1-D grid the
+    residual stream's part stays whole, all split with sequence parallelism or a 2-D/3-D grid; the
     scores only where they are materialised), each written once and read once in the forward.
     0 without the device's memory bandwidth (a CPU profile calibrates these operators instead)."""
     if not device.memory_bandwidth:
         return 0.0
-    shape, t = workload.shape, workload.tensor_ranks
-    sbh = workload.micro_batch_rows * shape.length * shape.hidden
+    t, tokens = workload.tensor_ranks, workload.micro_batch_rows * workload.shape.length
     split_stream = workload.sequence_parallel or workload.layout.tensor_grid not in (None, "1d")  # 2-D/3-D split it
-    whole = 10 / t if split_stream else 10
-    scores = 5 * workload.heads * shape.length / (shape.hidden * t) if workload.attention_scores else 0
-    return 2 * sbh * (whole + 24 / t + scores) / device.memory_bandwidth
+    whole, split, scores = memory_bound_bytes_per_token(workload.shape, workload.heads)
+    per_token = whole / (t if split_stream else 1) + split / t + (scores / t if workload.attention_scores else 0)
+    return 2 * tokens * per_token / device.memory_bandwidth
+
+
+def memory_bound_bytes_per_token(shape, heads: int) -> tuple:
+    """(residual stream, split by a tensor grid, attention scores) bytes a block's forward saves per
+    token in 16-bit training, from the block description (Korthikanti et al. 2022 §4.1 counts GPT's:
+    10h + 24h + 5·a·s, which this reproduces):
+    - residual stream: each norm's input and output, the next product's input (2 · 2h per norm), and
+      one 1-byte dropout mask per sub-layer where the block trains with dropout — GPT's LayerNorm
+      blocks do; Llama's recipe (RMSNorm, Touvron et al. 2023; Megatron's Llama examples set
+      --attention-dropout 0 --hidden-dropout 0) has none;
+    - split: q, k, v as the attention keeps them (heads·d + 2·kv_heads·d under grouped-query
+      attention), the context (h), the MLP's wide tensors — GELU's input and output (2·ffn), SwiGLU's
+      gate, up and their product (3·ffn: Megatron's fused bias_swiglu keeps no silu(gate)) — and
+      RoPE's pass over q and k (rotated from the product's output: (heads + kv_heads)·d more),
+      2 bytes each;
+    - scores: per head s softmax outputs (2 bytes), with dropout its mask and output (1 + 2)."""
+    block, h = shape.block, shape.hidden
+    dropout = block.norm == "layer"  # GPT/BERT blocks train with dropout, Llama's without (above)
+    width = h / heads
+    kv_heads = heads if block.kv_heads == block.heads else block.kv_heads  # GPT's default description: heads=1
+    whole = len(block.norms) * 2 * 2 * h + (2 * h if dropout else 0)
+    split = 2 * ((heads + 2 * kv_heads) * width + h + (3 if block.gated else 2) * shape.mlp_width)
+    if block.rotary:
+        split += 2 * (heads + kv_heads) * width
+    scores = heads * shape.length * (5 if dropout else 2)
+    return whole, split, scores
 
 
 def optimizer_seconds(workload: Workload, device: Device, stages: list, total_stages: int) -> float:

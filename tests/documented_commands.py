@@ -358,7 +358,7 @@ HOW: Dict[str, How] = {
     "data.global_batch_size=512 data.sequence_length=8192 data=token_bin data.vocab_size=128256": How("real", searched),
     "python train.py mode=calibrate": How("capped", calibrated, cap=QUICK_CALIBRATION,
                                           why="~15 s of measurements; quick: the same terms at small sizes"),
-    "python train.py mode=plan hardware=calibrated plan.efficiency=1 strategy=tp_1d strategy.tensor_grid=2":
+    "python train.py mode=plan hardware=calibrated strategy=tp_1d strategy.tensor_grid=2":
         How("real", planned, after="python train.py mode=calibrate",
             extra=("hydra.searchpath=[file://{cwd}/conf]",)),  # the profile calibrate wrote there
     "python train.py mode=plan plan.dry_run=true strategy=one_f_one_b": How("real", dry_run_planned),

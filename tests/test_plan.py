@@ -270,3 +270,12 @@ def test_grid_collective_count_matches_what_the_real_code_issues(strategy, grid,
     issued = [c for c in dry_run(cfg, 0, world)["collectives"] if c["phase"] == "step" and c["group"] != "data"]
     per_step = {"1d": 0, "2d": 1, "3d": 2}[grid]
     assert len(issued) == grid_collectives(grid, cfg.model.layers, True) + per_step
+
+
+def test_a_calibrated_profile_needs_no_plan_efficiency():
+    """mode=calibrate writes matmul_efficiency: 1 (its peak is the measured rate): the cost model's
+    efficiency is then the profile's, whatever plan.efficiency says; without it, plan.efficiency."""
+    from layerwise.planning.inputs import device_of
+    calibrated = compose_config("mode=plan", "hardware.matmul_efficiency=1.0", "plan.efficiency=0.3")
+    assumed = compose_config("mode=plan", "plan.efficiency=0.3")
+    assert device_of(calibrated).efficiency == 1.0 and device_of(assumed).efficiency == 0.3

@@ -82,3 +82,20 @@ def test_the_fitted_rate_comes_from_the_tuned_rows_only(base, runs):
     from dataclasses import replace
     moved = [replace(run, published_tflops_per_gpu=1.0) if run.split == "holdout" else run for run in runs]
     assert published.fit_efficiency(base, moved) == pytest.approx(FITTED_EFFICIENCY, abs=0.002)
+
+
+def test_memory_bound_bytes_derive_from_the_block_description():
+    """GPT's block reproduces Korthikanti et al. 2022 §4.1 (10h whole + 24h split + 5·a·s per token);
+    a Llama block (RMSNorm, SwiGLU, RoPE, grouped-query attention, no dropout) counts its own: no
+    masks, k and v kv_heads wide, SwiGLU's 3·ffn, RoPE's pass over q and k, 2 bytes of scores."""
+    from cost.inputs import GptShape
+    from cost.step_time import memory_bound_bytes_per_token
+    from models import describe_block
+    gpt = GptShape(hidden=1024, mlp_ratio=4, vocabulary=512, length=256, max_length=256)
+    assert memory_bound_bytes_per_token(gpt, 16) == (10 * 1024, 24 * 1024, 5 * 16 * 256)
+    block = describe_block("llama", hidden=1024, heads=16, kv_heads=4, ffn_hidden=2816)
+    llama = GptShape(hidden=1024, mlp_ratio=4, vocabulary=512, length=256, max_length=256, block=block,
+                     position_table=False)
+    d = 1024 // 16
+    split = 2 * ((16 + 2 * 4) * d + 1024 + 3 * 2816) + 2 * (16 + 4) * d
+    assert memory_bound_bytes_per_token(llama, 16) == (8 * 1024, split, 2 * 16 * 256)

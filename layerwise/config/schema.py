@@ -84,6 +84,9 @@ class HardwareConfig:
     overlaps_communication: bool = True  # communication beside compute (GPUs); false: CPU ranks use every core
     compute_units_per_node: int = 0  # cores the node's ranks share (calibrated CPU profiles); 0 = one device each
     memory_bandwidth: float = 0.0  # device memory bytes/s (HBM, spec sheet): roofline products, memory-bound operators; 0 = off
+    # Achieved / peak FLOP/s of the matrix products known for this profile: mode=calibrate writes 1 (its
+    # peak_flops is the rate it measured); null = plan.efficiency (an assumption, for spec-sheet peaks).
+    matmul_efficiency: Optional[float] = None
 
 
 @dataclass

@@ -73,6 +73,7 @@ RANGES = {
     "hardware.compute_units_per_node": ("non_negative", 2),
     "hardware.point_to_point_latency_s": ("non_negative", "5e-5"),
     "hardware.host_device_bandwidth": ("non_negative", "1.6e10"),
+    "hardware.matmul_efficiency": ("fraction", 1.0),
     "calibrate.repeats": ("count", 5),
     "plan.efficiency": ("fraction", 0.5), "plan.allocator_margin": ("probability", 0.1),
     "plan.search_top": ("count", 10), "plan.search_replan": ("non_negative", 3),

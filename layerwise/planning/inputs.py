@@ -102,12 +102,19 @@ def device_of(cfg, world_size: int = None) -> Device:
     ranks = min(hardware.devices_per_node, world_size or hardware.devices_per_node)
     share = hardware.compute_units_per_node / ranks if hardware.compute_units_per_node else 1.0
     slow = min(share, 1.0)  # time-sharing stretches every compute cost; extra threads help the products only
-    return Device(hardware.peak_flops.get(dtype, 0.0) * share, cfg.plan.efficiency, hardware.device_memory_bytes,
+    return Device(hardware.peak_flops.get(dtype, 0.0) * share, efficiency_of(cfg), hardware.device_memory_bytes,
                   hardware.intra_node_bandwidth, hardware.inter_node_bandwidth, hardware.devices_per_node,
                   hardware.matmul_overhead_s / slow, hardware.collective_latency_s, hardware.block_overhead_s / slow,
                   hardware.activation_seconds_per_element / slow, hardware.optimizer_seconds_per_parameter / slow,
                   (hardware.point_to_point_latency_s if share >= 1 else hardware.collective_latency_s) or None,
                   hardware.overlaps_communication, hardware.memory_bandwidth)
+
+
+def efficiency_of(cfg) -> float:
+    """Achieved / peak FLOP/s of the matrix products: the profile's own where it knows it (a calibrated
+    profile's peak is the rate mode=calibrate measured: 1), else `plan.efficiency` (assumed)."""
+    known = cfg.hardware.get("matmul_efficiency")
+    return cfg.plan.efficiency if known is None else known
 
 
 def training_plan_of(cfg):

@@ -12,8 +12,8 @@ def table(result: dict, device: Device) -> str:
     lines = [f"plan: {result['strategy']} × {result['model']} × {result['hardware']} on {result['world_size']} "
              f"devices; predicted step {result['step_time_s']:.3f} s, {result['tokens_per_s']:.0f} tokens/s, "
              f"MFU {result['mfu']:.1%}, bubble {result['bubble_fraction']:.1%} (efficiency "
-             f"{result['efficiency_assumed']:.0%} assumed, "
-             f"{'hardware measured by mode=calibrate' if device.activation_seconds_per_element else 'not calibrated'})",
+             f"{result['efficiency_assumed']:.0%} "
+             f"{'of the rate mode=calibrate measured' if device.activation_seconds_per_element else 'assumed, not calibrated'})",
              f"{'role':40s} {'params':>8s} {'grads':>8s} {'optim':>8s} {'activ':>8s} {'buffers':>8s} "
              + "".join(f"{kind:>8s} " for kind in _extra_kinds(result)) + f"{'total GiB':>10s} {'device':>7s} fits"]
     for role in result["roles"]:

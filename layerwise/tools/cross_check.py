@@ -81,17 +81,17 @@ def cross_check(cfg, world_size: int, result: dict, fake_tensors: bool | None = 
 
 def _without_gloo_temporaries(cfg, world_size: int) -> dict:
     """The plan the fake group can be held to: a gloo plan counts gloo's reduce-scatter temporaries
-    (estimate_memory.gloo_temporaries), which the fake process group, like NCCL, never makes. Only
+    (cost.memory.gloo_temporaries), which the fake process group, like NCCL, never makes. Only
     they are taken out: the sends held stay gloo's, which the dry run's fake group also completes
     only in `wait()` (docs/strategies/pipeline_memory.md)."""
     from layerwise.planning.result import plan_result
-    from layerwise.planning.inputs import workload_of
-    from cost.memory import gloo_temporaries
+    from layerwise.planning.inputs import training_plan_of, workload_of
+    from cost.memory import memory
     result = plan_result(cfg, world_size)
-    workload = workload_of(cfg, world_size)
-    temporaries = gloo_temporaries(workload, workload.micro_batch_rows * workload.shape.length)
+    workload, schedule = workload_of(cfg, world_size), training_plan_of(cfg)
     for role in result["roles"]:
-        role["memory_bytes"] = {**role["memory_bytes"], "buffers": role["memory_bytes"]["buffers"] - temporaries}
+        role["memory_bytes"] = memory(workload, schedule, role["pipeline_ranks"][0], cfg.plan.flash_attention,
+                                      temporaries=False)
     return result
 
 

@@ -126,6 +126,9 @@ def prediction(cfg, world_size: int) -> dict:
 
 def prediction_source(cfg) -> str:
     """Where a point's predicted columns come from (the `prediction` column)."""
+    if cfg.hardware.get("matmul_efficiency") is not None:
+        return (f"plan mode, hardware={cfg.hardware.name} at its matrix products' measured rate "
+                f"(matmul_efficiency={cfg.hardware.matmul_efficiency})")
     return (f"plan mode, hardware={cfg.hardware.name} at plan.efficiency={cfg.plan.efficiency} of its peak "
             f"(assumed, not calibrated)")
 

@@ -269,7 +269,7 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     block = block_saved_bytes(workload, tokens, flash) + block_extra_bytes(workload, tokens)
     piece = workload.piece * BYTES  # the residual stream crosses boundaries in fp32 (StageWork.activation_dtype)
     kept = piece if workload.recompute else per_stage * block  # recompute: stage inputs
-    loops, first, last = len(stages), 0 in stages, total_stages - 1 in stages
+    loops, last = len(stages), total_stages - 1 in stages
     head = head_saved_bytes(workload, tokens) if last else 0.0
     working = backward_working_bytes(workload, tokens, last)
     pipelined = layout.pipeline > 1  # sends are kept until proven received, receives from their post

@@ -104,7 +104,8 @@ def tensor_options(cfg, world: int) -> list:
             ranks = q ** dimension
             grid = grid_of(mode, ranks, 0)
             if ranks <= bound and world % ranks == 0 and cfg.model.hidden % grid.feature_parts == 0 \
-                    and cfg.model.heads % grid.head_parts == 0 and (cfg.model.kv_heads or 1) % grid.head_parts == 0:
+                    and cfg.model.heads % grid.head_parts == 0 \
+                    and (cfg.model.kv_heads or cfg.model.heads) % grid.head_parts == 0:  # null kv_heads = heads
                 options.append((mode, q))
     return options
 

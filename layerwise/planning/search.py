@@ -32,7 +32,7 @@ from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
 from cost.inputs import ComposedLayout, Workload
 from cost.step_time import closed_form_step, model_flops_utilization
 from cost.memory import closed_form_held, closed_form_in_flight, closed_form_moments, stage_memory
-from strategies.schedule.generators import _check_combination
+from strategies.schedule.generators import SCHEDULES, ZERO_BUBBLE, _check_combination, stage_placement
 from strategies.tensor_parallel.grids import DIMENSION, grid_of
 
 GIB = 2 ** 30
@@ -42,8 +42,15 @@ FAMILIES = {"modular_pipeline": ("looped_breadth_first", False, None),
             "one_f_one_b": ("one_f_one_b", False, None),
             "interleaved_1f1b": ("interleaved_one_f_one_b", False, None),
             "zero_layered": ("looped_breadth_first", True, None),
-            "zero_depth_first": ("looped_breadth_first", True, 1)}
-ONE_STAGE_PER_RANK = ("gpipe", "one_f_one_b")  # their schedules need layers_per_stage = layers / p
+            "zero_depth_first": ("looped_breadth_first", True, 1),
+            "zero_bubble_h1": ("zero_bubble_h1", False, None),  # split backward (Qi et al. 2023)
+            "zbv": ("zbv", False, None)}
+if "zero_bubble_h2" in SCHEDULES:  # its generator may not exist yet; priced by simulating its plan
+    FAMILIES["zero_bubble_h2"] = ("zero_bubble_h2", False, None)
+# families without a conf/strategy file of their own: the strategy that runs their schedule
+STRATEGY_OF = {"zero_bubble_h1": "modular_pipeline", "zbv": "modular_pipeline", "zero_bubble_h2": "modular_pipeline"}
+ONE_STAGE_PER_RANK = ("gpipe", "one_f_one_b", "zero_bubble_h1", "zero_bubble_h2")  # layers_per_stage = layers / p
+TWO_STAGES_PER_RANK = ("zbv",)  # the V: layers_per_stage = layers / 2p
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,7 @@ class Layout:
 
     def strategy_fields(self) -> dict:
         """What the point's `strategy` node holds (the family's yaml plus these)."""
-        return {"name": self.family, "schedule": self.schedule, "pipeline_degree": self.pipeline_degree,
+        return {"name": STRATEGY_OF.get(self.family, self.family), "schedule": self.schedule, "pipeline_degree": self.pipeline_degree,
                 "layers_per_stage": self.layers_per_stage, "micro_batches": self.micro_batches,
                 "breadth_first_micro_batches": self.breadth_first_micro_batches,
                 "activation_recompute": self.activation_recompute, "tensor_parallel": self.tensor_parallel,
@@ -114,7 +121,8 @@ def families(cfg) -> list:
     """The families whose strategy-level checks (precision, clipping, optimizer) pass for this config."""
     kept = []
     for family, (_, zero, _) in FAMILIES.items():
-        if fp16_errors(family, cfg.hardware.precision) or gradient_clipping_errors(family, cfg.trainer.gradient_clip_val):
+        name = STRATEGY_OF.get(family, family)
+        if fp16_errors(name, cfg.hardware.precision) or gradient_clipping_errors(name, cfg.trainer.gradient_clip_val):
             continue
         if zero and (cfg.optimizer.name == "lamb" or cfg.model.tie_embeddings):
             continue
@@ -140,7 +148,8 @@ def layouts(cfg, world: int):
                         if (batch // (data * micro)) % rows_split or not _schedule_accepts(
                                 schedule, pipeline, layers // per_stage, micro, breadth_first):
                             continue
-                        for recompute in ("none", "full"):
+                        # a split backward keeps the graph from I to W: no recomputation (modular_pipeline.check)
+                        for recompute in ("none",) if schedule in ZERO_BUBBLE else ("none", "full"):
                             yield Layout(family, pipeline, mode, q, per_stage, micro, recompute, data)
 
 
@@ -151,6 +160,8 @@ def stage_sizes(family: str, layers: int, pipeline: int) -> list:
         return []
     if family in ONE_STAGE_PER_RANK:
         return [layers // pipeline]
+    if family in TWO_STAGES_PER_RANK:
+        return [layers // (2 * pipeline)] if layers % (2 * pipeline) == 0 else []
     sizes = [k for k in divisors(layers) if (layers // k) % pipeline == 0]
     return [k for k in sizes if layers // k >= 2 * pipeline] if family == "interleaved_1f1b" else sizes
 
@@ -208,7 +219,8 @@ def role_bytes(workload: Workload, layout: Layout, rank: int, stages: int, bread
     """`cost.memory.memory` of pipeline rank `rank` without its plan row: the stages it holds (looping
     r, r + p, …; at v = 1 the contiguous placement's one stage r) and the closed-form in-flight counts."""
     loops = stages // layout.pipeline_degree
-    held = [rank + loop * layout.pipeline_degree for loop in range(loops)]
+    placement = stage_placement(stages, layout.pipeline_degree, "v" if layout.schedule == "zbv" else "looping")
+    held = [stage for stage in range(stages) if placement[stage] == rank]
     alive = closed_form_in_flight(layout.schedule, layout.pipeline_degree, loops, breadth_first, rank)
     last_alive, later, posted = closed_form_moments(layout.schedule, layout.pipeline_degree, loops, breadth_first,
                                                     layout.micro_batches, rank)
@@ -347,7 +359,7 @@ def sweep_line(cfg, chosen: list) -> str:
 def strategy_overrides(points: list) -> list:
     dictionaries = ",".join("{" + ",".join(f"{key}:{_hydra_value(value)}" for key, value in
                                            point.strategy_fields().items()) + "}" for point in points)
-    return [f"strategy={points[0].family}", f"'strategy={dictionaries}'"]
+    return [f"strategy={STRATEGY_OF.get(points[0].family, points[0].family)}", f"'strategy={dictionaries}'"]
 
 
 def _hydra_value(value) -> str:

@@ -413,8 +413,7 @@ def closed_form_held(schedule: str, pipeline_degree: int, loops: int, breadth_fi
     `held_sends(..., completes_when_received=True)` by at most one piece (tests/test_pipeline_memory.py
     checks both sides on every tested (schedule, p, v, m, bf))."""
     if schedule in SPLIT_BACKWARD:
-        return held_sends(split_backward_plan(schedule, pipeline_degree, breadth_first, micro_batches), rank,
-                          completes_when_received)
+        return _split_backward_held(schedule, pipeline_degree, breadth_first, micro_batches, rank, completes_when_received)
     if completes_when_received:
         later = end = int(pipeline_degree > 1 and (rank > 0 or loops > 1))  # a looping rank 0 sends gradients
     else:
@@ -469,3 +468,10 @@ def split_backward_plan(schedule: str, pipeline_degree: int, breadth_first: int,
     return add_gradient_reductions(add_communication(build_plan(
         schedule, pipeline_degree=pipeline_degree, stages=stages, micro_batches=micro_batches,
         breadth_first_micro_batches=breadth_first)))
+
+
+@lru_cache(maxsize=4096)
+def _split_backward_held(schedule: str, pipeline_degree: int, breadth_first: int, micro_batches: int, rank: int,
+                         completes_when_received: bool) -> tuple:
+    return held_sends(split_backward_plan(schedule, pipeline_degree, breadth_first, micro_batches), rank,
+                      completes_when_received)

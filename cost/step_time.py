@@ -259,16 +259,21 @@ def predict_step(workload: Workload, device: Device, plan) -> dict:
     """Predicted step: makespan of the simulated plan + the exposed data-parallel reduction + the
     slowest rank's optimizer step, bubble fraction, and each pipeline rank's bytes by kind
     (cost/traffic.py)."""
-    timeline = simulate(plan, step_cost(workload, device, plan))
+    step = simulated_step(workload, device, plan)
     traffic = [rank_traffic(workload, plan, rank) for rank in range(plan.pipeline_degree)]
+    return {**step, "bytes_by_rank": [{kind: traffic_rank[kind] for kind in KINDS} for traffic_rank in traffic]}
+
+
+def simulated_step(workload: Workload, device: Device, plan) -> dict:
+    """`predict_step` without the bytes by rank (what the search needs of a plan it simulates)."""
+    timeline = simulate(plan, step_cost(workload, device, plan))
     exposed = max(_last_reduction_seconds(workload, device, plan, rank) for rank in range(plan.pipeline_degree)) \
         if device.overlaps_communication else 0.0  # else inside the timeline, where each reduction is issued
     update = max(optimizer_seconds(workload, device, sorted({a.stage for a in row if a is not None and a.kind == FORWARD}),
                                    plan.stages) for row in plan.ranks)
     return {"step_seconds": timeline.makespan + exposed + update,
             "compute_seconds": timeline.makespan, "exposed_data_seconds": exposed, "optimizer_seconds": update,
-            "bubble_fraction": timeline.bubble_fraction, "timeline": timeline,
-            "bytes_by_rank": [{kind: traffic_rank[kind] for kind in KINDS} for traffic_rank in traffic]}
+            "bubble_fraction": timeline.bubble_fraction, "timeline": timeline}
 
 
 def _last_reduction_seconds(workload: Workload, device: Device, plan, rank: int) -> float:
@@ -342,9 +347,7 @@ def closed_form_step(workload: Workload, device: Device, schedule: str, micro_ba
     p, stages = workload.layout.pipeline, workload.layers // workload.layers_per_stage
     loops, breadth_first = stages // p, breadth_first or micro_batches
     if schedule in ("zbv", "zero_bubble_h2"):  # no closed form for their list schedules: simulate the (cached) plan
-        predicted = predict_step(workload, device, split_backward_plan(schedule, p, breadth_first, micro_batches))
-        return {key: predicted[key] for key in ("step_seconds", "compute_seconds", "exposed_data_seconds",
-                                                "optimizer_seconds", "bubble_fraction")}
+        return simulated_step(workload, device, split_backward_plan(schedule, p, breadth_first, micro_batches))
     receive = receive_seconds(workload, device) if p > 1 else 0.0
     middle = stage_seconds(workload, device, 0, stages)  # stage 0's compute equals a middle stage's
     last = stage_seconds(workload, device, stages - 1, stages)

@@ -3,14 +3,16 @@
     python train.py mode=plan plan.search=true model=gpt3_175b hardware=dgx_a100_80g hardware.nodes=128 \
         data.global_batch_size=1536 data.sequence_length=2048
 
-1. enumerate: strategy family (the pipeline schedules, ZeRO-layered and depth-first ZeRO), tensor
+1. enumerate: strategy family (the pipeline schedules, zero-bubble ZB-H1/ZBV without recomputation,
+   ZeRO-layered and depth-first ZeRO), tensor
    grid (none, 1-D q, 2-D q², 3-D q³ ranks, at most plan.search_max_tensor_ranks), pipeline degree,
    layers per stage, micro-batches and recomputation; data = world / (pipeline × tensor). Placement
    follows the schedule (contiguous or looping, the tensor axis innermost). Only what validation
    accepts is produced: the same divisibility rules, the schedules' own `_check_combination`, the
    grids' splits and the strategies' precision/optimizer rules;
 2. evaluate each in closed form from cost/step_time.py's formulas (`stage_memory` with
-   `closed_form_in_flight`, `closed_form_step`): no plan is built, no config composed;
+   `closed_form_in_flight`, `closed_form_step`): no config composed, and no plan built but ZB-H1's
+   and ZBV's, one per (p, m), whose buffers (and ZBV's step, simulated) are read off it;
 3. keep those whose largest role fits the device after the allocator margin, rank by step time,
    print the top plan.search_top with memory and MFU, write plan_search.csv (every fitting layout);
 4. re-plan the first plan.search_replan through the full path (validate, the strategy's plan, the

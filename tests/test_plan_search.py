@@ -23,7 +23,7 @@ from cost.inputs import Device, Workload
 from cost.step_time import closed_form_step, predict_step
 from cost.memory import closed_form_in_flight, closed_form_moments, in_flight, in_flight_moments, memory
 from strategies.modular_pipeline import ModularPipelineStrategy
-from strategies.schedule.generators import build_plan
+from strategies.schedule.generators import SCHEDULES, build_plan
 from strategies.schedule.passes import add_communication
 from cost.inputs import ComposedLayout, GptShape
 from strategies.zero_layered import ZeroLayeredStrategy
@@ -62,7 +62,8 @@ CASES = [  # (schedule, p, layers per stage, m, breadth-first, ZeRO, data)
     ("zero_bubble_h1", 4, 6, 8, None, False, 4), ("zero_bubble_h1", 8, 3, 16, None, False, 4),
     ("zero_bubble_h1", 8, 3, 3, None, False, 4), ("zero_bubble_h1", 2, 12, 4, None, False, 4),
     ("zero_bubble_h1", 8, 3, 16, 4, False, 4), ("zbv", 4, 3, 8, None, False, 4), ("zbv", 2, 6, 4, None, False, 4),
-]
+] + ([("zero_bubble_h2", 4, 6, 8, None, False, 4), ("zero_bubble_h2", 2, 12, 4, None, False, 4)]
+     if "zero_bubble_h2" in SCHEDULES else [])  # ZB-H2, simulated, once its generator exists
 
 
 @pytest.mark.parametrize("grid, vocabulary", [(None, 256), ("1d", 50304)], ids=["no_grid", "1d_grid_big_head"])

@@ -2,10 +2,13 @@
 
     .venv/bin/python benchmarks/pipeline_vs_torch.py [--layers 8 --hidden 256 --micro-batches 8]
 
-Each rank times forward+backward of one global batch (no optimizer) under GPipe, 1F1B and the
-looped breadth-first schedule, alternating ours and theirs step by step so both see the same
-machine load, and prints the median step times and the ratio ours/theirs measured in this run.
-The losses of both are printed too: the two implementations compute the same thing.
+Each rank times forward+backward of one global batch (no optimizer) under GPipe, 1F1B, the
+looped breadth-first schedule and the zero-bubble ones (ours `zero_bubble_h1`, one stage per rank,
+against torch's `ScheduleInterleavedZeroBubble` on one stage per rank — its ZB1P, Qi et al. 2023's
+ZB-H1; ours `zbv` against `ScheduleZBVZeroBubble`, both two stages per rank on the V placement),
+alternating ours and theirs step by step so both see the same machine load, and prints the median
+step times and the ratio ours/theirs measured in this run (`--schedules` runs a subset). The
+losses of both are printed too: the two implementations compute the same thing.
 """
 
 import argparse
@@ -21,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: E402
-                                          ScheduleLoopedBFS)
+                                          ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
 
 from layerwise.run.launch import run_ranks  # noqa: E402
 from parallel.dims import Layout  # noqa: E402
@@ -31,7 +34,17 @@ from strategies.modular_pipeline import training_plan  # noqa: E402
 from strategies.schedule import execute  # noqa: E402
 from strategies.stages import Peers, StageWork, keep_local_stages, stage_blocks  # noqa: E402
 
-THEIRS = {"gpipe": ScheduleGPipe, "one_f_one_b": Schedule1F1B, "looped_breadth_first": ScheduleLoopedBFS}
+THEIRS = {"gpipe": ScheduleGPipe, "one_f_one_b": Schedule1F1B, "looped_breadth_first": ScheduleLoopedBFS,
+          "zero_bubble_h1": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+MULTI_STAGE = ("looped_breadth_first", "zero_bubble_h1", "zbv")  # torch's classes taking a list of stages
+TWO_STAGES_PER_RANK = ("looped_breadth_first", "zbv")
+
+
+def stage_rank(schedule: str, stage: int, pipeline_degree: int) -> int:
+    """The rank holding `stage`: looping for looped BFS, the V for ZBV (stages.stage_placement), else contiguous."""
+    if schedule == "zbv":
+        return stage if stage < pipeline_degree else 2 * pipeline_degree - 1 - stage
+    return stage % pipeline_degree
 
 
 class TorchStage(nn.Module):
@@ -51,7 +64,7 @@ class TorchStage(nn.Module):
 
 
 def plan_config(schedule, pipeline_degree, layers, micro_batches):
-    per_stage = layers // pipeline_degree if schedule != "looped_breadth_first" else layers // (2 * pipeline_degree)
+    per_stage = layers // pipeline_degree if schedule not in TWO_STAGES_PER_RANK else layers // (2 * pipeline_degree)
     return argparse.Namespace(schedule=schedule, pipeline_degree=pipeline_degree, layers_per_stage=per_stage,
                               micro_batches=micro_batches, breadth_first_micro_batches=None), per_stage
 
@@ -78,18 +91,18 @@ def theirs(model, layout, schedule, arguments):
     config, per_stage = plan_config(schedule, p, arguments.layers, arguments.micro_batches)
     stages = arguments.layers // per_stage
     local = copy.deepcopy(model)
-    mine = [s for s in range(stages) if s % p == rank] if schedule == "looped_breadth_first" else [rank]
+    mine = [s for s in range(stages) if stage_rank(schedule, s, p) == rank]
     pipeline_stages = [PipelineStage(TorchStage(local, s, stages, per_stage), s, stages, torch.device("cpu"),
                                      group=layout.group("pipeline").process_group) for s in mine]
     loss = lambda logits, targets: local.loss(logits, targets)  # noqa: E731
-    if schedule == "looped_breadth_first":
+    if schedule in MULTI_STAGE:
         runner = THEIRS[schedule](pipeline_stages, arguments.micro_batches, loss_fn=loss)
     else:
         runner = THEIRS[schedule](pipeline_stages[0], arguments.micro_batches, loss_fn=loss)
 
     def step(batch):
         losses = []
-        first, last = rank == 0, rank == (stages - 1) % p
+        first, last = rank == 0, rank == stage_rank(schedule, stages - 1, p)
         runner.step(*((batch["tokens"],) if first else ()), target=batch["targets"] if last else None,
                     losses=losses)
         return torch.stack(losses).mean() if losses else None
@@ -112,7 +125,7 @@ def rank_main(rank, arguments):
     batch = {"tokens": torch.randint(0, 256, (arguments.batch, arguments.sequence)),
              "targets": torch.randint(0, 256, (arguments.batch, arguments.sequence))}
     results = {}
-    for schedule in THEIRS:
+    for schedule in arguments.schedules:
         steps = {"ours": ours(model, layout, schedule, arguments), "theirs": theirs(model, layout, schedule, arguments)}
         times, losses = {"ours": [], "theirs": []}, {}
         for iteration in range(arguments.warmup + arguments.steps):
@@ -135,12 +148,13 @@ def main():
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--schedules", nargs="+", choices=list(THEIRS), default=list(THEIRS))
     arguments = parser.parse_args()
     per_rank = run_ranks(rank_main, arguments.ranks, arguments)
     print(f"{arguments.ranks} ranks, GPT {arguments.layers}×{arguments.hidden}, batch {arguments.batch}×"
           f"{arguments.sequence}, {arguments.micro_batches} micro-batches, median of {arguments.steps} steps")
     print(f"{'schedule':24s} {'ours (s)':>10s} {'torch (s)':>10s} {'ours/torch':>11s}   loss ours / torch")
-    for schedule in THEIRS:
+    for schedule in arguments.schedules:
         mine = max(r[schedule]["ours"] for r in per_rank)
         reference = max(r[schedule]["theirs"] for r in per_rank)
         losses = [r[schedule]["losses"] for r in per_rank if r[schedule]["losses"].get("ours") is not None]

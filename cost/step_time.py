@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from parallel.comm import KINDS
 from cost.inputs import OPTIMIZER_STATE, Device, Workload
-from cost.memory import block_saved_bytes, stage_parameters  # the memory half
+from cost.memory import block_saved_bytes, split_backward_plan, stage_parameters  # the memory half
 from strategies.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT,
                                  SEND_ACTIVATION, SEND_GRADIENT, simulate)
 from strategies.schedule.zero import GATHER_FOR, GATHERS, REDUCE_SCATTER, compute_runs
@@ -284,16 +284,21 @@ def predict_step(workload: Workload, device: Device, plan) -> dict:
     """Predicted step: makespan of the simulated plan + the exposed data-parallel reduction + the
     slowest rank's optimizer step, bubble fraction, and each pipeline rank's bytes by kind
     (cost/traffic.py)."""
-    timeline = simulate(plan, step_cost(workload, device, plan))
+    step = simulated_step(workload, device, plan)
     traffic = [rank_traffic(workload, plan, rank) for rank in range(plan.pipeline_degree)]
+    return {**step, "bytes_by_rank": [{kind: traffic_rank[kind] for kind in KINDS} for traffic_rank in traffic]}
+
+
+def simulated_step(workload: Workload, device: Device, plan) -> dict:
+    """`predict_step` without the bytes by rank (what the search needs of a plan it simulates)."""
+    timeline = simulate(plan, step_cost(workload, device, plan))
     exposed = max(_last_reduction_seconds(workload, device, plan, rank) for rank in range(plan.pipeline_degree)) \
         if device.overlaps_communication else 0.0  # else inside the timeline, where each reduction is issued
     update = max(optimizer_seconds(workload, device, sorted({a.stage for a in row if a is not None and a.kind == FORWARD}),
                                    plan.stages) for row in plan.ranks)
     return {"step_seconds": timeline.makespan + exposed + update,
             "compute_seconds": timeline.makespan, "exposed_data_seconds": exposed, "optimizer_seconds": update,
-            "bubble_fraction": timeline.bubble_fraction, "timeline": timeline,
-            "bytes_by_rank": [{kind: traffic_rank[kind] for kind in KINDS} for traffic_rank in traffic]}
+            "bubble_fraction": timeline.bubble_fraction, "timeline": timeline}
 
 
 def _last_reduction_seconds(workload: Workload, device: Device, plan, rank: int) -> float:
@@ -366,6 +371,8 @@ def closed_form_step(workload: Workload, device: Device, schedule: str, micro_ba
     schedule here (contiguous: its one stage; looping: backwards visit local stages in reverse)."""
     p, stages = workload.layout.pipeline, workload.layers // workload.layers_per_stage
     loops, breadth_first = stages // p, breadth_first or micro_batches
+    if schedule in ("zbv", "zero_bubble_h2"):  # no closed form for their list schedules: simulate the (cached) plan
+        return simulated_step(workload, device, split_backward_plan(schedule, p, breadth_first, micro_batches))
     receive = receive_seconds(workload, device) if p > 1 else 0.0
     middle = stage_seconds(workload, device, 0, stages)  # stage 0's compute equals a middle stage's
     last = stage_seconds(workload, device, stages - 1, stages)
@@ -375,6 +382,10 @@ def closed_form_step(workload: Workload, device: Device, schedule: str, micro_ba
         receives = sum((stage > 0) + (stage < stages - 1) for stage in held) * receive
         per_micro_batch.append(sum(sum(last if stage == stages - 1 else middle) for stage in held) + receives)
     group = (p - 1) * (sum(middle) + 2 * receive) + breadth_first * max(per_micro_batch)
+    if schedule == "zero_bubble_h1":  # rank 0, a middle rank, the last: (its micro-batch, its W)
+        ranks = [(per_micro_batch[0], middle[1] / 2)] if p == 1 else \
+            [(cost, (last if rank == p - 1 else middle)[1] / 2) for rank, cost in zip({0, min(1, p - 1), p - 1}, per_micro_batch)]
+        group = zero_bubble_h1_group(middle, receive, p, breadth_first, ranks)
     groups = micro_batches // breadth_first
     # ZeRO: the stalls of each group's first gathers add up along the pipeline (ranks 1 … p − 2 hold
     # equal stages); the later ones overlap across ranks in the lockstep loop, so the slowest rank's.
@@ -390,6 +401,21 @@ def closed_form_step(workload: Workload, device: Device, schedule: str, micro_ba
     return {"step_seconds": compute + exposed + update, "compute_seconds": compute, "exposed_data_seconds": exposed,
             "optimizer_seconds": update,
             "bubble_fraction": 1 - busy / (compute * p) if compute else 0.0}
+
+
+def zero_bubble_h1_group(middle: tuple, receive: float, p: int, breadth_first: int, ranks: list) -> float:
+    """One breadth-first group of ZB-H1 (Qi et al. 2023 §3.1) in closed form, on a middle stage's F
+    and B = I + W (I = W = B/2, step_cost), a receive R, and per rank (its micro-batch's F + I + W +
+    receives, its W): the first forward reaches the last rank after (p − 1)(F + R) − R; the busiest
+    rank then runs its bf micro-batches back to back, but for the min(bf, p) Ws it defers past its
+    last I; that I returns to rank 0 through (p − 1)(I + R), whose last W ends the group. Bubble
+    (p − 1)(F + 2R) − R + I − W + … : (p − 1)·T_F at T_I = T_W, R = 0 — the paper's
+    (p − 1)(T_F + T_B − T_W), a third of 1F1B's (p − 1)(T_F + T_B + T_W)."""
+    forward, backward = middle
+    half = backward / 2  # I and W of a middle stage
+    deferred, back = min(breadth_first, p), (p - 1) * (half + receive) + half
+    return (p - 1) * (forward + receive) - receive * (p > 1) + max(
+        breadth_first * cost - deferred * weight + max(back, deferred * weight) for cost, weight in ranks)
 
 
 # ----- L2L: one device relays the layers from the host store (docs/strategies/l2l.md, Pudipeddi et al. 2020)

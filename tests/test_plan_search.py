@@ -22,7 +22,7 @@ from cost.inputs import Device, Workload
 from cost.step_time import closed_form_step, predict_step
 from cost.memory import closed_form_in_flight, closed_form_moments, in_flight, in_flight_moments, memory
 from strategies.modular_pipeline import ModularPipelineStrategy
-from strategies.schedule.generators import build_plan
+from strategies.schedule.generators import SCHEDULES, build_plan
 from strategies.schedule.passes import add_communication
 from cost.inputs import GptShape
 from parallel.dims import Layout
@@ -59,7 +59,12 @@ CASES = [  # (schedule, p, layers per stage, m, breadth-first, ZeRO, data)
     ("interleaved_one_f_one_b", 4, 2, 8, None, False, 4), ("interleaved_one_f_one_b", 4, 3, 16, None, False, 4),
     ("looped_breadth_first", 1, 2, 8, 1, True, 64), ("looped_breadth_first", 1, 2, 8, None, True, 64),
     ("looped_breadth_first", 4, 6, 8, None, True, 64),
-]
+    # split backward (issue 32): ZB-H1 in closed form (m < p, m > p, depth-first groups), ZBV simulated
+    ("zero_bubble_h1", 4, 6, 8, None, False, 4), ("zero_bubble_h1", 8, 3, 16, None, False, 4),
+    ("zero_bubble_h1", 8, 3, 3, None, False, 4), ("zero_bubble_h1", 2, 12, 4, None, False, 4),
+    ("zero_bubble_h1", 8, 3, 16, 4, False, 4), ("zbv", 4, 3, 8, None, False, 4), ("zbv", 2, 6, 4, None, False, 4),
+] + ([("zero_bubble_h2", 4, 6, 8, None, False, 4), ("zero_bubble_h2", 2, 12, 4, None, False, 4)]
+     if "zero_bubble_h2" in SCHEDULES else [])  # ZB-H2, simulated, once its generator exists
 
 
 @pytest.mark.parametrize("grid, vocabulary", [(None, 256), ("1d", 50304)], ids=["no_grid", "1d_grid_big_head"])
@@ -89,6 +94,23 @@ def test_closed_form_agrees_with_the_simulated_plan(case, grid, vocabulary):
         planned = max(sum(memory(backend, plan, rank).values()) for rank in range(pipeline))
         piece = backend.piece * 4 * (pipeline > 1)  # fp32 boundary buffers (estimate_memory.stage_memory)
         assert searched == planned if gloo else planned <= searched <= planned + piece * (1 + 1e-12)
+
+
+def test_zero_bubble_h1_closed_form_is_the_papers_bubble_and_the_simulators():
+    """At T_F = 1, T_I = T_W = 1 and free transfers the closed form's group is 3m + (p − 1): the
+    paper's (p − 1)(T_F + T_B − T_W) of idle time per rank (Qi et al. 2023 §3.1), equal to the
+    simulated makespan of the built plan for every (p, m) here, m < p included (then the last rank's
+    m (F + I) and the return path (p − 1)·I + W bound it)."""
+    from strategies.schedule import flop_cost, simulate
+    from cost.step_time import zero_bubble_h1_group
+    for pipeline in (2, 4, 8):
+        for micro_batches in (3, 8, 16, 32):
+            group = zero_bubble_h1_group((1.0, 2.0), 0.0, pipeline, micro_batches, [(3.0, 1.0)])
+            simulated = simulate(built("zero_bubble_h1", pipeline, pipeline, micro_batches, None, False),
+                                 flop_cost(1.0, 1.0)).makespan
+            assert group == simulated, (pipeline, micro_batches)
+            if micro_batches >= pipeline:
+                assert group == 3 * micro_batches + pipeline - 1
 
 
 @pytest.mark.parametrize("grid, vocabulary", [(None, 256), ("1d", 50304)], ids=["no_grid", "1d_grid_big_head"])

@@ -3,14 +3,16 @@
     python train.py mode=plan plan.search=true model=gpt3_175b hardware=dgx_a100_80g hardware.nodes=128 \
         data.global_batch_size=1536 data.sequence_length=2048
 
-1. enumerate: strategy family (the pipeline schedules, ZeRO-layered and depth-first ZeRO), tensor
+1. enumerate: strategy family (the pipeline schedules, zero-bubble ZB-H1/ZBV without recomputation,
+   ZeRO-layered and depth-first ZeRO), tensor
    grid (none, 1-D q, 2-D q², 3-D q³ ranks, at most plan.search_max_tensor_ranks), pipeline degree,
    layers per stage, micro-batches and recomputation; data = world / (pipeline × tensor). Placement
    follows the schedule (contiguous or looping, the tensor axis innermost). Only what validation
    accepts is produced: the same divisibility rules, the schedules' own `_check_combination`, the
    grids' splits and the strategies' precision/optimizer rules;
 2. evaluate each in closed form from cost/step_time.py's formulas (`stage_memory` with
-   `closed_form_in_flight`, `closed_form_step`): no plan is built, no config composed;
+   `closed_form_in_flight`, `closed_form_step`): no config composed, and no plan built but ZB-H1's
+   and ZBV's, one per (p, m), whose buffers (and ZBV's step, simulated) are read off it;
 3. keep those whose largest role fits the device after the allocator margin, rank by step time,
    print the top plan.search_top with memory and MFU, write plan_search.csv (every fitting layout);
 4. re-plan the first plan.search_replan through the full path (validate, the strategy's plan, the
@@ -32,7 +34,7 @@ from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
 from cost.inputs import Workload
 from cost.step_time import closed_form_step, model_flops_utilization
 from cost.memory import closed_form_held, closed_form_in_flight, closed_form_moments, stage_memory
-from strategies.schedule.generators import _check_combination
+from strategies.schedule.generators import SCHEDULES, ZERO_BUBBLE, _check_combination, stage_placement
 from parallel.dims import Layout
 from strategies.tensor_parallel.grids import DIMENSION, grid_of
 
@@ -43,8 +45,15 @@ FAMILIES = {"modular_pipeline": ("looped_breadth_first", False, None),
             "one_f_one_b": ("one_f_one_b", False, None),
             "interleaved_1f1b": ("interleaved_one_f_one_b", False, None),
             "zero_layered": ("looped_breadth_first", True, None),
-            "zero_depth_first": ("looped_breadth_first", True, 1)}
-ONE_STAGE_PER_RANK = ("gpipe", "one_f_one_b")  # their schedules need layers_per_stage = layers / p
+            "zero_depth_first": ("looped_breadth_first", True, 1),
+            "zero_bubble_h1": ("zero_bubble_h1", False, None),  # split backward (Qi et al. 2023)
+            "zbv": ("zbv", False, None)}
+if "zero_bubble_h2" in SCHEDULES:  # its generator may not exist yet; priced by simulating its plan
+    FAMILIES["zero_bubble_h2"] = ("zero_bubble_h2", False, None)
+# families without a conf/strategy file of their own: the strategy that runs their schedule
+STRATEGY_OF = {"zero_bubble_h1": "modular_pipeline", "zbv": "modular_pipeline", "zero_bubble_h2": "modular_pipeline"}
+ONE_STAGE_PER_RANK = ("gpipe", "one_f_one_b", "zero_bubble_h1", "zero_bubble_h2")  # layers_per_stage = layers / p
+TWO_STAGES_PER_RANK = ("zbv",)  # the V: layers_per_stage = layers / 2p
 
 
 # plan_search.csv's first columns: a point under the strategy group's own field names
@@ -103,7 +112,7 @@ class Point:
 
     def strategy_fields(self) -> dict:
         """What the point's `strategy` node holds (the family's yaml plus these)."""
-        return {"name": self.family, "schedule": self.schedule, "pipeline_degree": self.pipeline_degree,
+        return {"name": STRATEGY_OF.get(self.family, self.family), "schedule": self.schedule, "pipeline_degree": self.pipeline_degree,
                 "layers_per_stage": self.layers_per_stage, "micro_batches": self.micro_batches,
                 "breadth_first_micro_batches": self.breadth_first_micro_batches,
                 "activation_recompute": self.activation_recompute, "tensor_parallel": self.tensor_parallel,
@@ -128,7 +137,8 @@ def tensor_options(cfg, world: int) -> list:
             ranks = q ** dimension
             grid = grid_of(mode, ranks, 0)
             if ranks <= bound and world % ranks == 0 and cfg.model.hidden % grid.feature_parts == 0 \
-                    and cfg.model.heads % grid.head_parts == 0 and (cfg.model.kv_heads or 1) % grid.head_parts == 0:
+                    and cfg.model.heads % grid.head_parts == 0 \
+                    and (cfg.model.kv_heads or cfg.model.heads) % grid.head_parts == 0:  # null kv_heads = heads
                 options.append((mode, q))
     return options
 
@@ -137,7 +147,8 @@ def families(cfg) -> list:
     """The families whose strategy-level checks (precision, clipping, optimizer) pass for this config."""
     kept = []
     for family, (_, zero, _) in FAMILIES.items():
-        if fp16_errors(family, cfg.hardware.precision) or gradient_clipping_errors(family, cfg.trainer.gradient_clip_val):
+        name = STRATEGY_OF.get(family, family)
+        if fp16_errors(name, cfg.hardware.precision) or gradient_clipping_errors(name, cfg.trainer.gradient_clip_val):
             continue
         if zero and (cfg.optimizer.name == "lamb" or cfg.model.tie_embeddings):
             continue
@@ -163,7 +174,8 @@ def layouts(cfg, world: int):
                         if (batch // (data * micro)) % rows_split or not _schedule_accepts(
                                 schedule, pipeline, layers // per_stage, micro, breadth_first):
                             continue
-                        for recompute in ("none", "full"):
+                        # a split backward keeps the graph from I to W: no recomputation (modular_pipeline.check)
+                        for recompute in ("none",) if schedule in ZERO_BUBBLE else ("none", "full"):
                             yield Point.of(family, pipeline, mode, q, per_stage, micro, recompute, data)
 
 
@@ -174,6 +186,8 @@ def stage_sizes(family: str, layers: int, pipeline: int) -> list:
         return []
     if family in ONE_STAGE_PER_RANK:
         return [layers // pipeline]
+    if family in TWO_STAGES_PER_RANK:
+        return [layers // (2 * pipeline)] if layers % (2 * pipeline) == 0 else []
     sizes = [k for k in divisors(layers) if (layers // k) % pipeline == 0]
     return [k for k in sizes if layers // k >= 2 * pipeline] if family == "interleaved_1f1b" else sizes
 
@@ -231,7 +245,8 @@ def role_bytes(workload: Workload, layout: Point, rank: int, stages: int, breadt
     """`cost.memory.memory` of pipeline rank `rank` without its plan row: the stages it holds (looping
     r, r + p, …; at v = 1 the contiguous placement's one stage r) and the closed-form in-flight counts."""
     loops = stages // layout.pipeline_degree
-    held = [rank + loop * layout.pipeline_degree for loop in range(loops)]
+    placement = stage_placement(stages, layout.pipeline_degree, "v" if layout.schedule == "zbv" else "looping")
+    held = [stage for stage in range(stages) if placement[stage] == rank]
     alive = closed_form_in_flight(layout.schedule, layout.pipeline_degree, loops, breadth_first, rank)
     last_alive, later, posted = closed_form_moments(layout.schedule, layout.pipeline_degree, loops, breadth_first,
                                                     layout.micro_batches, rank)
@@ -370,7 +385,7 @@ def sweep_line(cfg, chosen: list) -> str:
 def strategy_overrides(points: list) -> list:
     dictionaries = ",".join("{" + ",".join(f"{key}:{_hydra_value(value)}" for key, value in
                                            point.strategy_fields().items()) + "}" for point in points)
-    return [f"strategy={points[0].family}", f"'strategy={dictionaries}'"]
+    return [f"strategy={STRATEGY_OF.get(points[0].family, points[0].family)}", f"'strategy={dictionaries}'"]
 
 
 def _hydra_value(value) -> str:

@@ -21,6 +21,7 @@ from layerwise.run.fit import train
 from layerwise.run.hangs import HUNG_EXIT_CODE, StragglerDetector, diagnose
 from layerwise.run.launch import HangError, RankError
 from tests.ranks import QUICK, add_callbacks, compose_config
+from tests.warm_python import server_pids
 
 TIMEOUT_S = 3.0
 STEPS, EVERY = 6, 2
@@ -37,7 +38,8 @@ def run(directory: Path, *overrides: str) -> dict:
 
 
 def children() -> list:
-    """This process's descendants still in the process table (zombies included), read from /proc."""
+    """This process's descendants still in the process table (zombies included), read from /proc;
+    the suite's warm interpreter (tests/warm_python.py, alive all session) and its tree left out."""
     parents = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -48,7 +50,7 @@ def children() -> list:
             parents.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry.name))
     found, frontier = [], [os.getpid()]
     while frontier:
-        born = parents.get(frontier.pop(), [])
+        born = [pid for pid in parents.get(frontier.pop(), []) if pid not in server_pids()]
         found += born
         frontier += born
     return found

@@ -187,6 +187,11 @@ def python(argv: List[str], cwd: Path = ROOT, env: dict = None, timeout: float =
     return subprocess.CompletedProcess(argv, code, stdout, stderr)
 
 
+def server_pids() -> set:
+    """The running server's pid, if one started (a test that counts this process's children skips it)."""
+    return {server.process.pid for server in _SERVER}
+
+
 def stop() -> None:
     """Stops the session's server, if one started (conftest, at the session's end)."""
     while _SERVER:

@@ -76,7 +76,8 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
 
 
 def sacct_states(job: str) -> list:
-    result = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-o", "State", "-j", job])
+    result = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-o", "State", "-j", job],
+                            capture_output=True, text=True)
     return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
 
 

@@ -21,7 +21,7 @@ run: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/python train.py $(ARGS)
 
 test: $(STAMP)
-	WANDB_MODE=disabled $(BIN)/python -m pytest -q $(ARGS)
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q --durations=30 $(ARGS)
 
 check: $(STAMP)
 	$(BIN)/python train.py mode=check $(ARGS)

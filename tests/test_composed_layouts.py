@@ -29,9 +29,11 @@ MODEL = ["model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batch
 CASES = ["modular_pipeline_pp2_p2_m4", "modular_pipeline_pp2_v2_2d_q2_m4", "zero_layered_pp2_p2_dp2_m4",
          "zero_layered_pp2_2d_q2_dp2_m4", "one_f_one_b_pp2_3d_q2_m4"]
 # The Llama family (issue 29): GQA's narrower k/v, SwiGLU's three matrices, RMSNorm's one sum, no
-# position table, each in a grid the GPT has a formula for (1-D × ZeRO × data, 2-D × pipeline, 3-D).
-LLAMA_CASES = ["llama_zero_layered_pp2_p2_dp2_m4", "llama_modular_pipeline_pp2_v2_2d_q2_m4",
-               "llama_one_f_one_b_pp2_3d_q2_m4"]
+# position table, in grids the GPT has a formula for (1-D × ZeRO × data, 2-D × pipeline). Llama's 3-D
+# grid is proven under SGD on 8 ranks (test_three_d.py), pipeline × 3-D on the GPT above; the 16-rank
+# Llama pipeline × 3-D case (21 s, the largest after the Slurm tests) left the suite for its 20-minute
+# budget. Its layout stays in references.SGD_CASES (llama_one_f_one_b_pp2_3d_q2_m4).
+LLAMA_CASES = ["llama_zero_layered_pp2_p2_dp2_m4", "llama_modular_pipeline_pp2_v2_2d_q2_m4"]
 
 
 def run(directory, *overrides):

@@ -17,6 +17,7 @@ import os
 import struct
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ import yaml
 
 from layerwise.run.charts import log_run_evidence
 from layerwise.tools import report
+from tests.warm_python import python
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["debug=fast", "model.layers=2", "data.global_batch_size=8", "data.max_bytes=2000000",
@@ -39,28 +41,24 @@ def rank_peak_fp32(directory: Path, ranks: int) -> float:
     return hardware["peak_flops"]["fp32"] * hardware["compute_units_per_node"] / ranks
 
 
-def start_sweep(directory: Path, overrides: list, wandb_mode: str):
-    return subprocess.Popen([sys.executable, "train.py", "-m", *overrides, *TINY, f"hydra.sweep.dir={directory}"],
-                            cwd=ROOT, env={**os.environ, "WANDB_MODE": wandb_mode},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def run_sweep(directory: Path, overrides: list, wandb_mode: str):
+    return python([sys.executable, "train.py", "-m", *overrides, *TINY, f"hydra.sweep.dir={directory}"],
+                  cwd=ROOT, env={**os.environ, "WANDB_MODE": wandb_mode}, timeout=240)
 
 
 @pytest.fixture(scope="module")
 def sweeps(tmp_path_factory):
-    """Both sweeps, run concurrently (each mostly waits on its ranks' start-up); their outputs."""
+    """Both sweeps, run concurrently (each mostly waits on its ranks' start-up); their outputs
+    (stdout then stderr)."""
     base = tmp_path_factory.mktemp("sweeps")
-    processes = {"sweep": start_sweep(base / "sweep", SWEEP, "offline"),
-                 "failing": start_sweep(base / "failing", FAILING, "disabled")}
-    try:
-        outputs = {name: process.communicate(timeout=240)[0] for name, process in processes.items()}
-    finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    assert processes["sweep"].returncode == 0, outputs["sweep"][-3000:]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        running = {"sweep": pool.submit(run_sweep, base / "sweep", SWEEP, "offline"),
+                   "failing": pool.submit(run_sweep, base / "failing", FAILING, "disabled")}
+        results = {name: future.result() for name, future in running.items()}
+    outputs = {name: result.stdout + result.stderr for name, result in results.items()}
+    assert results["sweep"].returncode == 0, outputs["sweep"][-3000:]
     return {"sweep": base / "sweep", "failing": base / "failing", "output": outputs,
-            "returncode": {name: process.returncode for name, process in processes.items()}}
+            "returncode": {name: result.returncode for name, result in results.items()}}
 
 
 def csv_rows(path: Path) -> list:

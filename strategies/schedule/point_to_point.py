@@ -304,13 +304,21 @@ def _first_slot_from(row, slot: int, time: float, start: dict) -> int | None:
                 None)
 
 
+@functools.lru_cache(maxsize=8)
+def _every_ranks_proofs(plan: Plan, completes_when_received: bool) -> tuple:
+    """send_releases and send_completions are computed for every rank at once: the layout search
+    asks release_points for three ranks of each plan it prices (cost/memory.held_sends)."""
+    return send_releases(plan), send_completions(plan) if completes_when_received else None
+
+
 def release_points(plan: Plan, rank: int, completes_when_received: bool = False) -> dict[Action, tuple[Action, ...]]:
     """{action of `rank`'s row: the sends `StageWork.release_sends` drops when it runs} — the
     executor's rule replayed: it checks before each SEND and after each RECV's wait, per peer in
     issue order, and drops a send the plan proves received (`send_releases`: gloo and the fake
     group, whose sends complete only in `wait()`) or, with `completes_when_received` (NCCL), one
     whose work reports completion (`send_completions`). The drop at a SEND comes before its own send."""
-    proofs, completions = send_releases(plan)[rank], send_completions(plan)[rank] if completes_when_received else {}
+    proofs, completions = _every_ranks_proofs(plan, completes_when_received)
+    proofs, completions = proofs[rank], completions[rank] if completes_when_received else {}
     where = {action: (peer, slot) for peer, slot, action in plan.positions()}
     queues, proven, points = defaultdict(list), set(), {}
     for slot, action in enumerate(plan.ranks[rank]):

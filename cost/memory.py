@@ -16,6 +16,7 @@ from functools import lru_cache
 
 from strategies.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, RECV_GRADIENT, SEND_GRADIENT,
                                  add_communication, add_gradient_reductions, build_plan, release_points)
+from strategies.schedule.generators import ZERO_BUBBLE
 from strategies.schedule.ir import POST_RECV_ACTIVATION, POST_RECV_GRADIENT, SEND_ARROW, posted_receive
 from cost.traffic import local_parameters
 from cost.inputs import BYTES, OPTIMIZER_STATE, Workload
@@ -354,7 +355,7 @@ def closed_form_in_flight(schedule: str, pipeline_degree: int, loops: int, bread
     p, v, bf = pipeline_degree, loops, breadth_first
     if schedule == "zero_bubble_h1":  # p − 1 − r warm-up, then W lags I by r: p alive on every rank
         return min(p, bf)
-    if schedule in SPLIT_BACKWARD:  # ZBV, ZB-H2: off the built plan
+    if schedule in ZERO_BUBBLE:  # ZBV, ZB-H2: off the built plan
         return in_flight(split_backward_plan(schedule, p, bf, bf).ranks[rank])
     if schedule == "gpipe":
         return bf
@@ -374,7 +375,7 @@ def closed_form_moments(schedule: str, pipeline_degree: int, loops: int, breadth
     a steady state of one forward per backward follows (1F1B: bf > p − r; interleaved: bf > p) or
     a later group refills it (m > bf); else the second backward of a single group sees bf − 1."""
     p, bf = pipeline_degree, breadth_first
-    if schedule in SPLIT_BACKWARD:
+    if schedule in ZERO_BUBBLE:
         return in_flight_moments(split_backward_plan(schedule, p, bf, micro_batches).ranks[rank])
     alive = closed_form_in_flight(schedule, p, loops, bf, rank)
     steady = micro_batches > bf or (schedule == "one_f_one_b" and bf > p - rank) \
@@ -427,7 +428,7 @@ def closed_form_held(schedule: str, pipeline_degree: int, loops: int, breadth_fi
     loops). That bound is used (found on the plans, not proven in general): above the built plans'
     `held_sends(..., completes_when_received=True)` by at most one piece (tests/test_pipeline_memory.py
     checks both sides on every tested (schedule, p, v, m, bf))."""
-    if schedule in SPLIT_BACKWARD:
+    if schedule in ZERO_BUBBLE:
         return _split_backward_held(schedule, pipeline_degree, breadth_first, micro_batches, rank, completes_when_received)
     if completes_when_received:
         later = end = int(pipeline_degree > 1 and (rank > 0 or loops > 1))  # a looping rank 0 sends gradients
@@ -472,7 +473,6 @@ def _posted_activations(schedule: str, p: int, v: int, bf: int, micro_batches: i
 # here for their moments and held sends (ZB-H1's W lag and ZBV's list schedule make them irregular
 # per rank): the search reads them (ZB-H2's and ZBV's in-flight peak too) off the built plan, which depends only on (p, bf, m) — cached,
 # so a search builds each once. Their in-flight peak: ZB-H1's min(p, bf) above; ZBV's off the plan.
-SPLIT_BACKWARD = ("zero_bubble_h1", "zero_bubble_h2", "zbv")  # ZB-H2 once its generator exists
 
 
 @lru_cache(maxsize=256)

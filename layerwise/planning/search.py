@@ -34,7 +34,7 @@ from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
 from cost.inputs import Workload
 from cost.step_time import closed_form_step, model_flops_utilization
 from cost.memory import closed_form_held, closed_form_in_flight, closed_form_moments, stage_memory
-from strategies.schedule.generators import SCHEDULES, ZERO_BUBBLE, _check_combination, stage_placement
+from strategies.schedule.generators import ONE_STAGE_PER_RANK, ZERO_BUBBLE, _check_combination, stage_placement
 from parallel.dims import Layout
 from strategies.tensor_parallel.grids import DIMENSION, grid_of
 
@@ -47,12 +47,10 @@ FAMILIES = {"modular_pipeline": ("looped_breadth_first", False, None),
             "zero_layered": ("looped_breadth_first", True, None),
             "zero_depth_first": ("looped_breadth_first", True, 1),
             "zero_bubble_h1": ("zero_bubble_h1", False, None),  # split backward (Qi et al. 2023)
-            "zbv": ("zbv", False, None)}
-if "zero_bubble_h2" in SCHEDULES:  # its generator may not exist yet; priced by simulating its plan
-    FAMILIES["zero_bubble_h2"] = ("zero_bubble_h2", False, None)
+            "zbv": ("zbv", False, None),
+            "zero_bubble_h2": ("zero_bubble_h2", False, None)}  # priced by simulating its plan
 # families without a conf/strategy file of their own: the strategy that runs their schedule
 STRATEGY_OF = {"zero_bubble_h1": "modular_pipeline", "zbv": "modular_pipeline", "zero_bubble_h2": "modular_pipeline"}
-ONE_STAGE_PER_RANK = ("gpipe", "one_f_one_b", "zero_bubble_h1", "zero_bubble_h2")  # layers_per_stage = layers / p
 TWO_STAGES_PER_RANK = ("zbv",)  # the V: layers_per_stage = layers / 2p
 
 

@@ -331,6 +331,7 @@ def layered(stages: int, micro_batches: int, breadth_first_micro_batches: int | 
 SCHEDULES = ("gpipe", "one_f_one_b", "looped_breadth_first", "interleaved_one_f_one_b", "layered",
              "zero_bubble_h1", "zero_bubble_h2", "zbv")
 ZERO_BUBBLE = ("zero_bubble_h1", "zero_bubble_h2", "zbv")  # split backward (I + W): one stage per rank, two (V) for zbv
+ONE_STAGE_PER_RANK = ("gpipe", "one_f_one_b", "zero_bubble_h1", "zero_bubble_h2")  # layers_per_stage = layers / p
 
 
 def build_plan(schedule: str, *, pipeline_degree: int, stages: int, micro_batches: int,
@@ -370,7 +371,7 @@ def _check_combination(schedule, pipeline_degree, stages, micro_batches, breadth
         raise ValueError(f"strategy.schedule=zbv puts two stages on each rank (the V placement) but there are "
                          f"{stages} stages for strategy.pipeline_degree={pipeline_degree}: set "
                          f"strategy.layers_per_stage to model.layers / (2 × pipeline_degree)")
-    if schedule in ("gpipe", "one_f_one_b", "zero_bubble_h1", "zero_bubble_h2") and stages != pipeline_degree:
+    if schedule in ONE_STAGE_PER_RANK and stages != pipeline_degree:
         raise ValueError(f"strategy.schedule={schedule} puts one stage on each rank but there are {stages} "
                          f"stages for strategy.pipeline_degree={pipeline_degree}: set strategy.layers_per_stage "
                          f"to model.layers / pipeline_degree, or use strategy.schedule=looped_breadth_first")

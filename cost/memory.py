@@ -172,6 +172,34 @@ def in_flight(row, stages=None) -> int:
     return peak
 
 
+def pending_weight_gradients(row) -> int:
+    """Most micro-batches of stages > 0 between their I and their W at once in a plan row: each holds
+    the gradients its I recorded for its W (strategies/split_backward.py). Stage 0's I does nothing
+    (its input gradient has no consumer: StageWork runs its whole backward at the W), so records none."""
+    pending = peak = 0
+    for action in row:
+        if action is not None and action.stage > 0:
+            pending += (action.kind == BACKWARD_INPUT) - (action.kind == BACKWARD_WEIGHT)
+            peak = max(peak, pending)
+    return peak
+
+
+def recorded_gradient_bytes(workload: Workload, tokens: float) -> float:
+    """What one stage-micro-batch between I and W holds besides its stash: the gradient at every
+    weighted operator's output (strategies/split_backward.py), per block each product's output in the
+    compute dtype (a 1-D grid's column-parallel ones split, its row-parallel partial sums whole; a 2-D/
+    3-D grid's all split) and each norm's in fp32 (split with the stream). On the last stage the head
+    product's gradient (tokens × vocabulary) takes the place of the log-probabilities its I freed,
+    and the final norm's output adds one more norm."""
+    shape, ranks, grid = workload.shape, workload.tensor_ranks, workload.layout.tensor_grid
+    split_all = grid in ("2d", "3d")
+    products = sum(fan_out / (ranks if split_all or position == "first" else 1)
+                   for _, fan_out, position, _ in shape.linears())
+    stream = shape.hidden / (ranks if split_all or workload.sequence_parallel else 1)
+    per_block = products * workload.activation_bytes + 2 * stream * BYTES
+    return tokens * workload.layers_per_stage * per_block
+
+
 def in_flight_moments(row) -> tuple:
     """(forwards of the last stage held here in flight at the row's first backward — the head's
     log-probabilities then; most forwards in flight at a backward once every stage of the row has
@@ -233,12 +261,13 @@ def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True, tem
     stages = sorted({action.stage for action in row if action.kind == FORWARD})
     last_alive, later, posted = in_flight_moments(row)
     return stage_memory(workload, stages, plan.stages, in_flight(row), flash, later, last_alive, posted,
-                        held_sends(plan, pipeline_rank, completes_when_received=not workload.gloo), temporaries)
+                        held_sends(plan, pipeline_rank, completes_when_received=not workload.gloo), temporaries,
+                        pending_weight_gradients(row))
 
 
 def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int, flash: bool = True,
                  later: int = None, last_alive: int = None, posted: int = None, sends_held: tuple = (0, 0),
-                 temporaries: bool = True) -> dict:
+                 temporaries: bool = True, pending: int = 0) -> dict:
     """Bytes by kind on a rank holding `stages` (of `total_stages`) at its peak: what `memory` reads
     off a built plan, and what the search gives in closed form (`closed_form_in_flight`,
     `closed_form_moments`). Parameters and optimizer state stay; the step starts with
@@ -253,6 +282,9 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
                   the receives posted (`sends_held[0]`, `held_sends`), a backward's working set;
       reduction   every gradient, the sends held at the end (`sends_held[1]`), and the data-parallel
                   reduction's flat copy of a stage. ZeRO adds its gathered stages to each moment (below).
+    A split backward's `pending` stage-micro-batches between I and W (`pending_weight_gradients`) add
+    their recorded gradients to the first backward and later moments (an upper bound: their peak
+    need not coincide with the stash's).
     `later`, `last_alive`, `posted` default to one group of `alive` micro-batches on one stage:
     alive − 1, alive, one receive per sent output; `sends_held` to none (`closed_form_held` gives
     the search's)."""
@@ -290,11 +322,12 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
         at_start, during, end = _first_backward_growth(workload, tokens, stages, total_stages, block, working)
         growth = max(at_start + start_copies, during + block_copies, end + block_copies)
     posted = sent_first if posted is None else posted
-    first_backward = alive * kept + last_alive * head + (sent_first + posted) * piece + growth
+    recorded = pending * recorded_gradient_bytes(workload, tokens)
+    first_backward = alive * kept + last_alive * head + (sent_first + posted) * piece + growth + recorded
     senders = (loops - last) * pipelined
     later_buffers = (2 * later * senders / loops + sends_held[0] * pipelined) * piece  # outputs in flight, their
     # gradient receives, the held sends and activation receives
-    later_peak = gradients + later * kept + later / loops * head + later_buffers + working
+    later_peak = gradients + later * kept + later / loops * head + later_buffers + working + recorded
     every_send = sends_held[1] * pipelined * piece
     flat = largest if layout.data > 1 and not layout.zero else 0  # ZeRO's gathered buffers are counted below
     forward = alive * kept + last_alive * head + working if workload.gradients_through_forward else 0
@@ -364,6 +397,18 @@ def closed_form_in_flight(schedule: str, pipeline_degree: int, loops: int, bread
     if schedule == "interleaved_one_f_one_b":
         return min(2 * (p - 1 - rank) + (v - 1) * p + 1, v * bf)
     return v * bf  # looped_breadth_first, layered
+
+
+def closed_form_pending(schedule: str, pipeline_degree: int, breadth_first: int, micro_batches: int, rank: int) -> int:
+    """`pending_weight_gradients` of pipeline rank `rank` without the plan: none but under a split
+    backward; ZB-H1's rank r > 0 runs r + 1 Is before its first W (W lags I by r); ZB-H2's and ZBV's
+    off the built plan."""
+    if schedule == "zero_bubble_h1":
+        return min(rank + 1, breadth_first) if rank > 0 else 0
+    if schedule in ZERO_BUBBLE:
+        return pending_weight_gradients(split_backward_plan(schedule, pipeline_degree, breadth_first,
+                                                            micro_batches).ranks[rank])
+    return 0
 
 
 def closed_form_moments(schedule: str, pipeline_degree: int, loops: int, breadth_first: int, micro_batches: int,

@@ -15,6 +15,7 @@ from torch import nn
 
 from strategies.buckets import post_bucket_reductions, sum_over_groups
 from strategies.recompute import apply_activation_recompute
+from strategies.split_backward import input_gradient
 from strategies.tensor_parallel.grids import local_activation_shape
 from strategies.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FINISH, FORWARD, POST_RECV_ACTIVATION, POST_RECV_GRADIENT,
                                  RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT,
@@ -73,7 +74,7 @@ class StepState:
     inputs: dict = field(default_factory=dict)  # leaf input of each stage's forward
     outputs: dict = field(default_factory=dict)  # output (or scaled loss on the last stage)
     output_gradients: dict = field(default_factory=dict)  # gradient arriving for an output
-    # split backward: (stage, micro-batch) -> (output, its gradient), kept with their graph from I to W
+    # split backward: (stage, micro-batch) -> its I's PendingWeightGradient (graph + recorded gradients) until W
     weight_work: dict = field(default_factory=dict)
     # peer rank -> (SEND, work, tensor) in issue order: a sent tensor stays alive until its work completes
     pending_sends: dict = field(default_factory=dict)
@@ -180,33 +181,35 @@ class StageWork:
             self._hand_back_input_gradient(action, stage_input.grad)
 
     def backward_input(self, action: Action) -> None:
-        """I: the stage input's gradient only (autograd.grad, graph kept for W); ∂W_c is deferred.
+        """I: the stage input's gradient only (graph kept for W; strategies/split_backward.py).
 
-        Stage 0's input is the embedding's output: its gradient goes nowhere, but computing it keeps
-        the I/W split of the work the same on every stage."""
+        Stage 0's input gradient has no consumer (its input is the embedding's output): its I does
+        nothing and its W runs the fused backward, one autograd pass, where the plan put the W
+        (splitting costs ~16% more autograd work: tests/test_split_backward.py, benchmarks/zero_bubble.py)."""
+        if action.stage == 0:
+            return
         key = (action.stage, action.micro_batch)
         output = self.state.outputs.pop(key)
         if action.stage == self.stages - 1:
             output, output_gradient = self.scale_loss(output), None
         else:
             output_gradient = self.state.output_gradients.pop(key)
-        self.state.weight_work[key] = (output, output_gradient)
-        (gradient,) = torch.autograd.grad(output, self.state.inputs.pop(key), output_gradient, retain_graph=True)
+        gradient, self.state.weight_work[key] = input_gradient(output, output_gradient, self.state.inputs.pop(key),
+                                                               self.weights(action.stage))
         if action.stage > 0:
             self._hand_back_input_gradient(action, gradient)
 
     def backward_weight(self, action: Action) -> None:
-        """W: accumulate ∂W_c of this micro-batch into .grad, freeing the graph kept since I.
+        """W: accumulate ∂W_c of this micro-batch into .grad from what its I recorded, freeing the graph
+        (stage 0: the whole backward, its I having done nothing)."""
+        if action.stage == 0:
+            return self.backward(Action(BACKWARD, 0, action.micro_batch))
+        self.state.weight_work.pop((action.stage, action.micro_batch)).run()
 
-        torch.autograd.backward with `inputs` restricted to the stage's parameters accumulates only
-        their gradients; it retraverses the activation-gradient path I went through (torch.pipelining
-        keeps I's intermediate gradients to skip it: stage_backward_weight), so this W costs a
-        little more than half a fused B."""
-        output, output_gradient = self.state.weight_work.pop((action.stage, action.micro_batch))
-        parameters = [parameter for parameter in
-                      stage_parameters(self.model, action.stage, self.stages, self.layers_per_stage)
-                      if parameter.requires_grad]
-        torch.autograd.backward(output, output_gradient, inputs=parameters)
+    def weights(self, stage: int) -> list:
+        """The tensors a W accumulates into: the stage's trainable parameters."""
+        return [parameter for parameter in stage_parameters(self.model, stage, self.stages, self.layers_per_stage)
+                if parameter.requires_grad]
 
     def _hand_back_input_gradient(self, action: Action, gradient: torch.Tensor) -> None:
         key, previous = (action.stage, action.micro_batch), (action.stage - 1, action.micro_batch)

@@ -102,8 +102,8 @@ class ShardedStageWork(StageWork):
 
     def _pack(self, tensor):
         key = self.buffers.get(tensor.untyped_storage())
-        if key is None:
-            return tensor
+        if key is None:  # detached: a saved output returned whole would hold its own node, a cycle
+            return tensor.detach()  # gc cannot see, kept alive where a split W leaves nodes unrun
         return key, tensor.storage_offset(), tensor.size(), tensor.stride()
 
     def _unpack(self, packed):
@@ -127,12 +127,13 @@ class ShardedStageWork(StageWork):
         super().backward_input(action)
 
     def backward_weight(self, action) -> None:
-        """W into the installed leaves' gradients, views of the flat buffer kept until the stage's
-        reduce-scatter (the modules' parameters are the shards' leaves, not nn.Parameters)."""
         self._install(action.stage, BACKWARD)
-        output, output_gradient = self.state.weight_work.pop((action.stage, action.micro_batch))
-        leaves = [leaf for shard in self.shards_of[action.stage] for leaf in shard.leaves]
-        torch.autograd.backward(output, output_gradient, inputs=leaves)
+        super().backward_weight(action)
+
+    def weights(self, stage: int) -> list:
+        """The installed leaves: their .grad are views of the flat buffer kept until the stage's
+        reduce-scatter (the modules' parameters are the shards' leaves, not nn.Parameters)."""
+        return [leaf for shard in self.shards_of[stage] for leaf in shard.leaves]
 
     # ----- gradients
     def reduce_scatter(self, action) -> None:

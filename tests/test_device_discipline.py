@@ -178,6 +178,11 @@ def _count_syncs(name: str, directory) -> None:
 
 def _child(name: str, directory) -> None:
     import os
+
+    import torch
+    # One thread: GNU OpenMP cannot start a parallel region in a child forked after the parent ran
+    # one (this file alone hung here, its earlier tests having run multi-threaded products).
+    torch.set_num_threads(1)
     code = 1
     try:
         _count_syncs(name, directory)

@@ -98,8 +98,7 @@ def observed_fit(rank, cfg, directory, world):
         return after
 
     def backward_reached(stage, micro_batch):
-        # Once per step: stage 0's W (the embedding's weight gradient) passes the embedding's output
-        # again after its I did (strategies/stages.py backward_weight); that is the W's event.
+        # Once per micro-batch: stage 0's split backward runs whole at its W (strategies/stages.py)
         if ("backward", stage, micro_batch) not in steps[-1]:
             steps[-1].append(("backward", stage, micro_batch))
 
@@ -159,10 +158,13 @@ def claimed_events(row: list, placement=None) -> list:
     events = []
     for action in actions:
         what = "gradient" if action.kind in GRADIENT_KINDS else "activation"
+        if action.kind == BACKWARD_INPUT and action.stage == 0:
+            continue  # no consumer for its gradient: stage 0's W runs the whole backward (StageWork)
         if action.kind in (FORWARD, BACKWARD, BACKWARD_INPUT):
             events.append(("forward" if action.kind == FORWARD else "backward", action.stage, action.micro_batch))
         elif action.kind == BACKWARD_WEIGHT:  # the watcher cannot tell a weight gradient's micro-batch
-            events.append(("weight", action.stage))
+            events.append(("weight", action.stage))  # (the stage's last block's, reached before its input)
+            events += [("backward", 0, action.micro_batch)] if action.stage == 0 else []
         elif action.kind in (SEND_ACTIVATION, SEND_GRADIENT):
             events.append(("send", rank_of(action.peer_stage), action.stage, action.micro_batch, what))
         elif action.kind in (POST_RECV_ACTIVATION, POST_RECV_GRADIENT) or (

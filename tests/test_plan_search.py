@@ -15,12 +15,13 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from layerwise.planning.result import plan_result
-from layerwise.planning.search import (FAMILIES, Evaluator, Point, layouts, point_of, point_config, role_bytes,
+from layerwise.planning.search import (FAMILIES, Evaluator, Point, bounding_ranks, layouts, point_of, point_config, role_bytes,
                                        search, strategy_overrides)
 from layerwise.preflight import validate
 from cost.inputs import Device, Workload
 from cost.step_time import closed_form_step, predict_step
-from cost.memory import closed_form_in_flight, closed_form_moments, in_flight, in_flight_moments, memory
+from cost.memory import (closed_form_in_flight, closed_form_moments, closed_form_pending, in_flight, in_flight_moments,
+                         memory, pending_weight_gradients)
 from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule.generators import SCHEDULES, build_plan
 from strategies.schedule.passes import add_communication
@@ -85,12 +86,14 @@ def test_closed_form_agrees_with_the_simulated_plan(case, grid, vocabulary):
         last_alive, later, posted = closed_form_moments(schedule, pipeline, loops, breadth_first or micro, micro, rank)
         assert (later, posted) == in_flight_moments(plan.ranks[rank])[1:]
         assert rank < pipeline - 1 or last_alive == in_flight_moments(plan.ranks[rank])[0]  # read on the head's rank only
+        pending = closed_form_pending(schedule, pipeline, breadth_first or micro, micro, rank)
+        assert pending == pending_weight_gradients(plan.ranks[rank])
     layout = Point.of(next(f for f, (s, z, b) in FAMILIES.items() if (s, z) == (schedule, zero)), pipeline,
                       grid or "none", 2 if grid else 1, per_stage, micro, "none", data)
     for gloo in (True, False):  # gloo: exactly the plan's; NCCL: the held sends' bound, at most one piece above
         backend = dataclasses.replace(load, gloo=gloo)
         searched = max(sum(role_bytes(backend, layout, rank, plan.stages, breadth_first or micro, True).values())
-                       for rank in {0, min(1, pipeline - 1), pipeline - 1})
+                       for rank in bounding_ranks(schedule, pipeline, breadth_first or micro))
         planned = max(sum(memory(backend, plan, rank).values()) for rank in range(pipeline))
         piece = backend.piece * 4 * (pipeline > 1)  # fp32 boundary buffers (estimate_memory.stage_memory)
         assert searched == planned if gloo else planned <= searched <= planned + piece * (1 + 1e-12)

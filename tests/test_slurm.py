@@ -207,37 +207,9 @@ def test_sweep_points_share_one_wandb_group(two_node_sweep):
         assert (point / "wandb_run_id").read_text().strip() in run.name
 
 
-@pytest.mark.slurm
-def test_preempted_job_checkpoints_requeues_and_resumes_identically(two_node_sweep, tmp_path):
-    reference = summary(points(two_node_sweep[0])[0])  # the sweep's ddp point, uninterrupted
-    sweep = tmp_path / "sweep"
-    process = start_train_py("-m", "strategy=ddp", "hydra/launcher=slurm", *COMMON,
-                             f"hydra.sweep.dir={sweep}", log=tmp_path / "sweep.log")
-    try:
-        point = wait_for(lambda: next(iter(points(sweep)), None) if sweep.exists() else None,
-                         120, "the run directory")
-        wait_for(lambda: metric_rows(point) >= 2, 150, "two training steps")
-        (job,) = [p.name for p in (sweep / ".submitit").iterdir() if p.is_dir()]
-        signalled = time.monotonic()
-        subprocess.run(["scancel", "--signal=USR2", job], check=True)
-        wait_for(lambda: "REQUEUED" in sacct_states(job), 60, "the requeue")
-        requeued = time.monotonic() - signalled
-        assert process.wait(timeout=240) == 0, (tmp_path / "sweep.log").read_text()[-3000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-    log = "".join(p.read_text() for p in (sweep / ".submitit" / job).glob("*_0_log.out"))
-    preempted_at = int(re.search(r"preempted: checkpoint at step (\d+)", log).group(1))
-    print(f"preempted at step {preempted_at}, requeued {requeued:.1f} s after the signal")
-    assert 1 <= preempted_at < STEPS
-    assert "resuming from" in log and log.count("Starting with JobEnvironment") == 2
-    resumed = summary(point)
-    assert resumed["status"] == "completed" and resumed["steps"] == STEPS
-    assert metric_rows(point) == STEPS
-    assert_same_losses(resumed["losses"], reference["losses"])
-    runs = offline_runs(point)
-    run_id = (point / "wandb_run_id").read_text().strip()
-    assert len(runs) == 2 and all(run.name == f"run-{run_id}.wandb" for run in runs), runs
+def job_of(sweep: Path, point: int) -> str:
+    """The Slurm job (array task) of a sweep's point, once submitit has made its folder."""
+    return next((p.name for p in (sweep / ".submitit").iterdir() if p.name.endswith(f"_{point}")), None)
 
 
 def rank_process(job: str, rank: int) -> int:
@@ -258,35 +230,57 @@ def rank_process(job: str, rank: int) -> int:
 
 
 @pytest.mark.slurm
-def test_killed_rank_ends_its_job_quickly_and_the_other_point_completes(local_slurm, tmp_path):
+def test_preempted_job_resumes_identically_and_a_killed_rank_ends_only_its_job(two_node_sweep, tmp_path):
+    """One sweep of two concurrent jobs (one cluster start-up for both faults): the ddp point is
+    preempted (USR2), checkpoints, is requeued and resumes to the uninterrupted run's losses; rank 3
+    of the pipeline point is SIGKILLed, and its job ends within a minute, named as that rank's."""
+    reference = summary(points(two_node_sweep[0])[0])  # the first sweep's ddp point, uninterrupted
     sweep = tmp_path / "sweep"
     process = start_train_py("-m", "strategy=ddp,modular_pipeline", "hydra/launcher=slurm", *COMMON,
                              f"hydra.sweep.dir={sweep}", log=tmp_path / "sweep.log")
     try:
-        victim = wait_for(lambda: next(iter(points(sweep)), None) if sweep.exists() else None,
-                          120, "the run directories")
-        wait_for(lambda: metric_rows(victim) >= 2, 150, "two training steps")
-        job = wait_for(lambda: next((p.name for p in (sweep / ".submitit").iterdir()
-                                     if p.name.endswith("_0")), None), 10, "the job folder")
-        pid = wait_for(lambda: rank_process(job, 3), 10, "rank 3's process")
-        os.kill(pid, 9)
+        preempted, victim = wait_for(lambda: len(points(sweep)) == 2 and points(sweep) if sweep.exists() else None,
+                                     120, "the run directories")
+        # each fault as soon as its own job has trained two steps (16 steps take seconds here)
+        wait_for(lambda: metric_rows(preempted) >= 2, 150, "two training steps of the ddp point")
+        job = wait_for(lambda: job_of(sweep, 0), 10, "the ddp job's folder")
+        signalled = time.monotonic()
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        wait_for(lambda: metric_rows(victim) >= 2, 150, "two training steps of the pipeline point")
+        victim_job = wait_for(lambda: job_of(sweep, 1), 10, "the pipeline job's folder")
+        os.kill(wait_for(lambda: rank_process(victim_job, 3), 10, "rank 3's process"), 9)
         killed = time.monotonic()
-        wait_for(lambda: (states := sacct_states(job)) and states[-1] not in ("RUNNING", "PENDING"),
-                 90, "the job to end", poll=0.25)
+        wait_for(lambda: (states := sacct_states(victim_job)) and states[-1] not in ("RUNNING", "PENDING"),
+                 90, "the killed job to end", poll=0.25)
         ended = time.monotonic() - killed
+        wait_for(lambda: "REQUEUED" in sacct_states(job), 60, "the requeue")
+        requeued = time.monotonic() - signalled
         process.wait(timeout=240)
     finally:
         if process.poll() is None:
             process.kill()
     output = (tmp_path / "sweep.log").read_text()
-    print(f"rank 3 SIGKILLed: job {job} ended {ended:.1f} s later ({sacct_states(job)[-1]})")
+    log = "".join(p.read_text() for p in (sweep / ".submitit" / job).glob("*_0_log.out"))
+    preempted_at = int(re.search(r"preempted: checkpoint at step (\d+)", log).group(1))
+    print(f"preempted at step {preempted_at}, requeued {requeued:.1f} s after the signal; rank 3 SIGKILLed: "
+          f"job {victim_job} ended {ended:.1f} s later ({sacct_states(victim_job)[-1]})")
+    # the killed rank: its job ends quickly, the sweep names it and fails, the other point completes
     assert ended < 60
     assert process.returncode != 0, "the sweep reports the failed point"
     assert "1 of 2 points completed" in output
-    assert re.search(r"#0 strategy=ddp .*: failed .*rank 3: Killed", output), output[-3000:]
-    failed, completed = (summary(p) for p in points(sweep))
+    assert re.search(r"#1 strategy=modular_pipeline .*: failed .*rank 3: Killed", output), output[-3000:]
+    failed = summary(victim)
     assert failed["status"] == "failed" and failed["failed_rank"] == 3
-    assert completed["status"] == "completed" and completed["steps"] == STEPS
+    # the preempted job: requeued once, resumed from its checkpoint to the uninterrupted losses
+    assert 1 <= preempted_at < STEPS
+    assert "resuming from" in log and log.count("Starting with JobEnvironment") == 2
+    resumed = summary(preempted)
+    assert resumed["status"] == "completed" and resumed["steps"] == STEPS
+    assert metric_rows(preempted) == STEPS
+    assert_same_losses(resumed["losses"], reference["losses"])
+    runs = offline_runs(preempted)
+    run_id = (preempted / "wandb_run_id").read_text().strip()
+    assert len(runs) == 2 and all(run.name == f"run-{run_id}.wandb" for run in runs), runs
 
 
 def test_failing_rank_is_read_from_the_job_logs(tmp_path):

@@ -128,7 +128,8 @@ def alive_by_rank(rank, cfg):
     def pack(tensor):
         if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
             return tensor
-        saved, size = Saved(tensor), tensor.numel() * tensor.element_size()
+        # detached, as autograd saves outputs: whole, a saved output would hold its own node (a cycle)
+        saved, size = Saved(tensor.detach()), tensor.numel() * tensor.element_size()
         live[0] += size
         weakref.finalize(saved, lambda: live.__setitem__(0, live[0] - size))
         return saved
@@ -162,11 +163,9 @@ def alive_by_rank(rank, cfg):
 @pytest.mark.parametrize("micro_batches", [4, 16])
 def test_measured_activation_memory_is_the_plans_and_peaks_as_one_f_one_b(micro_batches):
     """p = 2, 4 blocks, a real run: on each rank the most micro-batches kept is the plan's in-flight
-    count, whatever m. ZB-H1: the most saved-activation bytes is that count × one micro-batch's stash
-    (the same stash as 1F1B's), and the peak count over ranks is 1F1B's (p); its last rank keeps p,
-    not 1F1B's 1, and with the head's vocabulary-wide logits in its stash its bytes are the run's peak
-    (Qi et al. 2023 count uniform stages). ZBV's stage-micro-batches are half-size (2 stages per rank)."""
-    measured, per_micro_batch = {}, {}
+    count, whatever m. ZB-H1: rank 0 keeps 1F1B's count and bytes, and the peak count over ranks is
+    1F1B's (p); its last rank keeps p, not 1F1B's 1, those past I without their loss's tensors. ZBV's stage-micro-batches are half-size (2 stages per rank)."""
+    measured = {}
     for schedule, per_stage in (("one_f_one_b", 2), ("zero_bubble_h1", 2), ("zbv", 1)):
         cfg = compose_config(*QUICK, "strategy=one_f_one_b", f"strategy.schedule={schedule}", "model.layers=4",
                              f"strategy.layers_per_stage={per_stage}", f"strategy.micro_batches={micro_batches}",
@@ -175,13 +174,24 @@ def test_measured_activation_memory_is_the_plans_and_peaks_as_one_f_one_b(micro_
         measured[schedule] = [steps[-1] for steps in run_on_ranks(alive_by_rank, world, cfg)]
         plan = built(schedule, 2, micro_batches)
         assert [graphs for graphs, _ in measured[schedule]] == [in_flight(row) for row in plan.ranks], schedule
-        per_micro_batch[schedule] = [saved / graphs for graphs, saved in measured[schedule]]
     print(f"\nm={micro_batches}: per rank (most stage-micro-batches kept, most saved-activation bytes alive): "
           f"{measured}")
-    assert per_micro_batch["zero_bubble_h1"] == per_micro_batch["one_f_one_b"]
+    assert measured["zero_bubble_h1"][0] == measured["one_f_one_b"][0]  # rank 0: the same count and bytes
     assert max(g for g, _ in measured["zero_bubble_h1"]) == max(g for g, _ in measured["one_f_one_b"]) == 2
     assert max(g for g, _ in measured["zbv"]) <= 2 * 2  # 2p half-size stage stashes
-    assert measured["zero_bubble_h1"][0] == measured["one_f_one_b"][0]  # rank 0: the same bytes
+    waiting_for_w(measured["zero_bubble_h1"][1], measured["one_f_one_b"][1], tokens=32)
+
+
+def waiting_for_w(split_last: tuple, one_f_one_b_last: tuple, tokens: int, vocabulary: int = 256) -> float:
+    """The last rank's saved bytes per micro-batch between its I and its W, from its peak: one micro-batch
+    whole (1F1B's one, awaiting its backward) and the others past I. Those hold less: the loss's
+    saved tensors (at least the log-probabilities, tokens × vocabulary fp32) go with I, since a pending
+    W keeps the graph only from the head's product down (strategies/split_backward.py)."""
+    (graphs, saved), (one_graphs, one_saved) = split_last, one_f_one_b_last
+    assert one_graphs == 1 and graphs > 1
+    after_input = (saved - one_saved) / (graphs - 1)
+    assert one_saved - after_input >= tokens * vocabulary * 4, (saved, one_saved)
+    return after_input
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -14,7 +14,7 @@ from layerwise.preflight import validate
 from strategies.schedule import (BACKWARD_INPUT, FORWARD, Plan, add_communication, add_gradient_reductions,
                                  build_plan, flop_cost, simulate, validate_plan)
 from tests.ranks import QUICK, compose_config, run_on_ranks
-from tests.test_zero_bubble import alive_by_rank
+from tests.test_zero_bubble import alive_by_rank, waiting_for_w
 
 EQUAL_TIMES = flop_cost(1.0, 1.0, backward_factor=2.0)  # T_F = T_B = T_W = 1: F = 1, I = W = 1
 
@@ -102,16 +102,20 @@ def measured_peaks(schedule: str, micro_batches: int) -> list:
 def test_measured_activation_memory_is_twice_one_f_one_bs():
     """p = 2, 4 blocks, real runs at m = 4 and m = 16: on each rank the most micro-batches kept (graphs
     between F and W) is the plan's in-flight count, 2p − 1 = 3 on both ranks whatever m (1F1B: 2 and
-    1, whatever m: tests/test_zero_bubble.py), and the saved-activation bytes are that count × 1F1B's
+    1, whatever m: tests/test_zero_bubble.py). Rank 0's saved-activation bytes are that count × 1F1B's
     stash per micro-batch: (2p−1)/p = 1.5× 1F1B's peak rank at p = 2, → 2× as p grows; the last rank,
-    which 1F1B lets keep one, keeps 3."""
+    which 1F1B lets keep one, keeps 3, two of them past I (without their loss's tensors), the same
+    bytes whatever m."""
     one_f_one_b = measured_peaks("one_f_one_b", 4)
     assert [graphs for graphs, _ in one_f_one_b] == [2, 1]
+    past_input = set()
     for micro_batches in (4, 16):
         zero_bubble = measured_peaks("zero_bubble_h2", micro_batches)
         ratios = [round(saved / one_saved, 3) for (_, saved), (_, one_saved) in zip(zero_bubble, one_f_one_b)]
         print(f"\nm={micro_batches}: per rank (most micro-batches kept, most saved-activation bytes alive): "
               f"1F1B (m=4) {one_f_one_b}, ZB-H2 {zero_bubble}; ZB-H2 / 1F1B bytes per rank {ratios}")
         assert [graphs for graphs, _ in zero_bubble] == [3, 3]
-        for (graphs, saved), (one_graphs, one_saved) in zip(zero_bubble, one_f_one_b):
-            assert saved / graphs == one_saved / one_graphs  # the same stash per micro-batch
+        (graphs, saved), (one_graphs, one_saved) = zero_bubble[0], one_f_one_b[0]
+        assert saved / graphs == one_saved / one_graphs  # rank 0: the same stash per micro-batch
+        past_input.add(waiting_for_w(zero_bubble[1], one_f_one_b[1], tokens=32))
+    assert len(past_input) == 1, past_input

@@ -21,6 +21,9 @@
 """
 
 import csv
+import itertools
+import multiprocessing
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +36,7 @@ from models.transformer import model_flops_per_token
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
 from cost.inputs import Workload
 from cost.step_time import closed_form_step, model_flops_utilization
-from cost.memory import closed_form_held, closed_form_in_flight, closed_form_moments, stage_memory
+from cost.memory import closed_form_held, closed_form_in_flight, closed_form_moments, closed_form_pending, stage_memory
 from strategies.schedule.generators import ONE_STAGE_PER_RANK, ZERO_BUBBLE, _check_combination, stage_placement
 from parallel.dims import Layout
 from strategies.tensor_parallel.grids import DIMENSION, grid_of
@@ -224,11 +227,10 @@ class Evaluator:
         breadth_first = layout.breadth_first_micro_batches or layout.micro_batches
         step = closed_form_step(workload, self.device, layout.schedule, layout.micro_batches,
                                 layout.breadth_first_micro_batches)
-        # Ranks 0 (embedding, most in flight), 1 (a middle one) and p − 1 (head) bound every role:
-        # middle ranks hold equal parts and in-flight counts never grow with the rank.
         flash = self.cfg.plan.flash_attention
         worst_rank, worst = max(((rank, role_bytes(workload, layout, rank, stages, breadth_first, flash))
-                                 for rank in {0, min(1, p - 1), p - 1}), key=lambda pair: sum(pair[1].values()))
+                                 for rank in bounding_ranks(layout.schedule, p, breadth_first)),
+                                key=lambda pair: sum(pair[1].values()))
         total = sum(worst.values()) * (1 + self.cfg.plan.allocator_margin)
         seconds = step["step_seconds"]
         return {**layout.row(), "step_time_s": seconds, "tokens_per_s": self.tokens / seconds,
@@ -237,6 +239,15 @@ class Evaluator:
                 "worst_pipeline_rank": worst_rank, "worst_role_bytes": total,
                 "fits": total <= self.device.memory_bytes}
 
+
+
+def bounding_ranks(schedule: str, pipeline_degree: int, breadth_first: int) -> set:
+    """The pipeline ranks whose bytes bound every role's: 0 (embedding, most in flight), 1 (a middle
+    one) and p − 1 (head), since middle ranks hold equal parts and in-flight counts never grow with
+    the rank. A split backward's pending Ws do (ZB-H1: r + 1, up to bf): its ranks bf − 1 and p − 2 too."""
+    p = pipeline_degree
+    split = {min(breadth_first, p) - 1, max(p - 2, 0)} if schedule in ZERO_BUBBLE else set()
+    return {0, min(1, p - 1), p - 1} | split
 
 
 def role_bytes(workload: Workload, layout: Point, rank: int, stages: int, breadth_first: int, flash: bool) -> dict:
@@ -250,7 +261,8 @@ def role_bytes(workload: Workload, layout: Point, rank: int, stages: int, breadt
                                                     layout.micro_batches, rank)
     sends = closed_form_held(layout.schedule, layout.pipeline_degree, loops, breadth_first, layout.micro_batches, rank,
                              completes_when_received=not workload.gloo)  # NCCL frees a send once received
-    return stage_memory(workload, held, stages, alive, flash, later, last_alive, posted, sends)
+    pending = closed_form_pending(layout.schedule, layout.pipeline_degree, breadth_first, layout.micro_batches, rank)
+    return stage_memory(workload, held, stages, alive, flash, later, last_alive, posted, sends, pending=pending)
 
 
 # ----- 3. and 4. rank, print, write, re-plan, and the sweep line
@@ -258,8 +270,7 @@ def role_bytes(workload: Workload, layout: Point, rank: int, stages: int, breadt
 def search(cfg, world: int, run_directory) -> dict:
     """Enumerate, evaluate, rank; print the top layouts, write plan_search.csv, re-plan the first few."""
     started = time.perf_counter()
-    evaluate = Evaluator(cfg, world)
-    rows = [evaluate(layout) for layout in layouts(cfg, world)]
+    rows = evaluate_all(Evaluator(cfg, world), list(layouts(cfg, world)))
     seconds = time.perf_counter() - started
     fitting = sorted((row for row in rows if row["fits"]), key=lambda row: row["step_time_s"])
     directory = Path(run_directory)
@@ -282,6 +293,47 @@ def search(cfg, world: int, run_directory) -> dict:
     return {"step_time_s": top[0]["step_time_s"] if top else float("nan"), "layouts": len(rows),
             "fitting": len(fitting), "search_seconds": seconds, "layouts_per_minute": rate, "top": top,
             "replanned": replanned}
+
+
+_WORK = None  # (evaluate, layouts) of the search in progress: forked workers inherit it, nothing is pickled
+
+
+def evaluate_all(evaluate, points: list) -> list:
+    """Every point's row, in order, over this machine's cores: forked workers each take whole groups of
+    points sharing a schedule and (p, m, bf), so a plan a group's points all read (a split backward's
+    held sends, its simulated step) is built once, in one worker. A progress line per quarter."""
+    global _WORK
+    workers = min(len(os.sched_getaffinity(0)), 8)
+    if workers < 2 or len(points) < 500:
+        return [evaluate(point) for point in points]
+    key = lambda index: (points[index].schedule, points[index].pipeline_degree, points[index].micro_batches,
+                         points[index].breadth_first_micro_batches or 0)
+    order = sorted(range(len(points)), key=key)
+    groups = [list(group) for _, group in itertools.groupby(order, key=key)]
+    _WORK, rows, done = (evaluate, points), [None] * len(points), 0
+    try:
+        with multiprocessing.get_context("fork").Pool(workers, initializer=_one_thread) as pool:
+            for part in pool.imap_unordered(_evaluate_group, groups):
+                for index, row in part:
+                    rows[index] = row
+                done += len(part)
+                if done * 4 // len(points) > (done - len(part)) * 4 // len(points):
+                    print(f"[layerwise] search: {done}/{len(points)} layouts evaluated ({workers} processes)",
+                          flush=True)
+    finally:
+        _WORK = None
+    return rows
+
+
+def _one_thread() -> None:
+    """A forked worker runs no parallel region: GNU OpenMP hangs in a child forked after the parent ran one."""
+    import torch
+    torch.set_num_threads(1)
+
+
+def _evaluate_group(indices: list) -> list:
+    evaluate, points = _WORK
+    return [(index, evaluate(points[index])) for index in indices]
 
 
 def write_csv(rows: list, path: Path) -> None:

@@ -31,10 +31,9 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import List, Tuple
+from typing import List
 
 ROOT = Path(__file__).resolve().parent.parent
-KILLED = "\n[killed after {} s]"
 PRELOAD = ("torch", "lightning.pytorch", "hydra", "omegaconf", "layerwise.config.store", "layerwise.run.launch",
            "layerwise.run.fit", "layerwise.planning.mode", "layerwise.preflight")
 
@@ -116,13 +115,13 @@ def serve() -> None:
 class WarmPython:
     """Runs `python ...` command lines as children of one warm server; thread-safe, one server per session."""
 
-    def __init__(self, environment=None):
+    def __init__(self):
         # torch.distributed's first import (c10d's C++ initialisation) aborted the pytest process
         # without a message in 2 of 4 runs of the documented commands while this reader thread and
         # the runner's waited; imported before the thread starts, it has not since
         import torch.distributed  # noqa: F401
         self.process = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        cwd=ROOT, env=environment, start_new_session=True)
+                                        cwd=ROOT, start_new_session=True)
         self.lock, self.queues, self.next_id = threading.Lock(), {}, 0
         ready = json.loads(self.process.stdout.readline() or "{}")
         assert "ready" in ready, "the warm interpreter did not start (its error is on stderr above)"
@@ -133,9 +132,9 @@ class WarmPython:
             message = json.loads(line)
             self.queues[message["id"]].put(message)
 
-    def run(self, argv: List[str], cwd: Path, env: dict, timeout_s: float) -> Tuple[int, str, str, float]:
-        """(exit code, stdout, stderr, seconds) of `argv` run in `cwd` with `env`; killed after timeout_s
-        (stderr then ends with KILLED)."""
+    def run(self, argv: List[str], cwd: Path, env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+        """`argv` run in `cwd` with `env`, as subprocess.run(..., capture_output=True, text=True) would
+        return it; killed after timeout_s and subprocess.TimeoutExpired raised, with what it wrote."""
         outputs = Path(tempfile.mkdtemp(prefix="warm-python-"))
         out, err = outputs / "stdout", outputs / "stderr"
         out.touch(), err.touch()
@@ -144,18 +143,18 @@ class WarmPython:
             answers = self.queues[ident] = queue.Queue()
             request = {"id": ident, "argv": [str(a) for a in argv], "cwd": str(cwd), "env": dict(env),
                        "stdout": str(out), "stderr": str(err)}
-            started = time.monotonic()
             self.process.stdin.write((json.dumps(request) + "\n").encode())
             self.process.stdin.flush()
         try:
             pid = answers.get(timeout=60)["pid"]
             try:
-                code, killed = answers.get(timeout=timeout_s)["code"], ""
+                code = answers.get(timeout=timeout_s)["code"]
             except queue.Empty:
                 self._kill(pid)
-                code, killed = answers.get(timeout=60)["code"], KILLED.format(timeout_s)
+                answers.get(timeout=60)  # its exit, once killed
+                raise subprocess.TimeoutExpired(argv, timeout_s, out.read_text(), err.read_text())
             self._kill(pid)  # a rank left behind by a failed run
-            return code, out.read_text(), err.read_text() + killed, time.monotonic() - started
+            return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
         finally:
             self.queues.pop(ident, None)
             shutil.rmtree(outputs, ignore_errors=True)
@@ -181,10 +180,7 @@ def python(argv: List[str], cwd: Path = ROOT, env: dict = None, timeout: float =
     `python -m MODULE ...`."""
     if not _SERVER:
         _SERVER.append(WarmPython())
-    code, stdout, stderr, _ = _SERVER[0].run(argv, Path(cwd), dict(os.environ if env is None else env), timeout)
-    if stderr.endswith(KILLED.format(timeout)):
-        raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
-    return subprocess.CompletedProcess(argv, code, stdout, stderr)
+    return _SERVER[0].run(argv, Path(cwd), dict(os.environ if env is None else env), timeout)
 
 
 def server_pids() -> set:

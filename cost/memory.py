@@ -189,8 +189,8 @@ def recorded_gradient_bytes(workload: Workload, tokens: float) -> float:
     weighted operator's output (strategies/split_backward.py), per block each product's output in the
     compute dtype (a 1-D grid's column-parallel ones split, its row-parallel partial sums whole; a 2-D/
     3-D grid's all split) and each norm's in fp32 (split with the stream). On the last stage the head
-    product's gradient (tokens × vocabulary) takes the place of the log-probabilities its I freed,
-    and the final norm's output adds one more norm."""
+    product's gradient (tokens × vocabulary) takes the place of the log-probabilities its I freed, so
+    the head adds nothing here (its final norm's output, one feature-wide tensor, is left out)."""
     shape, ranks, grid = workload.shape, workload.tensor_ranks, workload.layout.tensor_grid
     split_all = grid in ("2d", "3d")
     products = sum(fan_out / (ranks if split_all or position == "first" else 1)

@@ -111,9 +111,9 @@ class PendingWeightGradient:
                 if gradient is not None:
                     edges.append(GradientEdge(node, index))
                     gradients.append(gradient)
-        accumulators = [node for node in group.branch if node in self.weights]
         if not edges:
             return
+        accumulators = [node for node in group.branch if node in self.weights]
         handles = [node.register_prehook(lambda arrived, kept=self.recorded.get(node, ()): _replay(arrived, kept))
                    for node in group.intermediates] if shared else []
         try:

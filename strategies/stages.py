@@ -185,7 +185,7 @@ class StageWork:
 
         Stage 0's input gradient has no consumer (its input is the embedding's output): its I does
         nothing and its W runs the fused backward, one autograd pass, where the plan put the W
-        (splitting costs ~16% more autograd work: tests/test_split_backward.py, benchmarks/zero_bubble.py)."""
+        (splitting costs ~16% more autograd work: docs/strategies/modular_pipeline.md)."""
         if action.stage == 0:
             return
         key = (action.stage, action.micro_batch)
@@ -196,8 +196,7 @@ class StageWork:
             output_gradient = self.state.output_gradients.pop(key)
         gradient, self.state.weight_work[key] = input_gradient(output, output_gradient, self.state.inputs.pop(key),
                                                                self.weights(action.stage))
-        if action.stage > 0:
-            self._hand_back_input_gradient(action, gradient)
+        self._hand_back_input_gradient(action, gradient)
 
     def backward_weight(self, action: Action) -> None:
         """W: accumulate ∂W_c of this micro-batch into .grad from what its I recorded, freeing the graph

@@ -164,7 +164,8 @@ def alive_by_rank(rank, cfg):
 def test_measured_activation_memory_is_the_plans_and_peaks_as_one_f_one_b(micro_batches):
     """p = 2, 4 blocks, a real run: on each rank the most micro-batches kept is the plan's in-flight
     count, whatever m. ZB-H1: rank 0 keeps 1F1B's count and bytes, and the peak count over ranks is
-    1F1B's (p); its last rank keeps p, not 1F1B's 1, those past I without their loss's tensors. ZBV's stage-micro-batches are half-size (2 stages per rank)."""
+    1F1B's (p); its last rank keeps p, not 1F1B's 1, those past I without their loss's tensors.
+    ZBV's stage-micro-batches are half-size (2 stages per rank)."""
     measured = {}
     for schedule, per_stage in (("one_f_one_b", 2), ("zero_bubble_h1", 2), ("zbv", 1)):
         cfg = compose_config(*QUICK, "strategy=one_f_one_b", f"strategy.schedule={schedule}", "model.layers=4",

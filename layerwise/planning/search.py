@@ -306,8 +306,10 @@ def evaluate_all(evaluate, points: list) -> list:
     workers = min(len(os.sched_getaffinity(0)), 8)
     if workers < 2 or len(points) < 500:
         return [evaluate(point) for point in points]
-    key = lambda index: (points[index].schedule, points[index].pipeline_degree, points[index].micro_batches,
-                         points[index].breadth_first_micro_batches or 0)
+    def key(index):  # what a plan depends on
+        point = points[index]
+        return point.schedule, point.pipeline_degree, point.micro_batches, point.breadth_first_micro_batches or 0
+
     order = sorted(range(len(points)), key=key)
     groups = [list(group) for _, group in itertools.groupby(order, key=key)]
     _WORK, rows, done = (evaluate, points), [None] * len(points), 0

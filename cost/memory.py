@@ -389,7 +389,7 @@ def closed_form_in_flight(schedule: str, pipeline_degree: int, loops: int, bread
     if schedule == "zero_bubble_h1":  # p − 1 − r warm-up, then W lags I by r: p alive on every rank
         return min(p, bf)
     if schedule in ZERO_BUBBLE:  # ZBV, ZB-H2: off the built plan
-        return in_flight(split_backward_plan(schedule, p, bf, bf).ranks[rank])
+        return _split_backward_row(in_flight, schedule, p, bf, bf, rank)
     if schedule == "gpipe":
         return bf
     if schedule == "one_f_one_b":
@@ -406,8 +406,8 @@ def closed_form_pending(schedule: str, pipeline_degree: int, breadth_first: int,
     if schedule == "zero_bubble_h1":
         return min(rank + 1, breadth_first) if rank > 0 else 0
     if schedule in ZERO_BUBBLE:
-        return pending_weight_gradients(split_backward_plan(schedule, pipeline_degree, breadth_first,
-                                                            micro_batches).ranks[rank])
+        return _split_backward_row(pending_weight_gradients, schedule, pipeline_degree, breadth_first, micro_batches,
+                                   rank)
     return 0
 
 
@@ -421,7 +421,7 @@ def closed_form_moments(schedule: str, pipeline_degree: int, loops: int, breadth
     a later group refills it (m > bf); else the second backward of a single group sees bf − 1."""
     p, bf = pipeline_degree, breadth_first
     if schedule in ZERO_BUBBLE:
-        return in_flight_moments(split_backward_plan(schedule, p, bf, micro_batches).ranks[rank])
+        return _split_backward_row(in_flight_moments, schedule, p, bf, micro_batches, rank)
     alive = closed_form_in_flight(schedule, p, loops, bf, rank)
     steady = micro_batches > bf or (schedule == "one_f_one_b" and bf > p - rank) \
         or (schedule == "interleaved_one_f_one_b" and bf > p)
@@ -528,6 +528,14 @@ def split_backward_plan(schedule: str, pipeline_degree: int, breadth_first: int,
     return add_gradient_reductions(add_communication(build_plan(
         schedule, pipeline_degree=pipeline_degree, stages=stages, micro_batches=micro_batches,
         breadth_first_micro_batches=breadth_first)))
+
+
+@lru_cache(maxsize=4096)
+def _split_backward_row(count, schedule: str, pipeline_degree: int, breadth_first: int, micro_batches: int,
+                        rank: int):
+    """`count` (a function of one plan row) of a split-backward plan's rank: the search asks once per
+    layout, and many layouts share a (schedule, p, bf, m)."""
+    return count(split_backward_plan(schedule, pipeline_degree, breadth_first, micro_batches).ranks[rank])
 
 
 @lru_cache(maxsize=4096)

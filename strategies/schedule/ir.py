@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from functools import cached_property
+from functools import cache, cached_property, lru_cache
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 # -----------------------------------------------------------------------------
@@ -75,6 +75,7 @@ RECEIVE_OF_POST = {POST_RECV_ACTIVATION: RECV_ACTIVATION, POST_RECV_GRADIENT: RE
 POST_OF_RECEIVE = {receive: post for post, receive in RECEIVE_OF_POST.items()}
 
 
+@cache  # a written form, once taken, never changes kind (register_kinds refuses a clash)
 def kind_of(letter: str, arrow: str | None) -> str:
     """The kind written as `letter` (+ `arrow`); ValueError if none is."""
     for kind, info in KINDS.items():
@@ -142,6 +143,7 @@ def parse_row(text: str) -> tuple[Action | None, ...]:
     return tuple(None if cell in _BUBBLE_CELLS else parse_action(cell) for cell in text.split())
 
 
+@lru_cache(maxsize=1 << 16)  # pure; the passes and the search ask for each transfer's many times
 def counterpart(action: Action) -> Action:
     """The other end of a point-to-point transfer: "3F1→4" <-> "4F1←3"; a post's is the send "4f1←3" -> "3F1→4"."""
     if action.info.arrow is None:
@@ -159,12 +161,12 @@ def is_post(action: Action | None) -> bool:
 
 def posted_receive(post: Action) -> Action:
     """The RECV whose receive `post` issues: "4f1←3" -> "4F1←3"."""
-    return dataclasses.replace(post, kind=RECEIVE_OF_POST[post.kind])
+    return Action(RECEIVE_OF_POST[post.kind], post.stage, post.micro_batch, post.peer_stage)
 
 
 def post_of(receive: Action) -> Action:
     """The action that issues `receive` ahead of it: "4F1←3" -> "4f1←3"."""
-    return dataclasses.replace(receive, kind=POST_OF_RECEIVE[receive.kind])
+    return Action(POST_OF_RECEIVE[receive.kind], receive.stage, receive.micro_batch, receive.peer_stage)
 
 
 # -----------------------------------------------------------------------------
@@ -214,6 +216,12 @@ class Plan:
     def communicates(self) -> bool:
         """Whether point-to-point transfers are explicit (after `add_communication`)."""
         return any(action.info.arrow is not None for _, _, action in self.positions())
+
+    @cached_property
+    def needs(self) -> dict[Action, tuple[Action, ...]]:
+        """`dependencies` of every action of the plan, computed once: the simulator asks again each
+        time it finds an action still blocked, and the layout search simulates a plan per workload."""
+        return {action: dependencies(action, self) for _, _, action in self.positions()}
 
     @cached_property
     def kinds(self) -> frozenset[str]:

@@ -119,12 +119,12 @@ def simulate(plan: Plan, cost: Cost = unit_cost) -> Timeline:
 
 def _advance(plan: Plan, cost: Cost, cursor: list[int], timed: list[list[TimedAction]], end: dict) -> bool:
     """Run every rank as far as its dependencies allow; report whether anything ran."""
-    progressed = False
+    progressed, needs = False, plan.needs
     for rank, row in enumerate(plan.ranks):
         while cursor[rank] < len(row):
             action = row[cursor[rank]]
             if action is not None:
-                ready = [end.get(dependency) for dependency in dependencies(action, plan)]
+                ready = [end.get(dependency) for dependency in needs[action]]
                 if None in ready:
                     break
                 start = max([timed[rank][-1].end if timed[rank] else 0.0, *ready])

@@ -184,6 +184,29 @@ def pending_weight_gradients(row) -> int:
     return peak
 
 
+def pending_moments(row) -> tuple:
+    """A split backward's pending Ws where the stash peaks, for `stage_memory`: (pending at the row's
+    first I; each (forwards in flight, pending) at an I once every local stage has run one, the
+    pairs no other pair bounds). One maximum of each, taken apart, can overstate a rank: ZBV's table
+    order (each W right behind its I) holds 4 stage-micro-batches with 1 pending at one I of rank 1
+    (p = 2, m = 4) and 3 pending only in the cool-down, where 2 are in flight."""
+    computed = [a for a in row if a is not None and a.kind in (FORWARD, *STARTS_BACKWARD, *RELEASES)]
+    stages, started, alive, pending, first, pairs = {a.stage for a in computed}, set(), 0, 0, None, set()
+    for action in computed:
+        if action.kind == BACKWARD_INPUT and action.stage > 0:  # stage 0's I records nothing
+            pending += 1
+        if action.kind in STARTS_BACKWARD:
+            first = pending if first is None else first
+            if started == stages:
+                pairs.add((alive, pending))
+            started.add(action.stage)
+        alive += (action.kind == FORWARD) - (action.kind in RELEASES)
+        pending -= action.kind == BACKWARD_WEIGHT and action.stage > 0
+    frontier = tuple(sorted(pair for pair in pairs
+                            if not any(other != pair and other[0] >= pair[0] and other[1] >= pair[1] for other in pairs)))
+    return first or 0, frontier
+
+
 def recorded_gradient_bytes(workload: Workload, tokens: float) -> float:
     """What one stage-micro-batch between I and W holds besides its stash: the gradient at every
     weighted operator's output (strategies/split_backward.py), per block each product's output in the
@@ -260,9 +283,10 @@ def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True, tem
     row = [action for action in plan.ranks[pipeline_rank] if action is not None]
     stages = sorted({action.stage for action in row if action.kind == FORWARD})
     last_alive, later, posted = in_flight_moments(row)
+    pending = pending_moments(row) if any(action.kind == BACKWARD_WEIGHT for action in row) else 0
     return stage_memory(workload, stages, plan.stages, in_flight(row), flash, later, last_alive, posted,
                         held_sends(plan, pipeline_rank, completes_when_received=not workload.gloo), temporaries,
-                        pending_weight_gradients(row))
+                        pending)
 
 
 def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int, flash: bool = True,
@@ -282,9 +306,10 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
                   the receives posted (`sends_held[0]`, `held_sends`), a backward's working set;
       reduction   every gradient, the sends held at the end (`sends_held[1]`), and the data-parallel
                   reduction's flat copy of a stage. ZeRO adds its gathered stages to each moment (below).
-    A split backward's `pending` stage-micro-batches between I and W (`pending_weight_gradients`) add
-    their recorded gradients to the first backward and later moments (an upper bound: their peak
-    need not coincide with the stash's).
+    A split backward's `pending` stage-micro-batches between I and W add their recorded gradients to
+    the first backward and later moments: a count (`pending_weight_gradients`, the closed form: an
+    upper bound, its peak need not coincide with the stash's), or `pending_moments`' (at the first I;
+    (in flight, pending) pairs at the later Is), each later pair priced as that moment's stash.
     `later`, `last_alive`, `posted` default to one group of `alive` micro-batches on one stage:
     alive − 1, alive, one receive per sent output; `sends_held` to none (`closed_form_held` gives
     the search's)."""
@@ -322,12 +347,14 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
         at_start, during, end = _first_backward_growth(workload, tokens, stages, total_stages, block, working)
         growth = max(at_start + start_copies, during + block_copies, end + block_copies)
     posted = sent_first if posted is None else posted
-    recorded = pending * recorded_gradient_bytes(workload, tokens)
-    first_backward = alive * kept + last_alive * head + (sent_first + posted) * piece + growth + recorded
+    per_pending = recorded_gradient_bytes(workload, tokens)
+    pending_first, pairs = (pending, ((later, pending),)) if isinstance(pending, int) else pending
+    first_backward = alive * kept + last_alive * head + (sent_first + posted) * piece + growth + pending_first * per_pending
     senders = (loops - last) * pipelined
     later_buffers = (2 * later * senders / loops + sends_held[0] * pipelined) * piece  # outputs in flight, their
     # gradient receives, the held sends and activation receives
-    later_peak = gradients + later * kept + later / loops * head + later_buffers + working + recorded
+    stash_then = max((in_flight * kept + waiting * per_pending for in_flight, waiting in pairs), default=later * kept)
+    later_peak = gradients + stash_then + later / loops * head + later_buffers + working
     every_send = sends_held[1] * pipelined * piece
     flat = largest if layout.data > 1 and not layout.zero else 0  # ZeRO's gathered buffers are counted below
     forward = alive * kept + last_alive * head + working if workload.gradients_through_forward else 0
@@ -399,15 +426,14 @@ def closed_form_in_flight(schedule: str, pipeline_degree: int, loops: int, bread
     return v * bf  # looped_breadth_first, layered
 
 
-def closed_form_pending(schedule: str, pipeline_degree: int, breadth_first: int, micro_batches: int, rank: int) -> int:
-    """`pending_weight_gradients` of pipeline rank `rank` without the plan: none but under a split
-    backward; ZB-H1's rank r > 0 runs r + 1 Is before its first W (W lags I by r); ZB-H2's and ZBV's
-    off the built plan."""
+def closed_form_pending(schedule: str, pipeline_degree: int, breadth_first: int, micro_batches: int, rank: int):
+    """The `pending` `memory` gives `stage_memory` for pipeline rank `rank`, without the plan: none
+    but under a split backward; ZB-H1's rank r > 0 runs r + 1 Is before its first W (W lags I by r),
+    and holds them beside its whole stash; ZB-H2's and ZBV's `pending_moments` off the built plan."""
     if schedule == "zero_bubble_h1":
         return min(rank + 1, breadth_first) if rank > 0 else 0
     if schedule in ZERO_BUBBLE:
-        return _split_backward_row(pending_weight_gradients, schedule, pipeline_degree, breadth_first, micro_batches,
-                                   rank)
+        return _split_backward_row(pending_moments, schedule, pipeline_degree, breadth_first, micro_batches, rank)
     return 0
 
 

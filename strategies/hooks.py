@@ -105,6 +105,6 @@ class RunHooks:
         """{"simulated": x, "measured": y} where the strategy runs a schedule; None otherwise."""
         return None
 
-    def write_evidence(self, run_directory: Path) -> list:
-        """Write technique-specific files (Gantt charts, schedules) on rank 0; returns their paths."""
+    def write_evidence(self, run_directory: Path, charts: bool = True) -> list:
+        """Write technique-specific files (schedules; with `charts`, Gantt charts) on rank 0; returns the charts' paths."""
         return []

@@ -262,7 +262,7 @@ class ModularPipelineStrategy(OwnedStepStrategy):
                 "measured": statistics.median(measured) if measured else None}
 
     @override
-    def write_evidence(self, run_directory: Path) -> list:
+    def write_evidence(self, run_directory: Path, charts: bool = True) -> list:
         """Gantt charts of the planned and the last executed step, and the executed order."""
         order = {"plan": [[str(a) for a in row if a is not None] for row in self.plan.ranks],
                  "executed_last_step": [[a for a, _, _ in row] for row in self.executed],
@@ -270,6 +270,8 @@ class ModularPipelineStrategy(OwnedStepStrategy):
                  "executed_last_step_seconds": [[(a, s - row[0][1], e - row[0][1]) for a, s, e in row]
                                                 for row in self.executed if row]}
         (Path(run_directory) / "schedule.json").write_text(json.dumps(order, indent=1))
+        if not charts:
+            return []
         # One row per pipeline rank: a tensor grid's collectives run inside each F and B bar.
         grid = f" × {self.tensor_parallel} grid of {self.degrees.tensor} (collectives inside F, B)" \
             if self.tensor_parallel else ""

@@ -156,11 +156,13 @@ class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
         return {**super().bubble_fraction(), "simulated_with_kfac": with_kfac, **self.cycle.report()}
 
     @override
-    def write_evidence(self, run_directory: Path) -> list:
+    def write_evidence(self, run_directory: Path, charts: bool = True) -> list:
+        if not charts:
+            return super().write_evidence(run_directory, charts)
         path = plot_timeline(self.cycle_timeline(), Path(run_directory) / "schedule_kfac.png",
                              title=f"PipeFisher: K-FAC units in the bubbles of a {self.refresh_interval}-step cycle",
                              time_unit="FLOP")
-        return super().write_evidence(run_directory) + [path]
+        return super().write_evidence(run_directory, charts) + [path]
 
 
 # ----- the registry interface (see strategies/__init__.py)

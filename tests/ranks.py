@@ -16,7 +16,9 @@ from layerwise.run.launch import run_ranks
 CONFIG_DIRECTORY = str(Path(__file__).resolve().parent.parent / "conf")
 # Every multi-process test runs the strict point-to-point check (NCCL's issue order; parallel/comm.py).
 STRICT_POINT_TO_POINT = "trainer.check_point_to_point_order=true"
-QUICK = ["logger=none", "trainer.progress=none", "trainer.limit_val_batches=1",
+# trainer.charts=false: no PNGs at a run's end (~0.3 s of rank 0's matplotlib per run); the tests that
+# read charts turn them back on.
+QUICK = ["logger=none", "trainer.progress=none", "trainer.charts=false", "trainer.limit_val_batches=1",
          "data.global_batch_size=8", "data.sequence_length=32", "model.layers=2", "model.hidden=32",
          "model.heads=2", "data.max_bytes=2000000", STRICT_POINT_TO_POINT]
 

@@ -76,7 +76,7 @@ def test_pipeline_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
 
 
 def test_executed_order_equals_the_plan_and_evidence_is_written(tmp_path):
-    summary = run(tmp_path, "strategy=modular_pipeline", "model.layers=4")
+    summary = run(tmp_path, "strategy=modular_pipeline", "model.layers=4", "trainer.charts=true")
     order = json.loads((tmp_path / "schedule.json").read_text())
     assert order["executed_last_step"] == order["plan"]
     assert order["plan"][0][0] == "0F0" and order["plan"][1][0] == "1F0←0"

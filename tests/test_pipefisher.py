@@ -86,7 +86,7 @@ def test_kfac_is_not_the_first_order_optimizer(oracle, tmp_path):
 def test_resume_is_bit_identical_mid_cycle(tmp_path):
     """Checkpoint after step 2 (= cycle step 1 of k = 2): factors, inverses and pending captures saved."""
     overrides = ["strategy=pipefisher", "strategy.refresh_interval=2", "trainer.checkpoint_every_n_steps=2"]
-    whole = run(tmp_path / "whole", *overrides, steps=5)
+    whole = run(tmp_path / "whole", *overrides, "trainer.charts=true", steps=5)
     run(tmp_path / "resumed", *overrides, steps=2)
     resumed = run(tmp_path / "resumed", *overrides, steps=5)
     assert resumed["losses"] == whole["losses"]

@@ -256,6 +256,7 @@ class TrainerConfig:
     # and the run stops, naming the stuck rank (docs/faults.md); null = hardware.collective_timeout_s, 0 = off
     collective_timeout_s: Optional[float] = None
     long_timeout_factor: float = 10.0  # the first step, validation and checkpoints wait this many times as long
+    charts: bool = True  # PNG charts at the run's end (plan*.png, schedule_*.png); plan.json, schedule.json either way
     straggler_window: int = 20  # a rank whose compute time stays > 1.5x the median this many steps is flagged; 0 = off
 
 

@@ -19,19 +19,19 @@ from layerwise.planning.roles import GIB
 from layerwise.planning.search import search
 
 
-def plan(cfg, world_size: int, run_directory, second_estimator=None) -> dict:
+def plan(cfg, world_size: int, run_directory, second_estimator=None, charts: bool = True) -> dict:
     """Compute, print and write the plan; returns what plan.json holds. With plan.search=true,
     rank every valid layout instead (planning/search.py). With plan.dry_run=true,
     `second_estimator(cfg, world_size, result)` adds each role's dry run (train.py passes
     layerwise/tools/cross_check.py's `annotate`, a tool above this room; a run's own plan charts
-    pass none)."""
+    pass none). `charts=False` (a run's `trainer.charts`) writes plan.json without its PNGs."""
     if cfg.plan.search:
         return search(cfg, cfg.hardware.nodes * cfg.hardware.devices_per_node, run_directory)
     result, timeline = plan_result(cfg, world_size, with_timeline=True)
     device = device_of(cfg)
     if cfg.plan.dry_run and second_estimator is not None:  # one dry-run rank per role
         second_estimator(cfg, world_size, result)
-    _write(result, timeline, Path(run_directory), device.memory_bytes)
+    _write(result, timeline, Path(run_directory), device.memory_bytes, charts)
     print(table(result, device))
     if "host_bytes" in result:
         print(f"host store per data rank: {sum(result['host_bytes'].values()) / GIB:.2f} GiB of "

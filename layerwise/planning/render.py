@@ -35,9 +35,11 @@ def _extra_kinds(result: dict) -> list:
             if kind not in ("parameters", "gradients", "optimizer", "activations", "buffers")]
 
 
-def _write(result: dict, timeline, directory: Path, device_memory_bytes: float) -> None:
+def _write(result: dict, timeline, directory: Path, device_memory_bytes: float, charts: bool = True) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "plan.json").write_text(json.dumps(result, indent=1))
+    if not charts:
+        return
     if timeline is not None:  # L2L's relay is priced in closed form: no simulated timeline
         plot_timeline(timeline, directory / "plan.png", title=f"predicted step: {result['strategy']}", time_unit="s")
     _plot_memory(result, directory / "plan_memory.png", device_memory_bytes)

@@ -6,17 +6,17 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 
-def write_plan_charts(cfg, world_size: int, run_directory: Path) -> list:
+def write_plan_charts(cfg, world_size: int, run_directory: Path, charts: bool = True) -> list:
     """For a planned strategy, plan mode's files for the run's own config in its directory
-    (plan.json, the predicted step `plan.png`, the memory per rank role `plan_memory.png`);
-    returns the charts' paths (none for other strategies)."""
+    (plan.json, and with `charts` the predicted step `plan.png` and the memory per rank role
+    `plan_memory.png`); returns the charts' paths (none for other strategies or without charts)."""
     from layerwise.planning.inputs import PLANNED
     from layerwise.planning.mode import plan
     if cfg.strategy.name not in PLANNED:
         return []
     with redirect_stdout(io.StringIO()):  # plan mode's terminal table: the run has its own lines
-        plan(cfg, world_size, run_directory)
-    return [Path(run_directory) / "plan_memory.png", Path(run_directory) / "plan.png"]
+        plan(cfg, world_size, run_directory, charts=charts)
+    return [Path(run_directory) / "plan_memory.png", Path(run_directory) / "plan.png"] if charts else []
 
 
 def log_run_evidence(loggers, images: list, summary: dict) -> None:

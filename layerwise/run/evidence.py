@@ -370,11 +370,12 @@ class RunEvidence(pl.Callback):
             self._record_validation(trainer, evaluate(trainer, module))
         self._complete_partial(exchange=True)
         self._flush_rows(trainer)
-        images = trainer.strategy.write_evidence(self.run_directory) if trainer.is_global_zero else []
+        charts = self.cfg.trainer.charts
+        images = trainer.strategy.write_evidence(self.run_directory, charts) if trainer.is_global_zero else []
         summary = self.write_summary(trainer, "completed")
         if trainer.is_global_zero:  # the charts and the summary, to W&B / TensorBoard (layerwise/tools/report.py)
             from layerwise.run.charts import log_run_evidence, write_plan_charts
-            images += write_plan_charts(self.cfg, self.world_size, self.run_directory)
+            images += write_plan_charts(self.cfg, self.world_size, self.run_directory, charts)
             log_run_evidence(trainer.loggers, images, summary)
 
     def on_exception(self, trainer, module, exception):

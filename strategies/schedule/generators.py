@@ -278,7 +278,7 @@ def zero_bubble_h2(pipeline_degree: int, micro_batches: int, breadth_first_micro
     Ws drift to the tail and each rank works without a gap from its first input to its end: the
     parallelogram of Figure 3, bubble (p−1)(T_F+T_B−2T_W) = 0 at T_F = T_B = T_W once the step's
     synchronisation is bypassed (their §4). Needs m ≥ 2p−1 (the warm-up forwards); the order is the
-    unit-time list schedule zbv uses, on the contiguous placement.
+    unit-time list schedule zbv uses below 2p − 1 micro-batches, on the contiguous placement.
     """
     breadth_first = _breadth_first(micro_batches, breadth_first_micro_batches)
     _check_h2_batches(pipeline_degree, micro_batches, breadth_first)

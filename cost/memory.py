@@ -309,7 +309,8 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     A split backward's `pending` stage-micro-batches between I and W add their recorded gradients to
     the first backward and later moments: a count (`pending_weight_gradients`, the closed form: an
     upper bound, its peak need not coincide with the stash's), or `pending_moments`' (at the first I;
-    (in flight, pending) pairs at the later Is), each later pair priced as that moment's stash.
+    (in flight, pending) pairs at the later Is), each later pair priced as that moment's stash and
+    outputs in flight.
     `later`, `last_alive`, `posted` default to one group of `alive` micro-batches on one stage:
     alive − 1, alive, one receive per sent output; `sends_held` to none (`closed_form_held` gives
     the search's)."""
@@ -351,15 +352,17 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     pending_first, pairs = (pending, ((later, pending),)) if isinstance(pending, int) else pending
     first_backward = alive * kept + last_alive * head + (sent_first + posted) * piece + growth + pending_first * per_pending
     senders = (loops - last) * pipelined
-    later_buffers = (2 * later * senders / loops + sends_held[0] * pipelined) * piece  # outputs in flight, their
-    # gradient receives, the held sends and activation receives
-    stash_then = max((in_flight * kept + waiting * per_pending for in_flight, waiting in pairs), default=later * kept)
-    later_peak = gradients + stash_then + later / loops * head + later_buffers + working
+
+    def later_moment(in_flight: int, waiting: int) -> tuple:  # (activations, buffers) beside every gradient
+        buffers = (2 * in_flight * senders / loops + sends_held[0] * pipelined) * piece  # outputs in flight, their
+        # gradient receives, the held sends and activation receives
+        return in_flight * kept + waiting * per_pending + later / loops * head + working, buffers
+    later_activations, later_buffers = max((later_moment(*pair) for pair in pairs), key=sum, default=later_moment(later, 0))
     every_send = sends_held[1] * pipelined * piece
     flat = largest if layout.data > 1 and not layout.zero else 0  # ZeRO's gathered buffers are counted below
     forward = alive * kept + last_alive * head + working if workload.gradients_through_forward else 0
     moments = {"start": (gradients, 0, 0), "first backward": (0, first_backward, 0), "forward": (gradients, forward, 0),
-               "later": (gradients, later_peak - gradients - later_buffers, later_buffers + block_copies),
+               "later": (gradients, later_activations, later_buffers + block_copies),
                "reduction": (gradients, 0, every_send + flat)}
     kept_gradients, activations, buffers = max(moments.values(), key=sum)
     return {"parameters": sharded, "gradients": kept_gradients,

@@ -172,16 +172,28 @@ def in_flight(row, stages=None) -> int:
     return peak
 
 
+def _backward_starts(row):
+    """Each action of a plan row that starts a backward (B, or a split backward's I), with what is
+    alive just before it: (the action, the row's stages, forwards in flight per stage, Is of stages
+    > 0 whose W has not run — this one included —, whether every stage of the row started a backward
+    before it). Stage 0's I records nothing (its input gradient has no consumer: StageWork runs its
+    whole backward at the W). The counter is live: read it before the next item."""
+    computed = [a for a in row if a is not None and a.kind in (FORWARD, *STARTS_BACKWARD, *RELEASES)]
+    stages, started, alive, pending = {a.stage for a in computed}, set(), Counter(), 0
+    for action in computed:
+        pending += action.kind == BACKWARD_INPUT and action.stage > 0
+        if action.kind in STARTS_BACKWARD:
+            yield action, stages, alive, pending, started == stages
+            started.add(action.stage)
+        alive[action.stage] += (action.kind == FORWARD) - (action.kind in RELEASES)
+        pending -= action.kind == BACKWARD_WEIGHT and action.stage > 0
+
+
 def pending_weight_gradients(row) -> int:
     """Most micro-batches of stages > 0 between their I and their W at once in a plan row: each holds
-    the gradients its I recorded for its W (strategies/split_backward.py). Stage 0's I does nothing
-    (its input gradient has no consumer: StageWork runs its whole backward at the W), so records none."""
-    pending = peak = 0
-    for action in row:
-        if action is not None and action.stage > 0:
-            pending += (action.kind == BACKWARD_INPUT) - (action.kind == BACKWARD_WEIGHT)
-            peak = max(peak, pending)
-    return peak
+    the gradients its I recorded for its W (strategies/split_backward.py). The count rises only at
+    an I, so its peak is at one."""
+    return max((pending for _, _, _, pending, _ in _backward_starts(row)), default=0)
 
 
 def pending_moments(row) -> tuple:
@@ -190,18 +202,11 @@ def pending_moments(row) -> tuple:
     pairs no other pair bounds). One maximum of each, taken apart, can overstate a rank: ZBV's table
     order (each W right behind its I) holds 4 stage-micro-batches with 1 pending at one I of rank 1
     (p = 2, m = 4) and 3 pending only in the cool-down, where 2 are in flight."""
-    computed = [a for a in row if a is not None and a.kind in (FORWARD, *STARTS_BACKWARD, *RELEASES)]
-    stages, started, alive, pending, first, pairs = {a.stage for a in computed}, set(), 0, 0, None, set()
-    for action in computed:
-        if action.kind == BACKWARD_INPUT and action.stage > 0:  # stage 0's I records nothing
-            pending += 1
-        if action.kind in STARTS_BACKWARD:
-            first = pending if first is None else first
-            if started == stages:
-                pairs.add((alive, pending))
-            started.add(action.stage)
-        alive += (action.kind == FORWARD) - (action.kind in RELEASES)
-        pending -= action.kind == BACKWARD_WEIGHT and action.stage > 0
+    first, pairs = None, set()
+    for _, _, alive, pending, every_stage in _backward_starts(row):
+        first = pending if first is None else first
+        if every_stage:
+            pairs.add((sum(alive.values()), pending))
     frontier = tuple(sorted(pair for pair in pairs
                             if not any(other != pair and other[0] >= pair[0] and other[1] >= pair[1] for other in pairs)))
     return first or 0, frontier
@@ -228,16 +233,12 @@ def in_flight_moments(row) -> tuple:
     log-probabilities then; most forwards in flight at a backward once every stage of the row has
     run one — the stash beside all the row's gradients, 0 if there is none; gradient receives
     issued before the first backward — their buffers, strategies/schedule/point_to_point.py)."""
-    computed = [a for a in row if a is not None and a.kind in (FORWARD, *STARTS_BACKWARD, *RELEASES)]
-    stages, started, alive, first, later = {a.stage for a in computed}, set(), Counter(), None, 0
-    for action in computed:
-        if action.kind in STARTS_BACKWARD:
-            if first is None or action.kind == BACKWARD_INPUT:  # split: Ws deferred, the last stage's stash grows
-                first = max(first or 0, alive[max(stages)])
-            if started == stages:
-                later = max(later, sum(alive.values()))
-            started.add(action.stage)
-        alive[action.stage] += (action.kind == FORWARD) - (action.kind in RELEASES)
+    first, later = None, 0
+    for action, stages, alive, _, every_stage in _backward_starts(row):
+        if first is None or action.kind == BACKWARD_INPUT:  # split: Ws deferred, the last stage's stash grows
+            first = max(first or 0, alive[max(stages)])
+        if every_stage:
+            later = max(later, sum(alive.values()))
     issued = next((index for index, a in enumerate(row) if a is not None and a.kind in STARTS_BACKWARD), len(row))
     posted = sum(a is not None and a.kind in (RECV_GRADIENT, POST_RECV_GRADIENT) for a in row[:issued])
     return first or 0, later, posted

@@ -157,12 +157,12 @@ class PipeFisherStrategy(KFACInCheckpoint, ModularPipelineStrategy):
 
     @override
     def write_evidence(self, run_directory: Path, charts: bool = True) -> list:
-        if not charts:
-            return super().write_evidence(run_directory, charts)
-        path = plot_timeline(self.cycle_timeline(), Path(run_directory) / "schedule_kfac.png",
-                             title=f"PipeFisher: K-FAC units in the bubbles of a {self.refresh_interval}-step cycle",
-                             time_unit="FLOP")
-        return super().write_evidence(run_directory, charts) + [path]
+        paths = super().write_evidence(run_directory, charts)
+        if charts:
+            paths.append(plot_timeline(self.cycle_timeline(), Path(run_directory) / "schedule_kfac.png",
+                                       title=f"PipeFisher: K-FAC units in the bubbles of a {self.refresh_interval}-step "
+                                       "cycle", time_unit="FLOP"))
+        return paths
 
 
 # ----- the registry interface (see strategies/__init__.py)

@@ -548,6 +548,18 @@ def _posted_activations(schedule: str, p: int, v: int, bf: int, micro_batches: i
 # here for their moments and held sends (ZB-H1's W lag and ZBV's list schedule make them irregular
 # per rank): the search reads them (ZB-H2's and ZBV's in-flight peak too) off the built plan, which depends only on (p, bf, m) — cached,
 # so a search builds each once. Their in-flight peak: ZB-H1's min(p, bf) above; ZBV's off the plan.
+# Past its warm-up each schedule repeats one micro-batch's pattern, so every count read off its plan
+# stops changing at STEADY_MICRO_BATCHES(p) micro-batches (found on the built plans: p 2–24, m up to
+# 6p; tests/test_plan_search.py checks it): the counts are read off that plan, not one of m = 10,240.
+STEADY_MICRO_BATCHES = {"zero_bubble_h1": lambda p: p + 1, "zbv": lambda p: 2 * p, "zero_bubble_h2": lambda p: 3 * p - 2}
+
+
+def counted_micro_batches(schedule: str, pipeline_degree: int, breadth_first: int, micro_batches: int) -> tuple:
+    """(bf, m) of the plan a split schedule's counts are read off: m capped at its steady state."""
+    if breadth_first != micro_batches:
+        return breadth_first, micro_batches
+    steady = min(micro_batches, STEADY_MICRO_BATCHES[schedule](pipeline_degree))
+    return steady, steady
 
 
 @lru_cache(maxsize=256)
@@ -565,11 +577,12 @@ def _split_backward_row(count, schedule: str, pipeline_degree: int, breadth_firs
                         rank: int):
     """`count` (a function of one plan row) of a split-backward plan's rank: the search asks once per
     layout, and many layouts share a (schedule, p, bf, m)."""
-    return count(split_backward_plan(schedule, pipeline_degree, breadth_first, micro_batches).ranks[rank])
+    counted = counted_micro_batches(schedule, pipeline_degree, breadth_first, micro_batches)
+    return count(split_backward_plan(schedule, pipeline_degree, *counted).ranks[rank])
 
 
 @lru_cache(maxsize=4096)
 def _split_backward_held(schedule: str, pipeline_degree: int, breadth_first: int, micro_batches: int, rank: int,
                          completes_when_received: bool) -> tuple:
-    return held_sends(split_backward_plan(schedule, pipeline_degree, breadth_first, micro_batches), rank,
-                      completes_when_received)
+    counted = counted_micro_batches(schedule, pipeline_degree, breadth_first, micro_batches)
+    return held_sends(split_backward_plan(schedule, pipeline_degree, *counted), rank, completes_when_received)

@@ -359,6 +359,9 @@ def zero_gathers(workload: Workload, device: Device, rank: int, loops: int, brea
     return starts, groups * (per_group - second)
 
 
+SIMULATED = ("zbv", "zero_bubble_h2")  # no closed form for their list schedules: the (cached) plan is simulated
+
+
 def closed_form_step(workload: Workload, device: Device, schedule: str, micro_batches: int,
                      breadth_first: int = None) -> dict:
     """The simulator's step without the plan, for the search (tests/test_plan_search.py holds the
@@ -371,7 +374,7 @@ def closed_form_step(workload: Workload, device: Device, schedule: str, micro_ba
     schedule here (contiguous: its one stage; looping: backwards visit local stages in reverse)."""
     p, stages = workload.layout.pipeline, workload.layers // workload.layers_per_stage
     loops, breadth_first = stages // p, breadth_first or micro_batches
-    if schedule in ("zbv", "zero_bubble_h2"):  # no closed form for their list schedules: simulate the (cached) plan
+    if schedule in SIMULATED:
         return simulated_step(workload, device, split_backward_plan(schedule, p, breadth_first, micro_batches))
     receive = receive_seconds(workload, device) if p > 1 else 0.0
     middle = stage_seconds(workload, device, 0, stages)  # stage 0's compute equals a middle stage's
@@ -401,6 +404,30 @@ def closed_form_step(workload: Workload, device: Device, schedule: str, micro_ba
     return {"step_seconds": compute + exposed + update, "compute_seconds": compute, "exposed_data_seconds": exposed,
             "optimizer_seconds": update,
             "bubble_fraction": 1 - busy / (compute * p) if compute else 0.0}
+
+
+def step_lower_bound(workload: Workload, device: Device, placement: tuple, micro_batches: int) -> float:
+    """No plan of this placement steps faster (what the training-time scan prunes simulations with).
+    A rank runs its actions one at a time, so the makespan is at least the busiest rank's m forwards,
+    backwards (a split backward's I + W = B), receive waits and (without overlap) sends and stage
+    reductions, as `step_cost` prices them; with overlap, some rank still exposes what outlasts the
+    backward of the stage it reduces last, at least the least of its stages'; the slowest rank's
+    optimizer step follows."""
+    stages, overlap = len(placement), device.overlaps_communication
+    receive = receive_seconds(workload, device)
+    send = 0.0 if overlap else receive
+    busy, exposed, update = 0.0, 0.0, 0.0
+    for rank in range(max(placement) + 1):
+        held = [stage for stage in range(stages) if placement[stage] == rank]
+        messages = [(stage > 0 and placement[stage - 1] != rank) + (stage < stages - 1 and placement[stage + 1] != rank)
+                    for stage in held]  # receives in (activation, gradient), and as many sends out
+        compute = sum(sum(stage_seconds(workload, device, stage, stages)) for stage in held)
+        reductions = [exposed_reduction_seconds(workload, device, stage, stages) for stage in held]
+        busy = max(busy, micro_batches * (compute + sum(messages) * (receive + send))
+                   + (0.0 if overlap else sum(reduction_seconds(workload, device, stage, stages) for stage in held)))
+        exposed = max(exposed, min(reductions) if overlap else 0.0)
+        update = max(update, optimizer_seconds(workload, device, held, stages))
+    return busy + exposed + update
 
 
 def zero_bubble_h1_group(middle: tuple, receive: float, p: int, breadth_first: int, ranks: list) -> float:

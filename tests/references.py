@@ -124,6 +124,10 @@ SGD_CASES = {
     "zero_layered_zbv_pp2_dp2_m4": SgdCase(["strategy=zero_layered", "strategy.pipeline_degree=2",
                                             "strategy.schedule=zbv", "strategy.layers_per_stage=1",
                                             "hardware.devices_per_node=4"], 4),
+    # ... and ZB-H2: 2p − 1 micro-batches between F and W, the reduce-scatters after the tail's Ws
+    "zero_layered_zero_bubble_h2_pp2_dp2_m4": SgdCase(["strategy=zero_layered", "strategy.pipeline_degree=2",
+                                                       "strategy.schedule=zero_bubble_h2", "strategy.layers_per_stage=2",
+                                                       "hardware.devices_per_node=4"], 4),
     "zero_depth_first_dp2_m4": SgdCase(["strategy=zero_depth_first"], 2),
     "fsdp2_dp2_m4": SgdCase(["strategy=fsdp2"], 2),
     "three_d_q2": SgdCase(["strategy=three_d", "hardware.devices_per_node=8"], 8),
@@ -161,6 +165,15 @@ SGD_CASES = {
     "pipefisher_zero_bubble_h1_pp2_m4_k2": SgdCase(["strategy=pipefisher", "strategy.schedule=zero_bubble_h1",
                                                     "strategy.layers_per_stage=2", *KFAC_SGD], 2,
                                                    ("strategy=kfac", *KFAC_SGD)),
+    # ... on ZB-H2 and on the V (K-FAC's a and g captured through I and W; two stages per rank for ZBV)
+    "pipefisher_zero_bubble_h2_pp2_m4_k2": SgdCase(["strategy=pipefisher", "strategy.schedule=zero_bubble_h2",
+                                                    "strategy.layers_per_stage=2", *KFAC_SGD], 2,
+                                                   ("strategy=kfac", *KFAC_SGD)),
+    "pipefisher_zbv_pp2_m4_k2": SgdCase(["strategy=pipefisher", "strategy.schedule=zbv",
+                                         "strategy.layers_per_stage=1", *KFAC_SGD], 2, ("strategy=kfac", *KFAC_SGD)),
+    # ZBV over a 1-D tensor grid (each of the V's stages split over 2 ranks)
+    "zbv_pp2_p2_m4": SgdCase(["strategy=one_f_one_b", "strategy.schedule=zbv", "strategy.layers_per_stage=1",
+                              "strategy.tensor_parallel=1d", "strategy.tensor_grid=2", "hardware.devices_per_node=4"], 4),
     # The Llama family (issue 29): one case per strategy family against its own single reference.
     "llama_ddp_dp2": SgdCase(["strategy=ddp", *LLAMA], 2, LLAMA_REFERENCE),
     "llama_interleaved_1f1b_pp2_v2_m4": SgdCase(["strategy=interleaved_1f1b", *LLAMA], 2, LLAMA_REFERENCE),

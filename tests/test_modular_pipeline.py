@@ -67,7 +67,7 @@ def test_pipeline_equals_single(case, references, tmp_path):
                                   "one_f_one_b_pp2_m4", "zero_bubble_h1_pp2_m4", "zero_bubble_h1_pp4_m8",
                                   "zero_bubble_h1_pp2_dp2_m4", "zero_bubble_h1_pp2_p2_m4",
                                   "zero_bubble_h2_pp2_m4", "zero_bubble_h2_pp4_m8",
-                                  "zbv_pp2_m4", "zbv_pp4_m8", "interleaved_1f1b_pp2_v2_m4",
+                                  "zbv_pp2_m4", "zbv_pp4_m8", "zbv_pp2_p2_m4", "interleaved_1f1b_pp2_v2_m4",
                                   "llama_interleaved_1f1b_pp2_v2_m4"])
 def test_pipeline_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
     """Plain SGD sees the gradient's scale, which AdamW normalises away (references.SgdComparison):

@@ -19,9 +19,9 @@ from layerwise.planning.search import (FAMILIES, Evaluator, Point, bounding_rank
                                        search, strategy_overrides)
 from layerwise.preflight import validate
 from cost.inputs import Device, Workload
-from cost.step_time import closed_form_step, predict_step
-from cost.memory import (closed_form_in_flight, closed_form_moments, closed_form_pending, in_flight, in_flight_moments,
-                         memory, pending_moments, pending_weight_gradients)
+from cost.step_time import closed_form_step, predict_step, step_lower_bound
+from cost.memory import (STEADY_MICRO_BATCHES, closed_form_in_flight, closed_form_moments, closed_form_pending, held_sends,
+                         in_flight, in_flight_moments, memory, pending_moments, pending_weight_gradients, split_backward_plan)
 from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule.generators import SCHEDULES, ZERO_BUBBLE, build_plan
 from strategies.schedule.passes import add_communication
@@ -64,6 +64,7 @@ CASES = [  # (schedule, p, layers per stage, m, breadth-first, ZeRO, data)
     ("zero_bubble_h1", 4, 6, 8, None, False, 4), ("zero_bubble_h1", 8, 3, 16, None, False, 4),
     ("zero_bubble_h1", 8, 3, 3, None, False, 4), ("zero_bubble_h1", 2, 12, 4, None, False, 4),
     ("zero_bubble_h1", 8, 3, 16, 4, False, 4), ("zbv", 4, 3, 8, None, False, 4), ("zbv", 2, 6, 4, None, False, 4),
+    ("zbv", 3, 4, 13, None, False, 4),  # m past the steady state: the counts come off the m = 2p plan
 ] + ([("zero_bubble_h2", 4, 6, 8, None, False, 4), ("zero_bubble_h2", 2, 12, 4, None, False, 4)]
      if "zero_bubble_h2" in SCHEDULES else [])  # ZB-H2, simulated, once its generator exists
 
@@ -98,6 +99,26 @@ def test_closed_form_agrees_with_the_simulated_plan(case, grid, vocabulary):
         planned = max(sum(memory(backend, plan, rank).values()) for rank in range(pipeline))
         piece = backend.piece * 4 * (pipeline > 1)  # fp32 boundary buffers (estimate_memory.stage_memory)
         assert searched == planned if gloo else planned <= searched <= planned + piece * (1 + 1e-12)
+
+
+def _split_counts(schedule, pipeline, micro):
+    plan = split_backward_plan(schedule, pipeline, micro, micro)
+    return [(in_flight(row), in_flight_moments(row), pending_moments(row), held_sends(plan, rank, False),
+             held_sends(plan, rank, True)) for rank, row in enumerate(plan.ranks)]
+
+
+@pytest.mark.parametrize("schedule", sorted(STEADY_MICRO_BATCHES))
+def test_split_schedules_counts_stop_changing_at_their_steady_state(schedule):
+    """What the search reads off a split schedule's plan (in flight, moments, pending Ws, held sends
+    under both release rules) is the same for every m past STEADY_MICRO_BATCHES(p), and not yet at
+    one micro-batch fewer, so the m = 2p plan stands for m = 10,240."""
+    for pipeline in (2, 3, 4, 6):
+        steady = STEADY_MICRO_BATCHES[schedule](pipeline)
+        counts = _split_counts(schedule, pipeline, steady)
+        for micro in range(steady + 1, steady + pipeline + 2):
+            assert _split_counts(schedule, pipeline, micro) == counts, (pipeline, micro)
+        if steady - 1 >= (2 * pipeline - 1 if schedule == "zero_bubble_h2" else 1):
+            assert _split_counts(schedule, pipeline, steady - 1) != counts, pipeline
 
 
 def test_zero_bubble_h1_closed_form_is_the_papers_bubble_and_the_simulators():
@@ -197,3 +218,24 @@ def test_train_py_mode_plan_search_prints_the_ranking(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "layouts per minute" in result.stdout and "python train.py -m" in result.stdout
     assert (tmp_path / "plan_search.csv").is_file()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
+def test_step_lower_bound_is_below_every_simulated_step(overlap):
+    """cost.step_time.step_lower_bound (the training-time scan skips simulating a layout whose bound
+    cannot beat what it kept) never exceeds the simulated step: every case above, 4 data replicas
+    (an exposed reduction), a 1-D grid, and a device that overlaps no communication (sends, receives
+    and reductions on the ranks' timelines); within 20% of it on the long ZBV and ZB-H1 pipelines
+    (ZB-H1's bubble, (p − 1)·T_F against 3m·T_F of work, is 13% of its step at p = 8, m = 16)."""
+    from strategies.schedule.generators import stage_placement
+    device = dataclasses.replace(A100, overlaps_communication=overlap)
+    for schedule, pipeline, per_stage, micro, breadth_first, zero, data in CASES:
+        for grid, vocabulary in ((None, 256), ("1d", 50304)):
+            load = workload(pipeline, per_stage, grid, vocabulary, zero, data=data)
+            plan = built(schedule, pipeline, 24 // per_stage, micro, breadth_first, zero)
+            placement = stage_placement(plan.stages, pipeline, "v" if schedule == "zbv" else "looping")
+            simulated = predict_step(load, device, plan)["step_seconds"]
+            bound = step_lower_bound(load, device, placement, micro)
+            assert bound <= simulated * (1 + 1e-12), (schedule, pipeline, micro, grid)
+            if (schedule, micro) in (("zbv", 13), ("zero_bubble_h1", 16)) and breadth_first is None:
+                assert bound >= 0.8 * simulated, (schedule, pipeline, micro, grid, bound / simulated)

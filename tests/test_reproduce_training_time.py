@@ -70,6 +70,9 @@ def test_point_reads_the_ladder_and_the_profiles(base):
     assert point.hardware.inter_node_bandwidth == 1.5625e9 and point.data.global_batch_size == 1024
     assert tt.point_config(base, "gpt_13b", "dgx_h100", 512).model.hidden == 5120
     assert tt.fewest_gpus(point) == math.ceil(16 * 12 * 128 * 25600 ** 2 / 8e10)
+    # the profile's fields over the schema's, whatever the base: a cpu base's cores do not leak in
+    laptop = tt.point_config(compose(["mode=plan"]), "gpt_1t", "a100_ethernet", 1024)
+    assert laptop.hardware == point.hardware and laptop.hardware.compute_units_per_node == 0
 
 
 # ----- what a layout needs: exact relations of the formulas
@@ -121,6 +124,37 @@ def test_scan_finds_the_fastest_efficient_fitting_layout(base):
     row = tt.summary_row(point, budget, "layered_zero", entry)
     assert row["days"] == pytest.approx(budget["steps"] * best["step_time_s"] / 86400)
     assert 0 <= row["state_fraction"] <= row["memory_fraction"] <= 1
+
+
+def test_pruned_scan_keeps_the_rows_of_evaluating_every_layout(base, monkeypatch):
+    """ZBV's layouts are visited by their step's lower bound and skipped where it cannot beat the kept
+    rows: the same fastest fitting and fastest unconstrained rows as evaluating all of them, from
+    fewer evaluations."""
+    budget = tt.training_budget(tt.non_embedding_parameters(40, 5120))
+    point = tt.point_config(base, "gpt_13b", "dgx_a100_80g", budget["batch_sequences"])
+    evaluations, evaluated = [], tt.evaluated
+    monkeypatch.setattr(tt, "evaluated", lambda evaluate, layout: evaluations.append(layout) or evaluated(evaluate, layout))
+    for gpus in (2048, 512):
+        evaluations.clear()
+        pruned = tt.fastest_per_configuration(point, gpus, ["zbv"])["zbv"]
+        visited = len(evaluations)
+        with monkeypatch.context() as every:
+            every.setattr(tt, "worth_evaluating", lambda *arguments: True)
+            evaluations.clear()
+            assert tt.fastest_per_configuration(point, gpus, ["zbv"])["zbv"] == pruned
+        assert pruned[1] is not None and visited < len(evaluations) / 2, (gpus, visited, len(evaluations))
+
+
+def test_step_lower_bound_is_below_the_simulated_step(base):
+    """The bound the scan prunes with never exceeds a simulated step, and is near it where the bubble
+    is small (ZBV at m = 4p)."""
+    evaluate = Evaluator(tt.point_config(base, "gpt_13b", "dgx_a100_80g", 1024), 256)
+    for layout in (Point.of("zbv", 4, "1d", 8, 5, 16, "none", 8), Point.of("zbv", 2, "none", 1, 10, 4, "none", 128),
+                   Point.of("zero_bubble_h1", 4, "1d", 8, 10, 8, "none", 8),
+                   Point.of("modular_pipeline", 4, "1d", 8, 5, 8, "full", 8)):
+        step = evaluate(layout)["step_time_s"]
+        assert evaluate.step_lower_bound(layout) <= step
+        assert evaluate.step_lower_bound(layout) >= 0.5 * step, layout.describe()
 
 
 # ----- the verdicts on made-up rows

@@ -89,7 +89,8 @@ def test_zero_layered_zero_bubble_h1_equals_single_and_moves_the_planned_bytes(r
         assert tally["reduce_scatter"] / STEPS == pytest.approx(volume, rel=EXACT_RTOL)
 
 
-@pytest.mark.parametrize("case", ["zero_layered_zero_bubble_h1_pp2_dp2_m4", "zero_layered_zbv_pp2_dp2_m4"])
+@pytest.mark.parametrize("case", ["zero_layered_zero_bubble_h1_pp2_dp2_m4", "zero_layered_zero_bubble_h2_pp2_dp2_m4",
+                                  "zero_layered_zbv_pp2_dp2_m4"])
 def test_zero_layered_zero_bubble_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
     """Plain SGD sees the gradient's scale (references.SgdComparison): a W left out of the one
     reduce-scatter, or a gradient buffer restarted between a stage's backward runs, shows here."""
@@ -135,28 +136,32 @@ def test_packing_fills_the_split_schedules_bubbles(schedule):
     assert 0 < forced.spilled_work < 1 and forced.report()["spilled_work"] == forced.spilled_work
 
 
-def test_pipefisher_zero_bubble_h1_equals_one_process_kfac(tmp_path):
-    """p = 2, m = 4, k = 2, LAMB outside: pipefisher on ZB-H1 (a and g captured through the split
-    backward: g on I's way to the stage input and again by W) equals the one-process `kfac` oracle."""
+@pytest.mark.parametrize("schedule", ["zero_bubble_h1", "zero_bubble_h2", "zbv"])
+def test_pipefisher_zero_bubble_equals_one_process_kfac(schedule, tmp_path):
+    """p = 2, m = 4, k = 2, LAMB outside: pipefisher on each split schedule (a and g captured through
+    the split backward: g on I's way to the stage input and again by W; ZBV's two stages per rank)
+    equals the one-process `kfac` oracle."""
     from tests.test_pipefisher import run as kfac_run
 
     with tracing_optimizer(tmp_path / "kfac"):
         expected = kfac_run(tmp_path / "kfac", "strategy=kfac", "strategy.refresh_interval=2", "strategy.micro_batches=4")
     summary = kfac_run(tmp_path / "pipefisher", "strategy=pipefisher", "strategy.refresh_interval=2",
-                       "strategy.micro_batches=4", "strategy.schedule=zero_bubble_h1", "strategy.layers_per_stage=2",
-                       "hardware.devices_per_node=2")
+                       "strategy.micro_batches=4", f"strategy.schedule={schedule}",
+                       f"strategy.layers_per_stage={1 if schedule == 'zbv' else 2}", "hardware.devices_per_node=2")
     assert summary["status"] == "completed"
     bubble = summary["bubble_fraction"]
-    print(f"\npipefisher ZB-H1 p2 m4 k2: {bubble}")
+    print(f"\npipefisher {schedule} p2 m4 k2: {bubble}")
     assert bubble["refresh_interval"] == 2 and bubble["simulated_with_kfac"] < bubble["simulated"]
     assert_same_losses(summary["losses"], expected["losses"])
     assert_same_parameters(consolidated_parameters(tmp_path / "pipefisher", "pipefisher"),
                            consolidated_parameters(tmp_path / "kfac", "kfac"), OptimizerTrace.load(tmp_path / "kfac"))
 
 
-def test_pipefisher_zero_bubble_equals_kfac_under_sgd(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("case", ["pipefisher_zero_bubble_h1_pp2_m4_k2", "pipefisher_zero_bubble_h2_pp2_m4_k2",
+                                  "pipefisher_zbv_pp2_m4_k2"])
+def test_pipefisher_zero_bubble_equals_kfac_under_sgd(case, tmp_path, tmp_path_factory):
     """Plain SGD outside K-FAC sees the preconditioned gradient's scale (references.SgdComparison)."""
-    compare_under_sgd("pipefisher_zero_bubble_h1_pp2_m4_k2", tmp_path, tmp_path_factory).check()
+    compare_under_sgd(case, tmp_path, tmp_path_factory).check()
 
 
 def test_a_k_the_packing_cannot_reach_is_refused_before_launch():

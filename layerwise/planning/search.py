@@ -11,8 +11,9 @@
    accepts is produced: the same divisibility rules, the schedules' own `_check_combination`, the
    grids' splits and the strategies' precision/optimizer rules;
 2. evaluate each in closed form from cost/step_time.py's formulas (`stage_memory` with
-   `closed_form_in_flight`, `closed_form_step`): no config composed, and no plan built but ZB-H1's
-   and ZBV's, one per (p, m), whose buffers (and ZBV's step, simulated) are read off it;
+   `closed_form_in_flight`, `closed_form_step`): no config composed, and no plan built but the split
+   schedules', whose buffers are read off one per (p, m capped at its steady state) and whose
+   step (ZBV's, ZB-H2's) is simulated on one per (p, m);
 3. keep those whose largest role fits the device after the allocator margin, rank by step time,
    print the top plan.search_top with memory and MFU, write plan_search.csv (every fitting layout);
 4. re-plan the first plan.search_replan through the full path (validate, the strategy's plan, the
@@ -35,7 +36,7 @@ from layerwise.planning.result import plan_result
 from models.transformer import model_flops_per_token
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
 from cost.inputs import Workload
-from cost.step_time import closed_form_step, model_flops_utilization
+from cost.step_time import closed_form_step, model_flops_utilization, step_lower_bound
 from cost.memory import closed_form_held, closed_form_in_flight, closed_form_moments, closed_form_pending, stage_memory
 from strategies.schedule.generators import ONE_STAGE_PER_RANK, ZERO_BUBBLE, _check_combination, stage_placement
 from parallel.dims import Layout
@@ -222,22 +223,31 @@ class Evaluator:
 
     def __call__(self, layout: Point) -> dict:
         """One csv row: the layout's fields, the step, MFU and the largest role's bytes."""
-        workload = self.workload(layout)
-        p, stages = layout.pipeline_degree, self.cfg.model.layers // layout.layers_per_stage
-        breadth_first = layout.breadth_first_micro_batches or layout.micro_batches
-        step = closed_form_step(workload, self.device, layout.schedule, layout.micro_batches,
+        step = closed_form_step(self.workload(layout), self.device, layout.schedule, layout.micro_batches,
                                 layout.breadth_first_micro_batches)
-        flash = self.cfg.plan.flash_attention
-        worst_rank, worst = max(((rank, role_bytes(workload, layout, rank, stages, breadth_first, flash))
-                                 for rank in bounding_ranks(layout.schedule, p, breadth_first)),
-                                key=lambda pair: sum(pair[1].values()))
-        total = sum(worst.values()) * (1 + self.cfg.plan.allocator_margin)
+        worst_rank, total = self.largest_role(layout)
         seconds = step["step_seconds"]
         return {**layout.row(), "step_time_s": seconds, "tokens_per_s": self.tokens / seconds,
                 "mfu": model_flops_utilization(self.model_flops, seconds, self.device.flops_per_second, self.world),
                 "bubble_fraction": step["bubble_fraction"], "exposed_data_s": step["exposed_data_seconds"],
                 "worst_pipeline_rank": worst_rank, "worst_role_bytes": total,
                 "fits": total <= self.device.memory_bytes}
+
+    def largest_role(self, layout: Point) -> tuple:
+        """(pipeline rank, bytes with the allocator margin) of the layout's largest role."""
+        workload, p = self.workload(layout), layout.pipeline_degree
+        stages = self.cfg.model.layers // layout.layers_per_stage
+        breadth_first, flash = layout.breadth_first_micro_batches or layout.micro_batches, self.cfg.plan.flash_attention
+        rank, worst = max(((rank, role_bytes(workload, layout, rank, stages, breadth_first, flash))
+                           for rank in bounding_ranks(layout.schedule, p, breadth_first)),
+                          key=lambda pair: sum(pair[1].values()))
+        return rank, sum(worst.values()) * (1 + self.cfg.plan.allocator_margin)
+
+    def step_lower_bound(self, layout: Point) -> float:
+        """A step no schedule of this layout beats (cost/step_time.py `step_lower_bound`)."""
+        stages = self.cfg.model.layers // layout.layers_per_stage
+        placement = stage_placement(stages, layout.pipeline_degree, "v" if layout.schedule == "zbv" else "looping")
+        return step_lower_bound(self.workload(layout), self.device, placement, layout.micro_batches)
 
 
 

@@ -26,10 +26,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from layerwise.config.schema import HardwareConfig
 from layerwise.reproduce import Finding, Verdict
 from layerwise.reproduce.training_time_small import at_small_scale  # noqa: F401 (the claim's small scale)
 from layerwise.planning.search import FAMILIES, Evaluator, layouts, point_of, role_bytes
-from cost.step_time import link_bandwidth, receive_seconds, stage_seconds
+from cost.step_time import SIMULATED, link_bandwidth, model_flops_utilization, receive_seconds, stage_seconds
 from cost.traffic import all_gather, all_reduce, local_parameters
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,7 +159,9 @@ def point_config(cfg, model: str, hardware: str, batch_sequences: int):
     """An untyped copy of `cfg` with the model, hardware and batch replaced (what the Evaluator reads)."""
     container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     container["model"] = {**container["model"], "tie_embeddings": False, "mlp_ratio": 4, **model_fields(model)}
-    container["hardware"] = {**container["hardware"], **hardware_fields(hardware)}
+    # the profile over the schema's defaults: a field the profile leaves out must not come from the
+    # base config's hardware (a cpu base's compute_units_per_node = 2 slowed every GPU 4×)
+    container["hardware"] = {**OmegaConf.to_container(OmegaConf.structured(HardwareConfig)), **hardware_fields(hardware)}
     container["data"] = {**container["data"], "corpus": "token_bin", "vocab_size": VOCABULARY,
                          "global_batch_size": batch_sequences, "sequence_length": SEQUENCE_LENGTH}
     return OmegaConf.create(container)
@@ -190,12 +193,15 @@ def efficient(point, row: dict) -> bool:
 
 def fastest_per_configuration(point, gpus: int, configurations) -> dict:
     """configuration → (fastest efficient row that fits, fastest efficient row ignoring memory)
-    among `configurations` at this GPU count."""
-    evaluate = Evaluator(point, gpus)
-    best = {}
-    for layout in layouts(point, gpus):
-        name = configuration_of(layout, point.model.layers)
-        if name not in configurations:
+    among `configurations` at this GPU count. A schedule priced by simulating its plan (ZBV) is
+    visited by its step's lower bound, lowest first, and not simulated where that bound cannot beat
+    the rows kept (at 175B one GPU count has 140 ZBV layouts of up to thousands of micro-batches)."""
+    evaluate, best = Evaluator(point, gpus), {}
+    chosen = [(layout, name) for layout in layouts(point, gpus)
+              if (name := configuration_of(layout, point.model.layers)) in configurations]
+    bounds = {layout: evaluate.step_lower_bound(layout) if layout.schedule in SIMULATED else 0.0 for layout, _ in chosen}
+    for layout, name in sorted(chosen, key=lambda pair: bounds[pair[0]]):
+        if not worth_evaluating(point, evaluate, layout, bounds[layout], *best.get(name, (None, None))):
             continue
         row = evaluated(evaluate, layout)
         if not efficient(point, row):
@@ -207,6 +213,20 @@ def fastest_per_configuration(point, gpus: int, configurations) -> dict:
             unconstrained = row
         best[name] = (fitting, unconstrained)
     return best
+
+
+def worth_evaluating(point, evaluate: Evaluator, layout, bound: float, fitting, unconstrained) -> bool:
+    """Whether a layout whose step is at least `bound` can replace a kept row: not if even that step
+    misses the utilisation floor, nor if it is no faster than the fastest that fits; nor, if it does
+    not fit, than the fastest ignoring memory."""
+    if bound and not efficient(point, {"mfu": model_flops_utilization(evaluate.model_flops, bound,
+                                                                      evaluate.device.flops_per_second, evaluate.world)}):
+        return False
+    if fitting is not None and bound >= fitting["step_time_s"]:
+        return False
+    if unconstrained is not None and bound >= unconstrained["step_time_s"]:
+        return evaluate.largest_role(layout)[1] <= evaluate.device.memory_bytes
+    return True
 
 
 def fewest_gpus(point) -> int:

@@ -145,23 +145,27 @@ def test_pruned_scan_keeps_the_rows_of_evaluating_every_layout(base, monkeypatch
         assert pruned[1] is not None and visited < len(evaluations) / 2, (gpus, visited, len(evaluations))
 
 
-def test_step_lower_bound_is_below_the_simulated_step(base):
-    """The bound the scan prunes with never exceeds a simulated step, and is near it where the bubble
-    is small (ZBV at m = 4p)."""
-    evaluate = Evaluator(tt.point_config(base, "gpt_13b", "dgx_a100_80g", 1024), 256)
-    for layout in (Point.of("zbv", 4, "1d", 8, 5, 16, "none", 8), Point.of("zbv", 2, "none", 1, 10, 4, "none", 128),
-                   Point.of("zero_bubble_h1", 4, "1d", 8, 10, 8, "none", 8),
-                   Point.of("modular_pipeline", 4, "1d", 8, 5, 8, "full", 8)):
-        step = evaluate(layout)["step_time_s"]
-        assert evaluate.step_lower_bound(layout) <= step
-        assert evaluate.step_lower_bound(layout) >= 0.5 * step, layout.describe()
-
-
 # ----- the verdicts on made-up rows
 
 def _row(model, hardware, configuration, days, **extra):
     return {"model": model, "hardware": hardware, "configuration": configuration, "days": days,
             "parameters": 1, "step_time_s": 1.0, "unconstrained_days": days, **extra}
+
+
+def test_zero_bubble_verdict_compares_shortest_times_and_steps_at_equal_gpus():
+    """ZBV's shortest time on twice layered's GPUs is 0.6 of layered's, but on layered's own GPU count
+    its step is 0.9 of it: the verdict gives both; a model where none fits is named."""
+    rows, curves = [], []
+    for hardware in ("dgx_a100_80g", "dgx_h100"):
+        rows += [_row("gpt_13b", hardware, "layered", 10.0, gpus=4096), _row("gpt_13b", hardware, "zbv", 6.0, gpus=8192),
+                 _row("gpt_1t", hardware, "layered_zero", 50.0, gpus=65536)]
+        curves += [{"model": "gpt_13b", "hardware": hardware, "configuration": "zbv", "gpus": gpus, "days": days}
+                   for gpus, days in ((8192, 6.0), (4096, 9.0), (2048, math.nan))]
+    verdict = tt.zero_bubble_verdict(rows, curves)
+    assert verdict.verdict == "refuted"  # faster at both points where a zero-bubble layout fits
+    assert "0.60–0.60" in verdict.prediction and "its step: 0.90–0.90" in verdict.prediction
+    assert verdict.prediction.endswith("gpt_1t on dgx_a100_80g, gpt_1t on dgx_h100")  # the ladder's others: no rows
+    assert "gpt_13b on dgx_h100 (0.60)" in verdict.prediction
 
 
 def test_halving_is_the_median_of_best_improved_over_best_baseline():

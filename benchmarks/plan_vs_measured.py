@@ -170,7 +170,7 @@ def time_table(steps: int, only=None, repeats: int = 3) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)  # steps 3-7 run without the meter (summary speeds)
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--time", action="store_true", help="step times with hardware=calibrated (see above)")
     parser.add_argument("--repeats", type=int, default=3, help="--time: measured passes per configuration")

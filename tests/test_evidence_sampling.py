@@ -8,6 +8,8 @@ Every step issues exactly one collective for its evidence (loss, times, bytes, c
 import csv
 import json
 
+import pytest
+
 import torch.distributed as dist
 
 from layerwise.run.evidence import RunEvidence, is_measured_step
@@ -55,6 +57,9 @@ def test_meter_runs_on_sampled_steps_only(tmp_path):
                                                 if row["memory_measured"] == "1")
     assert summary["precision"] == "32-true"  # read from the sampled steps' matrix products
     assert summary["comm_calls_per_step"] == 0 and {row["comm_calls"] for row in rows} == {"0"}
+    # the speeds are the unmetered steps' (3 and 5): the meter's dispatch mode slows the step it watches
+    unmetered = sorted(float(row["step_time_s"]) for row in rows if row["memory_measured"] == "0")
+    assert summary["step_time_s_median"] == pytest.approx(sum(unmetered) / 2, rel=1e-6)
 
 
 def test_a_resumed_run_measures_its_first_steps_again(tmp_path):

@@ -413,7 +413,7 @@ HOW: Dict[str, How] = {
     "python train.py experiment=repro_three_d model.hidden=6144":
         How("check", valid, why="the same module as experiment=repro_three_d at another width (~15 s)"),
     "python train.py experiment=repro_training_time":
-        How("check", valid, why="paper scale: ~3 min of plan mode over 1B-1T models; "
+        How("check", valid, why="paper scale: ~19 min of plan mode over 1B-1T models; "
             "tests/test_reproduce_training_time.py tests its module"),
     "python train.py experiment=repro_training_time_small":
         How("check", valid, why=SMALL_CLAIM.format(test="tests/test_reproduce_training_time.py")),

@@ -15,8 +15,8 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from layerwise.planning.result import plan_result
-from layerwise.planning.search import (FAMILIES, Evaluator, Point, bounding_ranks, layouts, point_of, point_config, role_bytes,
-                                       search, strategy_overrides)
+from layerwise.planning.search import (FAMILIES, Evaluator, Point, bounding_ranks, layouts, placement_of, point_of,
+                                       point_config, role_bytes, search, strategy_overrides)
 from layerwise.preflight import validate
 from cost.inputs import Device, Workload
 from cost.step_time import closed_form_step, predict_step, step_lower_bound
@@ -227,13 +227,12 @@ def test_step_lower_bound_is_below_every_simulated_step(overlap):
     (an exposed reduction), a 1-D grid, and a device that overlaps no communication (sends, receives
     and reductions on the ranks' timelines); within 20% of it on the long ZBV and ZB-H1 pipelines
     (ZB-H1's bubble, (p − 1)·T_F against 3m·T_F of work, is 13% of its step at p = 8, m = 16)."""
-    from strategies.schedule.generators import stage_placement
     device = dataclasses.replace(A100, overlaps_communication=overlap)
     for schedule, pipeline, per_stage, micro, breadth_first, zero, data in CASES:
         for grid, vocabulary in ((None, 256), ("1d", 50304)):
             load = workload(pipeline, per_stage, grid, vocabulary, zero, data=data)
             plan = built(schedule, pipeline, 24 // per_stage, micro, breadth_first, zero)
-            placement = stage_placement(plan.stages, pipeline, "v" if schedule == "zbv" else "looping")
+            placement = placement_of(schedule, plan.stages, pipeline)
             simulated = predict_step(load, device, plan)["step_seconds"]
             bound = step_lower_bound(load, device, placement, micro)
             assert bound <= simulated * (1 + 1e-12), (schedule, pipeline, micro, grid)

@@ -228,7 +228,7 @@ class Evaluator:
         worst_rank, total = self.largest_role(layout)
         seconds = step["step_seconds"]
         return {**layout.row(), "step_time_s": seconds, "tokens_per_s": self.tokens / seconds,
-                "mfu": model_flops_utilization(self.model_flops, seconds, self.device.flops_per_second, self.world),
+                "mfu": self.mfu(seconds),
                 "bubble_fraction": step["bubble_fraction"], "exposed_data_s": step["exposed_data_seconds"],
                 "worst_pipeline_rank": worst_rank, "worst_role_bytes": total,
                 "fits": total <= self.device.memory_bytes}
@@ -245,9 +245,12 @@ class Evaluator:
 
     def step_lower_bound(self, layout: Point) -> float:
         """A step no schedule of this layout beats (cost/step_time.py `step_lower_bound`)."""
-        stages = self.cfg.model.layers // layout.layers_per_stage
-        placement = stage_placement(stages, layout.pipeline_degree, "v" if layout.schedule == "zbv" else "looping")
+        placement = placement_of(layout.schedule, self.cfg.model.layers // layout.layers_per_stage, layout.pipeline_degree)
         return step_lower_bound(self.workload(layout), self.device, placement, layout.micro_batches)
+
+    def mfu(self, step_seconds: float) -> float:
+        """Model FLOPs utilisation of a step of this config taking `step_seconds`."""
+        return model_flops_utilization(self.model_flops, step_seconds, self.device.flops_per_second, self.world)
 
 
 
@@ -260,11 +263,16 @@ def bounding_ranks(schedule: str, pipeline_degree: int, breadth_first: int) -> s
     return {0, min(1, p - 1), p - 1} | split
 
 
+def placement_of(schedule: str, stages: int, pipeline_degree: int) -> tuple:
+    """Rank of every stage under `schedule`: the V for ZBV, else looping (contiguous at one stage per rank)."""
+    return stage_placement(stages, pipeline_degree, "v" if schedule == "zbv" else "looping")
+
+
 def role_bytes(workload: Workload, layout: Point, rank: int, stages: int, breadth_first: int, flash: bool) -> dict:
     """`cost.memory.memory` of pipeline rank `rank` without its plan row: the stages it holds (looping
     r, r + p, …; at v = 1 the contiguous placement's one stage r) and the closed-form in-flight counts."""
     loops = stages // layout.pipeline_degree
-    placement = stage_placement(stages, layout.pipeline_degree, "v" if layout.schedule == "zbv" else "looping")
+    placement = placement_of(layout.schedule, stages, layout.pipeline_degree)
     held = [stage for stage in range(stages) if placement[stage] == rank]
     alive = closed_form_in_flight(layout.schedule, layout.pipeline_degree, loops, breadth_first, rank)
     last_alive, later, posted = closed_form_moments(layout.schedule, layout.pipeline_degree, loops, breadth_first,

@@ -30,7 +30,7 @@ from layerwise.config.schema import HardwareConfig
 from layerwise.reproduce import Finding, Verdict
 from layerwise.reproduce.training_time_small import at_small_scale  # noqa: F401 (the claim's small scale)
 from layerwise.planning.search import FAMILIES, Evaluator, layouts, point_of, role_bytes
-from cost.step_time import SIMULATED, link_bandwidth, model_flops_utilization, receive_seconds, stage_seconds
+from cost.step_time import SIMULATED, link_bandwidth, receive_seconds, stage_seconds
 from cost.traffic import all_gather, all_reduce, local_parameters
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,8 +219,7 @@ def worth_evaluating(point, evaluate: Evaluator, layout, bound: float, fitting, 
     """Whether a layout whose step is at least `bound` can replace a kept row: not if even that step
     misses the utilisation floor, nor if it is no faster than the fastest that fits; nor, if it does
     not fit, than the fastest ignoring memory."""
-    if bound and not efficient(point, {"mfu": model_flops_utilization(evaluate.model_flops, bound,
-                                                                      evaluate.device.flops_per_second, evaluate.world)}):
+    if bound and not efficient(point, {"mfu": evaluate.mfu(bound)}):
         return False
     if fitting is not None and bound >= fitting["step_time_s"]:
         return False

@@ -12,8 +12,9 @@ largest role's bytes before the allocator margin. Memory is exact accounting on 
 mode prices, and the compositions), with `hardware=calibrated` (run `python train.py mode=calibrate`
 first; its `matmul_efficiency: 1` says its peak is the achieved rate, so no `plan.efficiency`); the meter runs on
 the first 2 steps and the last only, so the median of 12 steps is an unmetered step. Each
-configuration is measured `--repeats` times (3) in interleaved passes and compared with its median
-run. Layouts of more ranks than this machine's cores are included: the plan models their sharing
+configuration is measured `--repeats` times (3) in interleaved passes, each pass after its own
+`mode=calibrate` (`--no-recalibrate`: the profile on disk), and the ratio is the median of the
+passes' predicted / measured. Layouts of more ranks than this machine's cores are included: the plan models their sharing
 of the cores (layerwise.planning.inputs.device_of), and their runs vary most from pass to pass.
 
 Both tables print the tuned rows and the held-out ones (`HELD_OUT`, fixed before the model was changed
@@ -27,10 +28,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 from layerwise.planning.mode import plan  # noqa: E402
+from layerwise.tools.calibrate import calibrate  # noqa: E402
 from layerwise.run.fit import train  # noqa: E402
 from layerwise.preflight import validate  # noqa: E402
 from benchmarks.common import compose_config  # noqa: E402
@@ -143,29 +146,33 @@ def compare_time(name: str, overrides: list, steps: int) -> dict:
     return {"name": name, "predicted_s": predicted["step_time_s"], "measured_s": measured["step_time_s_median"]}
 
 
-def time_table(steps: int, only=None, repeats: int = 3) -> None:
-    """Each configuration planned once and measured `repeats` times, the passes interleaved (every
-    configuration, then again) so a burst of noise hits one run of many, not every run of one;
-    the ratio is the prediction over the median run."""
+def time_table(steps: int, only=None, repeats: int = 3, recalibrate: bool = True) -> None:
+    """Each configuration planned and measured once per pass, the passes interleaved (every
+    configuration, then again) so a burst of noise hits one run of many, not every run of one. With
+    `recalibrate` each pass starts with `mode=calibrate`, so a prediction and its run are minutes
+    apart: this machine's rates drift between calibrations (fp32 products 84-97 GFLOP/s, a block's
+    modelled time 3.6-4.3 ms over four calibrations within an hour, idle machine; issue 31). The
+    ratio is the median over passes of each pass's prediction over its run."""
     names = [name for name in TIME_CONFIGS if only is None or name in only]
-    runs = {name: [] for name in names}
-    predicted = {}
+    runs, predicted = {name: [] for name in names}, {name: [] for name in names}
     for attempt in range(repeats):
+        if recalibrate:
+            calibrate(compose_config("mode=calibrate", "calibrate.silent=true",
+                                     f"calibrate.directory={ROOT / 'conf' / 'hardware'}"))
         for name in names:
             row = compare_time(name, TIME_CONFIGS[name], steps)
-            predicted[name] = row["predicted_s"]
+            predicted[name].append(row["predicted_s"])
             runs[name].append(row["measured_s"])
             print(f"pass {attempt + 1}: {name}: predicted {row['predicted_s']:.4f} s, measured {row['measured_s']:.4f} s",
                   flush=True)
-    errors = {name: predicted[name] / statistics.median(runs[name]) - 1 for name in names}
+    ratios = {name: statistics.median(p / m for p, m in zip(predicted[name], runs[name])) for name in names}
     for label, group in (("tuned", [n for n in names if n not in HELD_OUT]), ("held out", [n for n in names if n in HELD_OUT])):
-        print(f"\n{label}:\n| configuration | predicted s | measured s (each pass) | median | predicted / median |"
-              "\n|---|---|---|---|---|")
+        print(f"\n{label}:\n| configuration | predicted s (each pass) | measured s (each pass) | "
+              "predicted / measured (median of passes) |\n|---|---|---|---|")
         for name in group:
-            median = statistics.median(runs[name])
-            print(f"| {name} | {predicted[name]:.4f} | {', '.join(f'{t:.4f}' for t in runs[name])} | {median:.4f} | "
-                  f"{predicted[name] / median:.2f} |")
-        print(summary(f"step time, {label}", [errors[n] for n in group]))
+            print(f"| {name} | {', '.join(f'{t:.4f}' for t in predicted[name])} | "
+                  f"{', '.join(f'{t:.4f}' for t in runs[name])} | {ratios[name]:.2f} |")
+        print(summary(f"step time, {label}", [ratios[n] - 1 for n in group]))
 
 
 def main() -> None:
@@ -174,9 +181,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--time", action="store_true", help="step times with hardware=calibrated (see above)")
     parser.add_argument("--repeats", type=int, default=3, help="--time: measured passes per configuration")
+    parser.add_argument("--recalibrate", action=argparse.BooleanOptionalAction, default=True,
+                        help="--time: run mode=calibrate before each pass (~15 s; else the profile on disk)")
     arguments = parser.parse_args()
     if arguments.time:
-        return time_table(max(arguments.steps, 12), arguments.only, arguments.repeats)
+        return time_table(max(arguments.steps, 12), arguments.only, arguments.repeats, arguments.recalibrate)
     rows = []
     for name, overrides in CONFIGS.items():
         if arguments.only is None or name in arguments.only:

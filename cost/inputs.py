@@ -93,6 +93,18 @@ class Device:
     # of FLOPs at the achieved rate and bytes moved) and the memory-bound operators between them. 0: not
     # modelled (a CPU profile's calibrated block terms cover them instead).
     memory_bandwidth: float = 0.0
+    # Cores ÷ ranks of a node (a CPU profile; 1 elsewhere). Below 1 every cost above is a rank's
+    # while all of them compute (a core's share), and `simulated_step` lets a rank that waits give
+    # its share to the others; above 1 a lone rank's threads split its large element-wise operators
+    # (`elementwise_seconds`; the products' rate already counts its cores).
+    core_share: float = 1.0
+    # ((bytes each rank sends, seconds), ...) of one collective, measured (mode=calibrate): interpolated by
+    # `cost.step_time.collective_seconds` instead of the latency and bandwidth above; () = not measured.
+    collective_table: tuple = ()
+    # The framework's own costs (mode=calibrate, tiny runs): per step, and per action a rank's executor
+    # runs; like the block terms, a time-shared core stretches them.
+    step_overhead_s: float = 0.0
+    action_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ model and packed into the first-order plan's bubbles, and the bytes strategies/k
 import statistics
 
 from cost.inputs import Device, Workload
-from cost.step_time import link_bandwidth, predict_step, step_cost
+from cost.step_time import collective_seconds, predict_step, step_cost
 from cost.memory import block_saved_bytes, in_flight
 from strategies.schedule import BACKWARD, FORWARD, simulate
 from strategies.schedule import curvature as units
@@ -78,8 +78,7 @@ def sync_seconds(workload: Workload, device: Device, factor: str) -> float:
     if layout.data == 1:
         return 0.0
     extent = workload.tensor_ranks * layout.pipeline * layout.data  # the data axis is outermost
-    return device.collective_latency_s + all_reduce(stage_factor_elements(workload, factor), layout.data) \
-        / link_bandwidth(device, extent)
+    return collective_seconds(device, all_reduce(stage_factor_elements(workload, factor), layout.data), extent)
 
 
 def preconditioning_flops(shape: units.BlockShape) -> float:

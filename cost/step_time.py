@@ -19,6 +19,7 @@ action, collectives' waits for descheduled peers when ranks outnumber cores, and
 grid's collectives with compute unless the workload says so (`Workload.tensor_overlap`).
 """
 
+import bisect
 from collections import Counter
 from dataclasses import replace
 
@@ -28,6 +29,7 @@ from cost.memory import block_saved_bytes, split_backward_plan, stage_parameters
 from strategies.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT,
                                  SEND_ACTIVATION, SEND_GRADIENT, simulate)
 from strategies.schedule.zero import GATHER_FOR, GATHERS, REDUCE_SCATTER, compute_runs
+from strategies.schedule.offload import relay_plan
 from cost.inputs import BYTES
 from cost.traffic import (all_gather, all_reduce, block_traffic, grid_collectives, head_traffic, local_parameters,
                           step_traffic)
@@ -54,6 +56,26 @@ def link_bandwidth(device: Device, extent: int) -> float:
     return device.intra_node_bandwidth if extent <= device.devices_per_node else device.inter_node_bandwidth
 
 
+def collective_seconds(device: Device, sent_bytes: float, extent: int, count: int = 1) -> float:
+    """`count` collectives over a group of `extent` consecutive ranks whose ranks send `sent_bytes` in
+    all: each its latency plus its bytes over the link, or, where mode=calibrate measured a table of
+    one collective's seconds against the bytes a rank sends, interpolated in it at the average size
+    (linearly between rows; the first row's seconds below it, the last segment's slope above)."""
+    if not count:
+        return 0.0
+    table = device.collective_table
+    if not table:
+        return count * device.collective_latency_s + sent_bytes / link_bandwidth(device, extent)
+    size = sent_bytes / count
+    sizes, seconds = [row[0] for row in table], [row[1] for row in table]
+    if size <= sizes[0]:
+        return count * seconds[0]
+    index = min(bisect.bisect_left(sizes, size), len(sizes) - 1)
+    low, high = index - 1, index
+    slope = (seconds[high] - seconds[low]) / (sizes[high] - sizes[low])
+    return count * (seconds[low] + slope * (size - sizes[low]))
+
+
 def grid_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
     """The tensor grid's collectives of one micro-batch's forward and backward through `stage`
     (the tensor axis is innermost, so a grid that fits a node crosses only its links)."""
@@ -67,7 +89,7 @@ def grid_seconds(workload: Workload, device: Device, stage: int, stages: int) ->
         traffic += head_traffic(layout.tensor_grid, layout.edge, workload.micro_batch_rows, workload.shape)
     count = grid_collectives(layout.tensor_grid, workload.layers_per_stage, stage == stages - 1, workload.shape)
     wire = workload.wire_bytes / BYTES  # traffic.py counts fp32; the run's code may send fp16/bf16
-    return count * device.collective_latency_s + wire * sum(traffic.values()) / link_bandwidth(device, workload.tensor_ranks)
+    return collective_seconds(device, wire * sum(traffic.values()), workload.tensor_ranks, count)
 
 
 def stage_seconds(workload: Workload, device: Device, stage: int, stages: int) -> tuple:
@@ -147,14 +169,22 @@ def elementwise_seconds(workload: Workload, device: Device, embedding: bool = Fa
     block keeps them); the embedding (lookup, position add, dropout: 2 elements per token and hidden
     unit) and the head (its norm, 2h, and the logits' softmax and loss, 2 per vocabulary entry, split
     by the grid) are charged alike. The backward carries 2× like the products (mode=calibrate fits the
-    two constants on the model's own blocks, forward and backward together)."""
+    two constants on the model's own blocks, forward and backward together). A lone rank's threads
+    (`Device.core_share` > 1) split the per-element part of operators above torch's grain size."""
     tokens, shape = workload.micro_batch_rows * workload.shape.length, workload.shape
     elements = workload.layers_per_stage * block_saved_bytes(workload, tokens, flash=True) / workload.activation_bytes
     elements += embedding * 2 * tokens * shape.hidden + head * tokens * (2 * shape.hidden + 2 * shape.vocabulary
                                                                        / workload.tensor_ranks)
     operators = workload.layers_per_stage + embedding + head
-    seconds = operators * device.block_overhead_s + elements * device.activation_seconds_per_element
+    threads = device.core_share if device.core_share > 1 and tokens * shape.hidden >= GRAIN_SIZE else 1.0
+    seconds = operators * device.block_overhead_s + elements * device.activation_seconds_per_element / threads
     return seconds + workload.layers_per_stage * memory_bound_block_seconds(workload, device)
+
+
+# torch splits an element-wise operator over its threads above this many elements (at::internal::GRAIN_SIZE,
+# aten/src/ATen/Parallel.h). Measured on gpt_tiny, 8 blocks, 16 × 128 tokens (2 · 10^5 elements per tensor):
+# one process's step 0.46 s on 1 thread, 0.245 s on 2, a 1.9× speed-up, not the products' alone (issue 31).
+GRAIN_SIZE = 32768
 
 
 def memory_bound_block_seconds(workload: Workload, device: Device) -> float:
@@ -223,8 +253,7 @@ def gather_seconds(workload: Workload, device: Device, stage: int, stages: int) 
     if not layout.zero or layout.data == 1:
         return 0.0
     held = stage_parameters(workload, stage, stages)
-    return (device.collective_latency_s
-            + all_gather(held, layout.data) / link_bandwidth(device, workload.tensor_ranks * layout.pipeline * layout.data))
+    return collective_seconds(device, all_gather(held, layout.data), workload.tensor_ranks * layout.pipeline * layout.data)
 
 
 def step_cost(workload: Workload, device: Device, plan):
@@ -248,6 +277,9 @@ def step_cost(workload: Workload, device: Device, plan):
     send = 0.0 if overlap else receive  # gloo's send writes the message on the sender's core
 
     def cost(action) -> float:
+        return own_cost(action) + device.action_overhead_s  # the executor's own cost of running it
+
+    def own_cost(action) -> float:
         if action.kind in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
             return compute(action)
         if action.kind in GATHERS:
@@ -291,12 +323,16 @@ def predict_step(workload: Workload, device: Device, plan) -> dict:
 
 def simulated_step(workload: Workload, device: Device, plan) -> dict:
     """`predict_step` without the bytes by rank (what the search needs of a plan it simulates)."""
-    timeline = simulate(plan, step_cost(workload, device, plan))
+    cost, share = step_cost(workload, device, plan), device.core_share
+    if share < 1:  # ranks outnumber the cores: compute at a core's rate, the cores shared in the simulation
+        timeline = simulate(plan, lambda action: cost(action) * (share if action.info.is_compute else 1), share)
+    else:
+        timeline = simulate(plan, cost)
     exposed = max(_last_reduction_seconds(workload, device, plan, rank) for rank in range(plan.pipeline_degree)) \
         if device.overlaps_communication else 0.0  # else inside the timeline, where each reduction is issued
     update = max(optimizer_seconds(workload, device, sorted({a.stage for a in row if a is not None and a.kind == FORWARD}),
                                    plan.stages) for row in plan.ranks)
-    return {"step_seconds": timeline.makespan + exposed + update,
+    return {"step_seconds": timeline.makespan + exposed + update + device.step_overhead_s,
             "compute_seconds": timeline.makespan, "exposed_data_seconds": exposed, "optimizer_seconds": update,
             "bubble_fraction": timeline.bubble_fraction, "timeline": timeline}
 
@@ -318,7 +354,7 @@ def reduction_seconds(workload: Workload, device: Device, stage: int, stages: in
     sharded = layout.zero or workload.distributed_optimizer  # a reduce-scatter: all_gather's bytes
     volume = all_gather(held, layout.data) if sharded else all_reduce(held, layout.data)
     volume *= workload.wire_bytes / BYTES  # 2: the run reduces fp16/bf16 gradients
-    return device.collective_latency_s + volume / link_bandwidth(device, workload.tensor_ranks * layout.pipeline * layout.data)
+    return collective_seconds(device, volume, workload.tensor_ranks * layout.pipeline * layout.data)
 
 
 def exposed_reduction_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
@@ -506,7 +542,8 @@ def relay_step(workload: Workload, device: Device, micro_batches: int, host_devi
     costs the longer of its compute and the copies issued beside it; without, they add up (the
     bound offload.transfer_cost gives the simulator). The host's eager update of the last stage
     reached (the embedding) is the only update exposed: the worker thread updates every other stage
-    while the device runs the earlier ones."""
+    while the device runs the earlier ones (on a CPU device every update runs in place). The
+    framework's costs: one per step and one per action of the relay's plan."""
     stages = relay_stage_parameters(workload)
     block = stage_seconds(replace(workload, layers_per_stage=1, recompute=False), device, 0, 2)[0]
     head = stage_seconds(replace(workload, layers_per_stage=0, recompute=False), device, 1, 2)[0]
@@ -526,7 +563,11 @@ def relay_step(workload: Workload, device: Device, micro_batches: int, host_devi
                            + copy[stage] + stash)
     compute = 4 * micro_batches * sum(forward)
     transfer = 3 * sum(copy) + (5 * last * piece if constant_memory else 0.0)
-    seconds += stages[0] * device.optimizer_seconds_per_parameter  # the embedding's eager update, last
+    # the embedding's eager update comes last; on a CPU device (no overlap) the host store updates every
+    # stage in place (strategies/l2l.py HostStore), so every update adds
+    seconds += (stages[0] if overlap else sum(stages)) * device.optimizer_seconds_per_parameter
+    actions = sum(action is not None for action in relay_plan(len(stages), micro_batches).ranks[0])
+    seconds += device.step_overhead_s + actions * device.action_overhead_s
     return {"step_seconds": seconds, "compute_seconds": compute, "transfer_seconds": transfer,
             "exposed_transfer_seconds": seconds - compute}
 

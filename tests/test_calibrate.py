@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from layerwise.tools.calibrate import calibrate, fit_fixed_plus_rate, worst_residual
+from layerwise.tools.calibrate import calibrate, fit_fixed_plus_rate, median_seconds, worst_residual
 from layerwise.preflight import validate
 from tests.ranks import compose_config
 
@@ -21,6 +21,25 @@ def test_fit_recovers_a_fixed_cost_and_a_rate():
     fixed, rate = fit_fixed_plus_rate([1.0, 2.0], [0.9, 2.0])
     weights = [1 / 0.81, 1 / 4.0]
     assert fixed == 0.0 and rate == pytest.approx((weights[0] + 4 * weights[1]) / (0.9 * weights[0] + 4 * weights[1]))
+
+
+def test_a_sample_repeats_short_work_until_it_lasts_the_sample_time():
+    """Local work is timed in samples of at least `sample_s` (one call of a small product is within
+    the timer's and the scheduler's noise); the result is still seconds per call."""
+    import time
+    calls = []
+
+    def work() -> None:
+        calls.append(1)
+        end = time.perf_counter() + 1e-3
+        while time.perf_counter() < end:  # 1 ms of busy work per call
+            pass
+    per_call = median_seconds(work, 3, sample_s=0.02)
+    assert 1e-3 <= per_call < 2e-3
+    assert len(calls) >= 2 + 3 * 10  # warm-up, sizing call, then 3 samples of 10-20 calls each
+    calls.clear()
+    median_seconds(work, 3)  # sample_s 0 (collectives: every rank must make the same calls): one call each
+    assert len(calls) == 4
 
 
 def test_quick_calibration_writes_a_profile_that_composes(tmp_path):
@@ -47,6 +66,15 @@ def test_quick_calibration_writes_a_profile_that_composes(tmp_path):
     steps = measured["optimizer"]["rows"]  # (parameters, seconds of one optimizer step)
     assert profile["optimizer_seconds_per_parameter"] == pytest.approx(1 / fit_fixed_plus_rate(
         [r[0] for r in steps], [r[1] for r in steps])[1])
+    # the collective table is the all-reduce rows against the bytes a rank sends (2(n-1)/n = 1 at n = 2)
+    assert profile["collective_seconds_by_bytes"] == [[r[0], r[1]] for r in sorted(reduce_rows)]
+    # the framework's costs solve the two tiny runs: unpriced = step cost + actions × action cost
+    (single, single_priced, single_actions), (pipeline, pipeline_priced, pipeline_actions) = measured["framework"]["rows"]
+    step, action = profile["step_overhead_s"], profile["action_overhead_s"]
+    assert pipeline_actions > single_actions > 0 and step >= 0 and action >= 0
+    if step > 0 and action > 0:  # neither clamped
+        assert single_priced + step + action * single_actions == pytest.approx(single)
+        assert pipeline_priced + step + action * pipeline_actions == pytest.approx(pipeline)
     composed = compose_config("hardware=probe_profile", f"hydra.searchpath=[file://{tmp_path}]")
     assert composed.hardware.peak_flops.fp32 == pytest.approx(flops)
     assert composed.hardware.host_device_bandwidth == pytest.approx(profile["host_device_bandwidth"])

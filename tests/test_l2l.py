@@ -15,7 +15,7 @@ from layerwise.run.fit import train
 from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
 from models import build_model
-from strategies.l2l import Relay, relay_peak_bytes
+from strategies.l2l import HostStore, Relay, relay_peak_bytes
 from strategies.schedule import (BACKWARD, FORWARD, layered, looped_breadth_first, simulate, unit_cost,
                                  validate_plan)
 from strategies.schedule.ir import parse_action
@@ -62,6 +62,28 @@ def test_relay_plan_validates_and_simulates(stages, micro_batches, prefetch, red
     assert simulate(plan, unit_cost).makespan == 2 * stages * micro_batches  # copies cost 0 in unit time
     updates = [action.stage for action in plan.ranks[0] if action.kind == UPDATE_ON_HOST]
     assert updates == list(reversed(range(stages)))  # eager: last layer first, during the backward
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_host_store_runs_its_work_in_the_plan_order_on_its_thread_or_in_place(background):
+    """A CUDA device's host store works on its own thread; a CPU device's in place (its cores are the
+    device's): the same work in the same order either way, and an update steps what it is given."""
+    import threading
+    layer = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
+    store = HostStore(optimizer, None, Group("data", (0,)), background=background)
+    seen, before = [], layer.weight.detach().clone()
+    try:
+        for stage in (2, 1, 0):
+            store.submit(lambda s: seen.append((s, threading.current_thread().name)), stage)
+        layer.weight.grad = torch.ones_like(layer.weight)
+        store.submit(store.update, [layer.weight])
+        store.wait()
+    finally:
+        store.close()
+    assert [stage for stage, _ in seen] == [2, 1, 0]
+    assert {name.startswith("l2l-host-store") for _, name in seen} == {background}
+    assert torch.equal(layer.weight.detach(), before - 1.0) and layer.bias.grad is None
 
 
 def test_offload_kinds_round_trip_and_depend_on_weights():

@@ -257,6 +257,105 @@ def test_without_overlap_every_zero_gather_and_reduction_is_paid_whole():
     assert serial["step_seconds"] > overlapped["step_seconds"]
 
 
+def test_the_framework_costs_one_per_step_and_one_per_action_a_rank_runs():
+    """p = 1 (ZeRO layered, 4 stages, 2 micro-batches: gathers, reduce-scatters, F and B): nothing
+    waits on another rank, so the step grows by the step cost plus every action's cost exactly."""
+    from dataclasses import replace
+
+    from layerwise.planning.inputs import device_of
+    from cost.step_time import predict_step
+    cfg = compose_config("mode=plan", "strategy=zero_layered", "model.layers=4", "strategy.layers_per_stage=1",
+                         "strategy.micro_batches=2")
+    workload, schedule = workload_of(cfg, validate(cfg)), training_plan_of(cfg)
+    device = device_of(cfg)
+    base = predict_step(workload, device, schedule)["step_seconds"]
+    charged = predict_step(workload, replace(device, step_overhead_s=1e-3, action_overhead_s=1e-4), schedule)
+    actions = sum(action is not None for action in schedule.ranks[0])
+    assert actions > 20 and charged["step_seconds"] - base == pytest.approx(1e-3 + actions * 1e-4, rel=1e-9)
+
+
+def test_a_measured_collective_table_is_interpolated_at_the_average_size():
+    """Where mode=calibrate measured one collective's seconds against the bytes a rank sends, the
+    cost is read off that table (linear between rows, the first row below it, the last slope above);
+    without one, latency + bytes / bandwidth."""
+    from dataclasses import replace
+
+    from layerwise.planning.inputs import device_of
+    from cost.step_time import collective_seconds
+    device = device_of(compose_config("mode=plan"))
+    assert collective_seconds(device, 4e6, 2, count=3) == pytest.approx(
+        3 * device.collective_latency_s + 4e6 / device.intra_node_bandwidth)
+    measured = replace(device, collective_table=((1000.0, 1e-3), (3000.0, 3e-3), (5000.0, 4e-3)))
+    assert collective_seconds(measured, 500, 2) == pytest.approx(1e-3)
+    assert collective_seconds(measured, 2000, 2) == pytest.approx(2e-3)
+    assert collective_seconds(measured, 8000, 2, count=2) == pytest.approx(2 * 3.5e-3)  # 4000 each
+    assert collective_seconds(measured, 7000, 2) == pytest.approx(5e-3)  # 4 ms + 2000 B × 0.5 µs/B
+    assert collective_seconds(measured, 0, 2, count=0) == 0.0
+
+
+def test_ranks_that_outnumber_the_cores_give_a_waiting_ranks_share_to_the_others():
+    """4 ranks on 2 cores (GPipe p2 × d2): compute at a core's rate, the cores shared in the
+    simulation. The step lies between the bounds (the critical path with a core per rank, the node's
+    compute over its cores) and below every cost stretched by ranks ÷ cores (a rank in a bubble does
+    not hold a core); 2 ranks on 2 cores are unchanged."""
+    from dataclasses import replace
+
+    from layerwise.planning.inputs import device_of
+    from cost.step_time import predict_step
+    overrides = ("mode=plan", "strategy=gpipe", "strategy.pipeline_degree=2", "strategy.micro_batches=2",
+                 "model.layers=2", "strategy.layers_per_stage=1", "hardware.compute_units_per_node=2")
+    cfg = compose_config(*overrides, "hardware.devices_per_node=4")
+    workload, schedule, device = workload_of(cfg, 4), training_plan_of(cfg), device_of(cfg, 4)
+    assert device.core_share == 0.5
+    shared = predict_step(workload, device, schedule)
+    stretched = predict_step(workload, replace(device, core_share=1.0), schedule)  # every rank always busy
+    timeline = shared["timeline"]  # a compute action's cost: half the stretched one, longer when shared
+    one_core = sum(stretched["timeline"].busy(rank) for rank in (0, 1)) / 2
+    assert sum(timeline.busy(rank) for rank in (0, 1)) >= one_core * (1 - 1e-9)
+    node = one_core / (2 * 0.5)  # 2 ranks per pipeline rank on 2 cores
+    assert node <= shared["compute_seconds"] < stretched["compute_seconds"]  # GPipe p2 m2 idles a third
+    alone = compose_config(*overrides, "hardware.devices_per_node=2")
+    assert device_of(alone, 2).core_share == 1.0
+
+
+@pytest.mark.parametrize("schedule, stages", [("gpipe", 4), ("one_f_one_b", 4), ("interleaved_one_f_one_b", 8),
+                                              ("zbv", 8), ("zero_bubble_h1", 4)])
+def test_shared_cores_with_a_core_each_time_a_plan_as_the_sweep_does(schedule, stages):
+    """The processor-sharing simulation with enough cores (share 1: every rank its own) is the sweep,
+    action for action; with half the cores it is no faster and no slower than its two bounds."""
+    from strategies.schedule import add_communication, build_plan, simulate, unit_cost
+    from strategies.schedule.simulate import _shared_cores
+    plan = add_communication(build_plan(schedule, pipeline_degree=4, stages=stages, micro_batches=8))
+    swept, shared = simulate(plan, unit_cost), _shared_cores(plan, unit_cost, 1.0)
+    assert [[(t.action, t.start, t.end) for t in row] for row in shared.ranks] == \
+        [[(t.action, pytest.approx(t.start), pytest.approx(t.end)) for t in row] for row in swept.ranks]
+    halved = simulate(plan, unit_cost, core_share=0.5)
+    work = sum(swept.busy(rank) for rank in range(len(swept.ranks)))
+    assert max(swept.makespan, work / (len(swept.ranks) * 0.5)) <= halved.makespan * (1 + 1e-9)
+    assert halved.makespan <= 2 * swept.makespan * (1 + 1e-9)
+
+
+def test_a_lone_ranks_threads_split_its_large_elementwise_operators_only():
+    """1 rank on 2 cores: the per-element cost halves where a tensor has torch's grain size of
+    elements (16 × 128 tokens × 128 hidden), not for one 8-token sequence; the fixed cost per
+    operator never splits."""
+    from dataclasses import replace
+
+    from layerwise.planning.inputs import device_of
+    from cost.step_time import GRAIN_SIZE, elementwise_seconds
+    cfg = compose_config("mode=plan", "strategy=single", "hardware.devices_per_node=1",
+                         "hardware.compute_units_per_node=2", "data.global_batch_size=16")
+    device, workload = device_of(cfg, 1), workload_of(cfg, 1)
+    assert device.core_share == 2.0 and workload.micro_batch_rows * workload.shape.length * 128 >= GRAIN_SIZE
+    per_element = replace(device, block_overhead_s=0.0)
+    alone = replace(per_element, core_share=1.0)
+    assert elementwise_seconds(workload, per_element) == pytest.approx(elementwise_seconds(workload, alone) / 2)
+    short = replace(workload, micro_batch_rows=1, shape=replace(workload.shape, length=8))
+    assert elementwise_seconds(short, per_element) == elementwise_seconds(short, alone)
+    fixed = replace(device, activation_seconds_per_element=0.0)
+    assert elementwise_seconds(workload, fixed) == elementwise_seconds(workload, replace(fixed, core_share=1.0))
+
+
 @pytest.mark.parametrize("strategy, grid, world", [("tp_1d", "1d", 2), ("tp_2d", "2d", 4), ("three_d", "3d", 8)])
 def test_grid_collective_count_matches_what_the_real_code_issues(strategy, grid, world):
     """Each grid collective pays a latency in the time model: their count per micro-batch

@@ -74,6 +74,10 @@ class HardwareConfig:
     collective_timeout_s: float = 300.0  # default of trainer.collective_timeout_s on this hardware (docs/faults.md)
     nccl_trace_buffer_size: int = 0  # NCCL flight recorder entries (TORCH_NCCL_TRACE_BUFFER_SIZE); 0 = off
     collective_latency_s: float = 0.0  # fixed cost of one collective or message: mode=calibrate measures it
+    # [[bytes each rank sends, seconds], ...] of one collective, measured by mode=calibrate: the cost model
+    # interpolates between them instead of latency + bytes / bandwidth (gloo's cost steps up between
+    # 256 KB and 1 MB, which no fixed + rate fit follows); empty in the spec-sheet profiles.
+    collective_seconds_by_bytes: List[List[float]] = field(default_factory=list)
     # A block's work besides its matrix products (norms, softmax, GELU, dropout, additions): a fixed cost
     # per block forward plus a cost per activation element it saves; and the optimizer's step per
     # parameter. mode=calibrate measures them on the model's own block; 0 in the spec-sheet profiles.
@@ -81,6 +85,11 @@ class HardwareConfig:
     activation_seconds_per_element: float = 0.0
     optimizer_seconds_per_parameter: float = 0.0
     point_to_point_latency_s: float = 0.0  # fixed cost of one pipeline message; 0 = collective_latency_s
+    # The framework's own costs, measured by mode=calibrate on tiny runs where they are all there is: one
+    # per step (Lightning's loop, callbacks, the loss exchange) and one per action a rank's executor runs
+    # (its handler's Python, hooks, the flight record). 0 in the spec-sheet profiles.
+    step_overhead_s: float = 0.0
+    action_overhead_s: float = 0.0
     overlaps_communication: bool = True  # communication beside compute (GPUs); false: CPU ranks use every core
     compute_units_per_node: int = 0  # cores the node's ranks share (calibrated CPU profiles); 0 = one device each
     memory_bandwidth: float = 0.0  # device memory bytes/s (HBM, spec sheet): roofline products, memory-bound operators; 0 = off

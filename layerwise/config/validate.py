@@ -72,6 +72,7 @@ RANGES = {
     "hardware.optimizer_seconds_per_parameter": ("non_negative", "2e-9"),
     "hardware.compute_units_per_node": ("non_negative", 2),
     "hardware.point_to_point_latency_s": ("non_negative", "5e-5"),
+    "hardware.step_overhead_s": ("non_negative", "5e-3"), "hardware.action_overhead_s": ("non_negative", "1e-4"),
     "hardware.host_device_bandwidth": ("non_negative", "1.6e10"),
     "hardware.matmul_efficiency": ("fraction", 1.0),
     "calibrate.repeats": ("count", 5),

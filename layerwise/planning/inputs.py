@@ -92,22 +92,26 @@ def shape_of(cfg, vocabulary: int = None) -> GptShape:
 def device_of(cfg, world_size: int = None) -> Device:
     """The hardware profile as the cost model reads it. On a profile with `compute_units_per_node`
     (a CPU: its cores) the ranks of a node share the cores. With fewer ranks than cores a rank's
-    threads speed up its matrix products (small element-wise operators do not split); with more,
-    each rank computes at cores ÷ ranks of the one-thread rate, and a pipeline message waits for its
-    descheduled peer like a collective does (measured: a 256 KB send took ~3 ms with 4 ranks on 2
+    threads speed up its matrix products and its large element-wise operators (`core_share`,
+    cost.step_time.elementwise_seconds); with more,
+    each rank computes at cores ÷ ranks of the one-thread rate while all compute (`core_share`: a
+    waiting rank's share goes to the others, cost.step_time.simulated_step), and a pipeline message
+    waits for its descheduled peer like a collective does (measured: a 256 KB send took ~3 ms with 4 ranks on 2
     cores, 0.2 ms with 2)."""
     hardware = cfg.hardware
     dtype = "bf16" if hardware.precision.startswith("bf16") else "fp16" if hardware.precision.startswith("16") \
         else "fp32"
     ranks = min(hardware.devices_per_node, world_size or hardware.devices_per_node)
     share = hardware.compute_units_per_node / ranks if hardware.compute_units_per_node else 1.0
-    slow = min(share, 1.0)  # time-sharing stretches every compute cost; extra threads help the products only
+    slow = min(share, 1.0)  # time-sharing stretches every compute cost (a lone rank's threads: core_share)
     return Device(hardware.peak_flops.get(dtype, 0.0) * share, efficiency_of(cfg), hardware.device_memory_bytes,
                   hardware.intra_node_bandwidth, hardware.inter_node_bandwidth, hardware.devices_per_node,
                   hardware.matmul_overhead_s / slow, hardware.collective_latency_s, hardware.block_overhead_s / slow,
                   hardware.activation_seconds_per_element / slow, hardware.optimizer_seconds_per_parameter / slow,
                   (hardware.point_to_point_latency_s if share >= 1 else hardware.collective_latency_s) or None,
-                  hardware.overlaps_communication, hardware.memory_bandwidth)
+                  hardware.overlaps_communication, hardware.memory_bandwidth, share,
+                  tuple(tuple(row) for row in hardware.collective_seconds_by_bytes or ()),
+                  hardware.step_overhead_s / slow, hardware.action_overhead_s / slow)
 
 
 def efficiency_of(cfg) -> float:

@@ -18,8 +18,12 @@ The profile (`<directory>/<name>.yaml`, a `hardware=` option) keeps cpu.yaml's o
 `<name>.calibration.json` beside it holds every measurement and each fit's worst residual.
 """
 
+import contextlib
+import io
 import json
 import os
+import tempfile
+import math
 import statistics
 import time
 from pathlib import Path
@@ -42,15 +46,29 @@ COPY_BYTES = (1 << 20, 8 << 20, 64 << 20)
 QUICK_COPY_BYTES = (1 << 20, 4 << 20)
 
 
-def median_seconds(work, repeats: int, statistic=statistics.median) -> float:
-    """The median (or `statistic`, e.g. min on a shared machine) wall time of `work()` over `repeats`
-    calls after one warm-up call."""
+# A timed sample of local work lasts at least this long: one call of a small product (~40 µs) sits
+# inside the timer's and the scheduler's noise (5 single calls per size gave fits 70-100 GFLOP/s a
+# minute apart, worst residual 31%, on an idle machine; issue 31).
+SAMPLE_S = 0.02
+
+
+def median_seconds(work, repeats: int, statistic=statistics.median, sample_s: float = 0.0) -> float:
+    """The median (or `statistic`, e.g. min on a shared machine) seconds per call of `work()` over
+    `repeats` samples after one warm-up call; a sample repeats the call until it lasts `sample_s`
+    (the count is set once from one timed call, so every rank of a collective could not agree on
+    it: collectives keep `sample_s` 0, one call per sample)."""
     work()
+    calls = 1
+    if sample_s:
+        start = time.perf_counter()
+        work()
+        calls = max(1, math.ceil(sample_s / max(time.perf_counter() - start, 1e-7)))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - start)
+        for _ in range(calls):
+            work()
+        times.append((time.perf_counter() - start) / calls)
     return statistic(times)
 
 
@@ -100,7 +118,7 @@ def measure_matmuls(dtype: torch.dtype, edges, repeats: int) -> list:
         # The products run on this machine's CPU, where every rank of hardware=cpu computes.
         a = torch.randn(edge, edge, dtype=dtype)  # host: the CPU being timed
         b = torch.randn(edge, edge, dtype=dtype)  # host: the CPU being timed
-        rows.append((edge, 2.0 * edge ** 3, median_seconds(lambda: torch.mm(a, b), repeats)))
+        rows.append((edge, 2.0 * edge ** 3, median_seconds(lambda: torch.mm(a, b), repeats, sample_s=SAMPLE_S)))
     return rows
 
 
@@ -113,7 +131,7 @@ def _collective_rank(rank: int, world: int, sizes, repeats: int) -> list:
     for size in sizes:
         buffer = torch.zeros(size // 4)  # host: gloo all-reduces host tensors
         dist.barrier()
-        reduce_seconds = between_compute(lambda: dist.all_reduce(buffer), 4 * repeats)
+        reduce_seconds = between_compute(lambda: dist.all_reduce(buffer), 20 * repeats)  # bimodal: many samples
         dist.barrier()
         pair_seconds = median_seconds(lambda: _send_receive(buffer, rank), repeats) if world == 2 else None
         rows.append((size, reduce_seconds, pair_seconds))
@@ -157,7 +175,7 @@ def measure_copies(sizes, repeats: int) -> list:
     rows = []
     for size in sizes:
         source, target = torch.ones(size // 4), torch.empty(size // 4)  # host: host-to-host copies
-        rows.append((size, median_seconds(lambda: target.copy_(source), repeats)))
+        rows.append((size, median_seconds(lambda: target.copy_(source), repeats, sample_s=SAMPLE_S)))
     return rows
 
 
@@ -185,7 +203,7 @@ def block_rows(cfg, products: dict, rows_per_micro_batch, repeats: int, blocks: 
         workload = Workload(GptShape(model.hidden, model.mlp_ratio, 1, length, length), 1, model.heads,
                             Layout(1, 1), 1, rows)
         x = torch.randn(rows, length, model.hidden, requires_grad=True)  # host: the CPU being timed
-        seconds = median_seconds(lambda: stage.train()(x).sum().backward(), repeats) / blocks
+        seconds = median_seconds(lambda: stage.train()(x).sum().backward(), repeats, sample_s=SAMPLE_S) / blocks
         modelled = forward_flops(workload, 0, 2) / products["flops_per_second"] + \
             PRODUCTS_PER_BLOCK * products["overhead_s"]
         elements = block_saved_bytes(workload, rows * length, flash=True) / workload.activation_bytes  # as priced
@@ -201,8 +219,55 @@ def optimizer_rows(cfg, block_counts, repeats: int) -> list:
         for _, parameter in named:
             parameter.grad = torch.randn_like(parameter)  # host: the CPU being timed
         optimizer = build_optimizer(cfg.optimizer, named)
-        measured.append((sum(p.numel() for _, p in named), median_seconds(optimizer.step, repeats)))
+        measured.append((sum(p.numel() for _, p in named), median_seconds(optimizer.step, repeats, sample_s=SAMPLE_S)))
     return measured
+
+
+# ----- 5. the framework's own costs: per step and per action
+
+# Two tiny runs of the model group, where the framework's costs are most of the step: one stage and
+# one action pair per step (`single`), and a 2-stage 1F1B pipeline of 4 micro-batches (~50 actions).
+FRAMEWORK_RUNS = (("strategy=single", "hardware.devices_per_node=1"),
+                  ("strategy=one_f_one_b", "strategy.layers_per_stage=1", "hardware.devices_per_node=2"))
+TINY_RUN = ("model.layers=2", "data.global_batch_size=4", "data.sequence_length=8", "logger=none",
+            "trainer.progress=none", "trainer.limit_val_batches=0", "trainer.charts=false",
+            "trainer.measure_every_n_steps=1000")  # the meter samples the first 2 steps and the last only
+
+
+def framework_row(cfg, profile: dict, overrides, steps: int) -> tuple:
+    """(measured median step, predicted step without the framework's costs, d predicted / d action
+    cost) of one tiny run, priced with `profile` (its step and action costs 0)."""
+    from layerwise.config.store import compose
+    from layerwise.config.validate import world_size
+    from layerwise.planning.result import plan_result
+    from layerwise.run.fit import train
+
+    def config(*more):
+        composed = compose([f"model={cfg.model.name}", *overrides, *TINY_RUN, f"trainer.max_steps={steps}", *more])
+        composed.hardware = OmegaConf.merge(composed.hardware, {**profile, "step_overhead_s": 0.0,
+                                                                "action_overhead_s": 0.0})
+        return composed
+    planned, charged, run = config("mode=plan"), config("mode=plan"), config()
+    charged.hardware.action_overhead_s = 1e-3
+    world = world_size(run)  # FRAMEWORK_RUNS are fixed, valid configs: no preflight (a floor above tools)
+    predicted = plan_result(planned, world)["step_time_s"]
+    slope = (plan_result(charged, world)["step_time_s"] - predicted) / 1e-3
+    with tempfile.TemporaryDirectory() as directory, contextlib.redirect_stdout(io.StringIO()):
+        measured = train(run, Path(directory), world)["step_time_s_median"]
+    return measured, predicted, slope
+
+
+def calibrate_framework(cfg, profile: dict, quick: bool, say) -> dict:
+    """Solve the two tiny runs' unpriced seconds (measured − predicted) = step cost + actions × action
+    cost for both (clamped at 0)."""
+    rows = [framework_row(cfg, profile, overrides, 8 if quick else 14) for overrides in FRAMEWORK_RUNS]
+    (single, single_priced, single_actions), (pipeline, pipeline_priced, pipeline_actions) = rows
+    action = max(0.0, ((pipeline - pipeline_priced) - (single - single_priced)) / (pipeline_actions - single_actions))
+    step = max(0.0, single - single_priced - action * single_actions)
+    say(f"the framework's own costs: {step * 1e3:.2f} ms per step + {action * 1e6:.0f} µs per action "
+        f"(tiny runs: {single * 1e3:.1f} ms and {pipeline * 1e3:.1f} ms measured, "
+        f"{single_priced * 1e3:.1f} ms and {pipeline_priced * 1e3:.1f} ms priced without them)")
+    return {"rows": rows, "step_overhead_s": step, "action_overhead_s": action}
 
 
 # ----- every core at once, as runs compute
@@ -230,6 +295,17 @@ def calibrate(cfg) -> dict:
     def say(message: str) -> None:
         if not settings.silent:
             print(f"[layerwise] {message}", flush=True)
+    threads = torch.get_num_threads()  # everything is timed in one thread, as a run's ranks compute
+    try:
+        torch.set_num_threads(1)
+        profile, measurements = _measure(cfg, settings, repeats, say)
+    finally:  # a caller that goes on to train (benchmarks/plan_vs_measured.py) keeps its threads
+        torch.set_num_threads(threads)
+    return write_profile(Path(settings.directory), settings.name, profile, measurements, say)
+
+
+def _measure(cfg, settings, repeats: int, say) -> tuple:
+    """(the profile's fields, every measurement) of mode=calibrate."""
     measurements = {f"matmul_{name}": calibrate_matmuls(dtype, settings.quick, repeats, say)
                     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     for world in settings.world_sizes:
@@ -239,11 +315,13 @@ def calibrate(cfg) -> dict:
     measurements["optimizer"] = calibrate_optimizer(cfg, settings.quick, repeats, say)
     profile = profile_from(cfg.hardware, settings.name, measurements,
                            measurements[f"collectives_world_{settings.world_sizes[0]}"])
-    return write_profile(Path(settings.directory), settings.name, profile, measurements, say)
+    measurements["framework"] = calibrate_framework(cfg, profile, settings.quick, say)
+    profile.update(step_overhead_s=measurements["framework"]["step_overhead_s"],
+                   action_overhead_s=measurements["framework"]["action_overhead_s"])
+    return profile, measurements
 
 
 def calibrate_matmuls(dtype: torch.dtype, quick: bool, repeats: int, say) -> dict:
-    torch.set_num_threads(1)  # as every rank of a run
     rows = on_every_core(measure_matmuls, dtype, QUICK_MATMUL_EDGES if quick else MATMUL_EDGES, repeats)
     overhead, rate, residual = fitted([r[1] for r in rows], [r[2] for r in rows])
     say(f"matrix products {dtype}: {rate / 1e9:.1f} GFLOP/s + {overhead * 1e6:.0f} µs each "
@@ -256,7 +334,7 @@ def calibrate_collectives(world: int, quick: bool, repeats: int, say) -> dict:
     work = [2 * (world - 1) / world * r[0] for r in rows]  # ring all-reduce: bytes each rank sends
     latency, bandwidth, residual = fitted(work, [r[1] for r in rows])
     entry = {"rows": rows, "all_reduce_latency_s": latency, "all_reduce_bandwidth": bandwidth,
-             "worst_residual": residual}
+             "worst_residual": residual, "table": sorted(zip(work, [r[1] for r in rows]))}
     if world == 2:  # a round trip is two one-way messages
         entry["send_latency_s"], entry["send_bandwidth"] = fit_fixed_plus_rate(
             [r[0] for r in rows], [r[2] / 2 for r in rows])
@@ -295,6 +373,7 @@ def profile_from(hardware, name: str, measurements: dict, collectives: dict) -> 
                                        for dtype in ("fp32", "bf16")},
                 matmul_overhead_s=measurements["matmul_fp32"]["overhead_s"],
                 collective_latency_s=collectives["all_reduce_latency_s"],
+                collective_seconds_by_bytes=[[sent, seconds] for sent, seconds in collectives["table"]],
                 intra_node_bandwidth=collectives["all_reduce_bandwidth"],
                 inter_node_bandwidth=collectives["all_reduce_bandwidth"],
                 host_device_bandwidth=measurements["host_copies"]["bandwidth"],

@@ -101,12 +101,16 @@ def flop_cost(forward_flops_per_stage: Sequence[float] | float, flops_per_second
 # The simulator
 
 
-def simulate(plan: Plan, cost: Cost = unit_cost) -> Timeline:
+def simulate(plan: Plan, cost: Cost = unit_cost, core_share: float = 1.0) -> Timeline:
     """Time `plan` under `cost`; PlanError with the waiting actions marked if it gets stuck (a cyclic wait).
 
     Repeatedly runs every rank as far as its dependencies allow; each started action's time is
     fixed by its rank's previous end and its dependencies' ends, so the sweep order does not matter.
+    `core_share` < 1 (cores ÷ ranks of a CPU node) runs the same rules in time order with the cores
+    shared (`_shared_cores`): `cost` is then a compute action's seconds on a core of its own.
     """
+    if core_share < 1:
+        return _shared_cores(plan, cost, core_share)
     cursor = [0] * plan.pipeline_degree
     timed: list[list[TimedAction]] = [[] for _ in plan.ranks]
     end: dict[Action, float] = {}
@@ -133,6 +137,45 @@ def _advance(plan: Plan, cost: Cost, cursor: list[int], timed: list[list[TimedAc
             cursor[rank] += 1
             progressed = True
     return progressed
+
+
+def _shared_cores(plan: Plan, cost: Cost, share: float) -> Timeline:
+    """Processor sharing (Kleinrock 1967): the node's ranks time-share its cores, so while n of the
+    plan's p ranks compute (each standing for ranks ÷ p of the node: its data and tensor peers run
+    the same list) each advances at min(1, share · p ÷ n) of a core; a rank that waits (a bubble, a
+    message's or a reduction's latency: non-compute actions keep their cost) leaves its core to the
+    others. Event by event: start what can start, run to the next completion."""
+    cursor, now, end = [0] * plan.pipeline_degree, 0.0, {}
+    timed: list[list[TimedAction]] = [[] for _ in plan.ranks]
+    running: dict[int, list] = {}  # rank -> [action, start, remaining seconds (compute) or end time]
+    while True:
+        for rank, row in enumerate(plan.ranks):
+            while rank not in running and cursor[rank] < len(row):
+                action = row[cursor[rank]]
+                if action is not None:
+                    ready = [end.get(dependency) for dependency in plan.needs[action]]
+                    if None in ready or max(ready, default=0.0) > now:
+                        break
+                    seconds = cost(action)
+                    running[rank] = [action, now, seconds if action.info.is_compute else now + seconds]
+                cursor[rank] += 1
+        if not running:
+            break
+        computing = [rank for rank, (action, _, _) in running.items() if action.info.is_compute]
+        rate = min(1.0, share * plan.pipeline_degree / len(computing)) if computing else 1.0
+        step = min(running[r][2] / rate if running[r][0].info.is_compute else running[r][2] - now for r in running)
+        now += step
+        for rank in list(running):
+            action, start, left = running[rank]
+            if action.info.is_compute:
+                running[rank][2] = left - step * rate
+            if (running[rank][2] <= 1e-12 * max(1.0, now)) if action.info.is_compute else left <= now:
+                end[action] = now
+                timed[rank].append(TimedAction(action, start, now))
+                del running[rank]
+    if any(cursor[rank] < len(row) for rank, row in enumerate(plan.ranks)):
+        raise _stuck(plan, cursor, end)
+    return Timeline(tuple(tuple(row) for row in timed), plan.name)
 
 
 def _stuck(plan: Plan, cursor: list[int], end: dict) -> PlanError:

@@ -21,10 +21,10 @@ The profile (`<directory>/<name>.yaml`, a `hardware=` option) keeps cpu.yaml's o
 import contextlib
 import io
 import json
-import os
-import tempfile
 import math
+import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 

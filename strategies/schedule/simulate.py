@@ -147,29 +147,27 @@ def _shared_cores(plan: Plan, cost: Cost, share: float) -> Timeline:
     others. Event by event: start what can start, run to the next completion."""
     cursor, now, end = [0] * plan.pipeline_degree, 0.0, {}
     timed: list[list[TimedAction]] = [[] for _ in plan.ranks]
-    running: dict[int, list] = {}  # rank -> [action, start, remaining seconds (compute) or end time]
+    running: dict[int, list] = {}  # rank -> [action, start, seconds left] (a wait's at full speed)
     while True:
-        for rank, row in enumerate(plan.ranks):
+        for rank, row in enumerate(plan.ranks):  # every dependency that has ended, ended by now
             while rank not in running and cursor[rank] < len(row):
                 action = row[cursor[rank]]
                 if action is not None:
-                    ready = [end.get(dependency) for dependency in plan.needs[action]]
-                    if None in ready or max(ready, default=0.0) > now:
+                    if any(dependency not in end for dependency in plan.needs[action]):
                         break
-                    seconds = cost(action)
-                    running[rank] = [action, now, seconds if action.info.is_compute else now + seconds]
+                    running[rank] = [action, now, cost(action)]
                 cursor[rank] += 1
         if not running:
             break
-        computing = [rank for rank, (action, _, _) in running.items() if action.info.is_compute]
-        rate = min(1.0, share * plan.pipeline_degree / len(computing)) if computing else 1.0
-        step = min(running[r][2] / rate if running[r][0].info.is_compute else running[r][2] - now for r in running)
+        computing = sum(action.info.is_compute for action, _, _ in running.values())
+        rate = min(1.0, share * plan.pipeline_degree / computing) if computing else 1.0
+        speed = {rank: rate if action.info.is_compute else 1.0 for rank, (action, _, _) in running.items()}
+        step = min(left / speed[rank] for rank, (_, _, left) in running.items())
         now += step
         for rank in list(running):
+            running[rank][2] -= step * speed[rank]
             action, start, left = running[rank]
-            if action.info.is_compute:
-                running[rank][2] = left - step * rate
-            if (running[rank][2] <= 1e-12 * max(1.0, now)) if action.info.is_compute else left <= now:
+            if left <= 1e-12 * max(1.0, now):
                 end[action] = now
                 timed[rank].append(TimedAction(action, start, now))
                 del running[rank]

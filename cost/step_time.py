@@ -60,7 +60,9 @@ def collective_seconds(device: Device, sent_bytes: float, extent: int, count: in
     """`count` collectives over a group of `extent` consecutive ranks whose ranks send `sent_bytes` in
     all: each its latency plus its bytes over the link, or, where mode=calibrate measured a table of
     one collective's seconds against the bytes a rank sends, interpolated in it at the average size
-    (linearly between rows; the first row's seconds below it, the last segment's slope above)."""
+    (linearly between rows; the first row's seconds below it; above it the last row's seconds plus
+    the extra bytes over the link: a noisy last segment's slope can be negative, and a quick
+    calibration's table ends at 256 KB)."""
     if not count:
         return 0.0
     table = device.collective_table
@@ -70,7 +72,9 @@ def collective_seconds(device: Device, sent_bytes: float, extent: int, count: in
     sizes, seconds = [row[0] for row in table], [row[1] for row in table]
     if size <= sizes[0]:
         return count * seconds[0]
-    index = min(bisect.bisect_left(sizes, size), len(sizes) - 1)
+    if size >= sizes[-1]:
+        return count * (seconds[-1] + (size - sizes[-1]) / link_bandwidth(device, extent))
+    index = bisect.bisect_left(sizes, size)
     low, high = index - 1, index
     slope = (seconds[high] - seconds[low]) / (sizes[high] - sizes[low])
     return count * (seconds[low] + slope * (size - sizes[low]))

@@ -276,8 +276,9 @@ def test_the_framework_costs_one_per_step_and_one_per_action_a_rank_runs():
 
 def test_a_measured_collective_table_is_interpolated_at_the_average_size():
     """Where mode=calibrate measured one collective's seconds against the bytes a rank sends, the
-    cost is read off that table (linear between rows, the first row below it, the last slope above);
-    without one, latency + bytes / bandwidth."""
+    cost is read off that table (linear between rows, the first row below it, the last row plus the
+    extra bytes over the link above it: never less than the last row, whatever noise did to its
+    slope); without one, latency + bytes / bandwidth."""
     from dataclasses import replace
 
     from layerwise.planning.inputs import device_of
@@ -289,7 +290,9 @@ def test_a_measured_collective_table_is_interpolated_at_the_average_size():
     assert collective_seconds(measured, 500, 2) == pytest.approx(1e-3)
     assert collective_seconds(measured, 2000, 2) == pytest.approx(2e-3)
     assert collective_seconds(measured, 8000, 2, count=2) == pytest.approx(2 * 3.5e-3)  # 4000 each
-    assert collective_seconds(measured, 7000, 2) == pytest.approx(5e-3)  # 4 ms + 2000 B × 0.5 µs/B
+    assert collective_seconds(measured, 7000, 2) == pytest.approx(4e-3 + 2000 / device.intra_node_bandwidth)
+    falling = replace(device, collective_table=((1000.0, 3e-3), (5000.0, 1e-3)))  # noise: the larger faster
+    assert collective_seconds(falling, 1e9, 2) == pytest.approx(1e-3 + (1e9 - 5000) / device.intra_node_bandwidth)
     assert collective_seconds(measured, 0, 2, count=0) == 0.0
 
 

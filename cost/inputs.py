@@ -143,6 +143,9 @@ class Workload:
     # ZeRO-1 (Megatron's distributed optimizer, Rajbhandari et al. 2020 stage 1): gradients reduce-
     # scattered (half an all-reduce's bytes), parameters all-gathered beside the next step's forward.
     distributed_optimizer: bool = False
+    # Selective recomputation (Korthikanti et al. 2022 §5): only the core attention (Q·Kᵀ, softmax,
+    # dropout, scores·V) is recomputed, its forward rerun in the backward; the rest is saved.
+    recompute_attention: bool = False
 
     @property
     def piece(self) -> int:

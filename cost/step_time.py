@@ -112,6 +112,8 @@ def stage_seconds(workload: Workload, device: Device, stage: int, stages: int) -
     communication = grid_seconds(workload, device, stage, stages) / 2
     factor = 3.0 if workload.recompute else 2.0
     forward, backward = blocks + head + loss_forward, factor * blocks + 2.0 * head + loss_backward
+    if workload.recompute_attention and not workload.recompute:
+        backward += workload.layers_per_stage * core_attention_seconds(workload, device)
     forward_sends, backward_sends = communication, communication * (factor - 1.0)
     if workload.tensor_overlap:  # Megatron-Core's userbuffers: each collective hides behind a product
         return max(forward, forward_sends), max(backward, backward_sends)
@@ -132,20 +134,46 @@ def products_seconds(workload: Workload, device: Device, stage: int, stages: int
             / workload.tensor_ranks if stage == stages - 1 else 0
         rate = device.flops_per_second * device.efficiency
         return (flops - head) / rate, head / rate
-    t, b, s, h = workload.tensor_ranks, workload.micro_batch_rows, shape.length, shape.hidden
-    tokens, heads, width = b * s, workload.heads // t, h // workload.heads
-
-    def roofline(m, k, n, count=1):
-        compute = 2 * m * k * n * count / (device.flops_per_second * device.efficiency)
-        moved = (m * k + k * n + m * n) * count * workload.activation_bytes
-        return max(compute, moved / device.memory_bandwidth)
+    t, tokens, h = workload.tensor_ranks, workload.micro_batch_rows * shape.length, shape.hidden
     # the block description's linears, each cut as Megatron's 1-D grid cuts it (column: its outputs,
     # row: its inputs), and attention's two per-head products
-    block = sum(roofline(tokens, fan_in // (t if place == "second" else 1), fan_out // (t if place == "first" else 1))
+    block = sum(roofline(workload, device, tokens, fan_in // (t if place == "second" else 1),
+                         fan_out // (t if place == "first" else 1))
                 for fan_in, fan_out, place, _ in shape.linears())
-    block += roofline(s, width, s, b * heads) + roofline(s, s, width, b * heads)
-    head = roofline(tokens, h, shape.vocabulary // t) if stage == stages - 1 else 0.0
+    block += attention_products_seconds(workload, device)
+    head = roofline(workload, device, tokens, h, shape.vocabulary // t) if stage == stages - 1 else 0.0
     return workload.layers_per_stage * block, head
+
+
+def roofline(workload: Workload, device: Device, m: int, k: int, n: int, count: int = 1) -> float:
+    """`count` M×K by K×N products: the slower of their FLOPs at the large-product rate and their
+    operands and results over the memory bandwidth (Williams et al. 2009)."""
+    compute = 2 * m * k * n * count / (device.flops_per_second * device.efficiency)
+    moved = (m * k + k * n + m * n) * count * workload.activation_bytes
+    return max(compute, moved / device.memory_bandwidth)
+
+
+def attention_products_seconds(workload: Workload, device: Device) -> float:
+    """A block's Q·Kᵀ and scores·V on one 1-D grid rank: per sequence and local head an s × d by
+    d × s product and an s × s by s × d one (d = h/a), at their roofline."""
+    b, s = workload.micro_batch_rows, workload.shape.length
+    heads, width = workload.heads // workload.tensor_ranks, workload.shape.hidden // workload.heads
+    return roofline(workload, device, s, width, s, b * heads) + roofline(workload, device, s, s, width, b * heads)
+
+
+def core_attention_seconds(workload: Workload, device: Device) -> float:
+    """What selective recomputation reruns per block (Korthikanti et al. 2022 §5): the core attention's
+    forward, its two per-head products and its scores' memory-bound passes (softmax, dropout: the
+    scores' bytes of `memory_bound_bytes_per_token`, written and read once). Without the device's
+    memory bandwidth, the two products' FLOPs at the large-product rate. The sequence-parallel input
+    the linears gather again in the backward is hidden under the input-gradient product (Megatron's
+    LinearWithGradAccumulationAndAsyncCommunication issues it asynchronously before that product)."""
+    b, s, h = workload.micro_batch_rows, workload.shape.length, workload.shape.hidden
+    if not device.memory_bandwidth:
+        return 4 * b * s * s * h / workload.tensor_ranks / (device.flops_per_second * device.efficiency)
+    scores = memory_bound_bytes_per_token(workload.shape, workload.heads)[2] / workload.tensor_ranks
+    passes = 2 * b * s * scores / device.memory_bandwidth if workload.attention_scores else 0.0  # flash: inside the kernel
+    return attention_products_seconds(workload, device) + passes
 
 
 # Bytes per logit the loss moves on a GPU (Megatron's vocab-parallel cross-entropy,

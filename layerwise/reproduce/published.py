@@ -3,7 +3,8 @@
     python benchmarks/plan_vs_published.py        the table: predicted vs published TFLOP/s per GPU
 
 Every row of benchmarks/published/megatron_runs.csv (Narayanan et al. 2021 table 1 on A100s, the
-Megatron-LM README's H100 weak scaling; each row cites its source) is priced by plan mode's own
+Megatron-LM README's H100 weak scaling, Korthikanti et al. 2022 table 4's step times; each row cites
+its source) is priced by plan mode's own
 closed form (layerwise/planning/search.py `Evaluator` → cost/step_time.py `closed_form_step`, the
 formulas the simulator, the search and the reproductions share) at the run's exact layout:
 tensor × pipeline (interleaved with v virtual stages where the run used them) × data, its
@@ -49,12 +50,13 @@ class PublishedRun:
     global_batch: int
     micro_batch: int
     virtual_stages: int
-    recompute: str  # full | none
+    recompute: str  # full | selective (the core attention, Korthikanti et al. 2022 §5) | none
     sequence_parallel: bool
     data_reduction: str  # overlapped (with the backward) | after_backward
     flops: str  # narayanan | megatron: how the source counts a step's FLOPs
-    published_tflops_per_gpu: float
+    published_tflops_per_gpu: float  # 0 where the source publishes a step time instead
     published_percent_of_peak: float
+    published_step_s: float  # 0 where the source publishes throughput instead
     comment: str
 
     @property
@@ -65,9 +67,21 @@ class PublishedRun:
     def name(self) -> str:
         return f"{self.source} {self.model}"
 
+    @property
+    def megatron_core(self) -> bool:
+        """The 2024 Megatron-Core runs (M24): flash attention, --tp-comm-overlap, the distributed optimizer."""
+        return self.source == "M24"
+
+    @property
+    def published_throughput(self) -> float:
+        """TFLOP/s per GPU as published, or as counted over the published step time."""
+        if self.published_tflops_per_gpu:
+            return self.published_tflops_per_gpu
+        return counted_flops(self) / (self.published_step_s * self.gpus) / 1e12
+
 
 def read_runs(path: Path = RUNS) -> list:
-    """The csv's rows (lines starting with # are its header comment)."""
+    """The csv's rows (lines starting with # are its header comment; an empty number is 0)."""
     with open(path) as handle:
         lines = [line for line in handle if not line.startswith("#")]
     runs = []
@@ -75,7 +89,10 @@ def read_runs(path: Path = RUNS) -> list:
         fields = {}
         for name, kind in PublishedRun.__annotations__.items():
             value = row[name]
-            fields[name] = (value == "true") if kind is bool else kind(value) if kind in (int, float) else value
+            if kind is bool:
+                fields[name] = value == "true"
+            else:
+                fields[name] = kind(value or 0) if kind in (int, float) else value
         runs.append(PublishedRun(**fields))
     return runs
 
@@ -125,12 +142,13 @@ def workload_of(evaluate: Evaluator, run: PublishedRun):
     reduction overlapped (torch DDP, or the H100 runs' --overlap-grad-reduce) or after the backward
     (--DDP-impl local), materialised attention scores (2021: no flash kernel); on the H100 runs
     sequence parallelism, --tp-comm-overlap and the distributed optimizer (--overlap-param-gather
-    exists only with it: gradients reduce-scattered, parameters gathered beside the next forward)."""
-    modern = run.flops == "megatron"  # the 2024 Megatron-Core runs
+    exists only with it: gradients reduce-scattered, parameters gathered beside the next forward);
+    selective recomputation where the run used it (K22's sequence-parallel rows)."""
+    modern = run.megatron_core
     return replace(evaluate.workload(point_of(run)), wire_bytes=2, scatter_gather=True,
                    reduction_overlaps_backward=run.data_reduction == "overlapped", tensor_overlap=modern,
                    attention_scores=not modern, sequence_parallel=run.sequence_parallel,
-                   distributed_optimizer=modern)
+                   distributed_optimizer=modern, recompute_attention=run.recompute == "selective")
 
 
 # Each term of the model switched off (docs/plan.md, "Against published runs": what each one moves).
@@ -143,6 +161,7 @@ ABLATIONS = {
     "tensor collectives overlapped": lambda w, d: (replace(w, tensor_overlap=False), d),
     "attention scores materialised": lambda w, d: (replace(w, attention_scores=False), d),
     "sequence parallelism": lambda w, d: (replace(w, sequence_parallel=False), d),
+    "selective recomputation (the core attention rerun)": lambda w, d: (replace(w, recompute_attention=False), d),
     "tensor collectives free": lambda w, d: (w, replace(d, intra_node_bandwidth=float("inf"))),
     "inter-node traffic free (messages, data reduction)": lambda w, d: (w, replace(d, inter_node_bandwidth=float("inf"))),
 }
@@ -162,8 +181,8 @@ def predict(base, run: PublishedRun, ablate: str = None) -> dict:
     predicted = counted_flops(run) / (step["step_seconds"] * run.gpus) / 1e12
     return {"run": run.name, "split": run.split, "verified": run.verified, "step_time_s": step["step_seconds"],
             "bubble_fraction": step["bubble_fraction"], "predicted_tflops_per_gpu": predicted,
-            "published_tflops_per_gpu": run.published_tflops_per_gpu,
-            "error": predicted / run.published_tflops_per_gpu - 1}
+            "published_tflops_per_gpu": run.published_throughput,
+            "error": predicted / run.published_throughput - 1}
 
 
 def validation_table(base, runs: list = None, ablate: str = None) -> list:

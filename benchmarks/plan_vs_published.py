@@ -3,9 +3,11 @@
     .venv/bin/python benchmarks/plan_vs_published.py                 # fit the large-product rate on the tuned rows, then the table
     .venv/bin/python benchmarks/plan_vs_published.py --efficiency 0.5  # the table at a given rate (no fit)
     .venv/bin/python benchmarks/plan_vs_published.py --ablations     # also: each term switched off in turn
+    .venv/bin/python benchmarks/plan_vs_published.py --runs benchmarks/published/vtrain_runs.csv   # vTrain's 109 measured runs
 
 A thin command line over layerwise/reproduce/published.py: every row of benchmarks/published/megatron_runs.csv
-priced by plan mode's closed form (cost/step_time.py), counted as its source counts FLOPs, with the error;
+(or the csv --runs names) priced by plan mode's closed form (cost/step_time.py), counted as its source
+counts FLOPs, with the error; the rate is always fitted on megatron_runs.csv's tuned rows;
 mean and worst |error| over all rows, the tuned rows and the held-out rows. Plan mode only: nothing runs
 on a GPU, and the timings of this machine play no part.
 """
@@ -17,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from layerwise.config.store import compose  # noqa: E402
-from layerwise.reproduce.published import ABLATIONS, TOLERANCE, fit_efficiency, summary, validation_table  # noqa: E402
+from layerwise.reproduce.published import (ABLATIONS, RUNS, TOLERANCE, fit_efficiency, read_runs, summary,  # noqa: E402
+                                           validation_table)
 
 
 def main() -> None:
@@ -25,11 +28,15 @@ def main() -> None:
     parser.add_argument("--efficiency", type=float, default=None,
                         help="plan.efficiency (the large-product rate); default: fitted on the tuned rows")
     parser.add_argument("--ablations", action="store_true", help="also the table's errors with each term switched off")
+    parser.add_argument("--runs", type=Path, default=RUNS, help=f"the csv of runs to price (default {RUNS.name})")
     arguments = parser.parse_args()
+    if not arguments.runs.is_file():
+        parser.error(f"--runs {arguments.runs}: no such file (the sets are in benchmarks/published/)")
+    runs = read_runs(arguments.runs)
     base = compose(["model=gpt3_175b", "hardware=dgx_a100_80g", "logger=none"])
     efficiency = arguments.efficiency if arguments.efficiency is not None else fit_efficiency(base)
     fitted = compose(["model=gpt3_175b", "hardware=dgx_a100_80g", "logger=none", f"plan.efficiency={efficiency}"])
-    rows = validation_table(fitted)
+    rows = validation_table(fitted, runs)
     print(f"plan.efficiency (large-product rate) = {efficiency}"
           + (" (fitted on the tuned rows)" if arguments.efficiency is None else " (given)"))
     print("| run | split | layout verified | predicted step s | bubble | predicted TFLOP/s/GPU | published | error |")
@@ -40,12 +47,13 @@ def main() -> None:
               f"{row['bubble_fraction']:.3f} | {row['predicted_tflops_per_gpu']:.1f} | "
               f"{row['published_tflops_per_gpu']:g} | {row['error']:+.1%}{marker} |")
     for split, stats in summary(rows).items():
-        print(f"{split}: {stats['rows']} rows, mean |error| {stats['mean']:.1%}, worst {stats['worst']:.1%}, "
-              f"{stats['within']} within ±{TOLERANCE:.0%}")
+        if stats["rows"]:
+            print(f"{split}: {stats['rows']} rows, mean |error| {stats['mean']:.1%}, median {stats['median']:.1%}, "
+                  f"worst {stats['worst']:.1%}, {stats['within']} within ±{TOLERANCE:.0%}")
     if arguments.ablations:
         print("\n| term switched off | error per row (csv order) | mean | worst | within ±10% |\n|---|---|---|---|---|")
         for name in ABLATIONS:
-            ablated = validation_table(fitted, ablate=name)
+            ablated = validation_table(fitted, runs, ablate=name)
             stats = summary(ablated)["all"]
             errors = " ".join(f"{row['error']:+.0%}" for row in ablated)
             print(f"| {name} | {errors} | {stats['mean']:.1%} | {stats['worst']:.1%} | {stats['within']} |")

@@ -78,7 +78,8 @@ def sync_seconds(workload: Workload, device: Device, factor: str) -> float:
     if layout.data == 1:
         return 0.0
     extent = workload.tensor_ranks * layout.pipeline * layout.data  # the data axis is outermost
-    return collective_seconds(device, all_reduce(stage_factor_elements(workload, factor), layout.data), extent)
+    return collective_seconds(device, all_reduce(stage_factor_elements(workload, factor), layout.data), extent,
+                              stride=workload.tensor_ranks * layout.pipeline)
 
 
 def preconditioning_flops(shape: units.BlockShape) -> float:

@@ -50,13 +50,21 @@ def forward_flops(workload: Workload, stage: int, stages: int) -> float:
     return (workload.layers_per_stage * block + head) / workload.tensor_ranks
 
 
-def link_bandwidth(device: Device, extent: int) -> float:
-    """A group spread over `extent` consecutive ranks (ranks fill nodes in order, the tensor axis
-    innermost) stays inside one node when the extent does; otherwise its slowest link is a node's."""
-    return device.intra_node_bandwidth if extent <= device.devices_per_node else device.inter_node_bandwidth
+def link_bandwidth(device: Device, extent: int, stride: int = 1) -> float:
+    """Bytes/s of a group whose members sit `stride` ranks apart across `extent` consecutive ranks
+    (ranks fill nodes in order, the tensor axis innermost, so a tensor group has stride 1 and a data
+    group stride tensor × pipeline). Inside one node: its links. Across nodes, NCCL runs one ring
+    per NIC (its channels), so the r members a group has on each node move their share of the
+    traffic over r devices' NICs at once, while the node's other groups use the other NICs: min(the
+    node's links, r × a device's network bandwidth). One member per node (a data group over tensor-8
+    nodes) gets one device's NIC; a 16-wide tensor group over two 8-GPU nodes gets all 8."""
+    if extent <= device.devices_per_node:
+        return device.intra_node_bandwidth
+    members = max(1, device.devices_per_node // stride)
+    return min(device.intra_node_bandwidth, members * device.inter_node_bandwidth)
 
 
-def collective_seconds(device: Device, sent_bytes: float, extent: int, count: int = 1) -> float:
+def collective_seconds(device: Device, sent_bytes: float, extent: int, count: int = 1, stride: int = 1) -> float:
     """`count` collectives over a group of `extent` consecutive ranks whose ranks send `sent_bytes` in
     all: each its latency plus its bytes over the link, or, where mode=calibrate measured a table of
     one collective's seconds against the bytes a rank sends, interpolated in it at the average size
@@ -67,13 +75,13 @@ def collective_seconds(device: Device, sent_bytes: float, extent: int, count: in
         return 0.0
     table = device.collective_table
     if not table:
-        return count * device.collective_latency_s + sent_bytes / link_bandwidth(device, extent)
+        return count * device.collective_latency_s + sent_bytes / link_bandwidth(device, extent, stride)
     size = sent_bytes / count
     sizes, seconds = [row[0] for row in table], [row[1] for row in table]
     if size <= sizes[0]:
         return count * seconds[0]
     if size >= sizes[-1]:
-        return count * (seconds[-1] + (size - sizes[-1]) / link_bandwidth(device, extent))
+        return count * (seconds[-1] + (size - sizes[-1]) / link_bandwidth(device, extent, stride))
     index = bisect.bisect_left(sizes, size)
     low, high = index - 1, index
     slope = (seconds[high] - seconds[low]) / (sizes[high] - sizes[low])
@@ -274,8 +282,8 @@ def receive_seconds(workload: Workload, device: Device) -> float:
     pipeline neighbours cross (a tensor block apart; inside a node only if the whole pipeline is)."""
     latency = device.collective_latency_s if device.point_to_point_latency_s is None else device.point_to_point_latency_s
     split = workload.tensor_ranks if workload.scatter_gather else 1  # each tensor rank sends 1/T, NVLink gathers
-    return latency + workload.piece * workload.wire_bytes / split / link_bandwidth(
-        device, workload.tensor_ranks * workload.layout.pipeline)
+    extent = workload.tensor_ranks * workload.layout.pipeline  # one sender, one receiver: one device's link
+    return latency + workload.piece * workload.wire_bytes / split / link_bandwidth(device, extent, stride=extent)
 
 
 def gather_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
@@ -285,7 +293,8 @@ def gather_seconds(workload: Workload, device: Device, stage: int, stages: int) 
     if not layout.zero or layout.data == 1:
         return 0.0
     held = stage_parameters(workload, stage, stages)
-    return collective_seconds(device, all_gather(held, layout.data), workload.tensor_ranks * layout.pipeline * layout.data)
+    return collective_seconds(device, all_gather(held, layout.data), workload.tensor_ranks * layout.pipeline * layout.data,
+                              stride=workload.tensor_ranks * layout.pipeline)
 
 
 def step_cost(workload: Workload, device: Device, plan):
@@ -386,7 +395,8 @@ def reduction_seconds(workload: Workload, device: Device, stage: int, stages: in
     sharded = layout.zero or workload.distributed_optimizer  # a reduce-scatter: all_gather's bytes
     volume = all_gather(held, layout.data) if sharded else all_reduce(held, layout.data)
     volume *= workload.wire_bytes / BYTES  # 2: the run reduces fp16/bf16 gradients
-    return collective_seconds(device, volume, workload.tensor_ranks * layout.pipeline * layout.data)
+    return collective_seconds(device, volume, workload.tensor_ranks * layout.pipeline * layout.data,
+                              stride=workload.tensor_ranks * layout.pipeline)
 
 
 def exposed_reduction_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:

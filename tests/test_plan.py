@@ -296,6 +296,26 @@ def test_a_measured_collective_table_is_interpolated_at_the_average_size():
     assert collective_seconds(measured, 0, 2, count=0) == 0.0
 
 
+def test_a_group_across_nodes_moves_its_traffic_over_as_many_nics_as_it_has_members_per_node():
+    """NCCL runs one ring per NIC: a group with r members on each node crosses between nodes on r
+    devices' NICs at once, capped by the node's own links. On 8-GPU DGX A100 nodes (300 GB/s NVLink,
+    25 GB/s InfiniBand per GPU): inside a node NVLink; a 16-wide tensor group over two nodes
+    8 × 25 = 200 GB/s; a data group over tensor-8 nodes (stride 8: one member per node) 25 GB/s, over
+    tensor-2 nodes (4 per node) 100 GB/s; a pipeline message between two nodes (a pair as far apart
+    as its extent) one device's 25 GB/s."""
+    from cost.step_time import link_bandwidth
+    from layerwise.config.store import compose
+    from layerwise.planning.inputs import device_of
+    device = device_of(compose(["hardware=dgx_a100_80g", "hardware.nodes=8", "logger=none", "mode=plan"]))
+    assert (device.intra_node_bandwidth, device.inter_node_bandwidth, device.devices_per_node) == (3e11, 2.5e10, 8)
+    assert link_bandwidth(device, 8) == 3e11
+    assert link_bandwidth(device, 16) == 2e11
+    assert link_bandwidth(device, 64, stride=8) == 2.5e10
+    assert link_bandwidth(device, 64, stride=2) == 1e11
+    assert link_bandwidth(device, 16, stride=16) == 2.5e10
+    assert link_bandwidth(device, 64, stride=1) == 2e11  # never above the node's links: min(300, 8 × 25)
+
+
 def test_ranks_that_outnumber_the_cores_give_a_waiting_ranks_share_to_the_others():
     """4 ranks on 2 cores (GPipe p2 × d2): compute at a core's rate, the cores shared in the
     simulation. The step lies between the bounds (the critical path with a core per rank, the node's

@@ -19,7 +19,12 @@ H100_LAYOUT = ("the README's H100 runs do not publish micro-batch, interleaving 
 NEWER_CODE = ("the same per-pipeline work as N21's row of that size (the same layout, batch per pipeline "
               "and micro-batch), published 8-9% faster a year later; the one large-product rate was fitted on "
               "N21's rows, so it prices K22's code as N21's (test_k22s_misses_are_n21s_layouts_run_faster)")
-KNOWN_MISSES = {"M24 32B": H100_LAYOUT, "M24 70B": H100_LAYOUT, "M24 119B": H100_LAYOUT,
+H100_RATE = ("an H100 row up to 16B: its data-parallel reduce-scatter now crosses nodes on its 2-8 members' "
+             "NICs at once (test_a_group_across_nodes...) and hides under the backward, leaving the products at "
+             "the one large-product rate, fitted on A100 rows, which over-predicts every M24 row up to 119B by "
+             "10-15%; micro-batch, interleaving and recomputation are not published either")
+KNOWN_MISSES = {"M24 1.7B": H100_RATE, "M24 7.1B": H100_RATE, "M24 16B": H100_RATE,
+                "M24 32B": H100_LAYOUT, "M24 70B": H100_LAYOUT, "M24 119B": H100_LAYOUT,
                 "K22 530B": NEWER_CODE, "K22 1T": NEWER_CODE,
                 "K22 1T selective": "K22 1T's layout with selective recomputation, off as much as that full "
                                     "row (-13% both): " + NEWER_CODE}
@@ -158,3 +163,44 @@ def test_memory_bound_bytes_derive_from_the_block_description():
     d = 1024 // 16
     split = 2 * ((16 + 2 * 4) * d + 1024 + 3 * 2816) + 2 * (16 + 4) * d
     assert memory_bound_bytes_per_token(llama, 16) == (8 * 1024, split, 2 * 16 * 256)
+
+
+@pytest.fixture(scope="module")
+def vtrain(base):
+    runs = published.read_runs(published.VTRAIN_RUNS)
+    return runs, published.validation_table(base, runs)
+
+
+def test_vtrains_measured_runs_are_whole_held_out_layouts(vtrain):
+    """109 rows of vTrain's ground truth (Megatron-DeepSpeed on A100 nodes of 8), each a consistent
+    layout, all held out (the rate is still the one fitted on N21's tuned rows)."""
+    runs, _ = vtrain
+    assert len(runs) == 109 and {run.split for run in runs} == {"holdout"}
+    assert len({run.name for run in runs}) == 109
+    for run in runs:
+        assert run.tensor_parallel * run.pipeline_parallel * run.data_parallel == run.gpus, run.name
+        assert run.global_batch % (run.data_parallel * run.micro_batch) == 0, run.name
+        assert run.layers % run.pipeline_parallel == 0 and run.published_step_s > 0, run.name
+
+
+def test_vtrains_runs_are_predicted_as_docs_plan_md_says(vtrain):
+    """docs/plan.md ("vTrain's measured runs"): 65 of 109 within ±10%, median |error| 8.2%. Held to
+    at least 60 and below 9%, so a change that loses five rows or most of a point must say so."""
+    _, rows = vtrain
+    stats = published.summary(rows)["all"]
+    assert stats["within"] >= 60 and stats["median"] < 0.09, stats
+
+
+def test_tensor_groups_across_two_nodes_use_every_nic(vtrain):
+    """vTrain measured tensor parallelism 16 over two 8-GPU nodes (6 rows) at 10.6-20.4 s. Priced at
+    one GPU's NIC the model said 26-67 s (2.5-5× too slow); with NCCL's ring per NIC
+    (`cost.step_time.link_bandwidth`) each is predicted within -10%..+40% of its measurement (the
+    small micro-batches run slower than any product roofline says). The data-64 rows (8 members per
+    node) within ±5%."""
+    _, rows = vtrain
+    across = [row for row in rows if " t16 " in row["run"]]
+    assert len(across) == 6
+    for row in across:
+        assert -0.10 < row["error"] < 0.40, row
+    wide = [row for row in rows if " t1 d64 " in row["run"]]
+    assert len(wide) == 3 and all(abs(row["error"]) < 0.05 for row in wide), wide

@@ -25,6 +25,7 @@ from layerwise.planning.search import Evaluator, Point
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "benchmarks" / "published" / "megatron_runs.csv"  # data, read as a file (never imported)
+VTRAIN_RUNS = ROOT / "benchmarks" / "published" / "vtrain_runs.csv"  # vTrain's measured multi-node runs
 TOLERANCE = 0.10  # issue 31: every published row within ±10%
 
 
@@ -191,10 +192,11 @@ def validation_table(base, runs: list = None, ablate: str = None) -> list:
 
 
 def summary(rows: list) -> dict:
-    """Mean and worst |error| over all rows and over each split."""
+    """Mean, median and worst |error| and how many within ±10%, over all rows and over each split."""
     def stats(selected):
         errors = [abs(row["error"]) for row in selected]
         return {"rows": len(errors), "mean": statistics.fmean(errors) if errors else float("nan"),
+                "median": statistics.median(errors) if errors else float("nan"),
                 "worst": max(errors, default=float("nan")),
                 "within": sum(error <= TOLERANCE for error in errors)}
     return {"all": stats(rows), "tune": stats([r for r in rows if r["split"] == "tune"]),

@@ -349,7 +349,8 @@ def summary_row(point, budget: dict, configuration: str, entry: dict) -> dict:
             "network_overhead": 1 - network_free_step(point, row) / row["step_time_s"],
             "pipeline_transfer_share": pipeline_transfer_share(point, row),
             "bandwidth_needed_gb_s": bandwidth_needed(point, row) / 1e9,
-            "bandwidth_achieved_gb_s": link_bandwidth(evaluate.device, row["gpus"]) / 1e9,
+            # a device's own link (one member per node): what the needed bandwidth is set against
+            "bandwidth_achieved_gb_s": link_bandwidth(evaluate.device, row["gpus"], stride=row["gpus"]) / 1e9,
             "memory_gib": row["worst_role_bytes"] / GIB, "memory_fraction": row["worst_role_bytes"] / memory,
             "state_fraction": state / memory,
             "unconstrained_days": budget["steps"] * entry["unconstrained"]["step_time_s"] / 86400,

@@ -83,10 +83,15 @@ def test_every_roles_dry_run_agrees_with_the_analytic_plan(case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_another_rank_of_the_role_issues_the_formulas_bytes(case):
     """A rank other than the role's first (other data and tensor indices) issues the same bytes
-    per kind as cost/traffic.py's formula for its pipeline position, exactly."""
+    per kind as cost/traffic.py's formula for its pipeline position, exactly; and leaves this
+    process's rank-zero guard as it found it (Lightning sets it to the strategy's rank: left at
+    rank 3, every later rank_zero_* log in the process was silent, a TensorBoard logger wrote nothing)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
     overrides, rank = CASES[case]
     cfg = config(overrides)
+    before = getattr(rank_zero_only, "rank", None)
     result = dry_run(cfg, rank, WORLD)
+    assert rank != 0 and getattr(rank_zero_only, "rank", None) == before
     assert result["steps"] == 2 and result["world_size"] == WORLD
     expected = formula_bytes(cfg, WORLD, result["coordinates"]["pipeline"], result["vocabulary"])
     assert result["bytes_by_kind"] == {kind: pytest.approx(expected[kind], rel=1e-12, abs=0) for kind in KINDS}

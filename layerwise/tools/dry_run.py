@@ -160,6 +160,10 @@ def fake_world(rank: int, world_size: int, ranks_per_node: int):
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised in this process")
     saved = {name: os.environ.get(name) for name in RENDEZVOUS_VARIABLES}
+    # Lightning's strategy stores the rank on its rank-zero-only guards (set_world_ranks): left at
+    # the dry-run rank, every later rank_zero_* call in this process would stay silent.
+    guards = _rank_zero_guards()
+    ranks = [getattr(guard, "rank", None) for guard in guards]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", WORLD_SIZE=str(world_size),
                       RANK=str(rank), LOCAL_RANK=str(rank % ranks_per_node),
                       NODE_RANK=str(rank // ranks_per_node))
@@ -169,11 +173,27 @@ def fake_world(rank: int, world_size: int, ranks_per_node: int):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        for guard, rank_before in zip(guards, ranks):
+            if rank_before is None:
+                vars(guard).pop("rank", None)
+            else:
+                guard.rank = rank_before
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _rank_zero_guards() -> list:
+    """The distinct rank_zero_only functions Lightning sets a rank on (fabric's, lightning_utilities')."""
+    from lightning.fabric.utilities import rank_zero as fabric_rank_zero
+    from lightning_utilities.core import rank_zero as utilities_rank_zero
+    guards = []
+    for guard in (fabric_rank_zero.rank_zero_only, utilities_rank_zero.rank_zero_only):
+        if all(guard is not known for known in guards):
+            guards.append(guard)
+    return guards
 
 
 def node_split(cfg, world_size: int) -> tuple:

@@ -574,7 +574,8 @@ def relay_host_memory(workload: Workload, micro_batches: int, constant_memory: b
 
 
 def relay_step(workload: Workload, device: Device, micro_batches: int, host_device_bandwidth: float,
-               weight_bytes: int, constant_memory: bool, overlap: bool = True) -> dict:
+               weight_bytes: int, constant_memory: bool, overlap: bool = True,
+               bucket_bytes: float = 25 * 2 ** 20) -> dict:
     """Predicted relay step. Compute per stage and micro-batch: F from FLOPs (forward_flops; the
     embedding lookup is free), and in the backward the recompute plus the backward, 3F — 4F a step
     against plain training's 3F. Copies over the host link, in the compute dtype: each stage's
@@ -584,8 +585,11 @@ def relay_step(workload: Workload, device: Device, micro_batches: int, host_devi
     costs the longer of its compute and the copies issued beside it; without, they add up (the
     bound offload.transfer_cost gives the simulator). The host's eager update of the last stage
     reached (the embedding) is the only update exposed: the worker thread updates every other stage
-    while the device runs the earlier ones (on a CPU device every update runs in place). The
-    framework's costs: one per step and one per action of the relay's plan."""
+    while the device runs the earlier ones (on a CPU device every update runs in place). Data
+    replicas (the layout's data axis) all-reduce each stage's fp32 host gradient before its update,
+    in buckets of at most `bucket_bytes` (strategies/l2l.py HostStore; 0, one per tensor, is priced
+    as one per stage), exposed as the updates are. The framework's costs: one per step and one per
+    action of the relay's plan."""
     stages = relay_stage_parameters(workload)
     block = stage_seconds(replace(workload, layers_per_stage=1, recompute=False), device, 0, 2)[0]
     head = stage_seconds(replace(workload, layers_per_stage=0, recompute=False), device, 1, 2)[0]
@@ -608,7 +612,13 @@ def relay_step(workload: Workload, device: Device, micro_batches: int, host_devi
     # the embedding's eager update comes last; on a CPU device (no overlap) the host store updates every
     # stage in place (strategies/l2l.py HostStore), so every update adds
     seconds += (stages[0] if overlap else sum(stages)) * device.optimizer_seconds_per_parameter
-    actions = sum(action is not None for action in relay_plan(len(stages), micro_batches).ranks[0])
+    data = workload.layout.data
+    if data > 1:
+        reductions = [collective_seconds(device, all_reduce(parameters, data), data,
+                                         count=-(-parameters * BYTES // bucket_bytes) if bucket_bytes else 1)
+                      for parameters in stages]
+        seconds += reductions[0] if overlap else sum(reductions)
+    actions = sum(action is not None for action in relay_plan(len(stages), micro_batches, reduce=data > 1).ranks[0])
     seconds += device.step_overhead_s + actions * device.action_overhead_s
     return {"step_seconds": seconds, "compute_seconds": compute, "transfer_seconds": transfer,
             "exposed_transfer_seconds": seconds - compute}

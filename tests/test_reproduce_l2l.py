@@ -88,6 +88,27 @@ def test_overlap_hides_copies_behind_compute_and_recompute_costs_a_third_more():
     assert slow_link["step_seconds"] >= slow_link["transfer_seconds"]
 
 
+def test_data_replicas_all_reduce_every_stage_in_buckets_exposed_as_the_updates():
+    """Two data replicas: each stage's fp32 host gradient is all-reduced before its update, in
+    buckets of at most bucket_bytes (stage bytes 288, 976, 976, 192: with 512-byte buckets 1, 2, 2,
+    1 collectives, each the latency plus its share of 2(n − 1)/n · 4 B per parameter over the link).
+    In place (no overlap) every reduction adds; with the worker thread only the last stage's
+    (the embedding's) is exposed. The plan's R actions are counted with the framework's costs."""
+    from dataclasses import replace
+
+    from parallel.dims import Layout
+    latency = replace(CPU, collective_latency_s=1e-3, action_overhead_s=1e-5)
+    one, two = tiny(), replace(tiny(), layout=Layout(2, 1))
+    assert two.layout.data == 2
+    stages = relay_stage_parameters(two)
+    reductions = [count * 1e-3 + parameters * 4 / 1e9 for parameters, count in zip(stages, (1, 2, 2, 1))]
+    reduce_actions = 4  # one R per stage (strategies/schedule/offload.py add_host_transfers)
+    for overlap, exposed in ((False, sum(reductions)), (True, reductions[0])):
+        alone = relay_step(one, latency, 3, 1e6, 4, False, overlap=overlap, bucket_bytes=512)["step_seconds"]
+        replicas = relay_step(two, latency, 3, 1e6, 4, False, overlap=overlap, bucket_bytes=512)["step_seconds"]
+        assert replicas - alone == pytest.approx(exposed + reduce_actions * 1e-5, rel=1e-9)
+
+
 def test_largest_finds_the_boundary():
     assert l2l.largest(lambda n: n <= 37) == 37
     assert l2l.largest(lambda n: n <= 1) == 1

@@ -15,14 +15,14 @@ from strategies.registry import planned_as
 
 def relay_plan_result(cfg, world_size: int) -> dict:
     """L2L's plan (cost/step_time.py's relay terms): one device per data replica relays the layers
-    from its host store. Not priced: the data replicas' gradient all-reduce and the host's optimizer."""
+    from its host store, and the data replicas all-reduce each stage's host gradient (`relay_step`)."""
     strategy, margin, device = cfg.strategy, cfg.plan.allocator_margin, device_of(cfg, world_size)
     weight_bytes = compute_bytes(cfg)
     workload = Workload(shape_of(cfg), cfg.model.layers, cfg.model.heads, Layout(world_size, 1), cfg.model.layers,
                         cfg.data.global_batch_size // (world_size * strategy.micro_batches), cfg.optimizer.name,
                         False, weight_bytes)
     step = relay_step(workload, device, strategy.micro_batches, cfg.hardware.host_device_bandwidth, weight_bytes,
-                      strategy.constant_memory, overlap=strategy.prefetch)
+                      strategy.constant_memory, overlap=strategy.prefetch, bucket_bytes=strategy.bucket_mb * 2 ** 20)
     device_bytes = relay_memory(workload, strategy.micro_batches, strategy.constant_memory, weight_bytes,
                                 cfg.plan.flash_attention)
     host_bytes = relay_host_memory(workload, strategy.micro_batches, strategy.constant_memory)

@@ -65,8 +65,9 @@ def link_bandwidth(device: Device, extent: int, stride: int = 1) -> float:
 
 
 def collective_seconds(device: Device, sent_bytes: float, extent: int, count: int = 1, stride: int = 1) -> float:
-    """`count` collectives over a group of `extent` consecutive ranks whose ranks send `sent_bytes` in
-    all: each its latency plus its bytes over the link, or, where mode=calibrate measured a table of
+    """`count` collectives over a group spanning `extent` consecutive ranks, its members `stride`
+    apart, whose ranks send `sent_bytes` in all: each its latency plus its bytes over the group's
+    link (`link_bandwidth`), or, where mode=calibrate measured a table of
     one collective's seconds against the bytes a rank sends, interpolated in it at the average size
     (linearly between rows; the first row's seconds below it; above it the last row's seconds plus
     the extra bytes over the link: a noisy last segment's slope can be negative, and a quick

@@ -1,6 +1,7 @@
 """Plan mode against published large-scale training throughput (issue 31 item 1).
 
     python benchmarks/plan_vs_published.py        the table: predicted vs published TFLOP/s per GPU
+    python benchmarks/plan_vs_published.py --runs benchmarks/published/vtrain_runs.csv   vTrain's measured runs
 
 Every row of benchmarks/published/megatron_runs.csv (Narayanan et al. 2021 table 1 on A100s, the
 Megatron-LM README's H100 weak scaling, Korthikanti et al. 2022 table 4's step times; each row cites

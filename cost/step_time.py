@@ -1,11 +1,11 @@
 """The analytic plan of a pipeline-family layout: memory per pipeline rank and a predicted step.
 
 Nothing here builds a model or a process group; it is what plan mode answers at full scale.
-  memory    per pipeline rank: cost/memory.py (this file keeps L2L's relay memory);
+  memory    per pipeline rank: cost/memory.py (L2L's relay, memory and time: cost/relay.py);
   time      the one simulator (strategies/schedule/simulate.py) times the plan with F and B from
             FLOPs at the device's dense rate × an efficiency, a fixed cost per product, the blocks'
             non-product work (calibrated per activation element), the tensor grid's collectives
-            inside them (latency × count + bytes), and receives from the activation piece over the
+            inside them (latency × count + bytes, or a measured table), and receives from the activation piece over the
             link the pipeline crosses; the data-parallel reduction of the stage finished last is
             exposed, the others overlap the remaining backward (layered accumulation, docs/strategies/modular_pipeline.md),
             unless the device does not overlap communication (a CPU whose ranks use every core); then
@@ -14,25 +14,24 @@ Nothing here builds a model or a process group; it is what plan mode answers at 
             passes over the logits are charged at that bandwidth; how the run's software sends
             (wire bytes, scatter/gather, bucketed or sharded reductions, overlapped tensor
             collectives) is the workload's (docs/plan.md, "Against published runs").
-What it leaves out (said in docs/plan.md): allocator fragmentation, the framework's own cost per
-action, collectives' waits for descheduled peers when ranks outnumber cores, and any overlap of the
+Where mode=calibrate measured them, a collective's seconds come from its table
+(`collective_seconds`), and the framework's own costs per step and per action are added.
+What it leaves out (said in docs/plan.md): allocator fragmentation, collectives' waits for
+descheduled peers when ranks outnumber cores beyond the measured table, and any overlap of the
 grid's collectives with compute unless the workload says so (`Workload.tensor_overlap`).
 """
 
 import bisect
 from collections import Counter
-from dataclasses import replace
 
 from parallel.comm import KINDS
-from cost.inputs import OPTIMIZER_STATE, Device, Workload
+from cost.inputs import Device, Workload
 from cost.memory import block_saved_bytes, split_backward_plan, stage_parameters  # the memory half
 from strategies.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, Action, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT,
                                  SEND_ACTIVATION, SEND_GRADIENT, simulate)
 from strategies.schedule.zero import GATHER_FOR, GATHERS, REDUCE_SCATTER, compute_runs
-from strategies.schedule.offload import relay_plan
 from cost.inputs import BYTES
-from cost.traffic import (all_gather, all_reduce, block_traffic, grid_collectives, head_traffic, local_parameters,
-                          step_traffic)
+from cost.traffic import all_gather, all_reduce, block_traffic, grid_collectives, head_traffic, step_traffic
 
 
 PRODUCTS_PER_BLOCK = 6  # per micro-batch forward: QKV, Q·Kᵀ, scores·V, the projection, the MLP's two
@@ -57,7 +56,8 @@ def link_bandwidth(device: Device, extent: int, stride: int = 1) -> float:
     per NIC (its channels), so the r members a group has on each node move their share of the
     traffic over r devices' NICs at once, while the node's other groups use the other NICs: min(the
     node's links, r × a device's network bandwidth). One member per node (a data group over tensor-8
-    nodes) gets one device's NIC; a 16-wide tensor group over two 8-GPU nodes gets all 8."""
+    nodes) gets one device's NIC; a 16-wide tensor group over two 8-GPU nodes gets all 8; a message
+    between two ranks (`stride` = `extent`) one device's link."""
     if extent <= device.devices_per_node:
         return device.intra_node_bandwidth
     members = max(1, device.devices_per_node // stride)
@@ -522,107 +522,6 @@ def zero_bubble_h1_group(middle: tuple, receive: float, p: int, breadth_first: i
     deferred, back = min(breadth_first, p), (p - 1) * (half + receive) + half
     return (p - 1) * (forward + receive) - receive * (p > 1) + max(
         breadth_first * cost - deferred * weight + max(back, deferred * weight) for cost, weight in ranks)
-
-
-# ----- L2L: one device relays the layers from the host store (docs/strategies/l2l.md, Pudipeddi et al. 2020)
-
-def relay_stage_parameters(workload: Workload) -> list:
-    """Elements of each relay stage as strategies/l2l.py moves them: embed, the L blocks, the head
-    (traffic.local_parameters' head: BERT's extra transform, h² + 5h, is left out)."""
-    shape = workload.shape
-    embed = local_parameters(None, 1, shape, True, 0, False)["all"]
-    block = local_parameters(None, 1, shape, False, 1, False)["all"]
-    head = local_parameters(None, 1, shape, False, 0, True)["all"]
-    return [embed] + [block] * workload.layers + [head]
-
-
-def relay_memory(workload: Workload, micro_batches: int, constant_memory: bool, weight_bytes: int,
-                 flash: bool = True) -> dict:
-    """Device bytes at the relay's peak, the backward of some stage s (its recompute with autograd):
-    s's weights and the prefetched s − 1's (two layers in flight) and s's gradient buffer, in the
-    compute dtype (cross mixed precision: fp32 masters and optimizer stay on the host); one
-    micro-batch's working set (a recomputed block's saved tensors and their gradients, 2 ×
-    block_saved_bytes; at the head its logits and their gradient); the stash — standard: the stage
-    inputs of every micro-batch still needed, at most (L + 1)·m pieces; constant variant: on the
-    host, so only the micro-batch's x, dy and dx pieces are on the device. Only the standard stash
-    grows with L or m."""
-    stages, last = relay_stage_parameters(workload), workload.layers + 1
-    piece = workload.piece * workload.activation_bytes
-    tokens = workload.micro_batch_rows * workload.shape.length
-    working = {"block": 2 * block_saved_bytes(workload, tokens, flash),
-               "head": 2 * tokens * workload.shape.vocabulary * BYTES, "embed": 0}
-    peaks = []
-    for stage in range(last + 1):
-        stash = 0 if constant_memory else min(stage + 1, last) * micro_batches * piece
-        in_flight_weights = stages[stage] + (stages[stage - 1] if stage > 0 else 0)
-        part = "embed" if stage == 0 else "head" if stage == last else "block"
-        peaks.append({"parameters": in_flight_weights * weight_bytes, "gradients": stages[stage] * weight_bytes,
-                      "optimizer": 0, "activations": stash + working[part],
-                      "buffers": 3 * piece if constant_memory else 0})
-    return max(peaks, key=lambda peak: sum(peak.values()))
-
-
-def relay_host_memory(workload: Workload, micro_batches: int, constant_memory: bool) -> dict:
-    """Host (eager parameter server) bytes as strategies/l2l.py keeps them: fp32 master weights, fp32
-    gradients of every stage (accumulated into param.grad), the optimizer state (OPTIMIZER_STATE fp32
-    tensors per parameter), and in the constant variant the stash: the L + 1 stage inputs of every
-    micro-batch, plus one stage's input gradients on the way back."""
-    parameters = sum(relay_stage_parameters(workload))
-    stash = (workload.layers + 2) * micro_batches * workload.piece * workload.activation_bytes
-    return {"parameters": parameters * BYTES, "gradients": parameters * BYTES,
-            "optimizer": OPTIMIZER_STATE.get(workload.optimizer, 2) * parameters * BYTES,
-            "activations": stash if constant_memory else 0, "buffers": 0}
-
-
-def relay_step(workload: Workload, device: Device, micro_batches: int, host_device_bandwidth: float,
-               weight_bytes: int, constant_memory: bool, overlap: bool = True,
-               bucket_bytes: float = 25 * 2 ** 20) -> dict:
-    """Predicted relay step. Compute per stage and micro-batch: F from FLOPs (forward_flops; the
-    embedding lookup is free), and in the backward the recompute plus the backward, 3F — 4F a step
-    against plain training's 3F. Copies over the host link, in the compute dtype: each stage's
-    weights twice and its gradient once (3·bytes·P, independent of m); the constant variant adds
-    its stash, per micro-batch and stage boundary x out and in (forward), x in, dy in, dx out
-    (backward). With `overlap` (a copy stream prefetching the next stage: the paper's) each stage
-    costs the longer of its compute and the copies issued beside it; without, they add up (the
-    bound offload.transfer_cost gives the simulator). The host's eager update of the last stage
-    reached (the embedding) is the only update exposed: the worker thread updates every other stage
-    while the device runs the earlier ones (on a CPU device every update runs in place). Data
-    replicas (the layout's data axis) all-reduce each stage's fp32 host gradient before its update,
-    in buckets of at most `bucket_bytes` (strategies/l2l.py HostStore; 0, one per tensor, is priced
-    as one per stage), exposed as the updates are. The framework's costs: one per step and one per
-    action of the relay's plan."""
-    stages = relay_stage_parameters(workload)
-    block = stage_seconds(replace(workload, layers_per_stage=1, recompute=False), device, 0, 2)[0]
-    head = stage_seconds(replace(workload, layers_per_stage=0, recompute=False), device, 1, 2)[0]
-    forward = [0.0] + [block] * workload.layers + [head]
-    piece = workload.piece * workload.activation_bytes * micro_batches / host_device_bandwidth
-    copy = [parameters * weight_bytes / host_device_bandwidth for parameters in stages]
-    overlap = overlap and device.overlaps_communication  # a CPU's copies take the cores the compute uses
-    last, combine = len(stages) - 1, (max if overlap else lambda a, b: a + b)
-    seconds = copy[0]  # the first stage's weights: nothing to hide behind
-    for stage in range(last + 1):  # forward sweep: next stage's weights; constant: x in, y out
-        stash = ((stage > 0) + (stage < last)) * piece if constant_memory else 0.0
-        seconds += combine(micro_batches * forward[stage], (copy[stage + 1] if stage < last else 0.0) + stash)
-    seconds += copy[last]  # the backward turns at the head: its weights again
-    for stage in range(last, -1, -1):  # backward sweep: previous weights, this gradient; x in, dy in, dx out
-        stash = (2 * (stage > 0) + (stage < last)) * piece if constant_memory else 0.0
-        seconds += combine(3 * micro_batches * forward[stage], (copy[stage - 1] if stage > 0 else 0.0)
-                           + copy[stage] + stash)
-    compute = 4 * micro_batches * sum(forward)
-    transfer = 3 * sum(copy) + (5 * last * piece if constant_memory else 0.0)
-    # the embedding's eager update comes last; on a CPU device (no overlap) the host store updates every
-    # stage in place (strategies/l2l.py HostStore), so every update adds
-    seconds += (stages[0] if overlap else sum(stages)) * device.optimizer_seconds_per_parameter
-    data = workload.layout.data
-    if data > 1:
-        reductions = [collective_seconds(device, all_reduce(parameters, data), data,
-                                         count=-(-parameters * BYTES // bucket_bytes) if bucket_bytes else 1)
-                      for parameters in stages]
-        seconds += reductions[0] if overlap else sum(reductions)
-    actions = sum(action is not None for action in relay_plan(len(stages), micro_batches, reduce=data > 1).ranks[0])
-    seconds += device.step_overhead_s + actions * device.action_overhead_s
-    return {"step_seconds": seconds, "compute_seconds": compute, "transfer_seconds": transfer,
-            "exposed_transfer_seconds": seconds - compute}
 
 
 def model_flops_utilization(flops_per_step: float, step_time_s, peak_flops_per_second: float,

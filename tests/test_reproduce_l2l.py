@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 from layerwise.reproduce import l2l
 from cost.inputs import Device
-from cost.step_time import relay_host_memory, relay_memory, relay_stage_parameters, relay_step, stage_seconds
+from cost.relay import relay_host_memory, relay_memory, relay_stage_parameters, relay_step
+from cost.step_time import stage_seconds
 from strategies.schedule import simulate
 from strategies.schedule.offload import relay_plan, transfer_cost
 

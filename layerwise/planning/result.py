@@ -3,18 +3,20 @@
 
 from cost.inputs import Workload
 from cost.memory import memory
-from cost.step_time import predict_step, relay_host_memory, relay_memory, relay_step
+from cost.relay import relay_host_memory, relay_memory, relay_step
+from cost.step_time import predict_step
 from cost.traffic import all_reduce
 from layerwise.planning.inputs import (TENSOR_ONLY, compute_bytes, device_of, shape_of, training_plan_of,
                                        workload_of)
 from layerwise.planning.pipefisher import pipefisher_plan_result
 from layerwise.planning.roles import _result_header, _role, roles
 from parallel.dims import Layout
+from strategies.buckets import bucket_bytes
 from strategies.registry import planned_as
 
 
 def relay_plan_result(cfg, world_size: int) -> dict:
-    """L2L's plan (cost/step_time.py's relay terms): one device per data replica relays the layers
+    """L2L's plan (cost/relay.py): one device per data replica relays the layers
     from its host store, and the data replicas all-reduce each stage's host gradient (`relay_step`)."""
     strategy, margin, device = cfg.strategy, cfg.plan.allocator_margin, device_of(cfg, world_size)
     weight_bytes = compute_bytes(cfg)
@@ -22,7 +24,8 @@ def relay_plan_result(cfg, world_size: int) -> dict:
                         cfg.data.global_batch_size // (world_size * strategy.micro_batches), cfg.optimizer.name,
                         False, weight_bytes)
     step = relay_step(workload, device, strategy.micro_batches, cfg.hardware.host_device_bandwidth, weight_bytes,
-                      strategy.constant_memory, overlap=strategy.prefetch, bucket_bytes=strategy.bucket_mb * 2 ** 20)
+                      strategy.constant_memory, overlap=strategy.prefetch,
+                      bucket_bytes=bucket_bytes(strategy.bucket_mb))
     device_bytes = relay_memory(workload, strategy.micro_batches, strategy.constant_memory, weight_bytes,
                                 cfg.plan.flash_attention)
     host_bytes = relay_host_memory(workload, strategy.micro_batches, strategy.constant_memory)

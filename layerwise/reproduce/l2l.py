@@ -23,7 +23,8 @@ import torch
 from layerwise.planning.inputs import device_of
 from layerwise.reproduce import Finding, Verdict
 from cost.inputs import Workload
-from cost.step_time import relay_host_memory, relay_memory, relay_stage_parameters, relay_step, stage_seconds
+from cost.relay import relay_host_memory, relay_memory, relay_stage_parameters, relay_step
+from cost.step_time import stage_seconds
 from cost.memory import stage_memory
 from cost.inputs import GptShape
 from parallel.dims import Layout

@@ -66,6 +66,7 @@ BAD_INPUTS = [
     ("hardware.peak_flops.fp32=-5e10", "hardware.peak_flops.fp32", "hardware.peak_flops.fp32=-50000000000.0 must be >= 0"),
     ("hardware.inter_node_bandwidth=-1", "hardware.inter_node_bandwidth", "must be >= 0"),
     ("plan.efficiency=0", "plan.efficiency", "plan.efficiency=0.0 must be in (0, 1]"),
+    ("hardware.relative_matmul_efficiency=0", "hardware.relative_matmul_efficiency", "must be > 0"),
     ("plan.allocator_margin=1", "plan.allocator_margin", "must be in [0, 1)"),
     ("optimizer.weight_decay=-0.1", "optimizer.weight_decay", "must be >= 0"),
     ("optimizer.beta1=1.5", "optimizer.beta1", "optimizer.beta1=1.5 must be in [0, 1)"),

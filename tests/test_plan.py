@@ -401,3 +401,8 @@ def test_a_calibrated_profile_needs_no_plan_efficiency():
     calibrated = compose_config("mode=plan", "hardware.matmul_efficiency=1.0", "plan.efficiency=0.3")
     assumed = compose_config("mode=plan", "plan.efficiency=0.3")
     assert device_of(calibrated).efficiency == 1.0 and device_of(assumed).efficiency == 0.3
+    # A spec-sheet profile's measured matmul efficiency relative to the A100's scales plan.efficiency;
+    # a calibrated one's measured rate does not take it.
+    h100 = compose_config("mode=plan", "hardware=dgx_h100", "plan.efficiency=0.5")
+    measured = compose_config("mode=plan", "hardware=dgx_h100", "hardware.matmul_efficiency=1.0")
+    assert device_of(h100).efficiency == pytest.approx(0.5 * 0.924) and device_of(measured).efficiency == 1.0

@@ -96,6 +96,11 @@ class HardwareConfig:
     # Achieved / peak FLOP/s of the matrix products known for this profile: mode=calibrate writes 1 (its
     # peak_flops is the rate it measured); null = plan.efficiency (an assumption, for spec-sheet peaks).
     matmul_efficiency: Optional[float] = None
+    # A spec-sheet profile's large-product efficiency (largest measured matmul rate ÷ peak) over the
+    # A100 SXM's, from one table (stas00/ml-engineering, compute/accelerator/README.md, "Maximum
+    # Achievable Matmul FLOPS"). plan.efficiency is fitted on A100 runs (benchmarks/plan_vs_published.py),
+    # so another device computes at peak × plan.efficiency × this. 1 = not measured (the A100's assumed).
+    relative_matmul_efficiency: float = 1.0
 
 
 @dataclass

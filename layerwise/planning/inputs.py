@@ -116,9 +116,12 @@ def device_of(cfg, world_size: int = None) -> Device:
 
 def efficiency_of(cfg) -> float:
     """Achieved / peak FLOP/s of the matrix products: the profile's own where it knows it (a calibrated
-    profile's peak is the rate mode=calibrate measured: 1), else `plan.efficiency` (assumed)."""
+    profile's peak is the rate mode=calibrate measured: 1), else `plan.efficiency` (assumed, or fitted
+    on A100 runs) × the device's measured large-product efficiency relative to the A100's."""
     known = cfg.hardware.get("matmul_efficiency")
-    return cfg.plan.efficiency if known is None else known
+    if known is not None:
+        return known
+    return cfg.plan.efficiency * cfg.hardware.get("relative_matmul_efficiency", 1.0)
 
 
 def training_plan_of(cfg):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from layerwise.planning.inputs import compute_bytes, device_of, shape_of
+from layerwise.planning.inputs import compute_bytes, device_of, efficiency_of, shape_of
 from layerwise.planning.result import plan_result
 from models.transformer import model_flops_per_token
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
@@ -297,7 +297,7 @@ def search(cfg, world: int, run_directory) -> dict:
     top = fitting[:cfg.plan.search_top]
     print(f"search: {cfg.model.name} × {cfg.hardware.name} × {world} devices, global batch "
           f"{cfg.data.global_batch_size} × {cfg.data.sequence_length} tokens: {len(rows)} valid layouts, "
-          f"{len(fitting)} fit (efficiency {cfg.plan.efficiency:.0%} assumed, not calibrated)")
+          f"{len(fitting)} fit (efficiency {efficiency_of(cfg):.0%} assumed, not calibrated)")
     print(top_table(top))
     replanned = [replan(cfg, world, row) for row in top[:cfg.plan.search_replan]]
     if replanned:

@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from layerwise.config.schema import HardwareConfig
 from layerwise.reproduce import Finding, Verdict
 from layerwise.reproduce.training_time_small import at_small_scale  # noqa: F401 (the claim's small scale)
+from layerwise.planning.inputs import efficiency_of
 from layerwise.planning.search import FAMILIES, Evaluator, layouts, point_of, role_bytes
 from cost.step_time import SIMULATED, link_bandwidth, receive_seconds, stage_seconds
 from cost.traffic import all_gather, all_reduce, local_parameters
@@ -101,7 +102,7 @@ VOCABULARY = 51200  # GPT-2's 50 257 tokens padded (Megatron-LM)
 MAXIMUM_GPUS = 2 ** 17  # the GPU counts scanned: 8, 16, …, 131 072 ("tens of thousands", and beyond)
 PATIENCE = 2  # halvings of the GPU count without a faster step before a configuration's scan stops
 # The batch "allows" a GPU count when some layout still uses at least this share of the compute rate
-# plan mode assumes (MFU ≥ floor × plan.efficiency). Without a floor the cost model, whose efficiency
+# plan mode assumes (MFU ≥ floor × plan.efficiency × the device's relative matmul efficiency). Without a floor the cost model, whose efficiency
 # does not fall with smaller micro-batches, keeps shortening the step down to one sequence per
 # replica at ever lower utilisation; the paper's analysis asks for the GPUs the batch keeps busy.
 UTILISATION_FLOOR = 0.5
@@ -187,8 +188,8 @@ def evaluated(evaluate: Evaluator, layout) -> dict:
 
 def efficient(point, row: dict) -> bool:
     """Whether a layout uses at least UTILISATION_FLOOR of the compute rate plan mode assumes: MFU /
-    plan.efficiency (bubble, exposed communication and recomputation are what it loses)."""
-    return row["mfu"] >= UTILISATION_FLOOR * point.plan.efficiency
+    the device's efficiency (bubble, exposed communication and recomputation are what it loses)."""
+    return row["mfu"] >= UTILISATION_FLOOR * efficiency_of(point)
 
 
 def fastest_per_configuration(point, gpus: int, configurations) -> dict:
@@ -473,8 +474,8 @@ def halving_verdict(rows: list) -> Verdict:
                    f"{len(finite)} model × hardware points (1.2B–1T, A100 and H100 InfiniBand): {_span(finite)}",
                    "", verdict,
                    f"plan mode's closed forms at the critical batch (Kaplan et al. 2020); the GPU count the batch "
-                   f"allows = the most GPUs a layout keeps ≥ {UTILISATION_FLOOR:.0%} busy; efficiency "
-                   f"50% of peak assumed, not calibrated")
+                   f"allows = the most GPUs a layout keeps ≥ {UTILISATION_FLOOR:.0%} busy; plan.efficiency of peak "
+                   f"assumed (× hardware.relative_matmul_efficiency on the H100), not calibrated")
 
 
 def infiniband_verdict(rows: list) -> Verdict:
@@ -580,7 +581,7 @@ def plot_panels(rows: list, value: str, ylabel: str, title: str, path: Path, ref
 def plot_training_time(rows: list, directory: Path) -> str:
     """Shortest training time (days) vs parameters, one panel per hardware, one line per configuration."""
     return plot_panels(rows, "days", "shortest training time (days)",
-                       "Shortest training time at the critical batch (plan mode, 50% of peak assumed)",
+                       "Shortest training time at the critical batch (plan mode, plan.efficiency assumed)",
                        directory / "training_time.png")
 
 

@@ -129,7 +129,9 @@ def prediction_source(cfg) -> str:
     if cfg.hardware.get("matmul_efficiency") is not None:
         return (f"plan mode, hardware={cfg.hardware.name} at its matrix products' measured rate "
                 f"(matmul_efficiency={cfg.hardware.matmul_efficiency})")
-    return (f"plan mode, hardware={cfg.hardware.name} at plan.efficiency={cfg.plan.efficiency} of its peak "
+    relative = cfg.hardware.get("relative_matmul_efficiency", 1.0)
+    scaled = f" × relative_matmul_efficiency={relative}" if relative != 1.0 else ""
+    return (f"plan mode, hardware={cfg.hardware.name} at plan.efficiency={cfg.plan.efficiency}{scaled} of its peak "
             f"(assumed, not calibrated)")
 
 

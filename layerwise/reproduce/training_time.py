@@ -102,9 +102,10 @@ VOCABULARY = 51200  # GPT-2's 50 257 tokens padded (Megatron-LM)
 MAXIMUM_GPUS = 2 ** 17  # the GPU counts scanned: 8, 16, …, 131 072 ("tens of thousands", and beyond)
 PATIENCE = 2  # halvings of the GPU count without a faster step before a configuration's scan stops
 # The batch "allows" a GPU count when some layout still uses at least this share of the compute rate
-# plan mode assumes (MFU ≥ floor × plan.efficiency × the device's relative matmul efficiency). Without a floor the cost model, whose efficiency
-# does not fall with smaller micro-batches, keeps shortening the step down to one sequence per
-# replica at ever lower utilisation; the paper's analysis asks for the GPUs the batch keeps busy.
+# plan mode assumes (MFU ≥ floor × plan.efficiency × the device's relative matmul efficiency).
+# Without a floor the cost model, whose efficiency does not fall with smaller micro-batches, keeps
+# shortening the step down to one sequence per replica at ever lower utilisation; the paper's
+# analysis asks for the GPUs the batch keeps busy.
 UTILISATION_FLOOR = 0.5
 TENSOR_GRIDS = ("none", "1d")  # Megatron's tensor parallelism inside a node, as the paper considered
 

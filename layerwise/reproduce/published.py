@@ -181,7 +181,8 @@ def predict(base, run: PublishedRun, ablate: str = None) -> dict:
     step = closed_form_step(workload, device, layout.schedule, layout.micro_batches,
                             layout.breadth_first_micro_batches)
     predicted = counted_flops(run) / (step["step_seconds"] * run.gpus) / 1e12
-    return {"run": run.name, "split": run.split, "verified": run.verified, "step_time_s": step["step_seconds"],
+    return {"run": run.name, "source": run.source, "split": run.split, "verified": run.verified,
+            "step_time_s": step["step_seconds"],
             "bubble_fraction": step["bubble_fraction"], "predicted_tflops_per_gpu": predicted,
             "published_tflops_per_gpu": run.published_throughput,
             "error": predicted / run.published_throughput - 1}
@@ -194,17 +195,17 @@ def validation_table(base, runs: list = None, ablate: str = None) -> list:
 
 def summary(rows: list) -> dict:
     """Mean, median and worst |error| and how many within ±10%, over all rows, each split and each
-    source (the name's first word: N21, M24, K22, V24)."""
+    source (N21, M24, K22, V24)."""
     def stats(selected):
         errors = [abs(row["error"]) for row in selected]
         return {"rows": len(errors), "mean": statistics.fmean(errors) if errors else float("nan"),
                 "median": statistics.median(errors) if errors else float("nan"),
                 "worst": max(errors, default=float("nan")),
                 "within": sum(error <= TOLERANCE for error in errors)}
-    sources = dict.fromkeys(row["run"].split()[0] for row in rows)
+    sources = dict.fromkeys(row["source"] for row in rows)
     return {"all": stats(rows), "tune": stats([r for r in rows if r["split"] == "tune"]),
             "holdout": stats([r for r in rows if r["split"] == "holdout"]),
-            **{source: stats([r for r in rows if r["run"].split()[0] == source]) for source in sources}}
+            **{source: stats([r for r in rows if r["source"] == source]) for source in sources}}
 
 
 def fit_efficiency(base, runs: list = None, low: float = 0.3, high: float = 1.0, steps: int = 12) -> float:

@@ -9,8 +9,9 @@ The peak of one core is the larger of two figures, so that no run can beat it:
   (`FLOPS_PER_CYCLE`, two fused multiply-add pipes of the widest vector unit, the most any x86 core
   issues; AMX's tile unit for bf16/fp16 where present) and the clock from cpufreq's maximum or, in a
   virtual machine without cpufreq, the highest `cpu MHz` in /proc/cpuinfo;
-- one thread's measured rate on a 1024³ matrix product (best of five), a lower bound on the true peak
-  that covers turbo clocks above the ones the system reports.
+- one thread's measured rate on a matrix product (best of five; 1024³, or smaller where that dtype is
+  slow on this CPU), a lower bound on the true peak that covers turbo clocks above the ones the system
+  reports.
 """
 
 import functools
@@ -54,26 +55,40 @@ def isa_core_flops(flags: set, hertz: float, dtype: str) -> float:
     return fp32
 
 
-def measured_core_flops(dtype: str, repeats: int = 5) -> float:
-    """One thread's best rate on a matrix product in `dtype` (3 significant digits): 1024³, or 256³ in
-    fp16, which a CPU without AVX-512 FP16 computes ~100× slower (1 GFLOP/s measured on an EPYC)."""
+def measured_core_flops(dtype: str, repeats: int = 5, budget_s: float = 0.05) -> float:
+    """One thread's best rate on a square matrix product in `dtype` (3 significant digits).
+
+    The side is the largest of 256, 512 and 1024 whose product a 256³ trial predicts to take at most
+    `budget_s`. Why: every `python train.py` on the cpu profile runs this probe, and a CPU without
+    bf16/fp16 vector units computes those products ~100× slower than fp32 (an AVX2-only EPYC: 1024³ in
+    bf16 took 7 s per product, so 14.6 s of every run's start-up). The rate is a lower bound on the
+    peak either way (core_peak_flops takes the larger of it and the instruction set's bound)."""
     import torch
 
-    size = 256 if dtype == "fp16" else 1024
     kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        a, b = torch.randn(size, size).to(kind), torch.randn(size, size).to(kind)  # host: the probe times this CPU
-        a @ b  # warm-up: the first product pays for page faults and kernel selection
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
+        trial = _best_product_time(256, kind, repeats=1)  # also the warm-up: page faults, kernel choice
+        size = max((s for s in (256, 512, 1024) if trial * (s / 256) ** 3 <= budget_s), default=256)
+        best = _best_product_time(size, kind, repeats)
     finally:
         torch.set_num_threads(threads)
     return float(f"{2 * size ** 3 / best:.3g}")
+
+
+def _best_product_time(size: int, kind, repeats: int) -> float:
+    """The shortest of `repeats` timings of one size³ product (after one untimed product)."""
+    import torch
+
+    a, b = torch.randn(size, size).to(kind), torch.randn(size, size).to(kind)  # host: the probe times this CPU
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 @functools.lru_cache(maxsize=None)

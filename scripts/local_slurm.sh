@@ -148,6 +148,11 @@ do_start() {
     sacctmgr -i -Q add cluster layerwise >/dev/null 2>&1 || true
     alive "$STATE/run/slurmctld.pid" || slurmctld
     wait_for 30 slurmctld scontrol ping
+    # A job of an earlier run that was stopped mid-test is still in the saved state and would hold the
+    # nodes (they never turn idle): this cluster is ours (the marker), so cancel what it left.
+    local leftover
+    leftover=$(squeue -h -o %i | tr '\n' ' ')
+    [ -z "${leftover// /}" ] || { say "cancelling jobs left from an earlier run: $leftover"; scancel $leftover; }
     for node in "${NODES[@]}"; do
         alive "$STATE/run/slurmd-$node.pid" || slurmd -N "$node"
     done

@@ -77,7 +77,8 @@ def local_slurm():
     result = subprocess.run([str(script), "up"], capture_output=True, text=True, timeout=600)
     if result.returncode == 2:
         pytest.skip(f"local Slurm cannot start here: {result.stderr.strip().splitlines()[-1]}")
-    if result.returncode != 0:
+    if result.returncode != 0:  # stop what did start: no daemon outlives the suite
+        subprocess.run([str(script), "stop"], capture_output=True, text=True, timeout=120)
         pytest.fail(f"scripts/local_slurm.sh up failed ({result.returncode}):\n{result.stderr[-3000:]}")
     try:
         yield "started"

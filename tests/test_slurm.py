@@ -208,14 +208,17 @@ def test_sweep_points_share_one_wandb_group(two_node_sweep):
 
 
 def job_of(sweep: Path, point: int) -> str:
-    """The Slurm job (array task) of a sweep's point, once submitit has made its folder."""
-    return next((p.name for p in (sweep / ".submitit").iterdir() if p.name.endswith(f"_{point}")), None)
+    """The Slurm job of a sweep's point, once submitit has made its folder: an array task
+    (`JOB_POINT`), or the sweep's one plain job when it has one point."""
+    folders = [p.name for p in (sweep / ".submitit").iterdir()] if (sweep / ".submitit").exists() else []
+    return next((f for f in folders if f.endswith(f"_{point}") or (point == 0 and f.isdigit())), None)
 
 
 def rank_process(job: str, rank: int) -> int:
-    """The pid of one Slurm task of an array job on this host (its environment names it)."""
-    array, task = job.split("_")
-    wanted = {f"SLURM_ARRAY_JOB_ID={array}", f"SLURM_ARRAY_TASK_ID={task}", f"SLURM_PROCID={rank}"}
+    """The pid of one Slurm task of a job (or array task) on this host (its environment names it)."""
+    array, _, task = job.partition("_")
+    wanted = ({f"SLURM_ARRAY_JOB_ID={array}", f"SLURM_ARRAY_TASK_ID={task}"} if task else {f"SLURM_JOB_ID={array}"}) \
+        | {f"SLURM_PROCID={rank}"}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -231,23 +234,29 @@ def rank_process(job: str, rank: int) -> int:
 
 @pytest.mark.slurm
 def test_preempted_job_resumes_identically_and_a_killed_rank_ends_only_its_job(two_node_sweep, tmp_path):
-    """One sweep of two concurrent jobs (one cluster start-up for both faults): the ddp point is
-    preempted (USR2), checkpoints, is requeued and resumes to the uninterrupted run's losses; rank 3
-    of the pipeline point is SIGKILLed, and its job ends within a minute, named as that rank's."""
+    """Two sweeps at once (one cluster start-up for both faults): the ddp point is preempted (USR2),
+    checkpoints, is requeued and resumes to the uninterrupted run's losses; rank 3 of the pipeline
+    point is SIGKILLed, and its job ends within a minute, named as that rank's. The pipeline sweep is
+    its own, with steps it never reaches: in one sweep of 16 steps each, it once finished training
+    before the kill landed (the kill then hit its teardown, after summary.json said `completed`)."""
     reference = summary(points(two_node_sweep[0])[0])  # the first sweep's ddp point, uninterrupted
-    sweep = tmp_path / "sweep"
-    process = start_train_py("-m", "strategy=ddp,modular_pipeline", "hydra/launcher=slurm", *COMMON,
+    sweep, victim_sweep = tmp_path / "sweep", tmp_path / "victim"
+    process = start_train_py("-m", "strategy=ddp", "hydra/launcher=slurm", *COMMON,
                              f"hydra.sweep.dir={sweep}", log=tmp_path / "sweep.log")
+    victim_process = start_train_py("-m", "strategy=modular_pipeline", "hydra/launcher=slurm",
+                                    *(o for o in COMMON if not o.startswith("trainer.max_steps=")),
+                                    "trainer.max_steps=100000",
+                                    f"hydra.sweep.dir={victim_sweep}", log=tmp_path / "victim.log")
     try:
-        preempted, victim = wait_for(lambda: len(points(sweep)) == 2 and points(sweep) if sweep.exists() else None,
-                                     120, "the run directories")
-        # each fault as soon as its own job has trained two steps (16 steps take seconds here)
-        wait_for(lambda: metric_rows(preempted) >= 2, 150, "two training steps of the ddp point")
+        (preempted,) = wait_for(lambda: sweep.exists() and points(sweep), 120, "the ddp run directory")
+        (victim,) = wait_for(lambda: victim_sweep.exists() and points(victim_sweep), 120, "the pipeline run directory")
+        # as soon as the ddp job has trained two steps (its 16 steps take about a second here)
+        wait_for(lambda: metric_rows(preempted) >= 2, 150, "two training steps of the ddp point", poll=0.1)
         job = wait_for(lambda: job_of(sweep, 0), 10, "the ddp job's folder")
         signalled = time.monotonic()
         subprocess.run(["scancel", "--signal=USR2", job], check=True)
         wait_for(lambda: metric_rows(victim) >= 2, 150, "two training steps of the pipeline point")
-        victim_job = wait_for(lambda: job_of(sweep, 1), 10, "the pipeline job's folder")
+        victim_job = wait_for(lambda: job_of(victim_sweep, 0), 10, "the pipeline job's folder")
         os.kill(wait_for(lambda: rank_process(victim_job, 3), 10, "rank 3's process"), 9)
         killed = time.monotonic()
         wait_for(lambda: (states := sacct_states(victim_job)) and states[-1] not in ("RUNNING", "PENDING"),
@@ -256,21 +265,28 @@ def test_preempted_job_resumes_identically_and_a_killed_rank_ends_only_its_job(t
         wait_for(lambda: "REQUEUED" in sacct_states(job), 60, "the requeue")
         requeued = time.monotonic() - signalled
         process.wait(timeout=240)
+        victim_process.wait(timeout=60)
     finally:
-        if process.poll() is None:
-            process.kill()
-    output = (tmp_path / "sweep.log").read_text()
+        for handle in (process, victim_process):
+            if handle.poll() is None:
+                handle.kill()
+        for folder in (sweep, victim_sweep):  # no job outlives a failed test (the fixture stops slurmctld)
+            if (folder / ".submitit").exists():
+                jobs = {p.name.split("_")[0] for p in (folder / ".submitit").iterdir() if p.name[0].isdigit()}
+                subprocess.run(["scancel", *jobs], capture_output=True)
+    output = (tmp_path / "victim.log").read_text()
     log = "".join(p.read_text() for p in (sweep / ".submitit" / job).glob("*_0_log.out"))
     preempted_at = int(re.search(r"preempted: checkpoint at step (\d+)", log).group(1))
     print(f"preempted at step {preempted_at}, requeued {requeued:.1f} s after the signal; rank 3 SIGKILLed: "
           f"job {victim_job} ended {ended:.1f} s later ({sacct_states(victim_job)[-1]})")
-    # the killed rank: its job ends quickly, the sweep names it and fails, the other point completes
+    # the killed rank: its job ends quickly, its sweep names it and fails; the other sweep completes
     assert ended < 60
-    assert process.returncode != 0, "the sweep reports the failed point"
-    assert "1 of 2 points completed" in output
-    assert re.search(r"#1 strategy=modular_pipeline .*: failed .*rank 3: Killed", output), output[-3000:]
+    assert victim_process.returncode != 0, "the sweep reports the failed point"
+    assert "0 of 1 points completed" in output
+    assert re.search(r"#0 strategy=modular_pipeline .*: failed .*rank 3: Killed", output), output[-3000:]
     failed = summary(victim)
     assert failed["status"] == "failed" and failed["failed_rank"] == 3
+    assert process.returncode == 0 and "1 of 1 points completed" in (tmp_path / "sweep.log").read_text()
     # the preempted job: requeued once, resumed from its checkpoint to the uninterrupted losses
     assert 1 <= preempted_at < STEPS
     assert "resuming from" in log and log.count("Starting with JobEnvironment") == 2

@@ -207,11 +207,15 @@ def test_sweep_points_share_one_wandb_group(two_node_sweep):
         assert (point / "wandb_run_id").read_text().strip() in run.name
 
 
+def submitted(sweep: Path) -> list:
+    """The jobs submitit has made folders for: array tasks `JOB_POINT`, or a one-point sweep's `JOB`."""
+    folder = sweep / ".submitit"
+    return [p.name for p in folder.iterdir() if p.name[0].isdigit()] if folder.exists() else []
+
+
 def job_of(sweep: Path, point: int) -> str:
-    """The Slurm job of a sweep's point, once submitit has made its folder: an array task
-    (`JOB_POINT`), or the sweep's one plain job when it has one point."""
-    folders = [p.name for p in (sweep / ".submitit").iterdir()] if (sweep / ".submitit").exists() else []
-    return next((f for f in folders if f.endswith(f"_{point}") or (point == 0 and f.isdigit())), None)
+    """The Slurm job of a sweep's point, once submitit has made its folder."""
+    return next((f for f in submitted(sweep) if f.endswith(f"_{point}") or (point == 0 and f.isdigit())), None)
 
 
 def rank_process(job: str, rank: int) -> int:
@@ -270,10 +274,9 @@ def test_preempted_job_resumes_identically_and_a_killed_rank_ends_only_its_job(t
         for handle in (process, victim_process):
             if handle.poll() is None:
                 handle.kill()
-        for folder in (sweep, victim_sweep):  # no job outlives a failed test (the fixture stops slurmctld)
-            if (folder / ".submitit").exists():
-                jobs = {p.name.split("_")[0] for p in (folder / ".submitit").iterdir() if p.name[0].isdigit()}
-                subprocess.run(["scancel", *jobs], capture_output=True)
+        jobs = {name.split("_")[0] for folder in (sweep, victim_sweep) for name in submitted(folder)}
+        if jobs:  # no job outlives a failed test (the fixture stops slurmctld under it)
+            subprocess.run(["scancel", *jobs], capture_output=True)
     output = (tmp_path / "victim.log").read_text()
     log = "".join(p.read_text() for p in (sweep / ".submitit" / job).glob("*_0_log.out"))
     preempted_at = int(re.search(r"preempted: checkpoint at step (\d+)", log).group(1))

@@ -279,7 +279,7 @@ class SgdRun:
 
     def __init__(self, directory, *overrides, initial=False, steps=SGD_STEPS):
         cfg = compose_config(*QUICK, *SGD_MODEL, *SGD_OVERRIDES, f"trainer.max_steps={steps}", *overrides)
-        self.learning_rate = float(cfg.optimizer.lr)
+        self.cfg, self.learning_rate = cfg, float(cfg.optimizer.lr)
         self.strategy = cfg.strategy.name
         self.summary = train_saving_steps(cfg, directory, range(steps + 1) if initial else (1,))
         assert self.summary["status"] == "completed", self.summary.get("error")

@@ -17,7 +17,7 @@ from strategies.schedule import flop_cost, simulate
 from tests.ranks import QUICK, compose_config
 from tests.references import consolidated_parameters
 
-STEPS = 3
+STEPS = 2  # the second step replays new dropout masks on updated weights and AdamW moments
 # Ids: dp2 two data replicas, pp2 two pipeline stages, q2 a tensor grid of edge 2 (1-D: 2 ranks,
 # 2-D: 4, 3-D: 8; the last case is a 2-D grid inside each of 2 pipeline stages).
 CASES = {

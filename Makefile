@@ -20,8 +20,10 @@ install: $(STAMP)
 run: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/python train.py $(ARGS)
 
+# Two pytest-xdist workers, a test file each at a time (a module's fixtures, such as the Slurm sweep,
+# are made once), each computing on one thread (tests/conftest.py; the time is in README.md).
 test: $(STAMP)
-	WANDB_MODE=disabled $(BIN)/python -m pytest -q --durations=30 $(ARGS)
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30 $(ARGS)
 
 check: $(STAMP)
 	$(BIN)/python train.py mode=check $(ARGS)

@@ -24,7 +24,7 @@ from tests.references import (KFAC_SGD, LLAMA, SGD_CASES, SgdComparison, compare
                               sgd_reference, tracing_optimizer)
 from tests.tolerances import EXACT_RTOL, OptimizerTrace, assert_same_losses, assert_same_parameters
 
-STEPS = 3  # AdamW's moments over 3 steps; a 16-rank step here takes 2–5 s (gloo on 2 cores)
+STEPS = 3  # AdamW's moments over 3 steps; an 8-rank step here takes about 0.75 s (gloo on 2 cores)
 MODEL = ["model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batches=0",
          f"trainer.val_check_interval={STEPS}", f"trainer.max_steps={STEPS}"]
 CASES = ["modular_pipeline_pp2_p2_m4", "modular_pipeline_pp2_v2_2d_q2_m4", "zero_layered_pp2_p2_dp2_m4"]
@@ -74,13 +74,13 @@ def test_composed_layout_equals_single_and_moves_the_sum_of_its_parts(case, refe
     overrides, world, _ = SGD_CASES[case]
     cfg, summary = run(tmp_path, *overrides)
     assert summary["status"] == "completed" and summary["world_size"] == world
-    assert summary["layout"]["order"] == ["tensor", "pipeline", "data"]
     assert_same_losses(summary["losses"], expected["losses"])
     assert_same_parameters(consolidated_parameters(tmp_path, cfg.strategy.name), expected_parameters, trace)
     assert_counted_bytes_are_the_sum_of_parts(case, cfg, summary, expected_parameters)
 
 
 def assert_counted_bytes_are_the_sum_of_parts(case, cfg, summary, parameters) -> None:
+    assert summary["layout"]["order"] == ["tensor", "pipeline", "data"]
     vocabulary = parameters["model.head.output.weight"].shape[0]
     predicted, counted = formula_bytes(cfg, summary, vocabulary), summary["comm_bytes_per_step"]
     print(f"{case}: counted {counted}\n  formula {predicted}")
@@ -97,7 +97,6 @@ def test_composed_layout_equals_single_under_sgd(case, tmp_path, tmp_path_factor
     comparison.check()
     if case in SIXTEEN_RANKS:
         actual = comparison.actual
-        assert actual.summary["layout"]["order"] == ["tensor", "pipeline", "data"]
         assert_counted_bytes_are_the_sum_of_parts(case, actual.cfg, actual.summary, actual.last)
 
 

@@ -64,15 +64,16 @@ def outcome(function, overrides: list) -> str:
 
 def test_cached_compose_equals_hydras_own():
     """store.compose keeps Hydra's first phase (the defaults tree) per group choices and applies the
-    value overrides itself: over documented commands, group choices, value, add, delete, dict and bad overrides,
-    config and errors are Hydra's own, and the cache does not leak one compose's values into the next
+    value overrides itself: over documented commands, group choices, value, add, delete, dict and bad
+    overrides, config and errors are Hydra's own, and the cache does not leak one compose's values into the next
     (each case costs two of Hydra's composes, 0.3 s: the documented commands with the most overrides)."""
     from layerwise.config.store import compose, hydra_compose_uncached
-    cases = documented_overrides(12) + [["strategy=l2l", "strategy.grow_at=[2]", "+model.extra=1", "~trainer.max_steps"],
-              ["strategy=zero_layered", "strategy={name:zero_layered,pipeline_degree:2,micro_batches:3}"],
-              ["model.nonexistent=1"], ["strategy.micro_batches=abc"], ["+strategy.micro_batches=3"],
-              ["strategy=nonexistent"], ["model.layers=1,2"], ["hydra/launcher=slurm", "hydra.launcher.mem_gb=6"],
-              ["model.layers=7"], ["model.layers=7", "model.layers=9"], []]
+    cases = documented_overrides(12) + [
+        ["strategy=l2l", "strategy.grow_at=[2]", "+model.extra=1", "~trainer.max_steps"],
+        ["strategy=zero_layered", "strategy={name:zero_layered,pipeline_degree:2,micro_batches:3}"],
+        ["model.nonexistent=1"], ["strategy.micro_batches=abc"], ["+strategy.micro_batches=3"],
+        ["strategy=nonexistent"], ["model.layers=1,2"], ["hydra/launcher=slurm", "hydra.launcher.mem_gb=6"],
+        ["model.layers=7"], ["model.layers=7", "model.layers=9"], []]
     for overrides in cases:
         assert outcome(compose, overrides) == outcome(hydra_compose_uncached, overrides), overrides
     assert compose(["model.layers=7"]).model.layers == 7 and compose([]).model.layers != 7

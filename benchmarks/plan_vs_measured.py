@@ -182,7 +182,7 @@ def main() -> None:
     parser.add_argument("--time", action="store_true", help="step times with hardware=calibrated (see above)")
     parser.add_argument("--repeats", type=int, default=3, help="--time: measured passes per configuration")
     parser.add_argument("--recalibrate", action=argparse.BooleanOptionalAction, default=True,
-                        help="--time: run mode=calibrate before each pass (~25 s; else the profile on disk)")
+                        help="--time: run mode=calibrate before each pass (~70 s; else the profile on disk)")
     arguments = parser.parse_args()
     if arguments.time:
         return time_table(max(arguments.steps, 12), arguments.only, arguments.repeats, arguments.recalibrate)

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from layerwise.tools.calibrate import calibrate, fit_fixed_plus_rate, median_seconds, worst_residual
+from layerwise.tools.calibrate import (STABLE, calibrate, fit_fixed_plus_rate, mean_until_stable, median_seconds,
+                                      relative_error, worst_residual)
 from layerwise.preflight import validate
 from tests.ranks import compose_config
 
@@ -42,6 +43,32 @@ def test_a_sample_repeats_short_work_until_it_lasts_the_sample_time():
     assert len(calls) == 4
 
 
+def test_relative_error_is_the_batch_means_standard_error_over_their_mean():
+    # batch means 1, 2, 3: sd 1, standard error 1/√3, mean 2; the worst of the components is kept
+    assert relative_error([[1.0, 5.0], [2.0, 5.0], [3.0, 5.0]]) == pytest.approx(1 / 3 ** 0.5 / 2)
+    assert relative_error([[1.0]]) == float("inf")
+
+
+def test_sampling_stops_when_the_mean_is_stable_and_not_before():
+    """A steady value stops at `min_batches`; a value whose batch means keep their spread runs to
+    `max_batches`; a spread that settles stops once the standard error reaches STABLE."""
+    steady = mean_until_stable(lambda: [2.0], batch=3, min_batches=4, max_batches=50, budget_s=60)
+    assert steady == {"mean": [2.0], "relative_error": 0.0, "samples": 12}
+    values = iter([1.0, 3.0] * 100)  # batch means 1, 3, 1, 3, ...: ±50% per batch
+    noisy = mean_until_stable(lambda: [next(values)], batch=1, min_batches=3, max_batches=8, budget_s=60)
+    assert noisy["samples"] == 8 and noisy["mean"] == [2.0] and noisy["relative_error"] > STABLE
+    # the error falls as 1/√batches: 1, 3 alternating then only 2s, stopping where it first is ≤ STABLE
+    settling = iter([1.0, 3.0] + [2.0] * 1000)
+    settled = mean_until_stable(lambda: [next(settling)], batch=1, min_batches=2, max_batches=1000, budget_s=60)
+    n = settled["samples"]
+    assert relative_error([[1.0], [3.0]] + [[2.0]] * (n - 2)) <= STABLE < relative_error([[1.0], [3.0]] + [[2.0]] * (n - 3))
+    # every rank of a collective takes rank 0's decision: `agree` overrides this rank's own
+    decisions = iter([False, False, True])
+    agreed = mean_until_stable(lambda: [2.0], batch=1, min_batches=1, max_batches=50, budget_s=60,
+                               agree=lambda done: next(decisions))
+    assert agreed["samples"] == 3
+
+
 def test_quick_calibration_writes_a_profile_that_composes(tmp_path):
     directory = tmp_path / "hardware"
     cfg = compose_config("mode=calibrate", "calibrate.quick=true", "calibrate.silent=true",
@@ -57,12 +84,15 @@ def test_quick_calibration_writes_a_profile_that_composes(tmp_path):
     assert profile["intra_node_bandwidth"] == pytest.approx(bandwidth)  # 2(n-1)/n = 1 at n = 2
     assert profile["collective_latency_s"] == pytest.approx(latency)
     assert all(r[1] > 0 and r[2] > 0 for r in reduce_rows)  # both all-reduce and round trip were timed
+    # each size sampled in batches of 20 until stable (at least max(3, repeats) batches), its error kept
+    assert all(r[4] >= 60 and r[4] % 20 == 0 and r[3] > 0 for r in reduce_rows)
     one_way = fit_fixed_plus_rate([r[0] for r in reduce_rows], [r[2] / 2 for r in reduce_rows])[0]
     assert profile["point_to_point_latency_s"] == pytest.approx(max(one_way, 1e-6))
     blocks = measured["blocks"]["rows"]  # (elements, seconds of non-product work per block forward)
     fixed, rate = fit_fixed_plus_rate([r[0] for r in blocks], [r[1] for r in blocks])
     assert profile["block_overhead_s"] == pytest.approx(fixed)
     assert profile["activation_seconds_per_element"] == pytest.approx(1 / rate) and rate > 0
+    assert measured["blocks"]["rounds"] >= 2 and measured["framework"]["runs"] >= 2  # rounds until stable
     steps = measured["optimizer"]["rows"]  # (parameters, seconds of one optimizer step)
     assert profile["optimizer_seconds_per_parameter"] == pytest.approx(1 / fit_fixed_plus_rate(
         [r[0] for r in steps], [r[1] for r in steps])[1])

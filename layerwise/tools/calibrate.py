@@ -2,18 +2,21 @@
 
     python train.py mode=calibrate [calibrate.name=calibrated calibrate.directory=conf/hardware]
 
-Three measurements, each fitted with the α–β model plan mode uses (time = fixed cost + work / rate):
+Five measurements, each fitted with the α–β model plan mode uses (time = fixed cost + work / rate):
 1. matrix products: square fp32 (and bf16) products of edge 128 … 1024 in ONE thread, as every
    rank runs: time = `matmul_overhead_s` + 2n³ / `peak_flops` (least squares on relative error);
 2. collectives: gloo all-reduce between `calibrate.world_sizes` forked ranks at 4 KB … 16 MB, each
-   after a few ms of products as runs issue them (`between_compute`):
+   after a few ms of products as runs issue them (`after_compute`), sampled until the mean is stable:
    time = `collective_latency_s` + 2(n−1)/n · bytes / `intra_node_bandwidth` (ring all-reduce's
    bytes per rank), and send/recv pairs: time = latency + bytes / bandwidth;
 3. host copies (`copy_` between two buffers, 1 … 64 MB): `host_device_bandwidth`;
 4. the model group's own block (default gpt_tiny), forward and backward at 1 … 8 sequences: what the
    products above do not explain, per forward (÷ 3), is `block_overhead_s` + activation elements ×
    `activation_seconds_per_element` (norms, softmax, GELU, dropout, additions; on a CPU their dispatch);
-   and the configured optimizer's step over 1 … 8 blocks: `optimizer_seconds_per_parameter`.
+   rounds of forked ranks until the block time's mean is stable; and the configured optimizer's step
+   over 1 … 8 blocks: `optimizer_seconds_per_parameter`;
+5. two tiny runs (`single`, 1F1B p2), run until their mean step is stable: the framework's own cost
+   per step and per action.
 The profile (`<directory>/<name>.yaml`, a `hardware=` option) keeps cpu.yaml's other fields;
 `<name>.calibration.json` beside it holds every measurement and each fit's worst residual.
 """
@@ -52,24 +55,70 @@ QUICK_COPY_BYTES = (1 << 20, 4 << 20)
 SAMPLE_S = 0.02
 
 
+def calls_per_sample(work, sample_s: float) -> int:
+    """How many calls of `work()` make a sample of at least `sample_s` (1 when 0), after one warm-up
+    call and set from one timed call."""
+    work()
+    if not sample_s:
+        return 1
+    start = time.perf_counter()
+    work()
+    return max(1, math.ceil(sample_s / max(time.perf_counter() - start, 1e-7)))
+
+
+def seconds_per_call(work, calls: int) -> float:
+    """One timed sample: `calls` calls of `work()`, seconds per call."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        work()
+    return (time.perf_counter() - start) / calls
+
+
 def median_seconds(work, repeats: int, statistic=statistics.median, sample_s: float = 0.0) -> float:
     """The median (or `statistic`, e.g. min on a shared machine) seconds per call of `work()` over
     `repeats` samples after one warm-up call; a sample repeats the call until it lasts `sample_s`
     (the count is set once from one timed call, so every rank of a collective could not agree on
     it: collectives keep `sample_s` 0, one call per sample)."""
-    work()
-    calls = 1
-    if sample_s:
-        start = time.perf_counter()
-        work()
-        calls = max(1, math.ceil(sample_s / max(time.perf_counter() - start, 1e-7)))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            work()
-        times.append((time.perf_counter() - start) / calls)
-    return statistic(times)
+    calls = calls_per_sample(work, sample_s)
+    return statistic([seconds_per_call(work, calls) for _ in range(repeats)])
+
+
+# A term priced by its mean over a step's many calls (a collective's wait, a block's time, a tiny run's
+# step) is sampled until that mean is stable: on this 2-core machine a fixed number of samples is a draw
+# from a wide distribution. Three calibrations in a row read gloo's all-reduce after compute as 3.91,
+# 2.64 and 2.27 ms at 4 KB, a block's non-product rate as 361, 470 and 860 M elements/s, and the
+# collective-bound layouts' predictions moved 28-75% with them while their runs moved at most 17%
+# (docs/plan.md, "Why, measured"). 1,000 all-reduces of 4 KB after compute here: mean 2.26 ms, sd 2.36,
+# tail to 16 ms, and means of 100 consecutive ones 1.58-2.79 ms (consecutive samples are correlated: a
+# late-waking thread stays late a while), so the error is taken over batch means, not samples.
+STABLE = 0.03  # stop when the batch means' standard error is this fraction of their mean
+
+
+def relative_error(means: list) -> float:
+    """The largest standard error of the mean ÷ mean over the components of `means` (one list of
+    values per batch); infinite with fewer than 2 batches."""
+    if len(means) < 2:
+        return math.inf
+    return max(statistics.stdev(column) / math.sqrt(len(column)) / max(abs(statistics.fmean(column)), 1e-12)
+               for column in zip(*means))
+
+
+def mean_until_stable(sample, batch: int, min_batches: int, max_batches: int, budget_s: float,
+                      agree=bool) -> dict:
+    """{"mean": [...], "relative_error", "samples"} of `sample()` (a list of seconds) drawn `batch` at a
+    time until the batch means' `relative_error` is at most STABLE (after `min_batches`), or
+    `max_batches` or `budget_s` seconds are spent (the error then says how far it got).
+    `agree(done)` gives every rank of a collective the same decision (`rank_zero_decides`)."""
+    means, start = [], time.perf_counter()
+    while True:
+        values = [sample() for _ in range(batch)]
+        means.append([statistics.fmean(column) for column in zip(*values)])
+        error = relative_error(means)
+        done = len(means) >= max_batches or time.perf_counter() - start >= budget_s or \
+            (len(means) >= min_batches and error <= STABLE)
+        if agree(done):
+            return {"mean": [statistics.fmean(column) for column in zip(*means)], "relative_error": error,
+                    "samples": batch * len(means)}
 
 
 FLOOR_S = 1e-7  # a measured difference noise made ≤ 0 is clamped here (and left out of the fits)
@@ -111,10 +160,17 @@ def fitted(work: list, seconds: list) -> tuple:
 
 # ----- 1. matrix products
 
+# A CPU without bf16 units (AVX2 here: 1.7 GFLOP/s in bf16) takes ~1.3 s per 1024³ product; once three
+# edges are measured and a call takes this long, the larger edges are skipped (24 s of a 48 s calibration).
+SLOW_CALL_S = 0.05
+
+
 def measure_matmuls(dtype: torch.dtype, edges, repeats: int) -> list:
     """[(edge, FLOPs, seconds)] of one square product per edge, in one thread."""
     rows = []
     for edge in edges:
+        if len(rows) >= 3 and rows[-1][2] > SLOW_CALL_S:  # the rate is known: larger edges would take minutes
+            break
         # The products run on this machine's CPU, where every rank of hardware=cpu computes.
         a = torch.randn(edge, edge, dtype=dtype)  # host: the CPU being timed
         b = torch.randn(edge, edge, dtype=dtype)  # host: the CPU being timed
@@ -124,32 +180,43 @@ def measure_matmuls(dtype: torch.dtype, edges, repeats: int) -> list:
 
 # ----- 2. collectives between forked ranks
 
-def _collective_rank(rank: int, world: int, sizes, repeats: int) -> list:
-    """One rank's timings (the launcher set the rendezvous and one thread, as for every run)."""
+def _collective_rank(rank: int, world: int, sizes, repeats: int, budget_s: float) -> list:
+    """One rank's timings (the launcher set the rendezvous and one thread, as for every run):
+    (bytes, all-reduce seconds after compute, round-trip seconds or None, the mean's relative error,
+    samples)."""
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    matrix = torch.randn(384, 384)  # host: the CPU being timed
     rows = []
     for size in sizes:
         buffer = torch.zeros(size // 4)  # host: gloo all-reduces host tensors
         dist.barrier()
-        reduce_seconds = between_compute(lambda: dist.all_reduce(buffer), 20 * repeats)  # bimodal: many samples
+        reduce = mean_until_stable(lambda: [after_compute(matrix, lambda: dist.all_reduce(buffer))], batch=20,
+                                   min_batches=max(3, repeats), max_batches=200, budget_s=budget_s,
+                                   agree=rank_zero_decides)
         dist.barrier()
         pair_seconds = median_seconds(lambda: _send_receive(buffer, rank), repeats) if world == 2 else None
-        rows.append((size, reduce_seconds, pair_seconds))
+        rows.append((size, reduce["mean"][0], pair_seconds, reduce["relative_error"], reduce["samples"]))
     return rows
 
 
-def between_compute(collective, repeats: int) -> float:
-    """Mean seconds a collective adds after ~2 ms of matrix products, as a run issues them: back to
+def after_compute(matrix: torch.Tensor, collective) -> float:
+    """Seconds of one collective issued after ~3 ms of matrix products, as a run issues them: back to
     back, gloo here is bimodal (~0.4 ms, or 3–5 ms when a waiting thread wakes late); after compute
-    it costs ~2 ms even for 4 KB, which is what a tensor-parallel block pays. The mean, since a step
-    pays the sum of many."""
-    matrix = torch.randn(384, 384)  # host: the CPU being timed
+    it costs ~2 ms even for 4 KB, which is what a tensor-parallel block pays. The products are not
+    timed: the peer's products still running are part of the wait, as in a run."""
+    torch.mm(matrix, matrix)
+    torch.mm(matrix, matrix)
+    start = time.perf_counter()
+    collective()
+    return time.perf_counter() - start
 
-    def compute() -> None:
-        for _ in range(2):
-            torch.mm(matrix, matrix)
-    alone = median_seconds(compute, repeats, statistics.mean)
-    return max(median_seconds(lambda: (compute(), collective()), repeats, statistics.mean) - alone, FLOOR_S)
+
+def rank_zero_decides(done: bool) -> bool:
+    """Rank 0's `done`, on every rank (a broadcast outside the timed calls): every rank of a collective
+    must make the same number of calls."""
+    flag = torch.tensor([float(done)])  # host: gloo
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
 
 
 def _send_receive(buffer: torch.Tensor, rank: int) -> None:
@@ -162,10 +229,11 @@ def _send_receive(buffer: torch.Tensor, rank: int) -> None:
         dist.send(buffer, 0)
 
 
-def measure_collectives(world: int, sizes, repeats: int) -> list:
-    """[(bytes, all-reduce seconds, round-trip seconds or None)] measured by rank 0 of `world`
-    gloo ranks forked by the run's own launcher (which leaves no rank behind)."""
-    return run_ranks(_collective_rank, world, world, sizes, repeats, timeout=600)[0]
+def measure_collectives(world: int, sizes, repeats: int, budget_s: float) -> list:
+    """[(bytes, all-reduce seconds, round-trip seconds or None, relative error, samples)] measured by
+    rank 0 of `world` gloo ranks forked by the run's own launcher (which leaves no rank behind); each
+    size sampled until its mean is stable or `budget_s` is spent."""
+    return run_ranks(_collective_rank, world, world, sizes, repeats, budget_s, timeout=600)[0]
 
 
 # ----- 3. host copies
@@ -189,26 +257,36 @@ def model_blocks(cfg, count: int) -> list:
             for index in range(count)]
 
 
-def block_rows(cfg, products: dict, rows_per_micro_batch, repeats: int, blocks: int = 2) -> list:
-    """[(activation elements, seconds)] of a stage of `blocks` of the model's blocks (a stage, so caches
-    hold what they hold between blocks in a run): (forward + backward − the products' modelled time)
-    / 3 / blocks, the backward charged 2× like the products (cost/step_time.py)."""
-    from cost.step_time import PRODUCTS_PER_BLOCK, forward_flops
-    from cost.inputs import Workload
-    from cost.memory import block_saved_bytes
+def block_seconds(cfg, rows_per_micro_batch, repeats: int, blocks: int = 2) -> list:
+    """[(rows, seconds)] of a stage of `blocks` of the model's blocks (a stage, so caches hold what they
+    hold between blocks in a run), forward + backward of a micro-batch of `rows` sequences, ÷ 3 ÷
+    `blocks`: a block forward's share, the backward charged 2× like the products (cost/step_time.py)."""
     model, length = cfg.model, min(cfg.data.sequence_length, cfg.model.max_sequence_length)
     stage = torch.nn.Sequential(*model_blocks(cfg, blocks))
     measured = []
     for rows in rows_per_micro_batch:
+        x = torch.randn(rows, length, model.hidden, requires_grad=True)  # host: the CPU being timed
+        seconds = median_seconds(lambda: stage.train()(x).sum().backward(), repeats, sample_s=SAMPLE_S)
+        measured.append((rows, seconds / 3 / blocks))
+    return measured
+
+
+def block_rows(cfg, products: dict, measured: list) -> list:
+    """[(activation elements, seconds)]: each `block_seconds` row less its products' modelled time
+    (at the calibrated rate and fixed cost), against the elements a block saves as priced."""
+    from cost.step_time import PRODUCTS_PER_BLOCK, forward_flops
+    from cost.inputs import Workload
+    from cost.memory import block_saved_bytes
+    model, length = cfg.model, min(cfg.data.sequence_length, cfg.model.max_sequence_length)
+    priced = []
+    for rows, seconds in measured:
         workload = Workload(GptShape(model.hidden, model.mlp_ratio, 1, length, length), 1, model.heads,
                             Layout(1, 1), 1, rows)
-        x = torch.randn(rows, length, model.hidden, requires_grad=True)  # host: the CPU being timed
-        seconds = median_seconds(lambda: stage.train()(x).sum().backward(), repeats, sample_s=SAMPLE_S) / blocks
         modelled = forward_flops(workload, 0, 2) / products["flops_per_second"] + \
             PRODUCTS_PER_BLOCK * products["overhead_s"]
         elements = block_saved_bytes(workload, rows * length, flash=True) / workload.activation_bytes  # as priced
-        measured.append((elements, max(seconds / 3 - modelled, FLOOR_S)))
-    return measured
+        priced.append((elements, max(seconds - modelled, FLOOR_S)))
+    return priced
 
 
 def optimizer_rows(cfg, block_counts, repeats: int) -> list:
@@ -234,13 +312,10 @@ TINY_RUN = ("model.layers=2", "data.global_batch_size=4", "data.sequence_length=
             "trainer.measure_every_n_steps=1000")  # the meter samples the first 2 steps and the last only
 
 
-def framework_row(cfg, profile: dict, overrides, steps: int) -> tuple:
-    """(measured median step, predicted step without the framework's costs, d predicted / d action
-    cost) of one tiny run, priced with `profile` (its step and action costs 0)."""
+def framework_configs(cfg, profile: dict, overrides, steps: int) -> tuple:
+    """(plan config, the same with 1 ms per action, run config) of one tiny run, priced with
+    `profile` with its step and action costs 0."""
     from layerwise.config.store import compose
-    from layerwise.config.validate import world_size
-    from layerwise.planning.result import plan_result
-    from layerwise.run.fit import train
 
     def config(*more):
         composed = compose([f"model={cfg.model.name}", *overrides, *TINY_RUN, f"trainer.max_steps={steps}", *more])
@@ -249,25 +324,43 @@ def framework_row(cfg, profile: dict, overrides, steps: int) -> tuple:
         return composed
     planned, charged, run = config("mode=plan"), config("mode=plan"), config()
     charged.hardware.action_overhead_s = 1e-3
-    world = world_size(run)  # FRAMEWORK_RUNS are fixed, valid configs: no preflight (a floor above tools)
+    return planned, charged, run
+
+
+def framework_price(planned, charged) -> tuple:
+    """(predicted step without the framework's costs, d predicted / d action cost) of a tiny run."""
+    from layerwise.config.validate import world_size
+    from layerwise.planning.result import plan_result
+    world = world_size(planned)  # FRAMEWORK_RUNS are fixed, valid configs: no preflight (a floor above tools)
     predicted = plan_result(planned, world)["step_time_s"]
-    slope = (plan_result(charged, world)["step_time_s"] - predicted) / 1e-3
+    return predicted, (plan_result(charged, world)["step_time_s"] - predicted) / 1e-3
+
+
+def framework_step(run) -> float:
+    """The measured median step of one tiny run."""
+    from layerwise.config.validate import world_size
+    from layerwise.run.fit import train
     with tempfile.TemporaryDirectory() as directory, contextlib.redirect_stdout(io.StringIO()):
-        measured = train(run, Path(directory), world)["step_time_s_median"]
-    return measured, predicted, slope
+        return train(run, Path(directory), world_size(run))["step_time_s_median"]
 
 
 def calibrate_framework(cfg, profile: dict, quick: bool, say) -> dict:
     """Solve the two tiny runs' unpriced seconds (measured − predicted) = step cost + actions × action
-    cost for both (clamped at 0)."""
-    rows = [framework_row(cfg, profile, overrides, 8 if quick else 14) for overrides in FRAMEWORK_RUNS]
+    cost for both (clamped at 0), their measured steps averaged over runs until stable."""
+    configs = [framework_configs(cfg, profile, overrides, 8 if quick else 14) for overrides in FRAMEWORK_RUNS]
+    prices = [framework_price(planned, charged) for planned, charged, _ in configs]
+    steps = mean_until_stable(lambda: [framework_step(run) for *_, run in configs], batch=1,
+                              min_batches=2 if quick else 3, max_batches=12, budget_s=5 if quick else 40)
+    rows = [(measured, *price) for measured, price in zip(steps["mean"], prices)]
     (single, single_priced, single_actions), (pipeline, pipeline_priced, pipeline_actions) = rows
     action = max(0.0, ((pipeline - pipeline_priced) - (single - single_priced)) / (pipeline_actions - single_actions))
     step = max(0.0, single - single_priced - action * single_actions)
     say(f"the framework's own costs: {step * 1e3:.2f} ms per step + {action * 1e6:.0f} µs per action "
-        f"(tiny runs: {single * 1e3:.1f} ms and {pipeline * 1e3:.1f} ms measured, "
-        f"{single_priced * 1e3:.1f} ms and {pipeline_priced * 1e3:.1f} ms priced without them)")
-    return {"rows": rows, "step_overhead_s": step, "action_overhead_s": action}
+        f"(tiny runs: {single * 1e3:.1f} ms and {pipeline * 1e3:.1f} ms measured over {steps['samples']} runs each, "
+        f"±{steps['relative_error']:.1%}; {single_priced * 1e3:.1f} ms and {pipeline_priced * 1e3:.1f} ms priced "
+        "without them)")
+    return {"rows": rows, "step_overhead_s": step, "action_overhead_s": action,
+            "relative_error": steps["relative_error"], "runs": steps["samples"]}
 
 
 # ----- every core at once, as runs compute
@@ -282,7 +375,8 @@ def on_every_core(measure, *arguments) -> list:
     side share the memory bandwidth and caches, which a lone process does not see (element-wise work
     measured alone was ~15% faster than inside a 2-rank run)."""
     by_rank = run_ranks(_measure_rank, os.cpu_count() or 1, measure, *arguments, timeout=600)
-    return [(*row[:-1], statistics.mean(rows[index][-1] for rows in by_rank)) for index, row in enumerate(by_rank[0])]
+    shortest = min(by_rank, key=len)  # a rank may stop at a smaller edge (`SLOW_CALL_S`)
+    return [(*row[:-1], statistics.mean(rows[index][-1] for rows in by_rank)) for index, row in enumerate(shortest)]
 
 
 # ----- the profile
@@ -330,16 +424,19 @@ def calibrate_matmuls(dtype: torch.dtype, quick: bool, repeats: int, say) -> dic
 
 
 def calibrate_collectives(world: int, quick: bool, repeats: int, say) -> dict:
-    rows = measure_collectives(world, QUICK_COLLECTIVE_BYTES if quick else COLLECTIVE_BYTES, repeats)
+    rows = measure_collectives(world, QUICK_COLLECTIVE_BYTES if quick else COLLECTIVE_BYTES, repeats,
+                               budget_s=1.0 if quick else 8.0)
     work = [2 * (world - 1) / world * r[0] for r in rows]  # ring all-reduce: bytes each rank sends
     latency, bandwidth, residual = fitted(work, [r[1] for r in rows])
     entry = {"rows": rows, "all_reduce_latency_s": latency, "all_reduce_bandwidth": bandwidth,
-             "worst_residual": residual, "table": sorted(zip(work, [r[1] for r in rows]))}
+             "worst_residual": residual, "table": sorted(zip(work, [r[1] for r in rows])),
+             "worst_relative_error": max(r[3] for r in rows)}
     if world == 2:  # a round trip is two one-way messages
         entry["send_latency_s"], entry["send_bandwidth"] = fit_fixed_plus_rate(
             [r[0] for r in rows], [r[2] / 2 for r in rows])
     say(f"gloo all-reduce, {world} ranks: {bandwidth / 1e9:.2f} GB/s per rank + {latency * 1e6:.0f} µs "
-        f"(worst fit residual {entry['worst_residual']:.0%})")
+        f"(worst fit residual {entry['worst_residual']:.0%}; {min(r[4] for r in rows)}-{max(r[4] for r in rows)} "
+        f"samples per size, worst standard error ±{entry['worst_relative_error']:.1%})")
     return entry
 
 
@@ -351,11 +448,18 @@ def calibrate_copies(quick: bool, repeats: int, say) -> dict:
 
 
 def calibrate_blocks(cfg, products: dict, quick: bool, repeats: int, say) -> dict:
-    rows = on_every_core(block_rows, cfg, products, (1, 2) if quick else (1, 2, 4, 8), repeats * (1 if quick else 4))
+    """Rounds of `block_seconds` on every core (each round its own forked ranks: rounds differed by up to
+    ±25% at one sequence here, more than samples within a round) until their mean is stable."""
+    sizes = (1, 2) if quick else (1, 2, 4, 8)
+    rounds = mean_until_stable(lambda: [r[1] for r in on_every_core(block_seconds, cfg, sizes, repeats)], batch=1,
+                               min_batches=2 if quick else 3, max_batches=12, budget_s=5 if quick else 40)
+    rows = block_rows(cfg, products, list(zip(sizes, rounds["mean"])))
     overhead, rate, residual = fitted([r[0] for r in rows], [r[1] for r in rows])
     say(f"{cfg.model.name} block besides its products: {overhead * 1e6:.0f} µs + {1e9 / rate:.1f} ns per "
-        f"activation element, per forward (worst fit residual {residual:.0%})")
-    return {"rows": rows, "overhead_s": overhead, "elements_per_second": rate}
+        f"activation element, per forward (worst fit residual {residual:.0%}; {rounds['samples']} rounds, "
+        f"block time ±{rounds['relative_error']:.1%})")
+    return {"rows": rows, "overhead_s": overhead, "elements_per_second": rate,
+            "relative_error": rounds["relative_error"], "rounds": rounds["samples"]}
 
 
 def calibrate_optimizer(cfg, quick: bool, repeats: int, say) -> dict:

@@ -55,32 +55,24 @@ QUICK_COPY_BYTES = (1 << 20, 4 << 20)
 SAMPLE_S = 0.02
 
 
-def calls_per_sample(work, sample_s: float) -> int:
-    """How many calls of `work()` make a sample of at least `sample_s` (1 when 0), after one warm-up
-    call and set from one timed call."""
-    work()
-    if not sample_s:
-        return 1
-    start = time.perf_counter()
-    work()
-    return max(1, math.ceil(sample_s / max(time.perf_counter() - start, 1e-7)))
-
-
-def seconds_per_call(work, calls: int) -> float:
-    """One timed sample: `calls` calls of `work()`, seconds per call."""
-    start = time.perf_counter()
-    for _ in range(calls):
-        work()
-    return (time.perf_counter() - start) / calls
-
-
 def median_seconds(work, repeats: int, statistic=statistics.median, sample_s: float = 0.0) -> float:
     """The median (or `statistic`, e.g. min on a shared machine) seconds per call of `work()` over
     `repeats` samples after one warm-up call; a sample repeats the call until it lasts `sample_s`
     (the count is set once from one timed call, so every rank of a collective could not agree on
     it: collectives keep `sample_s` 0, one call per sample)."""
-    calls = calls_per_sample(work, sample_s)
-    return statistic([seconds_per_call(work, calls) for _ in range(repeats)])
+    work()
+    calls = 1
+    if sample_s:
+        start = time.perf_counter()
+        work()
+        calls = max(1, math.ceil(sample_s / max(time.perf_counter() - start, 1e-7)))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            work()
+        times.append((time.perf_counter() - start) / calls)
+    return statistic(times)
 
 
 # A term priced by its mean over a step's many calls (a collective's wait, a block's time, a tiny run's
@@ -119,6 +111,13 @@ def mean_until_stable(sample, batch: int, min_batches: int, max_batches: int, bu
         if agree(done):
             return {"mean": [statistics.fmean(column) for column in zip(*means)], "relative_error": error,
                     "samples": batch * len(means)}
+
+
+def rounds_until_stable(measure_round, quick: bool) -> dict:
+    """`mean_until_stable` over whole rounds (forked ranks or runs, each a list of seconds): at least
+    3 and at most 12 rounds within 40 s (quick: 2, within 5 s); "samples" counts the rounds."""
+    return mean_until_stable(measure_round, batch=1, min_batches=2 if quick else 3, max_batches=12,
+                             budget_s=5 if quick else 40)
 
 
 FLOOR_S = 1e-7  # a measured difference noise made ≤ 0 is clamped here (and left out of the fits)
@@ -349,8 +348,7 @@ def calibrate_framework(cfg, profile: dict, quick: bool, say) -> dict:
     cost for both (clamped at 0), their measured steps averaged over runs until stable."""
     configs = [framework_configs(cfg, profile, overrides, 8 if quick else 14) for overrides in FRAMEWORK_RUNS]
     prices = [framework_price(planned, charged) for planned, charged, _ in configs]
-    steps = mean_until_stable(lambda: [framework_step(run) for *_, run in configs], batch=1,
-                              min_batches=2 if quick else 3, max_batches=12, budget_s=5 if quick else 40)
+    steps = rounds_until_stable(lambda: [framework_step(run) for *_, run in configs], quick)
     rows = [(measured, *price) for measured, price in zip(steps["mean"], prices)]
     (single, single_priced, single_actions), (pipeline, pipeline_priced, pipeline_actions) = rows
     action = max(0.0, ((pipeline - pipeline_priced) - (single - single_priced)) / (pipeline_actions - single_actions))
@@ -451,8 +449,7 @@ def calibrate_blocks(cfg, products: dict, quick: bool, repeats: int, say) -> dic
     """Rounds of `block_seconds` on every core (each round its own forked ranks: rounds differed by up to
     ±25% at one sequence here, more than samples within a round) until their mean is stable."""
     sizes = (1, 2) if quick else (1, 2, 4, 8)
-    rounds = mean_until_stable(lambda: [r[1] for r in on_every_core(block_seconds, cfg, sizes, repeats)], batch=1,
-                               min_batches=2 if quick else 3, max_batches=12, budget_s=5 if quick else 40)
+    rounds = rounds_until_stable(lambda: [r[1] for r in on_every_core(block_seconds, cfg, sizes, repeats)], quick)
     rows = block_rows(cfg, products, list(zip(sizes, rounds["mean"])))
     overhead, rate, residual = fitted([r[0] for r in rows], [r[1] for r in rows])
     say(f"{cfg.model.name} block besides its products: {overhead * 1e6:.0f} µs + {1e9 / rate:.1f} ns per "

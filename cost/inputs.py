@@ -105,6 +105,14 @@ class Device:
     # runs; like the block terms, a time-shared core stretches them.
     step_overhead_s: float = 0.0
     action_overhead_s: float = 0.0
+    # The share of a posted ZeRO gather that compute running behind it hides (cost.step_time.
+    # exposed_gather); None: all of it where communication overlaps, none where it does not.
+    # mode=calibrate measures it: 0.5-0.7 here, where gloo's thread shares the rank's core.
+    gather_overlap: float = None
+
+    @property
+    def hidden_gather_fraction(self) -> float:
+        return float(self.overlaps_communication) if self.gather_overlap is None else self.gather_overlap
 
 
 @dataclass(frozen=True)

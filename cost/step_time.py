@@ -314,8 +314,8 @@ def step_cost(workload: Workload, device: Device, plan):
         if action.kind in (BACKWARD_INPUT, BACKWARD_WEIGHT):  # a split backward: each half of B (equal FLOPs)
             return backward / 2
         return backward if action.kind == BACKWARD else forward
-    gathers = exposed_gathers(plan, compute if overlap else lambda action: 0.0,
-                              lambda stage: gather_seconds(workload, device, stage, plan.stages))
+    gathers = exposed_gathers(plan, compute, lambda stage: gather_seconds(workload, device, stage, plan.stages),
+                              device.hidden_gather_fraction)
     send = 0.0 if overlap else receive  # gloo's send writes the message on the sender's core
 
     def cost(action) -> float:
@@ -334,18 +334,29 @@ def step_cost(workload: Workload, device: Device, plan):
     return cost
 
 
-def exposed_gathers(plan, compute, gather) -> dict:
+def exposed_gathers(plan, compute, gather, hidden: float) -> dict:
     """ZeRO posts each run's gather one run ahead (strategies/schedule/zero.py, double buffering):
-    it overlaps the previous run's compute and only the rest is exposed; the first run's is whole.
-    Reduce-scatters overlap the backward that follows (the last one is `reduction_seconds`)."""
+    it overlaps the previous run's compute and only what that does not hide is exposed
+    (`exposed_gather`); the first run's is whole. Reduce-scatters overlap the backward that follows
+    (the last one is `reduction_seconds`)."""
     exposed = {}
     for row in plan.ranks:
         previous = 0.0
         for run in compute_runs(row):
             first = run[0][1]
-            exposed[Action(GATHER_FOR[first.kind], first.stage, first.micro_batch)] = max(0.0, gather(first.stage) - previous)
+            exposed[Action(GATHER_FOR[first.kind], first.stage, first.micro_batch)] = \
+                exposed_gather(gather(first.stage), previous, hidden)
             previous = sum(compute(action) for _, action in run)
     return exposed
+
+
+def exposed_gather(gather: float, behind: float, hidden: float) -> float:
+    """The part of a posted gather of `gather` seconds that `behind` seconds of compute leave exposed:
+    compute hides `hidden` of each second they overlap, gather − hidden · min(behind, gather).
+    hidden = 1: NCCL's own stream, max(0, gather − behind); 0: paid whole. On a CPU gloo's thread
+    needs the core the rank computes on, so only part hides: `Device.gather_overlap`, which
+    mode=calibrate measures (layerwise/tools/calibrate.py, `measure_gather_overlap`)."""
+    return gather - hidden * min(behind, gather)
 
 
 def rank_traffic(workload: Workload, plan, pipeline_rank: int) -> Counter:
@@ -429,11 +440,14 @@ def zero_gathers(workload: Workload, device: Device, rank: int, loops: int, brea
     gathered = {stage: gather_seconds(workload, device, stage, stages) for stage in timing}
     gather = {stage: gathered.get(stage, gathered[held[min(1, loops - 1)]]) for stage in held}
     forward, backward = (lambda stage: breadth_first * cost[stage][0]), (lambda stage: breadth_first * cost[stage][1])
-    second = max(0.0, gather[held[1 % loops]] - forward(held[0]))  # forward L₁, or at v = 1 backward L₀
-    per_group = sum(max(0.0, gather[held[j]] - forward(held[j - 1])) for j in range(1, loops))
-    per_group += max(0.0, gather[held[-1]] - forward(held[-1]))
-    per_group += sum(max(0.0, gather[held[j]] - backward(held[j + 1])) for j in range(loops - 1))
-    later_first = max(0.0, gather[held[0]] - backward(held[0]))
+
+    def behind(stage: int, compute: float) -> float:
+        return exposed_gather(gather[stage], compute, device.hidden_gather_fraction)
+    second = behind(held[1 % loops], forward(held[0]))  # forward L₁, or at v = 1 backward L₀
+    per_group = sum(behind(held[j], forward(held[j - 1])) for j in range(1, loops))
+    per_group += behind(held[-1], forward(held[-1]))
+    per_group += sum(behind(held[j], backward(held[j + 1])) for j in range(loops - 1))
+    later_first = behind(held[0], backward(held[0]))
     starts = gather[held[0]] + second + (groups - 1) * (later_first + second)
     return starts, groups * (per_group - second)
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from layerwise.tools.calibrate import (STABLE, calibrate, fit_fixed_plus_rate, mean_until_stable, median_seconds,
-                                      relative_error, worst_residual)
+from layerwise.tools.calibrate import (BEHIND_PRODUCTS, STABLE, calibrate, fit_fixed_plus_rate, hidden_share,
+                                      mean_until_stable, median_seconds, relative_error, worst_residual)
 from layerwise.preflight import validate
 from tests.ranks import compose_config
 
@@ -69,6 +69,16 @@ def test_sampling_stops_when_the_mean_is_stable_and_not_before():
     assert agreed["samples"] == 3
 
 
+def test_the_hidden_share_of_a_posted_gather_is_what_compute_behind_it_removed():
+    """Per row (gather − exposed) ÷ min(compute behind, gather), clamped to [0, 1], then the mean:
+    cost.step_time.exposed_gather prices a gather with that share."""
+    rows = [(1, 1.5e-3, 3.0e-3, 2.1e-3, 0.02, 30),  # 0.9 of 3 ms hidden behind 1.5 ms: 0.6
+            (4, 6.0e-3, 3.0e-3, 0.6e-3, 0.02, 30),  # 2.4 of 3 ms hidden, more compute than gather: 0.8
+            (2, 3.0e-3, 2.0e-3, 2.5e-3, 0.02, 30)]  # slower than alone (noise): 0, not negative
+    assert hidden_share(rows) == pytest.approx((0.6 + 0.8 + 0.0) / 3)
+    assert hidden_share([(1, 1e-3, 2e-3, 0.0, 0.0, 10)]) == 1.0  # all hidden behind 1 ms: clamped to 1
+
+
 def test_quick_calibration_writes_a_profile_that_composes(tmp_path):
     directory = tmp_path / "hardware"
     cfg = compose_config("mode=calibrate", "calibrate.quick=true", "calibrate.silent=true",
@@ -88,6 +98,12 @@ def test_quick_calibration_writes_a_profile_that_composes(tmp_path):
     assert all(r[4] >= 60 and r[4] % 20 == 0 and r[3] > 0 for r in reduce_rows)
     one_way = fit_fixed_plus_rate([r[0] for r in reduce_rows], [r[2] / 2 for r in reduce_rows])[0]
     assert profile["point_to_point_latency_s"] == pytest.approx(max(one_way, 1e-6))
+    overlap = measured["gather_overlap"]  # a posted 1 MB gather behind 1, 2, 4 products, each timed
+    assert [r[0] for r in overlap["rows"]] == list(BEHIND_PRODUCTS)
+    assert all(alone > 0 and gather > 0 and exposed >= 0 and samples >= 10 and samples % 10 == 0
+               for _, alone, gather, exposed, _, samples in overlap["rows"])
+    assert profile["gather_overlap"] == overlap["hidden_share"] == pytest.approx(hidden_share(overlap["rows"]))
+    assert 0 <= profile["gather_overlap"] <= 1
     blocks = measured["blocks"]["rows"]  # (elements, seconds of non-product work per block forward)
     fixed, rate = fit_fixed_plus_rate([r[0] for r in blocks], [r[1] for r in blocks])
     assert profile["block_overhead_s"] == pytest.approx(fixed)
@@ -108,4 +124,5 @@ def test_quick_calibration_writes_a_profile_that_composes(tmp_path):
     composed = compose_config("hardware=probe_profile", f"hydra.searchpath=[file://{tmp_path}]")
     assert composed.hardware.peak_flops.fp32 == pytest.approx(flops)
     assert composed.hardware.host_device_bandwidth == pytest.approx(profile["host_device_bandwidth"])
+    assert composed.hardware.gather_overlap == pytest.approx(profile["gather_overlap"])
     assert validate(composed) == 2  # a valid profile: the default experiment runs on it

@@ -257,6 +257,44 @@ def test_without_overlap_every_zero_gather_and_reduction_is_paid_whole():
     assert serial["step_seconds"] > overlapped["step_seconds"]
 
 
+def test_a_posted_zero_gather_is_exposed_by_the_share_compute_does_not_hide():
+    """cost.step_time.exposed_gather: compute behind a posted gather hides `hidden` of each second
+    they overlap (mode=calibrate measures it on a CPU); the simulator prices every ZeRO gather with
+    it, the first of a rank's runs whole, each later one behind the run before it."""
+    from dataclasses import replace
+
+    from layerwise.planning.inputs import device_of
+    from cost.inputs import Device
+    from cost.step_time import exposed_gather, gather_seconds, predict_step, stage_seconds
+    from strategies.schedule.zero import GATHER_BACKWARD, GATHER_FORWARD
+    assert exposed_gather(3.0, 1.0, 0.6) == pytest.approx(2.4)  # behind less than itself: 0.6 of 1 s
+    assert exposed_gather(3.0, 5.0, 0.6) == pytest.approx(1.2)  # behind more: 0.6 of its own 3 s
+    assert exposed_gather(3.0, 5.0, 1.0) == 0.0 and exposed_gather(3.0, 1.0, 1.0) == pytest.approx(2.0)
+    assert exposed_gather(3.0, 5.0, 0.0) == 3.0
+    unset = Device(1e9, 1.0, 1e9, 1e9, 1e9, 1)  # no measured share: the overlap flag decides
+    assert unset.hidden_gather_fraction == 1.0
+    assert replace(unset, overlaps_communication=False).hidden_gather_fraction == 0.0
+    assert replace(unset, overlaps_communication=False, gather_overlap=0.6).hidden_gather_fraction == 0.6
+    cfg = compose_config("mode=plan", "strategy=zero_layered", "model.layers=4", "strategy.layers_per_stage=1",
+                         "strategy.micro_batches=2", "hardware.overlaps_communication=false",
+                         "hardware.gather_overlap=0.6")
+    workload, schedule = workload_of(cfg, validate(cfg)), training_plan_of(cfg)
+    device = device_of(cfg)
+    assert device.gather_overlap == 0.6
+    paid = [(timed.action, timed.end - timed.start) for timed in predict_step(workload, device, schedule)["timeline"].ranks[0]
+            if timed.action.kind in (GATHER_FORWARD, GATHER_BACKWARD)]
+    # layered (p = 1): forward runs of stages 0-3 (2 micro-batches each), then backward runs 3-0
+    runs = [(GATHER_FORWARD, stage, 0) for stage in range(4)] + [(GATHER_BACKWARD, stage, 1) for stage in range(3, -1, -1)]
+    assert [(a.kind, a.stage) for a, _ in paid] == [(kind, stage) for kind, stage, _ in runs]
+    behind = 0.0
+    for (kind, stage, which), (_, seconds) in zip(runs, paid):
+        assert seconds == pytest.approx(exposed_gather(gather_seconds(workload, device, stage, 4), behind, 0.6), rel=1e-9)
+        behind = 2 * stage_seconds(workload, device, stage, 4)[which]  # this run: 2 micro-batches of F (or B)
+    whole = predict_step(workload, replace(device, gather_overlap=0.0), schedule)["step_seconds"]
+    hidden = predict_step(workload, replace(device, gather_overlap=1.0), schedule)["step_seconds"]
+    assert hidden < predict_step(workload, device, schedule)["step_seconds"] < whole
+
+
 def test_the_framework_costs_one_per_step_and_one_per_action_a_rank_runs():
     """p = 1 (ZeRO layered, 4 stages, 2 micro-batches: gathers, reduce-scatters, F and B): nothing
     waits on another rank, so the step grows by the step cost plus every action's cost exactly."""

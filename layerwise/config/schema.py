@@ -91,6 +91,9 @@ class HardwareConfig:
     step_overhead_s: float = 0.0
     action_overhead_s: float = 0.0
     overlaps_communication: bool = True  # communication beside compute (GPUs); false: CPU ranks use every core
+    # The share of a posted ZeRO gather that compute behind it hides (mode=calibrate measures it);
+    # null = 1 where communication overlaps, 0 where it does not.
+    gather_overlap: Optional[float] = None
     compute_units_per_node: int = 0  # cores the node's ranks share (calibrated CPU profiles); 0 = one device each
     memory_bandwidth: float = 0.0  # device memory bytes/s (HBM, spec sheet): roofline products, memory-bound operators; 0 = off
     # Achieved / peak FLOP/s of the matrix products known for this profile: mode=calibrate writes 1 (its

@@ -75,6 +75,7 @@ RANGES = {
     "hardware.step_overhead_s": ("non_negative", "5e-3"), "hardware.action_overhead_s": ("non_negative", "1e-4"),
     "hardware.host_device_bandwidth": ("non_negative", "1.6e10"),
     "hardware.matmul_efficiency": ("fraction", 1.0), "hardware.relative_matmul_efficiency": ("positive", 1.0),
+    "hardware.gather_overlap": ("ratio", 0.6),
     "calibrate.repeats": ("count", 5),
     "plan.efficiency": ("fraction", 0.5), "plan.allocator_margin": ("probability", 0.1),
     "plan.search_top": ("count", 10), "plan.search_replan": ("non_negative", 3),

@@ -111,7 +111,8 @@ def device_of(cfg, world_size: int = None) -> Device:
                   (hardware.point_to_point_latency_s if share >= 1 else hardware.collective_latency_s) or None,
                   hardware.overlaps_communication, hardware.memory_bandwidth, share,
                   tuple(tuple(row) for row in hardware.collective_seconds_by_bytes or ()),
-                  hardware.step_overhead_s / slow, hardware.action_overhead_s / slow)
+                  hardware.step_overhead_s / slow, hardware.action_overhead_s / slow,
+                  hardware.get("gather_overlap"))
 
 
 def efficiency_of(cfg) -> float:

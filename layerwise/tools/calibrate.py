@@ -8,7 +8,8 @@ Five measurements, each fitted with the α–β model plan mode uses (time = fix
 2. collectives: gloo all-reduce between `calibrate.world_sizes` forked ranks at 4 KB … 16 MB, each
    after a few ms of products as runs issue them (`after_compute`), sampled until the mean is stable:
    time = `collective_latency_s` + 2(n−1)/n · bytes / `intra_node_bandwidth` (ring all-reduce's
-   bytes per rank), and send/recv pairs: time = latency + bytes / bandwidth;
+   bytes per rank), and send/recv pairs: time = latency + bytes / bandwidth; and a 1 MB all-gather
+   posted before 1, 2 and 4 products, as ZeRO prefetches: the share of it they hide, `gather_overlap`;
 3. host copies (`copy_` between two buffers, 1 … 64 MB): `host_device_bandwidth`;
 4. the model group's own block (default gpt_tiny), forward and backward at 1 … 8 sequences: what the
    products above do not explain, per forward (÷ 3), is `block_overhead_s` + activation elements ×
@@ -235,6 +236,51 @@ def measure_collectives(world: int, sizes, repeats: int, budget_s: float) -> lis
     return run_ranks(_collective_rank, world, world, sizes, repeats, budget_s, timeout=600)[0]
 
 
+GATHER_BYTES = 1 << 20  # a ZeRO stage's gathered parameters are ~0.3-1.5 MB in the tables' runs (gpt_tiny)
+BEHIND_PRODUCTS = (1, 2, 4)  # products of edge 384 behind the posted gather: ~1.5-6 ms, around its ~3 ms
+
+
+def _gather_overlap_rank(rank: int, world: int, budget_s: float) -> list:
+    """One rank's (products behind, their seconds, the gather's seconds alone, the posted gather's
+    exposed seconds, relative error, samples) per count of products behind it: ZeRO's prefetch
+    (strategies/schedule/zero.py) posts a gather, computes, then waits for it."""
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    matrix = torch.randn(384, 384)  # host: the CPU being timed
+    gathered, shard = torch.zeros(GATHER_BYTES // 4), torch.zeros(GATHER_BYTES // 4 // world)  # host: gloo
+
+    def products(count: int) -> None:
+        for _ in range(count):
+            torch.mm(matrix, matrix)
+
+    def posted(count: int) -> None:
+        work = dist.all_gather_single(gathered, shard, async_op=True)
+        products(count)
+        work.wait()
+    rows = []
+    for count in BEHIND_PRODUCTS:
+        dist.barrier()
+        sample = mean_until_stable(
+            lambda: [after_compute(matrix, lambda: products(count)),
+                     after_compute(matrix, lambda: dist.all_gather_single(gathered, shard)),
+                     after_compute(matrix, lambda: posted(count))],
+            batch=10, min_batches=3, max_batches=60, budget_s=budget_s, agree=rank_zero_decides)
+        alone, gather, both = sample["mean"]
+        rows.append((count, alone, gather, max(0.0, both - alone), sample["relative_error"], sample["samples"]))
+    return rows
+
+
+def hidden_share(rows: list) -> float:
+    """The share of a posted gather that compute behind it hides (`cost.step_time.exposed_gather`):
+    per row (gather − exposed) ÷ min(compute, gather), each clamped to [0, 1], their mean."""
+    shares = [min(1.0, max(0.0, (gather - exposed) / min(alone, gather))) for _, alone, gather, exposed, *_ in rows]
+    return statistics.fmean(shares)
+
+
+def measure_gather_overlap(world: int, budget_s: float) -> list:
+    """`_gather_overlap_rank`'s rows, as rank 0 of `world` forked gloo ranks measured them."""
+    return run_ranks(_gather_overlap_rank, world, world, budget_s, timeout=600)[0]
+
+
 # ----- 3. host copies
 
 def measure_copies(sizes, repeats: int) -> list:
@@ -402,6 +448,7 @@ def _measure(cfg, settings, repeats: int, say) -> tuple:
                     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     for world in settings.world_sizes:
         measurements[f"collectives_world_{world}"] = calibrate_collectives(world, settings.quick, repeats, say)
+    measurements["gather_overlap"] = calibrate_gather_overlap(settings.world_sizes[0], settings.quick, say)
     measurements["host_copies"] = calibrate_copies(settings.quick, repeats, say)
     measurements["blocks"] = calibrate_blocks(cfg, measurements["matmul_fp32"], settings.quick, repeats, say)
     measurements["optimizer"] = calibrate_optimizer(cfg, settings.quick, repeats, say)
@@ -436,6 +483,15 @@ def calibrate_collectives(world: int, quick: bool, repeats: int, say) -> dict:
         f"(worst fit residual {entry['worst_residual']:.0%}; {min(r[4] for r in rows)}-{max(r[4] for r in rows)} "
         f"samples per size, worst standard error ±{entry['worst_relative_error']:.1%})")
     return entry
+
+
+def calibrate_gather_overlap(world: int, quick: bool, say) -> dict:
+    rows = measure_gather_overlap(world, budget_s=0.5 if quick else 4.0)
+    share = hidden_share(rows)
+    say(f"posted gloo gather of {GATHER_BYTES >> 20} MB, {world} ranks: compute behind it hides {share:.0%} of it "
+        + ", ".join(f"({exposed * 1e3:.1f} of {gather * 1e3:.1f} ms exposed behind {alone * 1e3:.1f} ms)"
+                    for _, alone, gather, exposed, *_ in rows))
+    return {"rows": rows, "hidden_share": share}
 
 
 def calibrate_copies(quick: bool, repeats: int, say) -> dict:
@@ -482,6 +538,7 @@ def profile_from(hardware, name: str, measurements: dict, collectives: dict) -> 
                 activation_seconds_per_element=1.0 / measurements["blocks"]["elements_per_second"],
                 optimizer_seconds_per_parameter=1.0 / measurements["optimizer"]["parameters_per_second"],
                 compute_units_per_node=os.cpu_count(), overlaps_communication=False,  # gloo uses the cores
+                gather_overlap=measurements["gather_overlap"]["hidden_share"],
                 matmul_efficiency=1.0,  # peak_flops above is the achieved rate: plan mode needs no plan.efficiency
                 point_to_point_latency_s=max(collectives.get("send_latency_s", 0.0), 1e-6))  # 0 would mean "unset"
     return base

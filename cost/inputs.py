@@ -107,7 +107,7 @@ class Device:
     action_overhead_s: float = 0.0
     # The share of a posted ZeRO gather that compute running behind it hides (cost.step_time.
     # exposed_gather); None: all of it where communication overlaps, none where it does not.
-    # mode=calibrate measures it: 0.5-0.7 here, where gloo's thread shares the rank's core.
+    # mode=calibrate measures it: 0.66-0.89 here (2 ranks on 2 cores: gloo's work needs the rank's core).
     gather_overlap: float = None
 
     @property

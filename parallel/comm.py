@@ -115,7 +115,7 @@ class Communicator:
             output.copy_(shard)
             return None
         self._counted("all_gather", group, output)
-        return self._recorded("all_gather", group, output, async_op, lambda: dist.all_gather_into_tensor(
+        return self._recorded("all_gather", group, output, async_op, lambda: dist.all_gather_single(
             output, shard, group=group.process_group, async_op=async_op))
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, group: Group,
@@ -124,7 +124,7 @@ class Communicator:
             shard.copy_(full)
             return None
         self._counted("reduce_scatter", group, full)
-        return self._recorded("reduce_scatter", group, full, async_op, lambda: dist.reduce_scatter_tensor(
+        return self._recorded("reduce_scatter", group, full, async_op, lambda: dist.reduce_scatter_single(
             shard, full, op=op, group=group.process_group, async_op=async_op))
 
     def broadcast(self, tensor: torch.Tensor, source: int, group: Group, async_op=False):

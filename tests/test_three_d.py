@@ -45,7 +45,7 @@ class IndependentCounter:
 
     def __init__(self, monkeypatch_like):
         self.bytes = defaultdict(float)
-        for name, key in (("all_gather_into_tensor", 0), ("reduce_scatter_tensor", 1)):
+        for name, key in (("all_gather_single", 0), ("reduce_scatter_single", 1)):
             monkeypatch_like(name, self._wrap(name, getattr(dist, name), key))
 
     def _wrap(self, name, original, full_argument):

@@ -441,13 +441,13 @@ def zero_gathers(workload: Workload, device: Device, rank: int, loops: int, brea
     gather = {stage: gathered.get(stage, gathered[held[min(1, loops - 1)]]) for stage in held}
     forward, backward = (lambda stage: breadth_first * cost[stage][0]), (lambda stage: breadth_first * cost[stage][1])
 
-    def behind(stage: int, compute: float) -> float:
-        return exposed_gather(gather[stage], compute, device.hidden_gather_fraction)
-    second = behind(held[1 % loops], forward(held[0]))  # forward L₁, or at v = 1 backward L₀
-    per_group = sum(behind(held[j], forward(held[j - 1])) for j in range(1, loops))
-    per_group += behind(held[-1], forward(held[-1]))
-    per_group += sum(behind(held[j], backward(held[j + 1])) for j in range(loops - 1))
-    later_first = behind(held[0], backward(held[0]))
+    def exposed(stage: int, behind: float) -> float:  # the stage's gather behind `behind` seconds of compute
+        return exposed_gather(gather[stage], behind, device.hidden_gather_fraction)
+    second = exposed(held[1 % loops], forward(held[0]))  # forward L₁, or at v = 1 backward L₀
+    per_group = sum(exposed(held[j], forward(held[j - 1])) for j in range(1, loops))
+    per_group += exposed(held[-1], forward(held[-1]))
+    per_group += sum(exposed(held[j], backward(held[j + 1])) for j in range(loops - 1))
+    later_first = exposed(held[0], backward(held[0]))
     starts = gather[held[0]] + second + (groups - 1) * (later_first + second)
     return starts, groups * (per_group - second)
 

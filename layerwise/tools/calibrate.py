@@ -204,11 +204,16 @@ def after_compute(matrix: torch.Tensor, collective) -> float:
     back, gloo here is bimodal (~0.4 ms, or 3–5 ms when a waiting thread wakes late); after compute
     it costs ~2 ms even for 4 KB, which is what a tensor-parallel block pays. The products are not
     timed: the peer's products still running are part of the wait, as in a run."""
-    torch.mm(matrix, matrix)
-    torch.mm(matrix, matrix)
+    products(matrix, 2)
     start = time.perf_counter()
     collective()
     return time.perf_counter() - start
+
+
+def products(matrix: torch.Tensor, count: int) -> None:
+    """`count` products of `matrix` with itself: the compute a collective is timed after or behind."""
+    for _ in range(count):
+        torch.mm(matrix, matrix)
 
 
 def rank_zero_decides(done: bool) -> bool:
@@ -248,19 +253,15 @@ def _gather_overlap_rank(rank: int, world: int, budget_s: float) -> list:
     matrix = torch.randn(384, 384)  # host: the CPU being timed
     gathered, shard = torch.zeros(GATHER_BYTES // 4), torch.zeros(GATHER_BYTES // 4 // world)  # host: gloo
 
-    def products(count: int) -> None:
-        for _ in range(count):
-            torch.mm(matrix, matrix)
-
     def posted(count: int) -> None:
         work = dist.all_gather_single(gathered, shard, async_op=True)
-        products(count)
+        products(matrix, count)
         work.wait()
     rows = []
     for count in BEHIND_PRODUCTS:
         dist.barrier()
         sample = mean_until_stable(
-            lambda: [after_compute(matrix, lambda: products(count)),
+            lambda: [after_compute(matrix, lambda: products(matrix, count)),
                      after_compute(matrix, lambda: dist.all_gather_single(gathered, shard)),
                      after_compute(matrix, lambda: posted(count))],
             batch=10, min_batches=3, max_batches=60, budget_s=budget_s, agree=rank_zero_decides)

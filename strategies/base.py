@@ -63,6 +63,16 @@ class LayerwiseStrategy(RunHooks, PortableCheckpoints, PerRankCheckpoints, DDPSt
                                          **self.layout_arguments())
             self.agree_on_fp16_skips()
 
+    @override
+    def teardown(self) -> None:
+        # Lightning's teardown moves the module to the CPU. A setup that raised before the model left
+        # the meta device (models/__init__.py builds it there) would then raise "Cannot copy out of
+        # meta tensor" inside the handler of the setup's own error, and that became the rank's last line.
+        module = self.lightning_module
+        if module is not None and any(parameter.is_meta for parameter in module.parameters()):
+            self._lightning_module = None  # nothing of it is on a device: nothing to move
+        super().teardown()
+
     def agree_on_fp16_skips(self) -> None:
         """Under 16-mixed, Lightning's GradScaler becomes one whose skips every rank shares
         (strategies/precision.py, AgreedGradScaler): before a checkpoint restores its state."""

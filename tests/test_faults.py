@@ -349,3 +349,17 @@ def test_sigterm_on_a_rank_other_than_zero_stops_every_rank_and_the_rerun_resume
     steps = [int(row.split(",")[0]) for row in (tmp_path / "metrics.csv").read_text().splitlines()[1:]]
     assert steps == [1, 2, 3, 4]
     assert_resumes_like_reference(tmp_path, "modular_pipeline", reference, capfd)
+
+
+def test_a_rank_that_fails_in_setup_reports_that_error_not_a_teardown_one(tmp_path):
+    """A rank whose setup raises before its model leaves the meta device (here: degrees of 4 ranks in a
+    job of 2, which preflight would stop; on a cluster, e.g. a process group that cannot form) must
+    report that error: Lightning's teardown moves the module to the CPU, which on meta tensors raised
+    "Cannot copy out of meta tensor" and became the last line a user read."""
+    cfg = compose_config(*BASE, "strategy=modular_pipeline", "strategy.tensor_parallel=1d")
+    with pytest.raises(RankError) as failed:
+        train(cfg, tmp_path, 2)  # validate(cfg) says 4
+    message = str(failed.value)
+    assert "need 4 ranks, the job has 2" in message.splitlines()[-1]
+    assert "meta tensor" not in message
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"

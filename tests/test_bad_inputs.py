@@ -19,7 +19,8 @@ from tests.warm_python import python
 ROOT = Path(__file__).resolve().parent.parent
 
 # Paths a data.path may point at, made fresh under a temporary directory: {name} in an override.
-PLACES = {"empty": "an empty directory", "file": "a file", "odd_bin": "a directory whose train.bin has 3 bytes"}
+PLACES = {"empty": "an empty directory", "file": "a file", "odd_bin": "a directory whose train.bin has 3 bytes",
+          "stale": "a config directory whose hardware/stale.yaml sets gather_overlapp"}
 
 # (overrides, the field the message must name, a phrase of the message). Composition errors (wrong
 # type, unknown key or option, unparsable) are Hydra's, reported as train.py reports them.
@@ -157,6 +158,9 @@ BAD_INPUTS = [
     ("strategy=single model.layers=2 strategy.layer_drop=0.1", "strategy.layer_drop", "drops nothing: the first and last blocks"),
     ("strategy=ddp strategy.grow_at=[2]", "strategy.grow_at", "DDP registers its parameters once"),
     ("strategy=single strategy.grow_at=[3,2]", "strategy.grow_at", "must be increasing steps"),
+    # ----- a key the schema lacks, in an option's file (a typo; a profile mode=calibrate wrote under another version)
+    ("hardware=stale hydra.searchpath=[file://{stale}]", "hardware=stale",
+     "its file sets 'gather_overlapp', which schema HardwareConfig has no setting for. Fix: rename it to gather_overlap"),
 ]
 
 
@@ -167,6 +171,9 @@ def make_places(root: Path) -> dict:
     (root / "odd_bin").mkdir()
     (root / "odd_bin" / "train.bin").write_bytes(b"abc")
     (root / "odd_bin" / "val.bin").write_bytes(b"ab")
+    (root / "stale" / "hardware").mkdir(parents=True)  # a profile's key the schema lacks (a typo, another version)
+    (root / "stale" / "hardware" / "stale.yaml").write_text(
+        "defaults:\n  - /schema_hardware_hardware@_here_\n  - _self_\nname: stale\ngather_overlapp: 0.6\n")
     return {name: str(root / name) for name in PLACES}
 
 

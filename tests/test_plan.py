@@ -444,3 +444,19 @@ def test_a_calibrated_profile_needs_no_plan_efficiency():
     h100 = compose_config("mode=plan", "hardware=dgx_h100", "plan.efficiency=0.5")
     measured = compose_config("mode=plan", "hardware=dgx_h100", "hardware.matmul_efficiency=1.0")
     assert device_of(h100).efficiency == pytest.approx(0.5 * 0.924) and device_of(measured).efficiency == 1.0
+
+
+def test_a_plan_of_ranks_that_share_cores_says_its_step_is_the_least_reliable(tmp_path, capsys):
+    """Where ranks outnumber the cores the collectives between them are priced with a core per rank
+    (docs/plan.md, "Collectives on shared cores"): the plan says so, on the terminal and in plan.json,
+    and says nothing of it where every rank has a core."""
+    shared = compose_config("mode=plan", "strategy=tp_2d", "strategy.tensor_grid=2", "hardware.devices_per_node=4",
+                            "hardware.compute_units_per_node=2")
+    result = plan(shared, validate(shared), tmp_path / "shared", charts=False)
+    assert result["caveats"] and "2 ranks per core" in result["caveats"][0] and "2-D/3-D grid" in result["caveats"][0]
+    assert f"note: {result['caveats'][0]}" in capsys.readouterr().out
+    assert json.loads((tmp_path / "shared" / "plan.json").read_text())["caveats"] == result["caveats"]
+    own = compose_config("mode=plan", "strategy=tp_2d", "strategy.tensor_grid=2", "hardware.devices_per_node=4",
+                         "hardware.compute_units_per_node=4")
+    assert plan(own, validate(own), tmp_path / "own", charts=False)["caveats"] == []
+    assert "note:" not in capsys.readouterr().out

@@ -15,6 +15,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 
 from cost.inputs import OPTIMIZER_STATE
 from layerwise.config.layout import layout_of
+from layerwise.config import schema as schema_module
 from layerwise.config.schema import Config
 from strategies import REGISTRY, strategy_entry
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors, nearest_multiples
@@ -326,6 +327,9 @@ def composition_problem(error) -> str:
         return unknown_key_problem(str(error), cause)
     if isinstance(cause, ValidationError) and cause.full_key:
         return wrong_type_problem(str(error), cause)
+    in_file = re.match(r"In '([^']+)/([^']+)': ConfigKeyError.*?Key '([^']+)' not in '([^']+)'", str(error), re.S)
+    if in_file:
+        return unknown_key_in_file_problem(*in_file.groups())
     return (f"{str(error).splitlines()[0]}. Fix: `python train.py --cfg job` shows every setting "
             f"and its value; `python train.py --help` lists every option.")
 
@@ -351,6 +355,19 @@ def unknown_key_problem(message: str, cause) -> str:
     fix = (f"{prefix}{close[0]}={value}" if close
            else f"remove {cause.full_key}={value} (the settings here: {', '.join(declared)})")
     return f"Could not override '{cause.full_key}': {owner} has no such setting. Fix: {fix}."
+
+
+def unknown_key_in_file_problem(group: str, option: str, key: str, schema: str) -> str:
+    """A key the group's schema lacks, set in an option's YAML file rather than on the command line
+    (Hydra's text names neither as a fix): a hand-written typo, or a profile `mode=calibrate` wrote
+    with another version of layerwise."""
+    declared_by = getattr(schema_module, schema, None)  # the strategies' schemas are not there: no close match
+    declared = [field.name for field in dataclasses.fields(declared_by)] if dataclasses.is_dataclass(declared_by) else []
+    close = difflib.get_close_matches(key, declared, n=1)
+    fix = f"rename it to {close[0]}" if close else "remove that line"
+    return (f"{group}={option}: its file sets '{key}', which schema {schema} has no setting for. Fix: {fix} in "
+            f"the {group} file {option}.yaml; if `python train.py mode=calibrate` wrote that file under another "
+            f"version of layerwise, run it again instead.")
 
 
 def wrong_type_problem(message: str, cause) -> str:

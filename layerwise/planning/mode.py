@@ -13,7 +13,7 @@ not yet calibrated against this machine (issue 16): the default efficiency is an
 from pathlib import Path
 
 from layerwise.planning.inputs import device_of
-from layerwise.planning.render import _write, table
+from layerwise.planning.render import _write, caveats, table
 from layerwise.planning.result import plan_result
 from layerwise.planning.roles import GIB
 from layerwise.planning.search import search
@@ -29,6 +29,7 @@ def plan(cfg, world_size: int, run_directory, second_estimator=None, charts: boo
         return search(cfg, cfg.hardware.nodes * cfg.hardware.devices_per_node, run_directory)
     result, timeline = plan_result(cfg, world_size, with_timeline=True)
     device = device_of(cfg)
+    result["caveats"] = caveats(device, cfg.strategy.get("tensor_parallel"))
     if cfg.plan.dry_run and second_estimator is not None:  # one dry-run rank per role
         second_estimator(cfg, world_size, result)
     _write(result, timeline, Path(run_directory), device.memory_bytes, charts)

@@ -22,11 +22,25 @@ def table(result: dict, device: Device) -> str:
                      ("parameters", "gradients", "optimizer", "activations", "buffers", *_extra_kinds(result)))
                      + f" {role['peak_with_margin_bytes'] / GIB:10.2f} {device.memory_bytes / GIB:7.1f} "
                      f"{'yes' if role['fits'] else 'NO'}")
+    lines += [f"note: {caveat}" for caveat in result.get("caveats", [])]
     if "refresh_interval" in result:  # PipeFisher (layerwise/planning/pipefisher.py)
         lines.append(f"PipeFisher: first-order step {result['step_time_first_order_s']:.3f} s, bubble "
                      f"{result['bubble_fraction_first_order']:.1%} → {result['bubble_fraction']:.1%} with K-FAC packed into "
                      f"a {result['refresh_interval']}-step cycle (K-FAC work / bubble {result['kfac_work_per_bubble']:.2f})")
     return "\n".join(lines)
+
+
+def caveats(device: Device, tensor_grid) -> list:
+    """What the reader of this plan should know of its accuracy: where ranks outnumber the cores, the
+    collectives between them are priced at a table measured with a core per rank, and the 2-D and 3-D
+    grids ran slower than predicted on the machine it was checked on (docs/plan.md, "Collectives on
+    shared cores")."""
+    if device.core_share >= 1:
+        return []
+    grid = " (this 2-D/3-D grid's most of all)" if tensor_grid in ("2d", "3d") else ""
+    return [f"{1 / device.core_share:.3g} ranks per core: compute is priced time-shared, but collectives between "
+            f"ranks that share cores cost more than their price, measured with a core per rank{grid}; predicted steps of such "
+            "layouts are the least reliable (docs/plan.md, \"Collectives on shared cores\")"]
 
 
 def _extra_kinds(result: dict) -> list:

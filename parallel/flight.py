@@ -11,7 +11,8 @@ operation passes through (parallel/comm.py), and by the run's evidence for its o
    it is the rank's current wait, read by a watchdog thread (layerwise/run/hangs.py);
 3. completion: when that wait returns or `is_completed()` says so.
 The last `size` entries are kept (a ring), the per-group numbers for the whole run. The time spent
-blocked in waits is summed per step: a step's compute time is its step time minus that.
+blocked in waits is summed per step (a step's compute time is its step time minus that) and, for the
+whole run, per group and kind (`waits`: each rank's processes/rank-<k>.json at the end).
 Cost: one small object and two clock reads per operation (benchmarks/overhead.py measures it).
 """
 
@@ -88,6 +89,9 @@ class _Waiting:
         recorder, now = self.recorder, time.monotonic()
         recorder.current = None
         recorder.blocked_s += now - self.start
+        waited = recorder.waited.setdefault((self.operation.group, self.operation.kind), [0, 0.0])
+        waited[0] += 1
+        waited[1] += now - self.start
         if kind is None:
             self.operation.completed = time.time()
             recorder.last_completed = self.operation
@@ -110,6 +114,7 @@ class FlightRecorder:
         self.current = None  # (Operation, monotonic start) while the main thread waits on it
         self.last_completed = None
         self.blocked_s = 0.0  # time blocked in waits since the last `take_blocked`
+        self.waited = {}  # (group, kind) -> [waits, seconds blocked]: the whole run's, by where it waited
         self.last_activity = time.monotonic()  # the last issue or completed wait
         self._index = 0
         self._lock = threading.Lock()
@@ -139,6 +144,12 @@ class FlightRecorder:
     def track(self, operation: Operation, work):
         """The work handle of an asynchronous operation, recorded; None (a synchronous call) as is."""
         return None if work is None else RecordedWork(work, operation, self)
+
+    def waits(self) -> dict:
+        """The run's waits by group and kind ("tensor all_reduce": {"waits", "seconds"}): where this rank's
+        communication cost it time (a collective's whole call, a receive's wait for its message)."""
+        return {f"{group} {kind}": {"waits": count, "seconds": round(seconds, 6)}
+                for (group, kind), (count, seconds) in sorted(self.waited.items())}
 
     def take_blocked(self) -> float:
         """Seconds blocked in waits since the last call (a step's communication wait)."""

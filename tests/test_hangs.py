@@ -262,3 +262,30 @@ def test_a_stopped_ddp_rank_is_named_though_ddp_waits_outside_the_record(tmp_pat
     assert error.rank == 1 and diagnosis["states"]["1"].startswith("stopped (SIGSTOP")
     assert "in flight" in printed[0] and elapsed < TIMEOUT_S + 30
     assert_reruns(tmp_path, capfd, "strategy=ddp")
+
+
+def test_each_rank_records_its_waits_by_group_and_kind(tmp_path):
+    """processes/rank-<k>.json ends with the run's waits by group and kind (parallel/flight.py `waits`):
+    a 1-D tensor pair waits on every all-reduce of its grid (cost/traffic.py's count for the block
+    and head), both ranks on the same number; a 2-stage pipeline's ranks wait on every receive of
+    their plan. The seconds are measured, so only their sign is checked."""
+    from layerwise.planning.inputs import shape_of, training_plan_of
+    from cost.traffic import grid_collectives
+    from strategies.schedule.ir import RECV_ACTIVATION, RECV_GRADIENT
+    common = [*QUICK, "trainer.max_steps=3", "trainer.limit_val_batches=0", "trainer.val_check_interval=3",
+              "trainer.collective_timeout_s=60"]
+    tensor = compose_config(*common, "strategy=tp_1d", "strategy.tensor_grid=2")
+    train(tensor, tmp_path / "tensor", validate(tensor))
+    per_step = grid_collectives("1d", tensor.model.layers, True, shape_of(tensor))
+    for rank in (0, 1):
+        record = json.loads((tmp_path / "tensor" / "processes" / f"rank-{rank}.json").read_text())
+        assert record["steps"] == 3 and record["pid"] > 0
+        assert record["waits"]["tensor all_reduce"]["waits"] == 3 * per_step
+        assert record["waits"]["tensor all_reduce"]["seconds"] > 0
+    pipeline = compose_config(*common, "strategy=modular_pipeline")
+    train(pipeline, tmp_path / "pipeline", validate(pipeline))
+    plan = training_plan_of(pipeline)
+    for rank, row in enumerate(plan.ranks):
+        receives = sum(1 for action in row if action is not None and action.kind in (RECV_ACTIVATION, RECV_GRADIENT))
+        record = json.loads((tmp_path / "pipeline" / "processes" / f"rank-{rank}.json").read_text())
+        assert receives > 0 and record["waits"]["pipeline receive"]["waits"] == 3 * receives, record["waits"]

@@ -479,6 +479,13 @@ class HangWatch(pl.Callback):
                                      self.cfg.trainer.long_timeout_factor, names)
             self.watchdog.start()
 
+    def _write_waits(self, rank: int) -> None:
+        """The rank's waits by group and kind, over its steps, beside its pid in processes/rank-<k>.json
+        (docs/evidence.md): measured communication time, which plan mode prices."""
+        path = processes_directory(self.run_directory) / f"rank-{rank}.json"
+        process = read_json(path) or {}
+        write_json(path, {**process, "steps": self._steps_here, "waits": self.recorder.waits()})
+
     def on_train_batch_start(self, trainer, module, batch, batch_index):
         if self.recorder is None:
             return
@@ -535,6 +542,7 @@ class HangWatch(pl.Callback):
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
+            self._write_waits(trainer.global_rank)
         communicator = trainer.strategy.communicator()
         if communicator is not None:
             communicator.recorder = None

@@ -451,7 +451,7 @@ class HangWatch(pl.Callback):
         self.evidence, self.devices_per_node = evidence, devices_per_node
         self.timeout_s = collective_timeout_s(cfg)
         self.stragglers = StragglerDetector(cfg.trainer.straggler_window) if cfg.trainer.straggler_window else None
-        self.recorder, self.watchdog = None, None
+        self.recorder, self.watchdog, self._process = None, None, {}
         self.compute_s, self._started, self._steps_here, self._reported = 0.0, 0.0, 0, set()
         self.flagged = ""  # the ranks flagged as of this step, for its metrics.csv row
         if self.stragglers is not None and world_size > 1:
@@ -469,22 +469,23 @@ class HangWatch(pl.Callback):
         if self.timeout_s > 0:
             rank = trainer.global_rank
             clear_previous_hang(self.run_directory, rank)
-            directory = processes_directory(self.run_directory)
-            directory.mkdir(parents=True, exist_ok=True)
-            write_json(directory / f"rank-{rank}.json", {"pid": os.getpid(), "host": socket.gethostname(),
-                                                         "node": rank // self.devices_per_node})
+            processes_directory(self.run_directory).mkdir(parents=True, exist_ok=True)
+            self._process = {"pid": os.getpid(), "host": socket.gethostname(), "node": rank // self.devices_per_node}
+            write_json(self._process_path(rank), self._process)
             names = {"strategy": self.cfg.strategy.name, "model": self.cfg.model.name,
                      "hardware": self.cfg.hardware.name, "data": self.cfg.data.name}
             self.watchdog = Watchdog(self.recorder, rank, self.world_size, self.run_directory, self.timeout_s,
                                      self.cfg.trainer.long_timeout_factor, names)
             self.watchdog.start()
 
+    def _process_path(self, rank: int) -> Path:
+        return processes_directory(self.run_directory) / f"rank-{rank}.json"
+
     def _write_waits(self, rank: int) -> None:
         """The rank's waits by group and kind, over its steps, beside its pid in processes/rank-<k>.json
         (docs/evidence.md): measured communication time, which plan mode prices."""
-        path = processes_directory(self.run_directory) / f"rank-{rank}.json"
-        process = read_json(path) or {}
-        write_json(path, {**process, "steps": self._steps_here, "waits": self.recorder.waits()})
+        write_json(self._process_path(rank), {**self._process, "steps": self._steps_here,
+                                              "waits": self.recorder.waits()})
 
     def on_train_batch_start(self, trainer, module, batch, batch_index):
         if self.recorder is None:

@@ -224,6 +224,12 @@ class Plan:
         return {action: dependencies(action, self) for _, _, action in self.positions()}
 
     @cached_property
+    def order(self) -> RunOrder:
+        """The actions numbered in an order a dry run can start them (`RunOrder`): computed once, since
+        the order does not depend on costs, and walked by the simulator once per cost model."""
+        return RunOrder.of(self)
+
+    @cached_property
     def kinds(self) -> frozenset[str]:
         """The kinds of action the plan holds: a pass's rule can apply only to plans holding its own kinds."""
         return frozenset(action.kind for _, _, action in self.positions())
@@ -247,6 +253,42 @@ class Plan:
 def _cell(action: Action | None, marked: bool) -> str:
     text = "·" if action is None else str(action)
     return f">>{text}<<" if marked else text
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOrder:
+    """A plan's actions in an order a dry run can start them: each after its rank's previous action
+    and every action it `needs`, as numbers the simulator indexes (no action hashed per visit).
+    `stuck` is each rank's cursor where the dry run stopped (a cyclic wait), None if all ran."""
+
+    actions: tuple[Action, ...]
+    rank: tuple[int, ...]
+    previous: tuple[int, ...]  # the number of the rank's previous action; -1 for its first
+    needs: tuple[tuple[int, ...], ...]  # the numbers of `Plan.needs`
+    stuck: tuple[int, ...] | None
+
+    @classmethod
+    def of(cls, plan: Plan) -> RunOrder:
+        """Sweep the ranks, each as far as its needs are numbered, until no rank moves."""
+        number, cursor, last = {}, [0] * len(plan.ranks), [-1] * len(plan.ranks)
+        actions, ranks, previous, needs = [], [], [], []
+        moved = True
+        while moved:
+            moved = False
+            for rank, row in enumerate(plan.ranks):
+                while cursor[rank] < len(row):
+                    action = row[cursor[rank]]
+                    if action is not None:
+                        needed = tuple(number.get(dependency) for dependency in plan.needs[action])
+                        if None in needed:
+                            break
+                        previous.append(last[rank])
+                        number[action] = last[rank] = len(actions)
+                        actions.append(action), ranks.append(rank), needs.append(needed)
+                    cursor[rank] += 1
+                    moved = True
+        done = all(cursor[rank] == len(row) for rank, row in enumerate(plan.ranks))
+        return cls(tuple(actions), tuple(ranks), tuple(previous), tuple(needs), None if done else tuple(cursor))
 
 
 class PlanError(ValueError):

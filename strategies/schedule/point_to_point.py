@@ -27,6 +27,7 @@ accepts has an order both sides follow.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import heapq
@@ -118,10 +119,11 @@ def _constraints(messages: list[Message]) -> tuple[dict, dict]:
         sends = sorted((m for m in messages if m.sender == rank), key=lambda m: m.send_slot)
         for first, then in zip(sends, sends[1:]):
             edge(first, then)
+        slots = [send.send_slot for send in sends]
         for received in (m for m in messages if m.receiver == rank):
-            later = next((send for send in sends if send.send_slot > received.receive_slot), None)
-            if later is not None:  # the later sends follow `later` through the chain
-                edge(received, later)
+            later = bisect.bisect_right(slots, received.receive_slot)  # the first send after its wait
+            if later < len(sends):  # the later sends follow it through the chain
+                edge(received, sends[later])
     return successors, waiting
 
 

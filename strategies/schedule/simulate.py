@@ -104,39 +104,27 @@ def flop_cost(forward_flops_per_stage: Sequence[float] | float, flops_per_second
 def simulate(plan: Plan, cost: Cost = unit_cost, core_share: float = 1.0) -> Timeline:
     """Time `plan` under `cost`; PlanError with the waiting actions marked if it gets stuck (a cyclic wait).
 
-    Repeatedly runs every rank as far as its dependencies allow; each started action's time is
-    fixed by its rank's previous end and its dependencies' ends, so the sweep order does not matter.
+    Walks the plan's run order (`Plan.order`, numbered once per plan): an action starts at the later
+    of its rank's previous end and its dependencies' ends, so any order a dry run can take gives the
+    same times, and the layout search's many cost models of one plan share its order.
     `core_share` < 1 (cores ÷ ranks of a CPU node) runs the same rules in time order with the cores
     shared (`_shared_cores`): `cost` is then a compute action's seconds on a core of its own.
     """
     if core_share < 1:
         return _shared_cores(plan, cost, core_share)
-    cursor = [0] * plan.pipeline_degree
+    order = plan.order  # each action starts when its rank's previous one and its needs have ended
+    if order.stuck is not None:
+        raise _stuck(plan, list(order.stuck), set(order.actions))
+    ends: list[float] = []
     timed: list[list[TimedAction]] = [[] for _ in plan.ranks]
-    end: dict[Action, float] = {}
-    while _advance(plan, cost, cursor, timed, end):
-        pass
-    if any(cursor[rank] < len(row) for rank, row in enumerate(plan.ranks)):
-        raise _stuck(plan, cursor, end)
+    for action, rank, previous, needs in zip(order.actions, order.rank, order.previous, order.needs):
+        start = ends[previous] if previous >= 0 else 0.0
+        for need in needs:
+            if ends[need] > start:
+                start = ends[need]
+        ends.append(start + cost(action))
+        timed[rank].append(TimedAction(action, start, ends[-1]))
     return Timeline(tuple(tuple(row) for row in timed), plan.name)
-
-
-def _advance(plan: Plan, cost: Cost, cursor: list[int], timed: list[list[TimedAction]], end: dict) -> bool:
-    """Run every rank as far as its dependencies allow; report whether anything ran."""
-    progressed, needs = False, plan.needs
-    for rank, row in enumerate(plan.ranks):
-        while cursor[rank] < len(row):
-            action = row[cursor[rank]]
-            if action is not None:
-                ready = [end.get(dependency) for dependency in needs[action]]
-                if None in ready:
-                    break
-                start = max([timed[rank][-1].end if timed[rank] else 0.0, *ready])
-                end[action] = start + cost(action)
-                timed[rank].append(TimedAction(action, start, end[action]))
-            cursor[rank] += 1
-            progressed = True
-    return progressed
 
 
 def _shared_cores(plan: Plan, cost: Cost, share: float) -> Timeline:

@@ -270,8 +270,7 @@ class RunOrder:
     @classmethod
     def of(cls, plan: Plan) -> RunOrder:
         """Sweep the ranks, each as far as its needs are numbered, until no rank moves."""
-        number, cursor, last = {}, [0] * len(plan.ranks), [-1] * len(plan.ranks)
-        actions, ranks, previous, needs = [], [], [], []
+        number, cursor, last, entries = {}, [0] * len(plan.ranks), [-1] * len(plan.ranks), []
         moved = True
         while moved:
             moved = False
@@ -282,13 +281,14 @@ class RunOrder:
                         needed = tuple(number.get(dependency) for dependency in plan.needs[action])
                         if None in needed:
                             break
-                        previous.append(last[rank])
-                        number[action] = last[rank] = len(actions)
-                        actions.append(action), ranks.append(rank), needs.append(needed)
+                        number[action] = len(entries)
+                        entries.append((action, rank, last[rank], needed))
+                        last[rank] = number[action]
                     cursor[rank] += 1
                     moved = True
         done = all(cursor[rank] == len(row) for rank, row in enumerate(plan.ranks))
-        return cls(tuple(actions), tuple(ranks), tuple(previous), tuple(needs), None if done else tuple(cursor))
+        actions, ranks, previous, needs = zip(*entries) if entries else ((), (), (), ())
+        return cls(actions, ranks, previous, needs, None if done else tuple(cursor))
 
 
 class PlanError(ValueError):

@@ -291,6 +291,30 @@ def test_cyclic_wait_marks_both_ranks():
     assert error.value.marks == ((0, 0), (1, 0))
 
 
+@pytest.mark.parametrize("schedule, stages_per_rank", [("gpipe", 1), ("interleaved_one_f_one_b", 2), ("zbv", 2),
+                                                      ("zero_bubble_h2", 1)])
+def test_run_order_numbers_each_action_after_its_rank_predecessor_and_its_needs(schedule, stages_per_rank):
+    """Plan.order, the walk `simulate` makes: every action once, each rank's in its list's order, each
+    after its rank's previous action and after every action it needs; a cyclic wait stops it where
+    both ranks wait, and the simulator reports those slots."""
+    plan = full(build_plan(schedule, pipeline_degree=4, stages=4 * stages_per_rank, micro_batches=8))
+    order = plan.order
+    number = {action: index for index, action in enumerate(order.actions)}
+    assert order.stuck is None and len(number) == sum(action is not None for _, _, action in plan.positions())
+    for rank, row in enumerate(plan.ranks):
+        mine = [number[action] for action in row if action is not None]
+        assert mine == sorted(mine) and {order.rank[index] for index in mine} == {rank}
+        assert [order.previous[index] for index in mine] == [-1, *mine[:-1]]
+    for index, action in enumerate(order.actions):
+        assert order.needs[index] == tuple(number[need] for need in plan.needs[action])
+        assert all(need < index for need in order.needs[index])
+    cyclic = broken(["0B0←1 0F0 0F0→1 0B0", "1F0←0 1F0 1B0 1B0→0"])
+    assert cyclic.order.stuck == (0, 0) and cyclic.order.actions == ()
+    with pytest.raises(PlanError) as error:
+        simulate(cyclic)
+    assert error.value.marks == ((0, 0), (1, 0))
+
+
 def test_validator_accepts_compute_only_and_hand_made_plans():
     validate_plan(broken(["0F0 0B0", "1F0 1B0"]))
     validate_plan(broken(["0F0 0F0→1 0B0←1 0B0 0R", "1F0←0 1F0 1B0 1B0→0 1R"]))

@@ -30,14 +30,14 @@ def table(result: dict, device: Device) -> str:
     return "\n".join(lines)
 
 
-def caveats(device: Device, tensor_grid) -> list:
+def caveats(device: Device, tensor_parallel) -> list:
     """What the reader of this plan should know of its accuracy: where ranks outnumber the cores, the
     collectives between them are priced at a table measured with a core per rank, and the 2-D and 3-D
     grids ran slower than predicted on the machine it was checked on (docs/plan.md, "Collectives on
     shared cores")."""
     if device.core_share >= 1:
         return []
-    grid = " (this 2-D/3-D grid's most of all)" if tensor_grid in ("2d", "3d") else ""
+    grid = " (this 2-D/3-D grid's most of all)" if tensor_parallel in ("2d", "3d") else ""
     return [f"{1 / device.core_share:.3g} ranks per core: compute is priced time-shared, but collectives between "
             f"ranks that share cores cost more than their price, measured with a core per rank{grid}; predicted steps of such "
             "layouts are the least reliable (docs/plan.md, \"Collectives on shared cores\")"]

@@ -110,11 +110,11 @@ def simulate(plan: Plan, cost: Cost = unit_cost, core_share: float = 1.0) -> Tim
     `core_share` < 1 (cores ÷ ranks of a CPU node) runs the same rules in time order with the cores
     shared (`_shared_cores`): `cost` is then a compute action's seconds on a core of its own.
     """
+    order = plan.order  # each action starts when its rank's previous one and its needs have ended
+    if order.stuck is not None:  # a cyclic wait: a property of the plan, whatever the costs
+        raise _stuck(plan, order.stuck, set(order.actions))
     if core_share < 1:
         return _shared_cores(plan, cost, core_share)
-    order = plan.order  # each action starts when its rank's previous one and its needs have ended
-    if order.stuck is not None:
-        raise _stuck(plan, list(order.stuck), set(order.actions))
     ends: list[float] = []
     timed: list[list[TimedAction]] = [[] for _ in plan.ranks]
     for action, rank, previous, needs in zip(order.actions, order.rank, order.previous, order.needs):
@@ -132,7 +132,8 @@ def _shared_cores(plan: Plan, cost: Cost, share: float) -> Timeline:
     plan's p ranks compute (each standing for ranks ÷ p of the node: its data and tensor peers run
     the same list) each advances at min(1, share · p ÷ n) of a core; a rank that waits (a bubble, a
     message's or a reduction's latency: non-compute actions keep their cost) leaves its core to the
-    others. Event by event: start what can start, run to the next completion."""
+    others. Event by event: start what can start, run to the next completion (`simulate` has refused
+    a plan with a cyclic wait, so every action starts)."""
     cursor, now, end = [0] * plan.pipeline_degree, 0.0, {}
     timed: list[list[TimedAction]] = [[] for _ in plan.ranks]
     running: dict[int, list] = {}  # rank -> [action, start, seconds left] (a wait's at full speed)
@@ -159,20 +160,18 @@ def _shared_cores(plan: Plan, cost: Cost, share: float) -> Timeline:
                 end[action] = now
                 timed[rank].append(TimedAction(action, start, now))
                 del running[rank]
-    if any(cursor[rank] < len(row) for rank, row in enumerate(plan.ranks)):
-        raise _stuck(plan, cursor, end)
     return Timeline(tuple(tuple(row) for row in timed), plan.name)
 
 
-def _stuck(plan: Plan, cursor: list[int], end: dict) -> PlanError:
-    """Describe every blocked rank: where it waits, and for what."""
+def _stuck(plan: Plan, cursor: Sequence[int], ended: set) -> PlanError:
+    """Describe every blocked rank: where it waits (its `cursor`), and for what (what has not `ended`)."""
     where = {action: (rank, slot) for rank, slot, action in plan.positions()}
     waits, marks = [], []
     for rank, row in enumerate(plan.ranks):
         if cursor[rank] < len(row):
             action = row[cursor[rank]]
             missing = [_describe(dependency, where, rank) for dependency in dependencies(action, plan)
-                       if dependency not in end]
+                       if dependency not in ended]
             waits.append(f"rank {rank} waits at {action} for {', '.join(missing)}")
             marks.append((rank, cursor[rank]))
     return PlanError(f"Dry run is stuck (cyclic wait): {'; '.join(waits)}.", plan, marks)

@@ -26,20 +26,19 @@ def test_fit_recovers_a_fixed_cost_and_a_rate():
 
 def test_a_sample_repeats_short_work_until_it_lasts_the_sample_time():
     """Local work is timed in samples of at least `sample_s` (one call of a small product is within
-    the timer's and the scheduler's noise); the result is still seconds per call."""
-    import time
-    calls = []
+    the timer's and the scheduler's noise); the result is still seconds per call. The clock is one
+    only the work advances (1 ms a call), so the counts are exact whatever else the machine runs
+    (issue 55: a busy loop against the wall clock failed under load, 3.1 ms for 1 ms of work)."""
+    now, calls = [0.0], []
 
     def work() -> None:
         calls.append(1)
-        end = time.perf_counter() + 1e-3
-        while time.perf_counter() < end:  # 1 ms of busy work per call
-            pass
-    per_call = median_seconds(work, 3, sample_s=0.02)
-    assert 1e-3 <= per_call < 2e-3
-    assert len(calls) >= 2 + 3 * 10  # warm-up, sizing call, then 3 samples of 10-20 calls each
+        now[0] += 1e-3
+    per_call = median_seconds(work, 3, sample_s=0.02, clock=lambda: now[0])
+    assert per_call == pytest.approx(1e-3)
+    assert len(calls) == 2 + 3 * 20  # warm-up, sizing call, then 3 samples of 0.02 s / 1 ms calls
     calls.clear()
-    median_seconds(work, 3)  # sample_s 0 (collectives: every rank must make the same calls): one call each
+    median_seconds(work, 3, clock=lambda: now[0])  # sample_s 0 (collectives: every rank must make the same calls): one call each
     assert len(calls) == 4
 
 

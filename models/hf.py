@@ -294,20 +294,26 @@ class PartWeights:
 
 
     @torch.no_grad()
-    def read_cut(self, name: str, shape, cut, device) -> torch.Tensor:
+    def read_cut(self, name: str, shape, cut, device, dtype: torch.dtype = None) -> torch.Tensor:
         """`cut(full)` for our parameter `name` of `shape`, reading only the rows and columns the
         cut covers (`get_slice`): the cut is applied to a meta tensor, and when it is a view (a
-        chunk, as tensor parallelism's are) its strides and offset give the rectangle to read."""
+        chunk, as tensor parallelism's are) its strides and offset give the rectangle to read.
+
+        The shard is cast to `dtype`, the master weights' (default: torch's default dtype, which
+        build_part's parameters have), as `__call__`'s copy_ casts a whole part: checkpoints ship
+        in bf16 (Llama, Mistral, Qwen2), and a shard left bf16 beside fp32 norms would train in
+        bf16 under `32-true`. bf16 -> fp32 is exact, so shards equal the whole-part load's cut."""
+        dtype = dtype or torch.get_default_dtype()
         theirs, transposed = hf_name(self.architecture, name, self.tied)
         full = torch.empty(shape, device="meta")
         view = cut(full)
         rectangle = None if transposed or not view._is_view() else _rectangle(shape, view)
         if rectangle is None:  # not a plain slice (fused q/k/v interleaved, Conv1D): the whole tensor
             value = self.files.get(theirs)
-            return cut(value.t() if transposed else value).to(device).contiguous()
+            return cut(value.t() if transposed else value).to(device, dtype).contiguous()
         rows, columns, strides = rectangle
         value = self.files.read(theirs, rows, None if len(shape) == 1 else columns)
-        return value.as_strided(view.shape, strides).to(device).contiguous()
+        return value.as_strided(view.shape, strides).to(device, dtype).contiguous()
 
 
 def _rectangle(shape, view):

@@ -143,7 +143,8 @@ def parallelize(model: nn.Module, layout, device=None, parts=None, loss_over_dat
                 parent, _, child = name.rpartition(".")
                 shard = None if read_cut is None else (
                     lambda path, leaf, full, name=name, style=style: read_cut(
-                        f"{name}.{path}", full.shape, lambda t: cut(grid, style, leaf, t), device))
+                        f"{name}.{path}", full.shape, lambda t: cut(grid, style, leaf, t), device,
+                        full.dtype))  # the master dtype, whatever the file's (bf16 checkpoints)
                 module = model.get_submodule(name)
                 replacement = parallel_module(module, style, grid, layout, shard)
                 if replacement is module and on_meta(module):  # kept whole (1-D norms): filled whole

@@ -49,6 +49,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as _SubmititSlurm
 from omegaconf import OmegaConf, open_dict, read_write
 
+from layerwise.config.machine import rank_threads
 from layerwise.run.preemption import PREEMPTION, TIMEOUT_VARIABLE, exit_after_requeue, install_preemption_handler
 
 OWN_KEYS = ("process_group_timeout_s", "max_requeues")  # launcher keys of ours, not submitit's
@@ -306,7 +307,9 @@ class SlurmLauncher(_SubmititSlurm):
         install_preemption_handler()  # before anything slow: submitit's USR2 handler is replaced
         if self.process_group_timeout_s:
             os.environ.setdefault(TIMEOUT_VARIABLE, str(int(self.process_group_timeout_s)))
-        torch.set_num_threads(max(1, int(os.environ.get("SLURM_CPUS_PER_TASK", "1"))))
+        # SLURM_CPUS_PER_TASK where set; else CPU ranks 1, GPU ranks their share of the node
+        torch.set_num_threads(rank_threads(self.config.hardware.accelerator,
+                                           int(os.environ.get("SLURM_NTASKS_PER_NODE", "1"))))
         Singleton.set_state(singleton_state)
         setup_globals()
         sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, sweep_overrides)

@@ -107,3 +107,27 @@ def core_peak_flops(dtype: str) -> float:
 def machine_cores() -> int:
     """The cores this process may run on (its affinity, which a batch scheduler may narrow)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def rank_threads(accelerator: str, ranks_on_node: int, cores: int = None, environ=None) -> int:
+    """torch's intra-op threads for one rank of a run (every launcher sets them from here).
+
+    1. Slurm's SLURM_CPUS_PER_TASK, where set: the cores Slurm gave this task
+       (`hydra.launcher.cpus_per_task`), whatever the device;
+    2. a CPU rank: 1. The ranks of a node share its cores for their compute; more threads per
+       rank only contend (two intra-op threads on 2 shared cores mostly spin-wait:
+       layerwise/reproduce/l2l.py);
+    3. a GPU rank: its share of the node's cores, `cores // ranks_on_node`, at least 1. Its compute
+       is on the GPU; the host runs its data loading and, under L2L, the AdamW update of the host
+       store, which on one thread would use 1 of the 16 or more cores a node has per GPU.
+    `cores`: the node's cores this process may use (default `machine_cores()`); `environ`: the
+    process's environment (default os.environ).
+    """
+    environ = os.environ if environ is None else environ
+    slurm = environ.get("SLURM_CPUS_PER_TASK")
+    if slurm:
+        return max(1, int(slurm))
+    if accelerator != "gpu":
+        return 1
+    cores = machine_cores() if cores is None else cores
+    return max(1, cores // max(1, ranks_on_node))

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.multiprocessing as multiprocessing
 
+from layerwise.config.machine import rank_threads
 from layerwise.run.hangs import HUNG_EXIT_CODE, fresh, process_state, read_json
 
 RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
@@ -132,11 +133,11 @@ def close_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
-def _rank_entry(function, rank, world_size, ranks_per_node, port, results, arguments):
+def _rank_entry(function, rank, world_size, ranks_per_node, port, results, arguments, threads=1):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                       RANK=str(rank), LOCAL_RANK=str(rank % ranks_per_node),
                       NODE_RANK=str(rank // ranks_per_node))
-    torch.set_num_threads(1)  # ranks share the cores; more threads per rank only contend
+    torch.set_num_threads(threads)  # rank_threads: CPU ranks share the cores, GPU ranks get their share
     code = 0
     try:
         results.put((rank, "ok", function(rank, *arguments)))
@@ -173,8 +174,10 @@ def run_ranks(function, world_size: int, *arguments, timeout: Optional[float] = 
     results = context.Queue()
     port = free_port()
     per_node = ranks_per_node or world_size
+    # spawn is GPU ranks' start method (start_method): each gets its share of its node's cores
+    threads = rank_threads("gpu" if method == "spawn" else "cpu", per_node)
     processes = [context.Process(target=_rank_entry, daemon=False,
-                                 args=(function, rank, world_size, per_node, port, results, arguments))
+                                 args=(function, rank, world_size, per_node, port, results, arguments, threads))
                  for rank in range(world_size)]
     for process in processes:
         process.start()

@@ -43,19 +43,33 @@ class DeviceCopier:
     On CUDA the copy runs on a side stream from pinned memory (non_blocking), so the next layer's
     weights arrive while this one computes; each copy records its own event, and `wait_for(t)`
     makes the compute stream wait for the copies of `t` only (not for the prefetch still in flight).
+    A copy is found by its *storage*, the buffer the side stream writes: a view or a `.detach()` of
+    a copy is a new tensor object over the same bytes (the backward reads `x.detach()`), so a lookup
+    by tensor object would find no event and let the compute stream read the bytes before they land.
     On CPU the "device" is the same DRAM: a copy is a fresh tensor that the memory meter counts.
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.in_flight = WeakIdKeyDictionary()  # device tensor -> the event its copy recorded
+        # untyped storage -> the event its copy recorded; weak: a freed copy takes its entry along.
+        # A storage's Python object lives as long as the storage (torch preserves it), so every
+        # tensor over these bytes finds the same key.
+        self.in_flight = WeakIdKeyDictionary()
 
     @torch.no_grad()
     def to_device(self, host: torch.Tensor, cast: bool = True) -> torch.Tensor:
         dtype = self.dtype if cast and host.is_floating_point() else host.dtype
+        device, event = self.issue(host, dtype)
+        if event is not None:
+            self.in_flight[device.untyped_storage()] = event
+        return device
+
+    def issue(self, host: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """Start one copy: (the device tensor, the event the side stream records after it; None
+        where the copy is complete on return, as on the CPU)."""
         if self.stream is None:
-            return host.to(dtype=dtype, copy=True)
+            return host.to(dtype=dtype, copy=True), None
         with host_side():  # cast on the host so that only compute-dtype bytes cross the bus
             staged = host.to(dtype=dtype).pin_memory()
         with torch.cuda.stream(self.stream):
@@ -63,21 +77,26 @@ class DeviceCopier:
             event = torch.cuda.Event()
             event.record(self.stream)
         device.record_stream(torch.cuda.current_stream(self.device))
-        self.in_flight[device] = event
-        return device
+        return device, event
 
     def wait_for(self, *tensors) -> None:
-        """The compute stream waits for these tensors' copies (a tensor computed here: no wait)."""
+        """The compute stream waits for the copies that wrote these tensors' storages (a tensor
+        computed here, or a copy already awaited: no wait)."""
         for tensor in tensors:
-            event = self.in_flight.pop(tensor, None) if isinstance(tensor, torch.Tensor) else None
-            if event is not None:
-                torch.cuda.current_stream(self.device).wait_event(event)
+            if isinstance(tensor, torch.Tensor):
+                event = self.in_flight.pop(tensor.untyped_storage(), None)
+                if event is not None:
+                    self.compute_waits(event)
+
+    def compute_waits(self, event) -> None:
+        """The compute stream waits, on the device, until `event` (one copy's) has happened."""
+        torch.cuda.current_stream(self.device).wait_event(event)
 
     def ready(self) -> None:
         """The compute stream waits for every copy issued so far."""
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self.in_flight = WeakIdKeyDictionary()
+        self.in_flight = WeakIdKeyDictionary()
 
     @torch.no_grad()
     def to_host(self, device: torch.Tensor, dtype=None) -> torch.Tensor:

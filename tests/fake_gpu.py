@@ -258,60 +258,101 @@ class DeviceSyncCounter:
         add_callbacks(set_attribute, End(), first=[Start()])
 
 
-# ----- copies in flight on a side stream (issue 37, item 7)
+# ----- copies in flight on a side stream (issue 37, item 7; issue 54, defect 1)
 
 class InFlightCopies:
-    """L2L's host -> device copies as a CUDA side stream makes them: each result is in flight until
-    the compute stream waits for it — `DeviceCopier.wait_for(tensor)` (its own event) or
-    `DeviceCopier.ready()` (everything issued so far). A TorchDispatchMode on the thread driving
-    the device fails any operator that reads a tensor still in flight: on a GPU it would read
-    whatever the buffer held. `install(set_attribute)` covers every training step train.py runs.
+    """L2L's host -> device copies as a CUDA side stream makes them, keyed as CUDA keys them.
+
+    A copy writes a buffer (a storage) and records an event; the bytes have landed for the compute
+    stream only once it has waited on that event. So `DeviceCopier.issue` (the code's one copy) hands
+    the code an emulated event and puts the result's storage in flight; the storage lands only when
+    the code passes *that* event to `DeviceCopier.compute_waits` (what its own lookup in `wait_for`
+    found), or when `DeviceCopier.ready()` waits for the whole stream. A lookup that finds no event
+    therefore leaves the bytes in flight, as on a GPU: the emulation learns nothing from the tensors
+    `wait_for` was given, only from the events the code found for them. A TorchDispatchMode on the
+    thread driving the device flags any operator that reads a storage still in flight (views and
+    shape-only operators read no data): on a GPU it would read whatever the buffer held.
+
+    Stricter than CUDA on one point, on purpose: a real side stream is in order, so a wait on a later
+    copy's event also covers the earlier ones (issue 54: the dropout mask's wait hid an unfound
+    stashed input). Here each copy needs its own wait, the code's contract (`wait_for(t)` waits for
+    t's copies only), since a neighbour's wait covers nothing once that copy moves or is not made.
+
+    `fail=True`: the first such read raises (the run stops there). `fail=False`: each is recorded in
+    `reads` ("operator shape of copy n") and the run goes on, to count them; `issued` and `awaited` count the
+    copies and the waits that found one. `install(set_attribute)` covers every training step
+    train.py runs; `patch(set_attribute)` returns the mode, for a test that drives a Relay itself.
     """
 
-    def install(self, set_attribute) -> None:
-        import lightning.pytorch as pl
+    def __init__(self, fail: bool = True):
+        self.fail, self.reads, self.issued, self.awaited = fail, [], 0, 0
+
+    def patch(self, set_attribute):
         import torch
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_flatten
         from torch.utils.weak import WeakIdKeyDictionary
 
-        from tests.ranks import add_callbacks
         import strategies.l2l as l2l
 
-        in_flight = WeakIdKeyDictionary()  # storage -> what the copy carried
+        copies = self
+        in_flight = WeakIdKeyDictionary()  # storage -> its copy's event, until the compute stream waits on it
         aten = torch.ops.aten
         # these read a tensor's shape, not its data (a view is checked where its data is read)
         shape_only = {aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.detach}
 
+        class SideStreamEvent:
+            """The event copy `number` records on the side stream; `waited` once the compute stream waited on it."""
+            waited = False
+
+            def __init__(self, number):
+                self.number = number
+
+        def unlanded(tensor):
+            event = in_flight.get(tensor.untyped_storage())
+            return event if event is not None and not event.waited else None
+
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func.is_view or func.overloadpacket in shape_only:
-                    return func(*args, **(kwargs or {}))
-                for tensor in tree_flatten((args, kwargs or {}))[0]:
-                    if isinstance(tensor, torch.Tensor) and tensor.untyped_storage() in in_flight:
-                        raise RuntimeError(f"{func} read a {tuple(tensor.shape)} tensor whose copy to the "
-                                           f"device the compute stream never waited for")
+                if not (func.is_view or func.overloadpacket in shape_only):
+                    for tensor in tree_flatten((args, kwargs or {}))[0]:
+                        event = unlanded(tensor) if isinstance(tensor, torch.Tensor) else None
+                        if event is not None:
+                            copies.reads.append(f"{func} {tuple(tensor.shape)} of copy {event.number}")
+                            if copies.fail:
+                                raise RuntimeError(f"{func} read a {tuple(tensor.shape)} tensor whose copy to the "
+                                                   f"device the compute stream never waited for")
                 return func(*args, **(kwargs or {}))
 
-        mode = Mode()
-        to_device = l2l.DeviceCopier.to_device
-        ready = l2l.DeviceCopier.ready
-        wait_for = getattr(l2l.DeviceCopier, "wait_for", None)
+        issue, ready = l2l.DeviceCopier.issue, l2l.DeviceCopier.ready
 
-        def copied(copier, host, *arguments, **keywords):
-            tensor = to_device(copier, host, *arguments, **keywords)
-            in_flight[tensor.untyped_storage()] = True
-            return tensor
+        def issued(copier, host, dtype):
+            tensor, event = issue(copier, host, dtype)  # the CPU copy: complete, no event of its own
+            assert event is None, "the emulation stands in for the side stream of a CPU device only"
+            copies.issued += 1
+            event = SideStreamEvent(copies.issued)
+            in_flight[tensor.untyped_storage()] = event
+            return tensor, event
+
+        def waited(copier, event):
+            event.waited = True  # only this copy's bytes: see the class docstring
+            copies.awaited += 1
 
         def all_ready(copier):
-            in_flight.clear()
+            in_flight.clear()  # the compute stream waited for the whole side stream
             return ready(copier)
 
-        def waited(copier, *tensors):
-            for tensor in tensors:
-                if isinstance(tensor, torch.Tensor):
-                    in_flight.pop(tensor.untyped_storage(), None)
-            return wait_for(copier, *tensors)
+        set_attribute(l2l.DeviceCopier, "issue", issued)
+        set_attribute(l2l.DeviceCopier, "compute_waits", waited)
+        set_attribute(l2l.DeviceCopier, "ready", all_ready)
+        return Mode()
+
+    def install(self, set_attribute) -> None:
+        import lightning.pytorch as pl
+
+        from tests.ranks import add_callbacks
+
+        mode = self.patch(set_attribute)
 
         class Start(pl.Callback):
             def on_train_batch_start(self, trainer, module, batch, batch_index):
@@ -321,9 +362,5 @@ class InFlightCopies:
             def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
                 mode.__exit__(None, None, None)
 
-        set_attribute(l2l.DeviceCopier, "to_device", copied)
-        set_attribute(l2l.DeviceCopier, "ready", all_ready)
-        if wait_for is not None:
-            set_attribute(l2l.DeviceCopier, "wait_for", waited)
         # first in, last out: the evidence's memory meter enters and leaves inside this window
         add_callbacks(set_attribute, End(), first=[Start()])

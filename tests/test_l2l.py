@@ -277,16 +277,18 @@ def test_check_names_the_field_and_the_fix():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_relay_matches_cpu():  # pragma: no cover - no GPU on the development machine
-    """Three relay steps (m = 2, eager AdamW updates on the host) on CUDA equal three on the CPU:
-    every step's loss, then every parameter of the host copy the relay updated."""
+@pytest.mark.parametrize("constant_memory", [False, True], ids=["std", "const"])
+def test_cuda_relay_matches_cpu(constant_memory):  # pragma: no cover - no GPU on the development machine
+    """Three relay steps (m = 2, eager AdamW updates on the host, dropout 0) on CUDA equal three on
+    the CPU: every step's loss, then every parameter of the host copy the relay updated. The const
+    variant's backward reads detached host-stashed inputs copied on the side stream (issue 54)."""
     cpu_model, gpu_model = tiny_model(dropout=0.0), tiny_model(dropout=0.0)
     for parameter in gpu_model.parameters():
         parameter.data = parameter.data.pin_memory()
     losses, trace = {}, OptimizerTrace()
     for model, device in ((cpu_model, "cpu"), (gpu_model, "cuda")):
         relay = Relay(model, build_optimizer(OPTIMIZER, model.named_parameters()), Communicator(),
-                      Group("data", (0,)), 2, device=torch.device(device))
+                      Group("data", (0,)), 2, constant_memory=constant_memory, device=torch.device(device))
         generator = torch.Generator().manual_seed(0)
         losses[device] = []
         for _ in range(3):
@@ -303,23 +305,76 @@ def test_cuda_relay_matches_cpu():  # pragma: no cover - no GPU on the developme
                            cpu_model.state_dict(), trace)
 
 
-@pytest.mark.parametrize("constant_memory", [False, True])
-def test_every_copy_to_the_device_is_awaited_before_it_is_read(constant_memory, monkeypatch, tmp_path):
+def test_a_view_or_detach_of_a_copy_finds_its_event(monkeypatch):
+    """A copy is found by the storage it wrote: the backward reads `x.detach()`, a new tensor object
+    over x's bytes, and must wait for x's copy (issue 54, defect 1). Under tests/fake_gpu.py's side
+    stream, reading before the wait is flagged, and a wait through a view or a detach lands it."""
+    from strategies.l2l import DeviceCopier
+    from tests.fake_gpu import InFlightCopies
+
+    copies = InFlightCopies(fail=False)
+    mode = copies.patch(monkeypatch.setattr)
+    copier = DeviceCopier(torch.device("cpu"), torch.float32)
+    for alias in (lambda x: x.detach(), lambda x: x[1:], lambda x: x.detach().requires_grad_(True)):
+        copy = copier.to_device(torch.ones(4, 2))
+        with mode:
+            alias(copy).sum()
+        assert len(copies.reads) == 1, copies.reads  # read in flight
+        copier.wait_for(alias(copy))
+        with mode:
+            copy.sum()
+        assert len(copies.reads) == 1 and not copier.in_flight, copies.reads  # landed, nothing left to find
+        copies.reads.clear()
+    assert copies.issued == copies.awaited == 3
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("constant_memory", [False, True], ids=["std", "const"])
+def test_relay_reads_no_copy_before_its_own_wait(constant_memory, dropout, monkeypatch):
+    """Two relay steps (m = 2, 3 blocks) under tests/fake_gpu.py's side stream: no operator reads a
+    copy the compute stream has not waited on by that copy's own event. Before issue 54's fix the
+    backward of every stage s > 0 read the `.detach()` of a host-stashed input, whose event a lookup
+    by tensor object missed: 44 reads of 16 never-awaited copies with constant_memory, dropout 0 or
+    0.1 (on CUDA the mask's wait happened to cover the latter). Every copy is awaited, once."""
+    from tests.fake_gpu import InFlightCopies
+
+    copies = InFlightCopies(fail=False)
+    mode = copies.patch(monkeypatch.setattr)
+    model = tiny_model(dropout=dropout)
+    relay = Relay(model, build_optimizer(OPTIMIZER, model.named_parameters()), Communicator(), Group("data", (0,)),
+                  2, constant_memory=constant_memory)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        tokens, targets = (torch.randint(0, 64, (4, 16), generator=generator) for _ in range(2))
+        relay.store.optimizer.zero_grad(set_to_none=True)
+        with mode:
+            relay.step(tokens, targets)
+    relay.close()
+    assert copies.issued > 0 and copies.reads == [], f"{len(copies.reads)} reads of unawaited copies: {copies.reads[:3]}"
+    assert copies.awaited == copies.issued
+
+
+@pytest.mark.parametrize("constant_memory, dropout", [(False, 0.1), (True, 0.1), (True, 0.0)],
+                         ids=["std_dropout", "const_dropout", "const_no_dropout"])
+def test_every_copy_to_the_device_is_awaited_before_it_is_read(constant_memory, dropout, monkeypatch, tmp_path):
     """On CUDA the relay copies on a side stream: dropout masks, targets and (constant_memory) the
     stashed dx were copied after the compute stream's last wait and read unawaited (issue 37,
-    item 7). tests/fake_gpu.py keeps each copy in flight until awaited and fails on reading one."""
+    item 7), and with dropout 0 the backward's detached stashed input (issue 54). tests/fake_gpu.py
+    keeps each copy in flight until the code waits on that copy's event; train.py's whole run."""
     from layerwise.config.validate import world_size
     from layerwise.run.fit import train
     from tests.fake_gpu import InFlightCopies
 
-    InFlightCopies().install(monkeypatch.setattr)
+    copies = InFlightCopies(fail=False)
+    copies.install(monkeypatch.setattr)
     cfg = compose_config("strategy=l2l", "logger=none", "trainer.progress=none", "trainer.max_steps=2",
                          "trainer.limit_val_batches=1", "trainer.val_check_interval=100",
                          "data.global_batch_size=8", "data.sequence_length=32", "model.layers=2",
-                         "model.hidden=32", "model.heads=2", "data.max_bytes=2000000", "model.dropout=0.1",
+                         "model.hidden=32", "model.heads=2", "data.max_bytes=2000000", f"model.dropout={dropout}",
                          f"strategy.constant_memory={str(constant_memory).lower()}", "hardware.devices_per_node=1")
     summary = train(cfg, tmp_path, world_size(cfg))
     assert summary["status"] == "completed" and len(summary["losses"]) == 2
+    assert copies.issued > 0 and copies.reads == [], f"{len(copies.reads)} reads of unawaited copies: {copies.reads[:3]}"
 
 
 # ----------------------------------------------------------------------------- dynamic architectures

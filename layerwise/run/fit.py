@@ -158,17 +158,19 @@ def load_corpus(cfg, say=lambda message: None):
 
 def tokenize_once(cfg) -> None:
     """data=text: tokenize into the cache here, before any rank starts, so ranks only read it
-    (layerwise/run/text.py); under torchrun/srun global rank 0 does it and the others wait."""
+    (layerwise/run/text.py); under torchrun/srun global rank 0 does it and the others learn its
+    cache key from it without reading the corpus. This wait comes before any process group or
+    watchdog exists, so it has its own deadline: trainer.collective_timeout_s without progress
+    from rank 0 (text.wait_seconds); rank 0's failure is reported at once."""
     if cfg.data.corpus != "text":
         return
-    from layerwise.run.text import text_files, cache_key, cache_root
     if not launched_externally() or global_rank() == 0:
         load_corpus(cfg, say=lambda message: print(f"[layerwise] {message}", flush=True))
         return
-    import time
-    key = cache_key(text_files(cfg.data.path), cfg.data.tokenizer, cfg.data.validation_fraction)
-    while not (cache_root(cfg.data.get("cache_dir")) / key / "meta.json").is_file():
-        time.sleep(1.0)
+    from layerwise.run.hangs import collective_timeout_s
+    from layerwise.run.text import learned_key, wait_seconds
+    learned_key(cfg.data.path, cfg.data.tokenizer, cfg.data.validation_fraction, cfg.data.get("cache_dir"),
+                timeout_s=wait_seconds(collective_timeout_s(cfg)))
 
 
 def fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:

@@ -9,6 +9,13 @@
    otherwise: Llama 3's 128,256 do not) under a cache directory keyed by a hash of the files'
    bytes, the tokenizer's files and the split, so a second run reads them without tokenizing.
 The launching process tokenizes before any rank starts (layerwise/run/fit.py); ranks only read.
+
+Under torchrun/Slurm only global rank 0 hashes and tokenizes; every other rank learns the cache key
+from it through a small handshake file in the cache directory (`learned_key`), named by a listing
+of the files (`listing`: names, sizes, modification times — stat only, identical on every node of
+a shared filesystem) and the launch. Rank 0 writes its progress there, then the key, or its error;
+the others wait for it with a deadline that restarts at each sign of progress, and report rank 0's
+error at once.
 """
 
 import hashlib
@@ -22,6 +29,17 @@ import numpy as np
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 UINT16_VOCABULARY = 2**16
+PROGRESS_S = 5.0  # rank 0 writes its progress to the handshake file at most this often
+WAIT_S = 600.0  # a waiting rank's deadline without progress when the watchdog is off (0)
+MIN_WAIT_S = 6 * PROGRESS_S  # never shorter: several of rank 0's progress writes fit in it
+# A file modified this recently may change again within its filesystem's timestamp resolution
+# (FAT: 2 s; git's "racily clean" entries): its key is not remembered from its listing.
+RACY_NS = 2 * 10**9
+KEYS = {}  # listing -> content key known in this process; forked ranks inherit it
+
+
+class TokenCacheError(RuntimeError):
+    """A rank other than 0 could not learn the token cache's key: rank 0 failed, or went silent."""
 
 
 def token_dtype(vocab_size: int):
@@ -96,14 +114,18 @@ def eos_id(tokenizer, directory: Path) -> int:
                      f"documents are joined with it. Fix: add \"eos_token\" to its tokenizer_config.json")
 
 
-def cache_key(files: list, tokenizer_directory, validation_fraction: float) -> str:
-    """sha256 of every file's name and bytes, the tokenizer's files and the split."""
-    digest = hashlib.sha256(f"v1/{validation_fraction}".encode())
+def cache_key(files: list, tokenizer_directory, validation_fraction: float, progress=None) -> str:
+    """sha256 of every file's name and bytes, the tokenizer's files and the split. `progress(bytes=n)`
+    is called after each MiB read (rank 0's sign of life to the waiting ranks)."""
+    digest, hashed = hashlib.sha256(f"v1/{validation_fraction}".encode()), 0
     for file in files:
         digest.update(file.name.encode())
         with file.open("rb") as handle:
             for chunk in iter(lambda: handle.read(2**20), b""):
                 digest.update(chunk)
+                hashed += len(chunk)
+                if progress:
+                    progress(bytes=hashed)
     for name in TOKENIZER_FILES:
         file = Path(tokenizer_directory).expanduser() / name
         if file.is_file():
@@ -118,14 +140,166 @@ def cache_root(cache_dir=None) -> Path:
     return Path(os.environ.get("LAYERWISE_CACHE", Path.home() / ".cache" / "layerwise")) / "tokens"
 
 
-def tokenized(path, tokenizer_directory, validation_fraction: float, cache_dir=None, say=print) -> Path:
+def listing(files: list, tokenizer_directory, validation_fraction: float) -> tuple:
+    """(fingerprint, newest modification time in ns) of the corpus and tokenizer files, from their
+    paths, sizes and modification times: rsync's quick check and git's index, read by stat alone.
+    Every rank computes the same fingerprint on a shared filesystem without reading the bytes."""
+    digest, newest = hashlib.sha256(f"v1/{validation_fraction}".encode()), 0
+    tokenizer = Path(tokenizer_directory).expanduser()
+    for file in [*files, *(tokenizer / name for name in TOKENIZER_FILES)]:
+        if not file.is_file():
+            continue
+        stat = file.stat()
+        digest.update(f"{file.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        newest = max(newest, stat.st_mtime_ns)
+    return digest.hexdigest()[:20], newest
+
+
+def launch_id():
+    """What every process of this launch shares and the next launch does not: Slurm's job, step and
+    requeue count, or torchrun's run id, restart count and rendezvous address; None outside them."""
+    environ = os.environ
+    if "SLURM_JOB_ID" in environ and "SLURM_PROCID" in environ:
+        return "slurm:" + ".".join(environ.get(name, "") for name in ("SLURM_JOB_ID", "SLURM_STEP_ID",
+                                                                      "SLURM_RESTART_COUNT"))
+    if "TORCHELASTIC_RUN_ID" in environ:
+        return "torchrun:" + ".".join(environ.get(name, "") for name in (
+            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT"))
+    return None
+
+
+def _global_rank() -> int:
+    from layerwise.run.launch import global_rank  # launch imports torch and Lightning: only when asked
+    return global_rank()
+
+
+class Handshake:
+    """Rank 0's word to the other ranks about one corpus listing in one launch: a JSON file under
+    `<cache root>/handshakes/`, rewritten whole (temporary file, then rename) as its state moves
+    from "hashing" to "tokenizing" (with counts) to "ready" (with the key) or "failed" (with the
+    error). Without a launcher the name is `<listing>-local`: the launching process writes it
+    for the ranks it starts."""
+
+    def __init__(self, root: Path, fingerprint: str, launch=None):
+        self.launch = launch
+        name = hashlib.sha256(launch.encode()).hexdigest()[:12] if launch else "local"
+        self.path = Path(root) / "handshakes" / f"{fingerprint}-{name}.json"
+        self.last = 0.0
+
+    def write(self, state: str, **fields) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps({"state": state, "launch": self.launch, **fields}))
+        os.replace(temporary, self.path)
+        self.last = time.monotonic()
+
+    def progress(self, state: str, **counts) -> None:
+        """write(state, counts), at most every PROGRESS_S."""
+        if time.monotonic() - self.last >= PROGRESS_S:
+            self.write(state, **counts)
+
+    def read(self):
+        """The record, or None while there is none (or it is being replaced)."""
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+
+def wait_seconds(collective_timeout_s: float) -> float:
+    """How long a rank waits for rank 0 without progress: trainer.collective_timeout_s (resolved;
+    0 = the watchdog off: WAIT_S, since nothing else watches this wait), at least MIN_WAIT_S."""
+    return max(collective_timeout_s or WAIT_S, MIN_WAIT_S)
+
+
+def learned_key(path, tokenizer_directory, validation_fraction: float, cache_dir=None,
+                timeout_s: float = WAIT_S, poll_s: float = 1.0) -> str:
+    """The cache key global rank 0 of this launch computed for these files, read from its
+    handshake file; this rank lists the files (stat) but never reads them. Waits while rank 0
+    hashes and tokenizes; the deadline `timeout_s` restarts whenever the file changes. Raises
+    TokenCacheError at once when rank 0 of this launch wrote that it failed, and at the deadline
+    naming the launch, the cache directory and the fix."""
+    files, root = text_files(path), cache_root(cache_dir)
+    fingerprint, _ = listing(files, tokenizer_directory, validation_fraction)
+    handshake = Handshake(root, fingerprint, launch_id())
+    seen, since = None, time.monotonic()
+    while True:
+        record = handshake.read()
+        if record != seen:
+            seen, since = record, time.monotonic()
+        state = (record or {}).get("state")
+        if state == "ready" and (root / record["key"] / "meta.json").is_file():
+            KEYS[fingerprint] = record["key"]
+            return record["key"]
+        if state == "failed":  # the file's name is this launch's: rank 0 replaced any earlier record
+            raise TokenCacheError(f"rank {_global_rank()}: global rank 0 of {_described(handshake.launch)} failed "
+                                  f"to tokenize data.path={path} into {root}: {record.get('error')} (written to "
+                                  f"{handshake.path}). Fix the cause rank 0 names, then launch again.")
+        if time.monotonic() - since > timeout_s:
+            raise TokenCacheError(
+                f"rank {_global_rank()}: no word for {timeout_s:g} s from global rank 0 of "
+                f"{_described(handshake.launch)}, which tokenizes data.path={path} into {root} and writes "
+                f"{handshake.path} (last seen: {json.dumps(record) if record else 'nothing'}). Either rank 0 "
+                f"died or hangs (see its output), or it writes another directory than this rank reads: "
+                f"data.cache_dir (or $LAYERWISE_CACHE) must be one directory every node shares. Fix: "
+                f"data.cache_dir=/a/shared/path, or tokenize once before launching (a one-process run with "
+                f"the same data settings), or raise trainer.collective_timeout_s if rank 0 is still working.")
+        time.sleep(poll_s)
+
+
+def _described(launch) -> str:
+    if not launch:
+        return "this launch"
+    kind, _, fields = launch.partition(":")
+    parts = fields.split(".")
+    if kind == "slurm":
+        return f"Slurm job {parts[0]} step {parts[1] or '?'} (requeue {parts[2] or 0})"
+    return f"torchrun run {parts[0]} (restart {parts[1] or 0}, rendezvous {':'.join(parts[2:])})"
+
+
+def tokenized(path, tokenizer_directory, validation_fraction: float, cache_dir=None, say=print,
+              timeout_s: float = WAIT_S) -> Path:
     """The cache directory holding train.bin, val.bin and meta.json for this text and tokenizer;
-    tokenizes (with progress lines) only when it is not there yet."""
-    files = text_files(path)
-    directory = cache_root(cache_dir) / cache_key(files, tokenizer_directory, validation_fraction)
-    if (directory / "meta.json").is_file():
-        say(f"tokens cached in {directory}: {describe(json.loads((directory / 'meta.json').read_text()))}")
-        return directory
+    tokenizes (with progress lines) only when it is not there yet. A rank other than global rank
+    0 never hashes: it takes the key this process already knows, or `learned_key`'s."""
+    files, root = text_files(path), cache_root(cache_dir)
+    fingerprint, newest = listing(files, tokenizer_directory, validation_fraction)
+    key = KEYS.get(fingerprint)
+    if key is None or not (root / key / "meta.json").is_file():
+        if _global_rank() != 0:
+            key = learned_key(path, tokenizer_directory, validation_fraction, cache_dir, timeout_s)
+        else:
+            return _rank_zero(files, tokenizer_directory, validation_fraction, root, (fingerprint, newest), say)
+    directory = root / key
+    say(f"tokens cached in {directory}: {describe(json.loads((directory / 'meta.json').read_text()))}")
+    return directory
+
+
+def _rank_zero(files, tokenizer_directory, validation_fraction, root, listed, say) -> Path:
+    """Hash, tokenize if the cache lacks this key, and tell the other ranks (Handshake): the key
+    once the cache is whole, or the error."""
+    handshake, started = Handshake(root, listed[0], launch_id()), time.time_ns()
+    handshake.write("hashing")  # also replaces a record an earlier launch of the same id left
+    try:
+        key = cache_key(files, tokenizer_directory, validation_fraction,
+                        lambda **counts: handshake.progress("hashing", **counts))
+        if listed[1] < started - RACY_NS:  # no file changed since: its listing stands for its bytes
+            KEYS[listed[0]] = key
+        directory = root / key
+        if (directory / "meta.json").is_file():
+            say(f"tokens cached in {directory}: {describe(json.loads((directory / 'meta.json').read_text()))}")
+        else:
+            _tokenize(files, tokenizer_directory, validation_fraction, directory, say,
+                      lambda **counts: handshake.progress("tokenizing", **counts))
+    except BaseException as error:
+        handshake.write("failed", error=f"{type(error).__name__}: {error}")
+        raise
+    handshake.write("ready", key=key)
+    return directory
+
+
+def _tokenize(files, tokenizer_directory, validation_fraction: float, directory: Path, say, beat) -> None:
+    """Documents -> train.bin/val.bin/meta.json in `directory`, written aside and renamed in."""
     tokenizer, eos = load_tokenizer(tokenizer_directory)
     vocabulary = tokenizer.get_vocab_size()
     dtype, stride = token_dtype(vocabulary), max(2, round(1.0 / validation_fraction))
@@ -147,6 +321,7 @@ def tokenized(path, tokenizer_directory, validation_fraction: float, cache_dir=N
             batch = []
             for text in documents(file):
                 batch.append(text)
+                beat(file=number, documents=index + len(batch))
                 if len(batch) == 256:
                     index = _write(tokenizer, batch, eos, dtype, index, stride, train, validation, counts)
                     batch = []
@@ -164,7 +339,6 @@ def tokenized(path, tokenizer_directory, validation_fraction: float, cache_dir=N
     except OSError:  # another process finished first: theirs is the same
         pass
     say(f"tokenized into {directory}: {describe(meta)}")
-    return directory
 
 
 def _write(tokenizer, batch, eos, dtype, index, stride, train, validation, counts) -> int:

@@ -1,9 +1,9 @@
 """Clocks that time the device's work, not the host's launches of it (CUDA events on GPUs: README, "What has run on GPUs").
 
 On CUDA a kernel launch returns at once: reading `time.perf_counter` around a step measures the
-Python that queued it. A step is timed with CUDA events recorded on the stream; an action of a
-schedule with a clock that first waits for the device (the executor calls it twice per action, so
-it must be cheap on CPU: there it is perf_counter itself). Memory on CUDA comes from the caching
+Python that queued it. A step is timed with CUDA events recorded on the stream, and so is each
+action of a pipeline's timed steps (`EventClock`: the executor calls it twice per action, so it must
+be cheap on CPU: there it is perf_counter itself). Memory on CUDA comes from the caching
 allocator's own counters.
 """
 
@@ -35,7 +35,7 @@ class EventClock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.events = []
-        if self.cuda:  # measured steps only: one synchronisation gives the events a host origin
+        if self.cuda:  # timed steps only (metered or not): one synchronisation gives the events a host origin
             torch.cuda.synchronize(device)
             self.origin = time.perf_counter()
             self.events.append(self._record())

@@ -27,9 +27,10 @@ class RunHooks:
     5. `materialise_model(model)`: give the parts of the meta model this rank owns their storage and
        seeded values (default: the whole model on the device), measured as `setup_peak_bytes`;
     6. `bubble_fraction`, `write_evidence`: nothing unless overridden;
-    7. `measure_this_step(measuring)`: the evidence callback says, before each step, whether the step
-       is a sampled one (trainer.measure_every_n_steps); a technique collects its costly evidence
-       (a pipeline's gathered timeline) only then;
+    7. `measure_this_step(measuring, metered)`: the evidence callback says, before each step, whether
+       the step is timed (a sampled one, trainer.measure_every_n_steps, or the step after one) and
+       whether the compute-memory meter watches it; a technique collects its costly evidence (a
+       pipeline's gathered timeline) only on timed steps, and keeps apart what the meter slowed;
     8. `loss_ready(output)`: every training_step returns its output through it, so the run's
        evidence (`listen_to_step_loss`) sees the step's loss before Lightning's backward.
     """
@@ -39,7 +40,8 @@ class RunHooks:
     model_materialised = False
     setup_peak_bytes = None  # most bytes live while materialising and placing this rank's part
     setup_allocator_peak_bytes = None  # the same from the CUDA caching allocator (None elsewhere)
-    measuring = True  # whether this step is sampled (RunEvidence sets it; outside a run every step is)
+    measuring = True  # whether this step is timed (RunEvidence sets it; outside a run every step is)
+    metered = False  # whether the compute-memory meter watches this step (its dispatch mode slows the host)
 
     step_loss_listener = None  # output -> None: the run's evidence issues the step's exchange there
 
@@ -97,9 +99,9 @@ class RunHooks:
         technique that owns less than the whole model materialises only that (default: all of it)."""
         model.materialise(self.root_device)
 
-    def measure_this_step(self, measuring: bool) -> None:
+    def measure_this_step(self, measuring: bool, metered: bool = False) -> None:
         """Called by the evidence callback before each training step, with the same answer on every rank."""
-        self.measuring = measuring
+        self.measuring, self.metered = measuring, metered
 
     def bubble_fraction(self) -> dict | None:
         """{"simulated": x, "measured": y} where the strategy runs a schedule; None otherwise."""

@@ -96,7 +96,7 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         self.validation_plan = self.forward_plan(compute)
         self.work = None
         self.executed = []  # per step: this pipeline's measured records, on every rank
-        self.measured_bubble_fractions = []
+        self.timed_bubbles = []  # per timed step: (measured bubble fraction, whether the meter watched it)
 
     # ----- seams
     @staticmethod
@@ -219,8 +219,9 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         on_action = None if recorder is None else recorder.note_action
         if not (training and self.measuring):
             return execute(actions, self.handlers(), on_action=on_action)
-        # a sampled step feeds the measured bubble: on CUDA the host only launches kernels and
-        # NCCL's wait() does not block it, so the device's events time the actions
+        # every timed step feeds the measured bubble, with the memory meter on or off: on CUDA the
+        # host only launches kernels and NCCL's wait() does not block it, so the device's events
+        # time the actions (a host clock would time the launches)
         clock = EventClock(self.root_device)
         return clock.resolve(execute(actions, self.handlers(), clock=clock, on_action=on_action))
 
@@ -235,7 +236,7 @@ class ModularPipelineStrategy(OwnedStepStrategy):
 
     # ----- evidence: executed order and measured bubbles
     def _record(self, records) -> None:
-        """On sampled steps only (`measuring`): gather every pipeline rank's records for the measured
+        """On timed steps only (`measuring`): gather every pipeline rank's records for the measured
         bubble and the executed Gantt chart. all_gather_object pickles and runs two collectives."""
         if not self.measuring:
             return
@@ -248,7 +249,7 @@ class ModularPipelineStrategy(OwnedStepStrategy):
             gathered = [mine]
         self.executed = gathered
         timeline = measured_timeline(gathered)
-        self.measured_bubble_fractions.append(timeline.bubble_fraction)
+        self.timed_bubbles.append((timeline.bubble_fraction, self.metered))
 
     def simulated_timeline(self) -> Timeline:
         """Uniform layers, backward twice the forward (three times with activation recomputation):
@@ -257,9 +258,8 @@ class ModularPipelineStrategy(OwnedStepStrategy):
 
     @override
     def bubble_fraction(self) -> dict:
-        measured = self.measured_bubble_fractions[1:] or self.measured_bubble_fractions
         return {"simulated": self.simulated_timeline().bubble_fraction,
-                "measured": statistics.median(measured) if measured else None}
+                "measured": reported_bubble(self.timed_bubbles)}
 
     @override
     def write_evidence(self, run_directory: Path, charts: bool = True) -> list:
@@ -280,6 +280,16 @@ class ModularPipelineStrategy(OwnedStepStrategy):
                  plot_timeline(measured_timeline(self.executed), Path(run_directory) / "schedule_executed.png",
                                title=f"executed (last step): {self.plan.name}{grid}")]
         return paths
+
+
+def reported_bubble(timed: list) -> float | None:
+    """The measured bubble a run reports, from (bubble fraction, metered) per timed step in order:
+    the median over the steps after the first (lazy set-up, first contacts) that the memory meter
+    left alone; where it watched them all, over all of those; one step: its own. On a GPU a metered
+    step's device waits for the meter's slowed launches between actions (docs/evidence.md)."""
+    later = timed[1:] or timed
+    chosen = [bubble for bubble, metered in later if not metered] or [bubble for bubble, _ in later]
+    return statistics.median(chosen) if chosen else None
 
 
 def measured_timeline(gathered) -> Timeline:

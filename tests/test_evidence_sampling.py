@@ -98,20 +98,21 @@ def fit_counting_collectives(rank, cfg, directory, world):
     return steps
 
 
-def test_one_evidence_collective_per_step_and_timelines_on_sampled_steps(tmp_path):
+def test_one_evidence_collective_per_step_and_timelines_on_timed_steps(tmp_path):
     """pp2: a step's training traffic is the loss broadcast (comm_calls = 1); the evidence adds one
-    all-gather of its numbers, and the pipeline's record gather on sampled steps only."""
-    cfg = compose_config(*overrides(6, 4, "strategy=modular_pipeline", "model.layers=4",
+    all-gather of its numbers, and the pipeline's record gather on timed steps only: the sampled
+    ones (1, 2, 4, 8) and the step after each (3, 5), which the meter leaves alone."""
+    cfg = compose_config(*overrides(8, 4, "strategy=modular_pipeline", "model.layers=4",
                                     "strategy.pipeline_degree=2", "trainer.limit_val_batches=0"))
     steps_by_rank = run_on_ranks(fit_counting_collectives, 2, cfg, tmp_path, 2)
     rows = metrics(tmp_path)
-    assert measured_steps(rows) == [1, 2, 4, 6]
-    assert [row["comm_calls"] for row in rows] == ["1"] * 6
+    assert measured_steps(rows) == [1, 2, 4, 8]
+    assert [row["comm_calls"] for row in rows] == ["1"] * 8
     for steps in steps_by_rank:
         # the evidence's one gather per step is the list form (all_gather), which independent
         # counters of training traffic (tests/test_zero_layered.py) do not wrap
-        expected = [["all_gather", "all_gather_object", "broadcast"] if step in (1, 2, 4, 6)
-                    else ["all_gather", "broadcast"] for step in range(1, 7)]
+        expected = [["all_gather", "all_gather_object", "broadcast"] if step in (1, 2, 3, 4, 5, 8)
+                    else ["all_gather", "broadcast"] for step in range(1, 9)]
         assert steps == expected
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert 0 <= summary["bubble_fraction"]["measured"] < 1 and summary["comm_calls_per_step"] == 1

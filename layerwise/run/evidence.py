@@ -45,6 +45,16 @@ def is_measured_step(step: int, steps_run_here: int, every: int, last: int) -> b
             or (every > 0 and step % every == 0))
 
 
+def is_timed_step(step: int, steps_run_here: int, every: int, last: int) -> bool:
+    """Whether a pipeline times `step` (its gathered timeline, the measured bubble): a sampled step,
+    or the step after one. The meter watches the sampled steps and slows the host's launches, so on
+    a GPU the device waits for them between actions and their timeline counts that launch lag; the
+    step after a sampled one is timed by the same device events with the meter off, and the
+    measured bubble is taken from those (docs/evidence.md, "Sampled steps")."""
+    return (is_measured_step(step, steps_run_here, every, last)
+            or (steps_run_here > 0 and is_measured_step(step - 1, steps_run_here - 1, every, last)))
+
+
 class StepExchange:
     """A step's numbers over all ranks in ONE collective, issued asynchronously: `wait()` gives
     (the sum of the first value, the element-wise maxima of the rest). Each rank's small float64
@@ -235,9 +245,9 @@ class RunEvidence(pl.Callback):
         communicator = trainer.strategy.communicator()
         if communicator is not None:
             communicator.reset()
-        measuring = is_measured_step(trainer.global_step + 1, self._steps_run_here,
-                                     self.measure_every_n_steps, self.max_steps)
-        trainer.strategy.measure_this_step(measuring)
+        step = (trainer.global_step + 1, self._steps_run_here, self.measure_every_n_steps, self.max_steps)
+        measuring = is_measured_step(*step)
+        trainer.strategy.measure_this_step(is_timed_step(*step), metered=self.measure_memory and measuring)
         if self.measure_memory and measuring:
             self._meter = ComputeMemoryMeter()
             self._meter.resident(trainer.strategy.compute_resident_tensors())

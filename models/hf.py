@@ -307,7 +307,10 @@ class PartWeights:
         theirs, transposed = hf_name(self.architecture, name, self.tied)
         full = torch.empty(shape, device="meta")
         view = cut(full)
-        rectangle = None if transposed or not view._is_view() else _rectangle(shape, view)
+        # Only a view of `full` itself is a rectangle of the file: a fused q/k/v cut views the
+        # interleaved copy of `full` (grids.interleave_fused), whose offsets mean other elements.
+        plain = view._is_view() and view._base is full
+        rectangle = _rectangle(shape, view) if plain and not transposed else None
         if rectangle is None:  # not a plain slice (fused q/k/v interleaved, Conv1D): the whole tensor
             value = self.files.get(theirs)
             return cut(value.t() if transposed else value).to(device, dtype).contiguous()

@@ -16,21 +16,34 @@ CONFIG = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_l
               num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1)
 
 
-@pytest.fixture(scope="module")
-def bf16_llama(tmp_path_factory):
-    """A random LlamaForCausalLM saved in bf16; norms drawn away from 1 so a dropped cast shows."""
-    path = tmp_path_factory.mktemp("bf16_llama")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+def save_bf16(path, model):
+    """`model` saved in bf16; norms (and biases) drawn away from 1 (0) so that a dropped cast shows."""
     with torch.no_grad():
-        for value in model.parameters():
+        for name, value in model.named_parameters():
             if value.dim() == 1:
-                value.normal_(1.0, 0.2)
+                value.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
     model.to(torch.bfloat16).save_pretrained(path)
     header = (path / "model.safetensors").read_bytes()
     entries = json.loads(header[8:8 + int.from_bytes(header[:8], "little")])
     assert {entry["dtype"] for name, entry in entries.items() if name != "__metadata__"} == {"BF16"}
     return path
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(tmp_path_factory):
+    torch.manual_seed(0)
+    return save_bf16(tmp_path_factory.mktemp("bf16_llama"),
+                     transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)))
+
+
+@pytest.fixture(scope="module")
+def bf16_gpt2(tmp_path_factory):
+    """GPT-2 untied (tensor parallelism refuses tied embeddings): its fused, transposed c_attn is
+    read whole and cut (read_cut's other branch)."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                     tie_word_embeddings=False)
+    return save_bf16(tmp_path_factory.mktemp("bf16_gpt2"), transformers.GPT2LMHeadModel(config))
 
 
 def shards_on_rank(rank, path, grid, edge):
@@ -48,8 +61,8 @@ def shards_on_rank(rank, path, grid, edge):
     degrees = Layout(tensor_grid=grid, edge=edge)
     layout = ParallelLayout(degrees, rank=rank, **layout_arguments(grid, degrees.tensor))
     shape = hf_shape(read_config(path))
-    sliced = build_model("llama", device="meta", **build_arguments(shape),
-                         weights=PartWeights(path, "llama", shape["tie_embeddings"]))
+    sliced = build_model(shape["architecture"], device="meta", **build_arguments(shape),
+                         weights=PartWeights(path, shape["architecture"], shape["tie_embeddings"]))
     parallelize(sliced, layout, "cpu")  # each shard read from the file (read_cut)
     whole = load_pretrained(path)  # whole parts, cast to fp32 as they are copied in
     whole.weights = None  # parallelize now cuts the materialised fp32 tensors
@@ -59,9 +72,11 @@ def shards_on_rank(rank, path, grid, edge):
             for name, value in sliced.named_parameters()]
 
 
-@pytest.mark.parametrize("grid, edge", [("1d", 2), ("2d", 2)], ids=["tp_1d_p2", "tp_2d_q2"])
-def test_sharded_bf16_checkpoint_gives_fp32_master_weights_equal_to_the_whole_part_load(grid, edge, bf16_llama):
-    for rows in run_on_ranks(shards_on_rank, 2 if grid == "1d" else 4, bf16_llama, grid, edge):
+@pytest.mark.parametrize("model, grid, edge", [("llama", "1d", 2), ("llama", "2d", 2), ("gpt2", "1d", 2)],
+                         ids=["llama_tp_1d_p2", "llama_tp_2d_q2", "gpt2_tp_1d_p2"])
+def test_sharded_bf16_checkpoint_gives_fp32_master_weights_equal_to_the_whole_part_load(model, grid, edge, request):
+    path = request.getfixturevalue(f"bf16_{model}")
+    for rows in run_on_ranks(shards_on_rank, 2 if grid == "1d" else 4, path, grid, edge):
         assert len(rows) > 10
         assert [row for row in rows if row[1] != "torch.float32"] == []
         assert [row for row in rows if not row[2]] == []

@@ -70,3 +70,14 @@ def test_spawned_ranks_are_asked_for_as_gpu_ranks_of_their_node(monkeypatch):
     with pytest.raises(Asked):
         launch.run_ranks(threads_of_this_rank, 4, method=launch.start_method("gpu"), ranks_per_node=2)
     assert asked == [("gpu", 2)]
+
+
+def test_slurm_tasks_set_their_threads_from_rank_threads():
+    """The Slurm job side (SlurmLauncher.__call__, run in every task) is not started here: it
+    installs signal handlers and needs submitit's job environment. Its source must ask
+    rank_threads, not compute a count of its own."""
+    import inspect
+
+    from layerwise.cluster import slurm
+    source = inspect.getsource(slurm.SlurmLauncher.__call__)
+    assert "torch.set_num_threads(rank_threads(" in source and source.count("set_num_threads") == 1

@@ -5,21 +5,24 @@
         lightning.pt            what is not a tensor piece: loops, LR schedulers, callbacks (the
                                 evidence history), optimizer hyper-parameters, step counters
 
-Each rank describes what it holds as *pieces*: for every local parameter, which elements of which
-plain parameter it holds (`local_pieces`): a pipeline stage whole tensors, a tensor-grid rank the
-block its grid cut (the index tensor cut exactly as the weight was), a ZeRO rank the flat range of
-its shard (through the grid's cut when one is composed), L2L its host copy. A piece becomes
-rectangles of the plain tensor (`rectangles`: a flat range of a matrix is partial row, whole rows,
-partial row; a grid block is merged into one rectangle per column range), written as the local
-shards of a ShardedTensor at their offsets, so
+Each rank describes what it holds as *pieces*: for every local parameter, which rectangles of
+which plain parameter it holds (`local_pieces`): a pipeline stage whole tensors, a tensor-grid rank
+the block its grid cut, a ZeRO rank the flat range of its shard (through the grid's cut when one is
+composed), L2L its host copy. Nothing is computed element by element: where a local tensor lies in
+its plain tensor (`placement`: origin, transposed or not, fused blocks reordered) is read from the
+grid's own cut applied to a meta tensor, and a flat range of a matrix is a partial row, whole rows
+and a partial row (`rectangles`). Each rectangle is a strided view of the local tensor, a local
+shard of a ShardedTensor at its offsets, so
 
 1. save: every rank writes its own rectangles in parallel (dcp.save); the same rectangle held by
    several ranks (data replicas, copies on a tensor grid) is written once, by the lowest rank
    (DefaultSavePlanner(dedup_save_to_lowest_rank=True)), and DCP's global plan check refuses a
-   checkpoint whose rectangles overlap or leave an element out;
+   checkpoint whose rectangles overlap or leave an element out. Each rectangle goes to the host
+   when DCP's writer asks for it (`HostStagingPlanner`): the save's extra device memory is one
+   rectangle made dense, never a copy of the whole state;
 2. load: every rank asks for the rectangles of the pieces the new strategy materialised, and DCP
-   reads exactly those bytes from whichever files hold them (resharding by offsets); they are
-   scattered back into the local parameters and optimizer state.
+   reads exactly those bytes from whichever files hold them (resharding by offsets), copying each
+   into its view: straight into the local parameters and optimizer state.
 
 Optimizer state moves with its parameter: a per-element state (AdamW exp_avg, exp_avg_sq; SGD's
 momentum buffer) has the parameter's pieces; a scalar (AdamW's step) is saved under each plain
@@ -28,12 +31,14 @@ of a stage's layers and a few steps stale by design): the resuming strategy rebu
 synchronous K-FAC step (strategies/kfac.py `KFACInCheckpoint`).
 """
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from typing_extensions import override
 
+from parallel.memory import ComputeMemoryMeter, host_side
 from strategies.checkpoint.per_rank import CheckpointError, read_checkpoint_file, swap_in
 from strategies.checkpoint.safe_load import UnsafeCheckpointError, dcp_load, dcp_metadata, read_dcp_tensors
 
@@ -127,15 +132,145 @@ def _style(name: str):
     return None, None
 
 
-def plain_indices(name: str, local_shape, grid) -> tuple:
-    """(plain shape, flat plain index of each local element) of parameter `name` on this rank."""
+@dataclass(frozen=True)
+class Placement:
+    """Where a local tensor lies in its plain tensor of `shape`, from shapes and offsets alone.
+
+    Local element (i, j) is element (origin[0] + i, origin[1] + j) of the plain tensor with dim 0
+    reordered in blocks, or (origin[0] + j, origin[1] + i) when `transposed` (a 2-D/3-D grid cuts
+    a weight's transpose); a 1-D tensor has i only. Reordered: row r lies in block r // `block`,
+    which is plain block `order[r // block]` (a fused qkv output interleaved per grid part;
+    `block` 0: no reordering)."""
+
+    shape: tuple
+    local_shape: tuple
+    origin: tuple
+    transposed: bool = False
+    block: int = 0
+    order: tuple = ()
+
+
+def placement(name: str, local_shape, grid) -> Placement:
+    """The Placement of local parameter `name` on this rank's grid position (None: whole).
+
+    The grid's own cut (strategies/tensor_parallel/parallelize.py `cut`: interleave the fused
+    outputs, then `grid.cut`) is applied to a meta tensor of the plain shape: chunks and transposes
+    are views, whose storage offset and strides are the origin and orientation, with no memory.
+    The interleave is a block permutation of dim 0, read from `interleave_fused` on one element per
+    block."""
     style, leaf = _style(name) if grid is not None else (None, None)
+    local_shape = tuple(local_shape)
     if style is None:
-        return tuple(local_shape), torch.arange(torch.Size(local_shape).numel())  # host
-    from strategies.tensor_parallel.parallelize import cut
-    shape = tuple(grid.full_shape(style, leaf, tuple(local_shape)))
-    index = torch.arange(torch.Size(shape).numel()).reshape(shape)  # host: index bookkeeping
-    return shape, cut(grid, style, leaf, index).reshape(-1)
+        return Placement(local_shape, local_shape, (0,) * len(local_shape))
+    from strategies.tensor_parallel.grids import interleave_fused
+    shape = tuple(grid.full_shape(style, leaf, local_shape))
+    probe = torch.empty(shape, device="meta")  # meta: shapes, offsets and strides only
+    local = grid.cut(style, leaf, probe)
+    columns = shape[1] if len(shape) == 2 else 1
+    transposed = len(shape) == 2 and columns > 1 and local.stride() == (1, columns)
+    contiguous = (columns, 1)[:len(shape)]
+    if (not (local is probe or local._base is probe) or tuple(local.shape) != local_shape
+            or len(shape) > 2 or (not transposed and local.stride() != contiguous)):
+        raise CheckpointError(f"{name}: the grid's cut of a {shape} parameter to {local_shape} is not a "
+                              f"block of it; the portable format cannot describe this rank's piece. "
+                              f"Fix: save with a layout whose grid cuts blocks (1d, 2d, 3d).")
+    origin = divmod(local.storage_offset(), columns) if len(shape) == 2 else (local.storage_offset(),)
+    fused = style.fused if style.kind == "linear" else 1
+    if fused == 1:
+        return Placement(shape, local_shape, tuple(origin), transposed)
+    blocks = fused * grid.output_parts
+    order = interleave_fused(torch.arange(blocks), fused, grid.output_parts)  # host: block ids
+    return Placement(shape, local_shape, tuple(origin), transposed, shape[0] // blocks, tuple(order.tolist()))
+
+
+@dataclass(frozen=True)
+class Rectangle:
+    """Plain elements [offsets, offsets + sizes) held locally as the strided view (`start`,
+    `strides`) of the local flat tensor, row-major over the rectangle."""
+
+    offsets: tuple
+    sizes: tuple
+    start: int
+    strides: tuple
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        """The rectangle's elements in the local flat tensor, as a view: no copy."""
+        return flat.as_strided(self.sizes, self.strides, flat.storage_offset() + self.start)
+
+
+@dataclass
+class Piece:
+    """Plain tensor `name` (of `shape`)'s rectangles that one local tensor holds."""
+
+    name: str
+    shape: tuple
+    rectangles: list
+
+
+def rectangles(where: Placement, begin: int, end: int, base: int = 0) -> list:
+    """[Rectangle] of local elements [begin, end) (row-major in the local tensor), which sit at
+    positions base + e of the local flat tensor.
+
+    Analytic: the range is a partial row, whole rows and a partial row of the local matrix; each is
+    a block of the plain tensor (transposed if the cut transposed), split where the fused blocks of
+    dim 0 leave adjacent rows apart. At most 3 × (fused blocks) rectangles, whatever the size."""
+    if begin == 0 and end == math.prod(where.local_shape) and where == Placement(where.shape, where.shape,
+                                                                                 (0,) * len(where.shape)):
+        return [Rectangle(where.origin, where.shape, base, _contiguous(where.shape))]  # whole, in place
+    if len(where.local_shape) == 1:
+        return _split_rows(where, (where.origin[0] + begin,), (end - begin,), base + begin, (1,))
+    if len(where.local_shape) != 2:
+        raise CheckpointError(f"a {len(where.local_shape)}-D parameter split into flat ranges has no portable "
+                              f"form (pieces are rectangles of 1-D and 2-D tensors). Fix: keep it whole "
+                              f"(outside ZeRO's flat shards).")
+    columns, (row0, column0), found = where.local_shape[1], where.origin, []
+    for row, column, rows, width in _runs(begin, end, columns):
+        start = base + row * columns + column
+        if where.transposed:  # local rows are plain columns
+            found += _split_rows(where, (row0 + column, column0 + row), (width, rows), start, (1, columns))
+        else:
+            found += _split_rows(where, (row0 + row, column0 + column), (rows, width), start, (columns, 1))
+    return found
+
+
+def _contiguous(shape) -> tuple:
+    """Row-major strides of `shape`."""
+    return tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+
+
+def _runs(begin: int, end: int, columns: int) -> list:
+    """[(row, column, rows, width)]: flat range [begin, end) of a row-major matrix of `columns`
+    columns as a partial row, whole rows and a partial row."""
+    found = []
+    while begin < end:
+        row, column = divmod(begin, columns)
+        if column == 0 and end - begin >= columns:
+            rows = (end - begin) // columns
+            found.append((row, 0, rows, columns))
+            begin += rows * columns
+        else:
+            width = min(columns - column, end - begin)
+            found.append((row, column, 1, width))
+            begin += width
+    return found
+
+
+def _split_rows(where: Placement, offsets, sizes, start: int, strides) -> list:
+    """The block at `offsets` of the reordered plain tensor, as rectangles of the plain one: rows
+    cut where consecutive rows lie in blocks that are not adjacent in the plain tensor."""
+    if not where.block:
+        return [Rectangle(tuple(offsets), tuple(sizes), start, tuple(strides))]
+    found, first, last = [], offsets[0], offsets[0] + sizes[0]
+    while first < last:
+        block, within = divmod(first, where.block)
+        end = min(last, (block + 1) * where.block)
+        while end < last and where.order[end // where.block] == where.order[block] + (end // where.block - block):
+            end = min(last, end + where.block)
+        plain = where.order[block] * where.block + within
+        found.append(Rectangle((plain, *offsets[1:]), (end - first, *sizes[1:]),
+                               start + (first - offsets[0]) * strides[0], tuple(strides)))
+        first = end
+    return found
 
 
 def local_pieces(model, layout) -> dict:
@@ -143,9 +278,8 @@ def local_pieces(model, layout) -> dict:
     grid, pieces = _grid(layout), {}
     for name, parameter in model.named_parameters():
         if not name.startswith("zero_shards."):
-            shape, indices = plain_indices(name, parameter.shape, grid)
-            positions = torch.arange(indices.numel())  # host: index bookkeeping, never on the device
-            pieces[name] = [Piece(name, shape, positions, indices)]
+            where = placement(name, parameter.shape, grid)
+            pieces[name] = [Piece(name, where.shape, rectangles(where, 0, parameter.numel()))]
     if getattr(model, "zero_shards", None) is not None:
         pieces.update(_zero_pieces(model.zero_shards, layout.index("data"), grid))
     return pieces
@@ -159,67 +293,11 @@ def _zero_pieces(container, data_rank: int, grid) -> dict:
         for entry in shard.entries:
             first, last = max(start, entry.offset), min(end, entry.offset + entry.numel)
             if first < last:
-                shape, indices = plain_indices(entry.name, entry.shape, grid)
-                positions = torch.arange(first - start, last - start)  # host: index bookkeeping
-                found.append(Piece(entry.name, shape, positions,
-                                   indices[first - entry.offset:last - entry.offset]))
+                where = placement(entry.name, entry.shape, grid)
+                found.append(Piece(entry.name, where.shape, rectangles(
+                    where, first - entry.offset, last - entry.offset, base=entry.offset - start)))
         pieces[f"zero_shards.flat.{key}"] = found
     return pieces
-
-
-# ----- pieces as rectangles of the plain tensor --------------------------------------------------
-
-def rectangles(piece: Piece) -> list:
-    """[(offsets, sizes, positions)] covering the piece: `positions` (row-major over the
-    rectangle) are where its elements sit in the local flat tensor.
-
-    Sorted by plain index, the piece splits into runs of consecutive elements; a run of a matrix
-    is a partial row, whole rows and a partial row; rectangles with the same columns on adjacent
-    rows are merged (a tensor-grid block is one rectangle, not one per row)."""
-    order = torch.argsort(piece.indices)
-    indices, positions = piece.indices[order], piece.positions[order]
-    breaks = (torch.nonzero(indices[1:] != indices[:-1] + 1).reshape(-1) + 1).tolist()
-    bounds = [0, *breaks, indices.numel()]
-    columns = piece.shape[-1] if len(piece.shape) == 2 else None
-    found = []
-    for begin, end in zip(bounds[:-1], bounds[1:]):
-        first = int(indices[begin])
-        if columns is None:
-            found.append([[first], [end - begin], positions[begin:end]])
-            continue
-        found.extend(_run_rectangles(first, end - begin, columns, positions[begin:end]))
-    return _merge_rows(found) if columns is not None else [tuple(r) for r in found]
-
-
-def _run_rectangles(first: int, length: int, columns: int, positions) -> list:
-    """A flat run [first, first + length) of a matrix: partial row, whole rows, partial row."""
-    found, done = [], 0
-    while done < length:
-        row, column = divmod(first + done, columns)
-        if column == 0 and length - done >= columns:
-            rows = (length - done) // columns
-            found.append([[row, 0], [rows, columns], positions[done:done + rows * columns]])
-            done += rows * columns
-        else:
-            width = min(columns - column, length - done)
-            found.append([[row, column], [1, width], positions[done:done + width]])
-            done += width
-    return found
-
-
-def _merge_rows(found: list) -> list:
-    """Stack rectangles of equal column range on consecutive rows into one."""
-    found.sort(key=lambda r: (r[0][1], r[1][1], r[0][0]))
-    merged = []
-    for offsets, sizes, positions in found:
-        last = merged[-1] if merged else None
-        if (last is not None and last[0][1] == offsets[1] and last[1][1] == sizes[1]
-                and last[0][0] + last[1][0] == offsets[0]):
-            last[1][0] += sizes[0]
-            last[2] = torch.cat([last[2], positions])
-        else:
-            merged.append([list(offsets), list(sizes), positions])
-    return [tuple(r) for r in merged]
 
 
 def _sharded(shape, chunks: list, rank: int, dtype):
@@ -244,11 +322,11 @@ def _sharded(shape, chunks: list, rank: int, dtype):
 # ----- the portable state of one rank ------------------------------------------------------------
 
 class PortableState:
-    """This rank's pieces of the model and optimizer state, as a DCP state dict.
+    """This rank's pieces of the model and optimizer state, as a DCP state dict of views.
 
-    `entries`: (DCP key, plain shape, the local flat tensor, [(offsets, sizes, positions)]);
-    `gather()` copies the local values into fresh rectangle tensors (for saving, or as the buffers
-    DCP loads into), `scatter()` copies loaded rectangles back into the local tensors."""
+    `entries`: (DCP key, plain shape, the local flat tensor, [Rectangle], dtype). `views()` gives
+    each rectangle as a view of the local tensor (no copy): DCP saves from them through
+    `HostStagingPlanner` (one rectangle staged to the host at a time) and loads into them in place."""
 
     def __init__(self, module, optimizers, layout, rank: int):
         self.rank, self.entries, self.scalars = rank, [], {}
@@ -263,9 +341,12 @@ class PortableState:
                     self._add_state(names[id(parameter)], parameter, key, value)
 
     def _add(self, prefix: str, name: str, values, dtype, suffix: str = "") -> None:
+        if not values.is_contiguous():
+            raise CheckpointError(f"{prefix}{name}{suffix} is not contiguous: its rectangles are views of "
+                                  f"its flat storage. Fix: keep parameters and optimizer state contiguous.")
         for piece in self.pieces.get(name, []):
-            self.entries.append((f"{prefix}{piece.name}{suffix}", piece.shape, values.reshape(-1),
-                                 rectangles(piece), dtype))
+            self.entries.append((f"{prefix}{piece.name}{suffix}", piece.shape, values.view(-1),
+                                 piece.rectangles, dtype))
 
     def _add_state(self, name: str, parameter, key: str, value) -> None:
         if isinstance(value, torch.Tensor) and value.numel() == parameter.numel() and value.dim() > 0:
@@ -277,33 +358,52 @@ class PortableState:
             raise CheckpointError(f"optimizer state {key!r} of {name} ({type(value).__name__}) has no "
                                   f"portable form: neither per element nor a scalar")
 
-    def gather(self, world_size: int) -> dict:
-        """{DCP key: ShardedTensor (several ranks) or plain tensor (one rank)} of the local values."""
+    def views(self, world_size: int) -> dict:
+        """{DCP key: ShardedTensor (several ranks) or plain tensor (one rank)} whose local data are
+        views of this rank's parameters and optimizer state (and the scalar counters themselves)."""
         chunks = {}
         for key, shape, flat, found, dtype in self.entries:
-            target = chunks.setdefault(key, (shape, dtype, []))[2]
-            target.extend((offsets, flat[positions].reshape(sizes).clone()) for offsets, sizes, positions in found)
-        state = {key: value.detach().clone() for key, value in self.scalars.items()}
+            chunks.setdefault(key, (shape, dtype, []))[2].extend((r.offsets, r.of(flat)) for r in found)
+        state = {key: value.detach() for key, value in self.scalars.items()}
         for key, (shape, dtype, found) in chunks.items():
             whole = len(found) == 1 and list(found[0][1].shape) == list(shape)
             state[key] = found[0][1] if world_size == 1 and whole else _sharded(shape, found, self.rank, dtype)
         return state
 
-    @torch.no_grad()
-    def scatter(self, state: dict) -> None:
-        """Copy the loaded rectangles (and scalars) of `state` (made by `gather`) into the local tensors."""
-        loaded = {}
-        for key, value in state.items():
-            shards = value.local_shards() if hasattr(value, "local_shards") else [None]
-            loaded[key] = [value.reshape(-1) if shard is None else shard.tensor.reshape(-1) for shard in shards]
-        cursor = {}
-        for key, _, flat, found, _ in self.entries:
-            for _, _, positions in found:
-                index = cursor.get(key, 0)
-                flat[positions] = loaded[key][index].to(flat.dtype)
-                cursor[key] = index + 1
-        for key, value in self.scalars.items():
-            value.copy_(state[key])
+
+def staged(view: torch.Tensor) -> torch.Tensor:
+    """A rectangle's bytes in host memory, made when DCP's writer asks for this item.
+
+    The one device allocation of the save is a strided view made dense (a grid block, a transposed
+    weight; a contiguous view is used as it is), released when this returns: so the save's extra
+    device memory is one rectangle, at most the largest local tensor. The host copy is host memory,
+    DCP's to write and free (parallel/memory.py: never counted as the device's)."""
+    dense = view.contiguous()
+    with host_side():
+        host = dense.to("cpu", copy=True)  # host: what DCP's writer serialises
+    for meter in _active_meters():  # DCP's writer touches it (detach, views) outside host_side()
+        meter.host(host)
+    return host
+
+
+def _active_meters() -> list:
+    """The compute-side memory meters active in this thread (tests and mode=calibrate; none in a run)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    return [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, ComputeMemoryMeter)]
+
+
+def host_staging_planner():
+    """DCP's DefaultSavePlanner (each rectangle written once, by the lowest rank holding it) whose
+    `resolve_data` stages one item to the host when the writer asks for it, instead of every
+    tensor being copied before `dcp.save` starts."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class HostStagingPlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item):
+            data = super().resolve_data(write_item)
+            return staged(data) if isinstance(data, torch.Tensor) else data
+
+    return HostStagingPlanner(dedup_save_to_lowest_rank=True)
 
 
 # ----- save and load -----------------------------------------------------------------------------
@@ -312,7 +412,6 @@ def save_portable(strategy, checkpoint: dict, path) -> None:
     """Write the portable checkpoint `path` (a directory) atomically: into `path.tmp`, then swapped
     in by rank 0 after every rank wrote its pieces (the replaced one kept as `previous`)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultSavePlanner
     path = Path(path)
     temporary = path.with_name(path.name + ".tmp")
     state = PortableState(strategy.lightning_module, strategy.optimizers, strategy_layout(strategy),
@@ -322,8 +421,7 @@ def save_portable(strategy, checkpoint: dict, path) -> None:
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir(parents=True)
     strategy.barrier("portable checkpoint directory created")
-    dcp.save(state.gather(strategy.world_size), checkpoint_id=str(temporary),
-             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    dcp.save(state.views(strategy.world_size), checkpoint_id=str(temporary), planner=host_staging_planner())
     if strategy.global_rank == 0:
         torch.save(sidecar(checkpoint), temporary / SIDECAR)
         swap_in(temporary, path)
@@ -374,9 +472,7 @@ def load_portable(strategy, path) -> dict:
     optimizers = strategy.optimizers
     _initialise_optimizer_state(optimizers, saved.get("optimizer_state_keys", []))
     state = PortableState(strategy.lightning_module, optimizers, strategy_layout(strategy), strategy.global_rank)
-    buffers = state.gather(strategy.world_size)
-    dcp_load(buffers, path)
-    state.scatter(buffers)
+    dcp_load(state.views(strategy.world_size), path)  # in place: DCP copies each rectangle into its view
     checkpoint = {key: value for key, value in saved.items()
                   if key not in ("optimizer_param_groups", "optimizer_state_keys")}
     checkpoint["state_dict"] = strategy.lightning_module.state_dict()

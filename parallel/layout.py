@@ -12,6 +12,7 @@ block. This floor knows nothing of grids; strategies/tensor_parallel/grids.py co
 """
 
 import itertools
+from datetime import timedelta
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch.distributed as dist
@@ -53,15 +54,21 @@ class ParallelLayout:
        tensors (L2L's store) are reduced there, since NCCL reduces only device tensors (Megatron and
        DeepSpeed keep such a CPU group next to the device group for CPU offload);
     5. groups of size one never touch the process group (single-process runs need none);
-    6. every collective goes through `self.communicator`, which counts logical bytes.
+    6. every group gets `timeout`, the backend's own bound on one operation: the world group's
+       (the strategy passes it; layerwise/run/hangs.py `TimeoutChain` sets it longer than the
+       watchdog's longest allowance). Without it torch gives a new group its backend's default
+       (NCCL 10 min, gloo 30 min: distributed_c10d.py `_get_default_timeout`), whatever the world's;
+    7. every collective goes through `self.communicator`, which counts logical bytes.
 
     The layout's `tensor_grid` names the families (e.g. "3d"); `describe()` records it, so a
     checkpoint cut on one grid is not resumed on another.
     """
 
     def __init__(self, degrees: Layout, rank: int = 0,
-                 families: Optional[Mapping[str, Sequence[Sequence[int]]]] = None, host_axes: Sequence[str] = ()):
+                 families: Optional[Mapping[str, Sequence[Sequence[int]]]] = None, host_axes: Sequence[str] = (),
+                 timeout: Optional[timedelta] = None):
         self.degrees = degrees
+        self.timeout = timeout
         self.rank = rank
         self.tensor_grid = degrees.tensor_grid
         self.coordinates = coordinates(rank, degrees)
@@ -85,7 +92,8 @@ class ParallelLayout:
         for members in member_lists:
             handle = None
             if len(members) > 1 and (backend is not None or len(members) < self.degrees.world_size):
-                handle = dist.new_group(list(members), backend=backend)  # collective: every rank calls it
+                # collective: every rank calls it; the timeout as the world's (step 6)
+                handle = dist.new_group(list(members), backend=backend, timeout=self.timeout)
             elif len(members) > 1:
                 handle = dist.group.WORLD
             if self.rank in members:

@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from parallel.flight import synchronizing
+
 
 def synchronised_clock(device: torch.device) -> Callable[[], float]:
     """perf_counter, after the device has finished what was queued on it (CUDA); perf_counter on CPU."""
@@ -63,10 +65,12 @@ class EventClock:
 
 
 class StepTimer:
-    """Seconds of one step: CUDA events on a GPU, perf_counter elsewhere."""
+    """Seconds of one step: CUDA events on a GPU, perf_counter elsewhere. Reading it on a GPU waits
+    for the device, and so for any collective still in flight: with a flight `recorder` that wait
+    is the rank's current wait for the watchdog (parallel/flight.py `synchronizing`)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, recorder=None):
+        self.device, self.recorder = device, recorder
         self.cuda = device.type == "cuda"
 
     def start(self) -> None:
@@ -80,7 +84,8 @@ class StepTimer:
         if not self.cuda:
             return time.perf_counter() - self._started
         self._end.record()
-        self._end.synchronize()
+        with synchronizing(self.recorder):
+            self._end.synchronize()
         return self._start.elapsed_time(self._end) / 1000.0  # elapsed_time is in milliseconds
 
 

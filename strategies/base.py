@@ -8,6 +8,7 @@ for techniques whose schedule runs forward *and* backward: `training_step` runs 
 """
 
 from datetime import timedelta
+from typing import Optional
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
@@ -33,9 +34,13 @@ class LayerwiseStrategy(RunHooks, PortableCheckpoints, PerRankCheckpoints, DDPSt
     """
 
     def __init__(self, degrees: Layout, process_group_backend: str = "gloo",
-                 timeout_seconds: float = 300.0, **kwargs):
-        super().__init__(process_group_backend=process_group_backend,
-                         timeout=timedelta(seconds=timeout_seconds), **kwargs)
+                 timeout_seconds: Optional[float] = None, **kwargs):
+        # The run sets the timeout of every process group with `set_collective_timeout`
+        # (layerwise/run/fit.py, from layerwise/run/hangs.py `TimeoutChain`); None: Lightning's default
+        # (30 min) until then. The layout's subgroups get the world's (setup_environment).
+        if timeout_seconds is not None:
+            kwargs["timeout"] = timedelta(seconds=timeout_seconds)
+        super().__init__(process_group_backend=process_group_backend, **kwargs)
         self.degrees = degrees
         self.layout = None
 
@@ -59,7 +64,7 @@ class LayerwiseStrategy(RunHooks, PortableCheckpoints, PerRankCheckpoints, DDPSt
             if self.world_size != self.degrees.world_size:
                 raise ValueError(f"the strategy's degrees {self.degrees.as_dict()} need "
                                  f"{self.degrees.world_size} ranks, the job has {self.world_size}")
-            self.layout = ParallelLayout(self.degrees, rank=self.global_rank,
+            self.layout = ParallelLayout(self.degrees, rank=self.global_rank, timeout=self._timeout,
                                          **self.layout_arguments())
             self.agree_on_fp16_skips()
 

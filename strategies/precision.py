@@ -6,6 +6,8 @@ Lightning's precision plugin runs autocast around the step and keeps fp32 master
 
 import torch
 
+from parallel.flight import synchronizing
+
 # Matrix products (and L2L's device copies of the weights) run in this dtype.
 COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
                   "16-mixed": torch.float16, "16-true": torch.float16}
@@ -50,6 +52,12 @@ class AgreedGradScaler(torch.amp.GradScaler):
         self.communicator.all_reduce(agreed, self.group, op=torch.distributed.ReduceOp.MAX)
         for value in found.values():
             value.copy_(agreed.to(value.device))
+
+    def step(self, optimizer, *arguments, **keywords):
+        """GradScaler's step reads found_inf with `.item()`: on NCCL the host blocks there for the
+        all-reduce above, so it is the rank's current wait for the watchdog (parallel/flight.py)."""
+        with synchronizing(self.communicator.recorder):
+            return super().step(optimizer, *arguments, **keywords)
 
 
 def first_parameter_device(optimizer) -> torch.device:

@@ -18,8 +18,9 @@ import pytest
 
 from layerwise.preflight import validate
 from layerwise.run.fit import train
-from layerwise.run.hangs import HUNG_EXIT_CODE, StragglerDetector, diagnose
+from layerwise.run.hangs import HUNG_EXIT_CODE, StragglerDetector, Watchdog, diagnose, timeout_chain
 from layerwise.run.launch import HangError, RankError
+from parallel.flight import FlightRecorder
 from tests.ranks import QUICK, add_callbacks, compose_config
 from tests.warm_python import server_pids
 
@@ -289,3 +290,147 @@ def test_each_rank_records_its_waits_by_group_and_kind(tmp_path):
         receives = sum(1 for action in row if action is not None and action.kind in (RECV_ACTIVATION, RECV_GRADIENT))
         record = json.loads((tmp_path / "pipeline" / "processes" / f"rank-{rank}.json").read_text())
         assert receives > 0 and record["waits"]["pipeline receive"]["waits"] == 3 * receives, record["waits"]
+
+
+# ============================================================ the chain of timeouts (issue 54, defect 2)
+
+@pytest.mark.parametrize("overrides, step_s, process_group_s", [
+    ([], 60.0, 726.0),  # the cpu profile: 60 s, × 10 outside steady steps
+    (["hardware=dgx_h100"], 600.0, 6666.0),  # every GPU profile: 600 s
+    (["trainer.collective_timeout_s=5", "trainer.long_timeout_factor=3"], 5.0, 15 + 1 + 9 + 1 + 60),
+    (["trainer.collective_timeout_s=0"], 60.0, 726.0),  # the watchdog off: the profile's bound stays
+], ids=["cpu", "gpu", "custom", "off"])
+def test_every_process_group_outlasts_the_watchdog_s_longest_allowance(overrides, step_s, process_group_s):
+    """The backend's own timeout (NCCL's watchdog aborts the rank after it) is longer than the
+    watchdog's longest allowance (first step, validation, checkpoints) plus the time its diagnosis
+    takes, by PROCESS_GROUP_MARGIN_S: our paragraph is written before any rank is aborted."""
+    from layerwise.run.hangs import PROCESS_GROUP_MARGIN_S, run_timeout_chain
+    cfg = compose_config(*overrides)
+    chain = run_timeout_chain(cfg)
+    assert (chain.step_s, chain.process_group_s) == (step_s, process_group_s)
+    assert chain.long_s == step_s * cfg.trainer.long_timeout_factor
+    assert chain.process_group_s - PROCESS_GROUP_MARGIN_S >= chain.long_s + chain.poll_s + chain.answers_s
+
+
+class GroupTimeouts(pl.Callback):
+    """Each rank writes the backend timeout of every process group it holds (torch's own list,
+    distributed_c10d._world.pg_map: the world, the layout's groups and any other) at fit start."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def on_fit_start(self, trainer, module):
+        import torch
+        import torch.distributed as dist
+        held = {}
+        for group in dist.distributed_c10d._world.pg_map:
+            timeout = group._get_backend(torch.device("cpu")).options._timeout
+            held[",".join(map(str, dist.get_process_group_ranks(group)))] = timeout.total_seconds()
+        layout = [",".join(map(str, g.ranks)) for g in trainer.strategy.layout.groups.values()
+                  if g is not None and g.process_group is not None]
+        (self.directory / f"groups-{trainer.global_rank}.json").write_text(json.dumps(
+            {"held": held, "layout": layout}))
+
+
+def test_the_world_and_every_subgroup_get_the_chain_s_timeout(tmp_path, monkeypatch):
+    """A 2-D tensor grid on 4 gloo ranks (the world, its rows and columns, the tensor axis): every
+    group any rank holds reads back the chain's process-group timeout, not 300 s nor torch's default."""
+    from layerwise.run.hangs import run_timeout_chain
+    add_callbacks(monkeypatch.setattr, GroupTimeouts(tmp_path))
+    overrides = [*QUICK, "trainer.max_steps=1", "trainer.val_check_interval=1", "trainer.limit_val_batches=0",
+                 "strategy=tp_2d", "strategy.tensor_grid=2", "hardware.devices_per_node=4",
+                 "trainer.collective_timeout_s=7"]
+    cfg = compose_config(*overrides)
+    train(cfg, tmp_path / "run", validate(cfg))
+    expected = run_timeout_chain(cfg).process_group_s
+    for rank in range(4):
+        found = json.loads((tmp_path / f"groups-{rank}.json").read_text())
+        assert len(found["held"]) >= 3 and set(found["layout"]) <= set(found["held"]), found
+        assert set(found["held"].values()) == {expected}, found
+
+
+# ============================================================ NCCL's early wait() (issue 54, defect 3)
+
+class Witness(Watchdog):
+    """The run's watchdog, except that when it fires it keeps its record for the test instead of
+    writing files and ending the process."""
+
+    verdict = None
+
+    def _hung(self, reason: str) -> None:
+        self.fired = True
+        self.verdict = {"reason": reason, **self.record(reason)}
+
+
+def late_peer_on_fake_nccl(rank: int, directory: Path, late_s: float, recorded_sync: bool) -> dict:
+    """Rank 1 computes `late_s` before its all-reduce; rank 0 issues its own at once, on emulated
+    NCCL (tests/fake_nccl.py): the synchronous call returns at once, and the host blocks later, in a
+    sync of the compute stream — one that says so to the flight record, or one nobody records."""
+    import torch
+    import torch.distributed as dist
+    from parallel.comm import Communicator, Group
+    from tests import fake_nccl
+    stream = fake_nccl.install()
+    dist.init_process_group(fake_nccl.BACKEND)
+    communicator, recorder = Communicator(), FlightRecorder(16, stream)
+    communicator.recorder, recorder.phase = recorder, "step"
+    watchdog = Witness(recorder, rank, 2, directory, timeout_chain(0.5, 1.0), {})
+    watchdog.start()
+    tensor, started = torch.ones(4), time.perf_counter()
+    if rank == 1:
+        time.sleep(late_s)  # its compute
+    communicator.all_reduce(tensor, Group("world", (0, 1), dist.group.WORLD))
+    returned_s = time.perf_counter() - started
+    if recorded_sync:
+        with recorder.synchronizing():  # as StepTimer's, the exchange's .tolist(), the scaler's .item()
+            stream.synchronize()
+    else:
+        stream.synchronize()
+    step_s = time.perf_counter() - started
+    watchdog.stop()
+    return {"returned_s": returned_s, "step_s": step_s, "compute_s": step_s - recorder.take_blocked(),
+            "sum": tensor.tolist(), "waits": recorder.waits(), "verdict": watchdog.verdict}
+
+
+@pytest.mark.parametrize("recorded_sync", [False, True], ids=["unrecorded_sync", "recorded_sync"])
+def test_a_rank_waiting_on_emulated_nccl_is_seen_and_its_wait_counted(tmp_path, recorded_sync):
+    """NCCL's wait() returns before the collective ran; the flight record still (1) keeps the
+    all-reduce in flight until the work completes, so the watchdog names it while the host blocks
+    in a later sync (as in flight when nobody recorded the sync, as the current wait when the sync
+    says so), and (2) counts the time the stream waited for the late peer, so the late rank is
+    the straggler, not the one that waited for it."""
+    from tests.ranks import run_on_ranks
+    late_s = 2.0
+    early, late = run_on_ranks(late_peer_on_fake_nccl, 2, tmp_path, late_s, recorded_sync)
+    assert early["sum"] == [2.0] * 4 and early["returned_s"] < early["step_s"] / 2  # NCCL-like: wait returned
+    verdict = early["verdict"]
+    assert verdict is not None and late["verdict"] is None, (early, late)
+    waiting = verdict["waiting"]
+    assert (waiting["kind"], waiting["group"], waiting["sequence"]) == ("all_reduce", "world", 1)
+    assert bool(waiting.get("in_flight")) is not recorded_sync
+    # the wait is counted where the stream waited: rank 0 waited for nearly all of rank 1's compute
+    assert early["waits"]["world all_reduce"]["seconds"] >= late_s / 2, early["waits"]
+    assert StragglerDetector(window=1).update([early["compute_s"], late["compute_s"]]) == [1], (early, late)
+
+
+# ============================================================ NCCL's own flight recorder (issue 54, defect 5)
+
+def test_nccl_s_flight_recorder_dumps_into_a_folder_made_at_fit_start_named_by_the_known_rank(tmp_path, monkeypatch):
+    """On a GPU profile the dump folder exists before any watchdog fires (NCCL's own watchdog may
+    dump first, into an existing folder only), and our dump is named by the global rank the trainer
+    knows, not by RANK, which srun does not set. torch's CPU build has no NCCL dump: a stand-in
+    returns the bytes NCCL would."""
+    import torch.distributed as dist
+    from layerwise.run.hangs import dump_nccl_trace, hang_directory, nccl_flight_recorder_environment
+    cfg = compose_config("hardware=dgx_h100")
+    environment = nccl_flight_recorder_environment(cfg, tmp_path)
+    assert hang_directory(tmp_path).is_dir()  # made now, at fit start
+    assert environment["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(hang_directory(tmp_path) / "nccl_trace_rank_")
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("RANK", raising=False)  # as under srun
+    monkeypatch.setattr(dist.distributed_c10d, "_dump_nccl_trace", lambda: b"trace of rank 5", raising=False)
+    dump_nccl_trace(5)
+    assert (hang_directory(tmp_path) / "nccl_trace_rank_5").read_bytes() == b"trace of rank 5"
+    assert nccl_flight_recorder_environment(compose_config(), tmp_path / "cpu") == {}  # gloo: none
+    assert not hang_directory(tmp_path / "cpu").exists()

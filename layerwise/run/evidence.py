@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from cost.step_time import model_flops_utilization
 from parallel.comm import KINDS
+from parallel.flight import synchronizing
 from parallel.memory import ComputeMemoryMeter
 from parallel.timing import StepTimer, allocator_peak_bytes, reset_allocator_peak
 
@@ -66,7 +67,7 @@ class StepExchange:
     rank may wait in it (docs/faults.md, "When it hangs"). `by_rank` keeps every rank's vector."""
 
     def __init__(self, summed, maxima: list, device: torch.device, recorder=None):
-        self.result, self.by_rank = None, None
+        self.result, self.by_rank, self.recorder = None, None, recorder
         staged = torch.tensor([0.0, *[float(value) for value in maxima]], dtype=torch.float64)  # host
         mine = torch.empty_like(staged, device=device)
         mine.copy_(staged.pin_memory() if device.type == "cuda" else staged, non_blocking=True)
@@ -89,7 +90,8 @@ class StepExchange:
             stacked = torch.stack(self.pieces)
             width = stacked.shape[1]
             # one sync for the totals and every rank's row (the straggler check reads the rows)
-            flat = torch.cat([stacked[:, :1].sum(dim=0), stacked[:, 1:].amax(dim=0), stacked.flatten()]).tolist()
+            with synchronizing(self.recorder):  # on NCCL the host blocks here, not in wait()
+                flat = torch.cat([stacked[:, :1].sum(dim=0), stacked[:, 1:].amax(dim=0), stacked.flatten()]).tolist()
             self.result = flat[0], flat[1:width]
             self.by_rank = [flat[width * (1 + rank):width * (2 + rank)] for rank in range(stacked.shape[0])]
         return self.result
@@ -253,7 +255,7 @@ class RunEvidence(pl.Callback):
             self._meter.resident(trainer.strategy.compute_resident_tensors())
             self._meter.__enter__()
         reset_allocator_peak(trainer.strategy.root_device)
-        self._timer = StepTimer(trainer.strategy.root_device)  # CUDA events on a GPU
+        self._timer = StepTimer(trainer.strategy.root_device, self.recorder)  # CUDA events on a GPU
         self._timer.start()
 
     def _issue_exchange(self, trainer, output) -> None:

@@ -19,7 +19,7 @@ from layerwise.run import data as data_lib
 from layerwise.run.console import console_to_log
 from layerwise.run.evidence import PointToPointOrderCheck, RunEvidence, write_json_atomically
 from layerwise.run.faults import NonFiniteGuard, StopOnSigterm
-from layerwise.run.hangs import HangWatch, hang_directory, nccl_flight_recorder_environment
+from layerwise.run.hangs import HangWatch, hang_directory, nccl_flight_recorder_environment, run_timeout_chain
 from layerwise.run.launch import (HangError, RankError, close_process_group, global_rank, launched_externally,
                                   run_ranks, start_method, writes_run_files)
 from layerwise.run.preemption import slurm_callbacks, slurm_plugins, slurm_step_flags
@@ -123,6 +123,8 @@ def build_trainer(cfg, run_directory: Path, world_size: int, strategy, evidence)
         callbacks.append(RichProgressBar())
     single = world_size == 1
     precision, precision_plugins = precision_arguments(cfg.hardware)
+    # every process group's own timeout outlasts the watchdog's longest allowance: ours speaks first
+    strategy.set_collective_timeout(run_timeout_chain(cfg).process_group_s)
     return pl.Trainer(
         accelerator="gpu" if cfg.hardware.accelerator == "gpu" else "cpu",
         devices=1 if single else cfg.hardware.devices_per_node,

@@ -6,7 +6,9 @@ Each rank records every operation it issues and what it waits in (parallel/fligh
    every `poll_s`; one longer than `trainer.collective_timeout_s` (× `long_timeout_factor` in the
    first step, validation and checkpoints) writes `hang/rank-<k>.json` — the last operations, the
    wait, the Python stack of every thread (faulthandler) — and asks the other ranks for theirs
-   (`hang/request`: each watchdog answers within one poll, whatever its main thread is doing);
+   (`hang/request`: each watchdog answers within one poll, whatever its main thread is doing).
+   Every process group's own timeout is longer than all of this (`TimeoutChain`): the backend never
+   aborts a rank before the diagnosis is written;
 2. diagnosis: the lowest rank with a record, once every rank answered or is known stopped or gone
    (/proc/<pid>/stat on its host), follows "waits for" from the rank that blocked first: a wait in
    collective #n over a group waits for the members that issued fewer than n there, a receive #n
@@ -34,11 +36,12 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import lightning.pytorch as pl
 
-from parallel.flight import COLLECTIVE, FlightRecorder
+from parallel.flight import COLLECTIVE, FlightRecorder, marks_for
+from parallel.timing import StepTimer
 
 HUNG_EXIT_CODE = 124  # as coreutils' `timeout`: every rank of a hung run exits with it
 STRAGGLER_RATIO = 1.5  # a rank slower than this × the median compute time is a straggler
@@ -254,17 +257,71 @@ def checkpoint_sentence(run_directory: Path) -> str:
     return "no checkpoint was written before it: a rerun starts over"
 
 
+# ============================================================================ the chain of timeouts
+
+def collective_timeout_s(cfg) -> float:
+    """trainer.collective_timeout_s, or the hardware profile's default when null; 0 = off."""
+    seconds = cfg.trainer.collective_timeout_s
+    return float(cfg.hardware.collective_timeout_s if seconds is None else seconds)
+
+
+class TimeoutChain(NamedTuple):
+    """Every timeout of a run, from one number, in the order they fire (docs/faults.md, "The chain").
+
+    step_s: the watchdog's allowance for one wait in a training step (trainer.collective_timeout_s);
+    long_s: its allowance in the first step, validation and checkpoints (× trainer.long_timeout_factor);
+    poll_s: how often the watchdog looks (and how soon another rank's watchdog answers a request);
+    answers_s: how long a fired watchdog waits for the other ranks' records before it diagnoses
+        (`Watchdog._answered_or_stuck`: a rank answers within a poll; a silent one is waited for
+        about one step's allowance);
+    diagnosed_s: from the start of the longest wait to the diagnosis written: the long allowance,
+        a poll to notice it, the answers, a poll to write;
+    process_group_s: the backend's own timeout of every process group (NCCL's watchdog aborts the
+        rank with SIGABRT after it, and no diagnosis is written): diagnosed_s + PROCESS_GROUP_MARGIN_S,
+        so ours always comes first.
+    """
+
+    step_s: float
+    long_s: float
+    poll_s: float
+    answers_s: float
+    diagnosed_s: float
+    process_group_s: float
+
+
+PROCESS_GROUP_MARGIN_S = 60.0  # between our diagnosis written and the backend's abort: slow file systems
+
+
+def timeout_chain(step_s: float, long_factor: float) -> TimeoutChain:
+    """The chain for a watchdog allowance of `step_s` (> 0) seconds per wait, × `long_factor` outside
+    steady steps: a collective that outlasts even a checkpoint's allowance is diagnosed, and the
+    diagnosis written, PROCESS_GROUP_MARGIN_S before the backend would abort the rank."""
+    long_s = step_s * long_factor
+    poll_s = min(1.0, step_s / 5)
+    answers_s = step_s + 2 * poll_s + 2
+    diagnosed_s = long_s + poll_s + answers_s + poll_s
+    return TimeoutChain(step_s, long_s, poll_s, answers_s, diagnosed_s, diagnosed_s + PROCESS_GROUP_MARGIN_S)
+
+
+def run_timeout_chain(cfg) -> TimeoutChain:
+    """The run's chain. With the watchdog off (trainer.collective_timeout_s=0) the process groups
+    keep the bound the profile's own allowance would give (hardware.collective_timeout_s): a long
+    checkpoint is never aborted by the backend either way."""
+    seconds = collective_timeout_s(cfg) or float(cfg.hardware.collective_timeout_s)
+    return timeout_chain(seconds, float(cfg.trainer.long_timeout_factor))
+
+
 # ============================================================================ the watchdog
 
 class Watchdog:
     """A daemon thread watching one rank's flight record (module docstring, step 1)."""
 
     def __init__(self, recorder: FlightRecorder, rank: int, world_size: int, run_directory: Path,
-                 timeout_s: float, long_factor: float, summary: dict):
+                 chain: TimeoutChain, summary: dict):
         self.recorder, self.rank, self.world_size = recorder, rank, world_size
         self.run_directory, self.directory = Path(run_directory), hang_directory(run_directory)
-        self.timeout_s, self.long_s = timeout_s, timeout_s * long_factor
-        self.poll_s = min(1.0, timeout_s / 5)
+        self.chain = chain  # its allowances and deadlines (TimeoutChain)
+        self.timeout_s, self.long_s, self.poll_s = chain.step_s, chain.long_s, chain.poll_s
         self.summary = summary  # the run's names for summary.json, should this rank write it
         self.started = time.time()  # files older than this are a previous run's
         self._stopped = threading.Event()
@@ -306,7 +363,7 @@ class Watchdog:
         request = self.directory / "request"
         if not fresh(request, self.started):
             request.write_text(f"rank {self.rank} timed out")
-        dump_nccl_trace()
+        dump_nccl_trace(self.rank)
         if self._answered_or_stuck():
             self._conclude()
         else:
@@ -323,7 +380,7 @@ class Watchdog:
     def _answered_or_stuck(self) -> bool:
         """Wait until every rank wrote a record or is known stopped or gone; True on the lowest
         rank with a record (it concludes)."""
-        deadline = time.monotonic() + self.timeout_s + 2 * self.poll_s + 2
+        deadline = time.monotonic() + self.chain.answers_s
         processes = read_processes(self.run_directory, self.world_size)
         while time.monotonic() < deadline:
             records = read_records(self.directory, self.world_size, self.started)
@@ -338,7 +395,7 @@ class Watchdog:
         states = {rank: process_state(*_pid_host(processes.get(rank))) for rank in range(self.world_size)}
         records = read_records(self.directory, self.world_size, self.started)
         verdict = diagnose(records, self.world_size, states, checkpoint=checkpoint_sentence(self.run_directory))
-        verdict["nccl_traces"] = sorted(path.name for path in self.directory.glob("nccl_trace_rank_*"))
+        verdict["nccl_traces"] = sorted(path.name for path in self.directory.glob(f"{NCCL_TRACE_PREFIX}*"))
         print(f"[layerwise] {verdict['paragraph']}", file=sys.stderr, flush=True)
         write_json(self.run_directory / "summary.json", {
             "status": "hung", "error": verdict["paragraph"], "hung_rank": verdict["stuck_rank"],
@@ -386,9 +443,10 @@ def python_stacks() -> str:
         return handle.read()
 
 
-def dump_nccl_trace() -> None:
-    """On NCCL, ask PyTorch's flight recorder for its dump too (it lands in hang/, beside ours:
-    TORCH_NCCL_DEBUG_INFO_TEMP_FILE). Not run on a GPU here (README)."""
+def dump_nccl_trace(rank: int) -> None:
+    """On NCCL, ask PyTorch's flight recorder for its dump too, into hang/ beside ours, named by
+    `rank` (the global rank the trainer knows: srun sets no RANK) as torch names its own dump on a
+    timeout (TORCH_NCCL_DEBUG_INFO_TEMP_FILE + the global rank). Not run on a GPU here (README)."""
     if os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") == "0":
         return
     try:
@@ -397,24 +455,25 @@ def dump_nccl_trace() -> None:
             __import__("torch")._C._distributed_c10d, "_dump_nccl_trace", None)
         if dump is not None:
             trace = dump()
-            Path(os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] + os.environ.get("RANK", "0")).write_bytes(trace)
+            Path(f"{os.environ['TORCH_NCCL_DEBUG_INFO_TEMP_FILE']}{rank}").write_bytes(trace)
     except Exception as error:  # evidence only: the diagnosis goes on without it
         print(f"[layerwise] NCCL flight recorder dump failed: {error}", file=sys.stderr, flush=True)
 
 
+NCCL_TRACE_PREFIX = "nccl_trace_rank_"  # + the global rank: torch's name for its own dump, and ours
+
+
 def nccl_flight_recorder_environment(cfg, run_directory) -> dict:
-    """The variables that switch NCCL's flight recorder on for GPU profiles (hardware.nccl_trace_buffer_size)."""
+    """The variables that switch NCCL's flight recorder on for GPU profiles (hardware.nccl_trace_buffer_size),
+    and its folder, made here at fit start: NCCL's own watchdog may dump before ours fires (ours
+    makes hang/ only then), and the dump goes into an existing folder only."""
     size = cfg.hardware.nccl_trace_buffer_size
     if cfg.hardware.process_group_backend != "nccl" or not size:
         return {}
+    directory = hang_directory(run_directory)
+    directory.mkdir(parents=True, exist_ok=True)
     return {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(size), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(hang_directory(run_directory) / "nccl_trace_rank_")}
-
-
-def collective_timeout_s(cfg) -> float:
-    """trainer.collective_timeout_s, or the hardware profile's default when null; 0 = off."""
-    seconds = cfg.trainer.collective_timeout_s
-    return float(cfg.hardware.collective_timeout_s if seconds is None else seconds)
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(directory / NCCL_TRACE_PREFIX)}
 
 
 # ============================================================================ stragglers
@@ -452,7 +511,7 @@ class HangWatch(pl.Callback):
         self.timeout_s = collective_timeout_s(cfg)
         self.stragglers = StragglerDetector(cfg.trainer.straggler_window) if cfg.trainer.straggler_window else None
         self.recorder, self.watchdog, self._process = None, None, {}
-        self.compute_s, self._started, self._steps_here, self._reported = 0.0, 0.0, 0, set()
+        self.compute_s, self._timer, self._steps_here, self._reported = 0.0, None, 0, set()
         self.flagged = ""  # the ranks flagged as of this step, for its metrics.csv row
         if self.stragglers is not None and world_size > 1:
             evidence.per_rank["compute_s"] = lambda: self.compute_s
@@ -462,7 +521,8 @@ class HangWatch(pl.Callback):
         if self.world_size == 1 or (self.timeout_s == 0 and self.stragglers is None):
             return  # one process waits on nobody; both off: no record at all (benchmarks/overhead.py)
         communicator = trainer.strategy.communicator()
-        self.recorder = FlightRecorder(RING_SIZE)
+        self.recorder = FlightRecorder(RING_SIZE, marks_for(trainer.strategy.root_device))
+        self._timer = StepTimer(trainer.strategy.root_device, self.recorder)  # the device's time on a GPU
         if communicator is not None:
             communicator.recorder = self.recorder
         self.evidence.recorder = self.recorder
@@ -474,8 +534,8 @@ class HangWatch(pl.Callback):
             write_json(self._process_path(rank), self._process)
             names = {"strategy": self.cfg.strategy.name, "model": self.cfg.model.name,
                      "hardware": self.cfg.hardware.name, "data": self.cfg.data.name}
-            self.watchdog = Watchdog(self.recorder, rank, self.world_size, self.run_directory, self.timeout_s,
-                                     self.cfg.trainer.long_timeout_factor, names)
+            self.watchdog = Watchdog(self.recorder, rank, self.world_size, self.run_directory,
+                                     run_timeout_chain(self.cfg), names)
             self.watchdog.start()
 
     def _process_path(self, rank: int) -> Path:
@@ -493,12 +553,14 @@ class HangWatch(pl.Callback):
         self.recorder.step = trainer.global_step + 1
         self.recorder.phase = "step" if self._steps_here else "first step"
         self.recorder.take_blocked()
-        self._started = time.perf_counter()
+        self._timer.start()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
         if self.recorder is None:
             return
-        self.compute_s = time.perf_counter() - self._started - self.recorder.take_blocked()
+        # both on the timeline that blocks (parallel/flight.py): on a GPU the step's device time less
+        # the compute stream's stalls in waits, after the timer's sync has let every mark pass
+        self.compute_s = self._timer.stop() - self.recorder.take_blocked()
         self.recorder.phase, self.recorder.action = "between steps", None
         self._steps_here += 1
         if self.stragglers is not None:

@@ -461,21 +461,25 @@ def closed_form_moments(schedule: str, pipeline_degree: int, loops: int, breadth
 
 def _posted_receives(schedule: str, p: int, loops: int, bf: int, rank: int) -> int:
     """Gradient receives a rank has issued at its first backward (point_to_point.add_receive_posts:
-    as early as each pair's one issue order allows). None on the last rank of a one-stage-per-rank
-    schedule; a breadth-first rank posts one per forward in flight of its stages that send forward
-    (GPipe, looped: v·bf, (v − 1)·bf on rank p − 1); but at p = 2 a looping rank's one peer also takes
-    its gradient sends, which hold the posts back to min(2, bf − 1); a 1F1B rank in its steady state
-    has posted one. Interleaved 1F1B with bf = p (one group of p) is irregular; its fill's count
-    v·bf is used there (an upper bound; measured 3 on some ranks)."""
-    if p == 1 or (rank == p - 1 and loops == 1):
+    each right after the rank's previous operation in the plan's one message order). None on the
+    last rank. A rank with one peer (rank 0 without loops, both ranks at p = 2) posts as early as
+    that pair's order allows: a breadth-first rank one per forward in flight (GPipe: bf), a 1F1B rank
+    in its steady state one (else bf); at p = 2 a looping rank 0 min(2, bf − 1), its gradient sends
+    holding the rest back. A rank between two peers posts each only after its operations toward the
+    other: in a chain (one stage per rank) 1; on a ring (looping, p ≥ 3) looped 1, rank 0 2 once a
+    group is longer than p; interleaved 2, but 1 on the first half of the ranks when bf = p. Found on
+    the built plans (tests/test_plan_search.py, tests/test_point_to_point.py), not proven."""
+    if p == 1 or rank == p - 1:
         return 0
-    if p == 2 and loops > 1:
-        return 0 if rank == 1 else min(2, bf - 1)
-    if schedule == "one_f_one_b":
-        return 1 if bf > p - rank else bf
-    if schedule == "interleaved_one_f_one_b" and bf > p:
-        return 3 if rank < p - 1 else 2
-    return (loops - (rank == p - 1)) * bf
+    if loops == 1 and rank == 0:
+        return 1 if schedule == "one_f_one_b" and bf > p else bf
+    if p == 2:
+        return min(2, bf - 1)
+    if loops == 1 or (schedule != "interleaved_one_f_one_b" and rank > 0):
+        return 1
+    if schedule == "interleaved_one_f_one_b":
+        return 2 if bf > p or rank >= p // 2 else 1
+    return 2 if bf > p else 1
 
 
 def closed_form_held(schedule: str, pipeline_degree: int, loops: int, breadth_first: int, micro_batches: int,
@@ -494,9 +498,9 @@ def closed_form_held(schedule: str, pipeline_degree: int, loops: int, breadth_fi
                              takes both directions, rank 1 max(bf − 2, 1) and one more at the end in
                              a single group (or bf = 2), else bf − 1 and bf − 1, rank 0 then 1, 0.
     Activation receives posted ahead of a steady backward (point_to_point.add_receive_posts): 1F1B's
-    last rank one (bf ≥ 3); with several breadth-first groups, a looping rank 0 the next group's
-    first loop, (v − 1)p interleaved and (v − 1)·bf looped (p ≥ 3); interleaved at p = 2 (bf > p) one on
-    rank 1 and, when m > 2p, on rank 0.
+    last rank one (bf ≥ 3); interleaved at p = 2 (bf > p) one on rank 1 and, when m > 2p, on rank 0.
+    A looping rank 0 at p ≥ 3 posts none: its peers form a ring, and it posts the next group's inputs
+    from rank p − 1 only after its previous operation in the plan's one message order.
     With `completes_when_received` (NCCL): add_receive_posts issues each receive one pair operation
     ahead, so on the built plans a send completes by the executor's next check or the one after and
     a rank holds at most one input gradient at a backward and at the end (rank 0 none unless it
@@ -539,9 +543,7 @@ def _posted_activations(schedule: str, p: int, v: int, bf: int, micro_batches: i
         return int(rank == p - 1 and bf >= 3)
     if schedule == "interleaved_one_f_one_b" and p == 2:
         return int(bf > p and (rank == 1 or micro_batches > 2 * p))
-    if rank != 0 or bf == micro_batches or (p == 2 and schedule != "interleaved_one_f_one_b"):
-        return 0
-    return (v - 1) * (p if schedule == "interleaved_one_f_one_b" else bf)
+    return 0
 
 
 # The split-backward schedules (Qi et al. 2023; strategies/schedule/generators.py) have no closed form

@@ -6,11 +6,17 @@ send/recv N. We count these, not the wire bytes: gloo on CPU may implement a red
 all-reduce, which changes what crosses the wire but not the algorithm's volume.
 
 Strict point-to-point mode (`record_point_to_point`, switched on by trainer.check_point_to_point_order
-and in every multi-process test): each rank records the sends and receives it issues, per peer, and
-`check_point_to_point_order` compares both sides of every pair. NCCL matches a pair's operations in
-issue order and ignores tags, so the k-th operation of rank a toward b must be the other end of the
-k-th of b toward a, with the same size and dtype; gloo matches by tag and would hide the mismatch.
-The tag is compared too: two same-sized messages swapped would run on NCCL, into the wrong buffers.
+and in every multi-process test): each rank records the sends and receives it issues, in issue order,
+and `check_point_to_point_order` checks what NCCL needs (docs/architecture.md, "Point-to-point order"):
+1. NCCL matches a pair's operations in issue order and ignores tags, so the k-th operation of rank a
+   toward b must be the other end of the k-th of b toward a, with the same size and dtype; gloo
+   matches by tag and would hide the mismatch. The tag is compared too: two same-sized messages
+   swapped would run on NCCL, into the wrong buffers.
+2. Where the group's sends and receives share its one communicator (torch 2.11-2.13 with an eagerly
+   initialised group: Lightning passes `device_id` on GPUs), a rank runs them one after another in
+   issue order across all its peers, so no cycle of ranks may each wait for the next
+   (parallel/rendezvous.py). A run that passes this also runs on a communicator per pair (torch
+   without device_id), whose streams order less.
 
 Flight record (`recorder`, a parallel.flight.FlightRecorder, set by the run's watchdog): every
 operation issued here is recorded, and every wait on it (a synchronous call, or `wait()` on the
@@ -23,6 +29,8 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+
+from parallel.rendezvous import waiting_cycle
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "broadcast", "host_device")
 
@@ -80,7 +88,7 @@ class Communicator:
         self.bytes_by_kind = defaultdict(float)
         self.bytes_by_group = defaultdict(float)
         self.calls_by_kind = defaultdict(int)
-        self.issued = None  # peer -> [IssuedOperation] in issue order, while recording
+        self.issued = None  # [IssuedOperation] toward every peer, in issue order, while recording
         self.recorder = None  # a FlightRecorder while a run's watchdog watches this rank
 
     def count(self, kind: str, group_name: str, elements: int, element_size: int, group_size: int):
@@ -175,25 +183,28 @@ class Communicator:
 
     # ----- strict point-to-point mode
     def record_point_to_point(self) -> None:
-        """Start recording every send and receive this rank issues, per peer, in issue order."""
+        """Start recording every send and receive this rank issues, in issue order (all peers in one list:
+        on a shared communicator the order across peers matters)."""
         if self.issued is None:
-            self.issued = defaultdict(list)
+            self.issued = []
 
     def _record(self, kind: str, peer: int, tensor: torch.Tensor, tag: int) -> None:
         if self.issued is not None:
-            self.issued[peer].append(IssuedOperation(kind, peer, tensor.numel(), str(tensor.dtype), tag))
+            self.issued.append(IssuedOperation(kind, peer, tensor.numel(), str(tensor.dtype), tag))
 
     def check_point_to_point_order(self) -> int:
-        """Compare what every rank issued toward every peer since the last check; clear the record.
+        """Check what every rank issued since the last check (both rules of the module docstring);
+        clear the record.
 
         Collective over the whole world (call it on every rank at the same point, e.g. each step's
         end). The exchange is evidence, not training traffic: it is not counted. Raises
-        PointToPointOrderError on every rank, naming the pair, k and both operations, at the first
-        mismatch. Returns the number of operations compared on this rank.
+        PointToPointOrderError on every rank, naming the pair, k and both operations at the first
+        mismatch, or the ranks of a cycle and each one's waiting operation. Returns the number of
+        operations checked on this rank.
         """
         if self.issued is None:
             return 0
-        mine = {peer: list(operations) for peer, operations in self.issued.items()}
+        mine = list(self.issued)
         self.issued.clear()
         everyone = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -207,7 +218,7 @@ class Communicator:
         problem = first_order_mismatch(everyone)
         if problem is not None:
             raise PointToPointOrderError(problem)
-        return sum(len(operations) for operations in mine.values())
+        return len(mine)
 
     def host_device(self, tensor: torch.Tensor, group_name: str = "host"):
         """Count one host<->device copy of `tensor` (L2L's transfers)."""
@@ -215,20 +226,55 @@ class Communicator:
 
 
 def first_order_mismatch(issued_by_rank: list) -> Optional[str]:
-    """The first pair of ranks whose k-th operations toward each other are not one message's two ends.
+    """What NCCL could not run in what the ranks issued (module docstring), or None.
 
-    `issued_by_rank[r]` maps each peer to the IssuedOperations rank r issued toward it, in order.
-    None when every pair matches: opposite kinds, same elements, dtype and tag, equal lengths.
+    `issued_by_rank[r]` is the IssuedOperations rank r issued, toward every peer, in issue order.
+    First each pair (rule 1): the first pair of ranks whose k-th operations toward each other are
+    not one message's two ends (opposite kinds, same elements, dtype and tag; equal lengths). Then
+    the whole group (rule 2): the ranks of a cycle each waiting for the next, if the operations
+    cannot all run one after another per rank (parallel/rendezvous.py).
     """
-    for rank, issued in enumerate(issued_by_rank):
+    by_pair = [_by_peer(issued) for issued in issued_by_rank]
+    for rank, issued in enumerate(by_pair):
         for peer in sorted(issued):
             if not 0 <= peer < len(issued_by_rank):
                 return f"rank {rank} issued {issued[peer][0]}, a rank outside the {len(issued_by_rank)} compared"
-            if peer > rank or rank not in issued_by_rank[peer]:
-                problem = _pair_mismatch(rank, peer, issued[peer], issued_by_rank[peer].get(rank, []))
+            if peer > rank or rank not in by_pair[peer]:
+                problem = _pair_mismatch(rank, peer, issued[peer], by_pair[peer].get(rank, []))
                 if problem is not None:
                     return problem
-    return None
+    return _cycle_across_peers(issued_by_rank)
+
+
+def _by_peer(issued: list) -> dict:
+    """peer -> the operations toward it, in issue order."""
+    by_peer = defaultdict(list)
+    for operation in issued:
+        by_peer[operation.peer].append(operation)
+    return by_peer
+
+
+def _cycle_across_peers(issued_by_rank: list) -> Optional[str]:
+    """Rule 2, once every pair matches: the k-th operation of a toward b and of b toward a are one
+    message, keyed (a, b, k) on both sides."""
+    sequences = {}
+    for rank, issued in enumerate(issued_by_rank):
+        count = defaultdict(int)
+        sequences[rank] = []
+        for operation in issued:
+            sequences[rank].append((operation.peer, (min(rank, operation.peer), max(rank, operation.peer),
+                                                     count[operation.peer])))
+            count[operation.peer] += 1
+    stuck = waiting_cycle(sequences)
+    if stuck is None:
+        return None
+    cycle, heads = stuck
+    waiting = "; ".join(f"rank {rank} issued {issued_by_rank[rank][heads[rank]]}" for rank in cycle[:-1])
+    return (f"point-to-point operations across peers: ranks {' → '.join(map(str, cycle))} wait in a cycle, "
+            f"each at an operation toward the next that the next issued only after its own ({waiting}). "
+            f"Every pair matches, but where a group's sends and receives share its one NCCL communicator "
+            f"(torch 2.11-2.13 with device_id, as Lightning passes on GPUs) a rank runs them one after "
+            f"another across its peers, so this run would deadlock on GPUs; gloo hid it.")
 
 
 def _pair_mismatch(rank: int, peer: int, mine: list, theirs: list) -> Optional[str]:

@@ -18,7 +18,8 @@ from strategies.schedule import (BACKWARD, FINISH, FORWARD, KINDS, RECV_ACTIVATI
                                  parse_row, plot_timeline, simulate, stage_placement, unit_cost, validate_plan)
 from strategies.modular_pipeline import forward_only
 from strategies.schedule import (POST_RECV_ACTIVATION, RECV_GRADIENT, KindInfo, add_receive_posts,
-                                 check_point_to_point_order, curvature, is_post, issue_sequences, offload, post_of)
+                                 check_point_to_point_order, curvature, is_post, issue_order, issue_sequences,
+                                 message_order, offload, post_of)
 from strategies.schedule.curvature import synchronous_plan
 from strategies.schedule.ir import register_kinds
 from strategies.schedule.zero import add_zero
@@ -413,15 +414,19 @@ def test_every_plan_issues_point_to_point_in_one_order_per_pair(schedule, p, m, 
 
 @pytest.mark.parametrize("schedule, p, m, v", PIPELINE_GRID,
                          ids=[f"{schedule}-{grid_id(case)}" for schedule, *case in PIPELINE_GRID])
-def test_each_receive_is_posted_right_after_its_pairs_previous_operation(schedule, p, m, v):
-    """As early as the rule allows: before a post stand only other posts, then the pair's previous operation."""
+def test_each_receive_is_posted_right_after_the_ranks_previous_operation(schedule, p, m, v):
+    """As early as the rules allow: each rank issues its messages in the plan's one message order
+    (toward all peers: one shared communicator runs them so), and before a post stand only other
+    posts, then the rank's previous operation in that order."""
     plan = add_communication(pipeline_plan(schedule, p, m, v))
-    issued = {(rank, item.slot): peer for (rank, peer), items in issue_sequences(plan).items() for item in items}
-    for rank, slot, action in plan.positions():
-        if is_post(action):
-            before = [s for s in range(slot) if plan.ranks[rank][s] is not None and not is_post(plan.ranks[rank][s])]
-            peer = plan.rank_of(action.peer_stage)
-            assert not before or issued.get((rank, before[-1])) == peer, (str(action), plan.grid([(rank, slot)]))
+    order = [message.send for message in message_order(plan)]
+    for rank, issued in issue_order(plan).items():
+        mine = {item.message for item in issued}
+        assert [item.message for item in issued] == [message for message in order if message in mine]
+        for previous, item in zip([None, *issued], issued):
+            between = plan.ranks[rank][(-1 if previous is None else previous.slot) + 1:item.slot]
+            assert not is_post(item.action) or all(a is None or is_post(a) for a in between), (
+                str(item.action), plan.grid([(rank, item.slot)]))
 
 
 def test_receive_posts_in_a_looped_plan():

@@ -21,8 +21,9 @@ from .ir import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, KINDS, POST
                  REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT, Action, KindInfo, Plan, PlanError, counterpart,
                  dependencies, is_post, kind_of, parse_action, parse_row, post_of, posted_receive, register_kinds)
 from .passes import add_communication, add_gradient_reductions
-from .point_to_point import (add_receive_posts, check_point_to_point_order, issue_sequences, most_sends_held,
-                             pair_orders, release_points, send_completions, send_releases)
+from .point_to_point import (add_receive_posts, check_point_to_point_order, issue_order, issue_sequences,
+                             message_order, most_sends_held, pair_orders, release_points, send_completions,
+                             send_releases)
 from .plot import plot_timeline
 from .simulate import TimedAction, Timeline, flop_cost, simulate, unit_cost
 from .validate import validate_plan
@@ -39,7 +40,8 @@ __all__ = [
     "PLACEMENTS", "SCHEDULES", "stage_placement", "gpipe", "one_f_one_b", "looped_breadth_first",
     "interleaved_one_f_one_b", "layered", "zero_bubble_h1", "zero_bubble_h2", "zbv", "build_plan",
     "add_communication", "add_gradient_reductions", "validate_plan",
-    "add_receive_posts", "check_point_to_point_order", "issue_sequences", "pair_orders", "send_releases", "most_sends_held",
+    "add_receive_posts", "check_point_to_point_order", "issue_order", "issue_sequences", "message_order", "pair_orders",
+    "send_releases", "most_sends_held",
     "release_points", "send_completions",
     "Timeline", "TimedAction", "simulate", "unit_cost", "flop_cost", "plot_timeline",
     "execute", "ExecutedAction", "FINISH",

@@ -1,28 +1,41 @@
-"""NCCL's point-to-point rules: where each receive is issued, and the check that both sides agree.
+"""NCCL's point-to-point rules: where each receive is issued, and the check that the ranks agree.
 
-NCCL matches the sends and receives between two ranks in the order each side *issues* them: it
-ignores tags, and runs a rank's sends and receives toward one peer on one stream, one after the
-other. So the k-th operation rank a issues toward rank b must be the other end of the k-th
-operation b issues toward a, for every pair and every k; otherwise NCCL pairs the wrong messages
-(garbage, or a size mismatch) or waits for ever (a receive at the head of one side's stream whose
-send sits behind a receive at the head of the other's). Gloo matches by tag and hides such orders,
-so the rule is checked on every plan (`check_point_to_point_order`, called by `validate_plan`).
+NCCL matches the sends and receives between two ranks in the order each side *issues* them and
+ignores tags. Which stream runs them depends on the communicator PyTorch picks
+(docs/architecture.md, "Point-to-point order", cites the sources):
+- a dedicated communicator per pair (torch without `device_id`, lazy initialisation): a rank's
+  operations toward one peer run on one stream, one after the other;
+- the group's one communicator (torch 2.11-2.13 once the group is eagerly initialised: Lightning
+  passes `device_id` on GPUs, and every `new_group` inherits it): a rank's operations toward *all*
+  its peers run on one stream, in issue order.
+So two rules, both checked on every plan (`check_point_to_point_order`, called by `validate_plan`):
+1. per pair: the k-th operation rank a issues toward rank b is the other end of the k-th operation
+   b issues toward a, for every k; otherwise NCCL pairs the wrong messages (garbage, or a size
+   mismatch) or waits for ever;
+2. across peers: the ranks can run their operations one at a time in issue order, each a send
+   meeting its receive (parallel/rendezvous.py): no cycle of ranks each waiting for the next. This
+   is what one shared stream per rank needs, and it implies that a stream per pair finishes too.
+Gloo matches by tag and hides both.
 
-`add_receive_posts` makes every plan follow it and still post receives early (an early receive lets
-the message land while the rank computes: GPipe went from 1.11x to 0.944x of torch.pipelining's
-step time when receives were posted early):
+`add_receive_posts` makes every plan follow both and still post receives early (an early receive
+lets the message land while the rank computes: GPipe went from 1.11x to 0.944x of
+torch.pipelining's step time when receives were posted early):
 
-1. per pair of ranks, one common order of all its messages, both directions: by the unit-cost
-   simulated time each message's send is issued, then the time its receive is waited on, then
-   sender and slot. Kahn's algorithm keeps each side's fixed sends in list order and puts a message
-   before any send its receiver issues after waiting on it (the dry run guarantees such an order
-   exists: every ordering constraint is a happens-before of the dry run);
-2. each receive is posted ("4f1←3") right after the previous operation of its pair in that order,
-   never before an earlier operation toward the same peer; the RECV ("4F1←3") stays where the
-   value is consumed and only waits. A post that would stand right before its own RECV is left
-   out: the RECV issues and waits at once, which is the same order.
+1. one order of all the plan's messages (`message_order`): by the unit-cost simulated time each
+   message's send is issued, then the time its receive is waited on, then sender and slot. Kahn's
+   algorithm keeps each rank's fixed sends in list order and puts a message before any send its
+   receiver issues after waiting on it (the dry run guarantees such an order exists: every
+   ordering constraint is a happens-before of the dry run);
+2. each receive is posted ("4f1←3") right after the rank's previous operation in that order,
+   toward any peer; the RECV ("4F1←3") stays where the value is consumed and only waits. A post
+   that would stand right before its own RECV is left out: the RECV issues and waits at once,
+   which is the same order.
+Every rank then issues a subsequence of one order, so the pairs agree (rule 1) and every wait
+points forward in it (rule 2). Posting by each pair's order alone, as this pass once did, broke
+rule 2 on rings of ranks (looped and interleaved placements with p >= 3: rank 0 posted its receive
+from rank p-1 before its first send to rank 1, and every rank waited for the next).
 No grouped calls (batch_isend_irecv) are needed: with posts in place, every plan the dry run
-accepts has an order both sides follow.
+accepts has an order all ranks follow.
 """
 
 from __future__ import annotations
@@ -34,11 +47,13 @@ import heapq
 from collections import defaultdict
 from typing import NamedTuple
 
+from parallel.rendezvous import waiting_cycle
+
 from .ir import (SEND_ARROW, Action, Plan, PlanError, counterpart, is_post, post_of, posted_receive)
 from .simulate import simulate, unit_cost
 
-__all__ = ["add_receive_posts", "check_point_to_point_order", "issue_sequences", "most_sends_held", "pair_orders",
-           "release_points", "send_completions", "send_releases"]
+__all__ = ["add_receive_posts", "check_point_to_point_order", "issue_order", "issue_sequences", "message_order",
+           "most_sends_held", "pair_orders", "release_points", "send_completions", "send_releases"]
 
 
 class Message(NamedTuple):
@@ -62,15 +77,20 @@ class Issued(NamedTuple):
 
 
 # -----------------------------------------------------------------------------
-# The common order of each pair's messages
+# One order of all the plan's messages
+
+
+def message_order(plan: Plan) -> list[Message]:
+    """Every message of the plan, in one order every rank's issue order follows (module docstring)."""
+    return _common_order(_messages(plan))
 
 
 def pair_orders(plan: Plan) -> dict[tuple[int, int], list[Message]]:
     """(a, b) with a < b -> every message between ranks a and b, in the order both sides issue them."""
     by_pair = defaultdict(list)
-    for message in _messages(plan):
+    for message in message_order(plan):
         by_pair[tuple(sorted((message.sender, message.receiver)))].append(message)
-    return {pair: _common_order(messages) for pair, messages in sorted(by_pair.items())}
+    return dict(sorted(by_pair.items()))
 
 
 def _messages(plan: Plan) -> list[Message]:
@@ -88,7 +108,7 @@ def _messages(plan: Plan) -> list[Message]:
 
 
 def _common_order(messages: list[Message]) -> list[Message]:
-    """Kahn's algorithm over the pair's ordering constraints, earliest send first among the ready."""
+    """Kahn's algorithm over the messages' ordering constraints, earliest send first among the ready."""
     successors, waiting = _constraints(messages)
     ready = [_priority(message) for message in messages if not waiting[message]]
     heapq.heapify(ready)
@@ -108,7 +128,7 @@ def _priority(message: Message) -> tuple:
 
 
 def _constraints(messages: list[Message]) -> tuple[dict, dict]:
-    """Edges "must come first": a side's sends in list order; a receive before the sends issued after its wait."""
+    """Edges "must come first": a rank's sends in list order; a receive before the sends issued after its wait."""
     successors, waiting = defaultdict(list), {message: 0 for message in messages}
 
     def edge(first: Message, then: Message) -> None:
@@ -132,7 +152,7 @@ def _constraints(messages: list[Message]) -> tuple[dict, dict]:
 
 
 def add_receive_posts(plan: Plan) -> Plan:
-    """Issue each receive as early as NCCL's issue-order matching allows (module docstring).
+    """Issue each receive as early as NCCL's issue-order rules allow (module docstring).
 
     Expects a plan with its transfers and no posts yet. A plan whose dry run is stuck is returned
     unchanged: the validator then names the cyclic wait, which no placement of posts would cure.
@@ -140,13 +160,12 @@ def add_receive_posts(plan: Plan) -> Plan:
     if any(is_post(action) for _, _, action in plan.positions()):
         raise ValueError(f"plan {plan.name!r} already has its receive posts")
     try:
-        orders = pair_orders(plan)
+        order = message_order(plan)
     except PlanError:
         return plan
     after = [defaultdict(list) for _ in plan.ranks]  # per rank: slot (-1: step start) -> posts issued after it
-    for pair, order in orders.items():
-        for rank in pair:
-            _place_posts(plan.ranks[rank], rank, order, after[rank])
+    for rank, row in enumerate(plan.ranks):
+        _place_posts(row, rank, [m for m in order if rank in (m.sender, m.receiver)], after[rank])
     return dataclasses.replace(plan, ranks=[_with_posts(row, after[rank]) for rank, row in enumerate(plan.ranks)])
 
 
@@ -156,8 +175,8 @@ def _with_posts(row, after: dict) -> list:
 
 
 def _place_posts(row, rank: int, order: list[Message], after: dict) -> None:
-    """Rank `rank`'s posts for one pair: each right after the pair's previous operation on this rank."""
-    anchor = -1  # the slot of this rank's previous operation of the pair; -1: the step's start
+    """Rank `rank`'s posts: each right after the rank's previous operation in `order` (its messages, any peer)."""
+    anchor = -1  # the slot of this rank's previous operation in the order; -1: the step's start
     for message in order:
         if message.sender == rank:
             anchor = message.send_slot
@@ -194,14 +213,50 @@ def issue_sequences(plan: Plan) -> dict[tuple[int, int], list[Issued]]:
     return sequences
 
 
+def issue_order(plan: Plan) -> dict[int, list[Issued]]:
+    """rank -> the operations `rank` issues toward all its peers, in issue order (what one shared
+    communicator's stream runs)."""
+    ordered = defaultdict(list)
+    for (rank, _), sequence in issue_sequences(plan).items():
+        ordered[rank].extend(sequence)
+    return {rank: sorted(sequence, key=lambda issued: issued.slot) for rank, sequence in sorted(ordered.items())}
+
+
 def check_point_to_point_order(plan: Plan) -> None:
-    """PlanError, both sides marked, at the first pair whose k-th operations are not one message's two ends."""
+    """PlanError at the first break of either rule (module docstring): both sides marked at the first
+    pair whose k-th operations are not one message's two ends; else every rank of a cycle marked."""
     sequences = issue_sequences(plan)
     for rank, peer in sorted(sequences):
         if rank < peer:
             mine, theirs = sequences[rank, peer], sequences.get((peer, rank), [])
             for index in range(max(len(mine), len(theirs))):
                 _check_match(plan, rank, peer, index, mine, theirs)
+    _check_no_cycle(plan)
+
+
+def _check_no_cycle(plan: Plan) -> None:
+    """Rule 2: every rank's operations run one at a time, in issue order, each meeting its other end."""
+    ordered = issue_order(plan)
+    sequences = {rank: [(_peer(plan, rank, issued), issued.message) for issued in sequence]
+                 for rank, sequence in ordered.items()}
+    stuck = waiting_cycle(sequences)
+    if stuck is None:
+        return
+    cycle, heads = stuck
+    waiting = [ordered[rank][heads[rank]] for rank in cycle[:-1]]
+    raise PlanError(
+        f"ranks {' → '.join(map(str, cycle))} wait in a cycle: each one's next point-to-point operation "
+        f"is toward the next rank, which issues its other end only later "
+        f"({'; '.join(f'rank {rank}: {_describe(issued)}' for rank, issued in zip(cycle, waiting))}). "
+        f"Every pair agrees, but on a group's one NCCL communicator (torch 2.11-2.13 with device_id, as "
+        f"Lightning passes on GPUs) a rank runs its sends and receives toward all peers in issue order: "
+        f"NCCL would wait for ever. Issue receives where add_receive_posts puts them.",
+        plan, [(rank, issued.slot) for rank, issued in zip(cycle, waiting)])
+
+
+def _peer(plan: Plan, rank: int, issued: Issued) -> int:
+    sender, receiver = plan.rank_of(issued.message.stage), plan.rank_of(issued.message.peer_stage)
+    return receiver if rank == sender else sender
 
 
 def _check_match(plan: Plan, rank: int, peer: int, index: int, mine: list, theirs: list) -> None:

@@ -4,8 +4,10 @@ Checks, in order: shape (stage, micro-batch and rank numbers in range), each act
 its stage is placed on, each action at most once and every F and B (or, split, its I and W) exactly
 once, F before its B (or I, and I before its W) on a rank, every transfer paired with its other end, every receive post before its RECV, every
 dependency present, a unit-time dry run (the simulator itself) that always makes progress, and
-NCCL's rule: each pair of ranks issues its point-to-point operations in one order
-(point_to_point.py).
+NCCL's two rules (point_to_point.py): each pair of ranks issues its point-to-point operations in
+one order, and no cycle of ranks each waits for the next when every rank runs its operations
+toward all peers one at a time, as a group's one communicator does (torch 2.11-2.13 with an
+eagerly initialised group, which Lightning makes on GPUs).
 """
 
 from __future__ import annotations

@@ -18,27 +18,31 @@ from __future__ import annotations
 
 from typing import Hashable, Mapping, Sequence
 
-__all__ = ["waiting_cycle"]
+__all__ = ["retire", "waiting_cycle"]
 
 
-def waiting_cycle(sequences: Mapping[int, Sequence[tuple[int, Hashable]]]) -> tuple[list[int], dict] | None:
-    """None if every rank's operations retire; else (cycle, heads).
-
-    `sequences[rank]` is what `rank` issues, in order, each as (peer, message): the two ends of a
-    message carry the same `message` key. `cycle` is [r0, r1, ..., r0]: each rank's next operation
-    is toward the following rank, whose next operation is another one; `heads[rank]` is the index
-    of each rank's first operation that never ran (ranks that finished are absent).
-    """
+def retire(sequences: Mapping[int, Sequence[tuple[int, Hashable]]]) -> tuple[list, dict]:
+    """(the messages in an order they can retire, {rank: index of its first operation that never
+    ran} for the ranks left stuck). `sequences[rank]` is what `rank` issues, in order, each as
+    (peer, message): the two ends of a message carry the same `message` key."""
     heads = {rank: 0 for rank in sequences}
-    worklist = list(sequences)
+    retired, worklist = [], list(sequences)
     while worklist:
         rank = worklist.pop()
         peer = _ready_peer(sequences, heads, rank)
         if peer is not None:
+            retired.append(sequences[rank][heads[rank]][1])
             heads[rank] += 1
             heads[peer] += 1
             worklist += [rank, peer]
-    stuck = {rank: head for rank, head in heads.items() if head < len(sequences[rank])}
+    return retired, {rank: head for rank, head in heads.items() if head < len(sequences[rank])}
+
+
+def waiting_cycle(sequences: Mapping[int, Sequence[tuple[int, Hashable]]]) -> tuple[list[int], dict] | None:
+    """None if every rank's operations retire (`retire`); else (cycle, heads): `cycle` is
+    [r0, r1, ..., r0], each rank's next operation toward the following rank, whose next operation
+    is another one; `heads[rank]` is the index of each stuck rank's first operation that never ran."""
+    _, stuck = retire(sequences)
     return None if not stuck else (_cycle(sequences, stuck, min(stuck)), stuck)
 
 

@@ -24,6 +24,8 @@ from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule import (PlanError, add_communication, add_gradient_reductions, check_point_to_point_order,
                                  execute, issue_order, looped_breadth_first, message_order, validate_plan)
 from strategies.schedule.curvature import synchronous_plan
+from strategies.schedule.point_to_point import _transfer_times
+from strategies.schedule.simulate import simulate, unit_cost
 from strategies.schedule.zero import add_zero
 from strategies.stages import Peers, StageWork, keep_local_stages
 from layerwise.run.launch import RankError
@@ -207,3 +209,22 @@ def test_every_plan_runs_on_one_communicator_per_group(schedule, p, m, v):
     for plan in (add_gradient_reductions(transfers), add_zero(transfers), forward_only(transfers),
                  synchronous_plan(add_gradient_reductions(transfers))):
         check_point_to_point_order(plan)
+
+
+@pytest.mark.parametrize("schedule, v", [("one_f_one_b", 1), ("zbv", 2), ("looped_breadth_first", 2),
+                                         ("interleaved_one_f_one_b", 2)])
+def test_a_send_completes_after_what_either_rank_issued_before_it(schedule, v):
+    """On one stream per rank a transfer also waits for both ranks' earlier operations; on the built
+    plans (every rank issues a subsequence of one order by send time) that delays none of them, so
+    NCCL's held-send counts (docs/strategies/pipeline_memory.md) hold on a shared communicator."""
+    plan = add_gradient_reductions(add_communication(pipeline_plan(schedule, 4, 8, v)))
+    start = {record.action: record.start for row in simulate(plan, unit_cost).ranks for record in row}
+    ran = _transfer_times(plan, start)
+    for rank, issued in issue_order(plan).items():
+        for previous, item in zip(issued, issued[1:]):
+            assert ran[previous.message] <= ran[item.message]  # one stream per rank
+        for item in issued:
+            assert ran[item.message] >= start[item.action]  # not before this end's issue
+    receive_issued = {item.message: item.action for sequence in issue_order(plan).values() for item in sequence
+                      if item.action != item.message}
+    assert all(ran[send] == max(start[send], start[receive]) for send, receive in receive_issued.items())

@@ -47,7 +47,7 @@ import heapq
 from collections import defaultdict
 from typing import NamedTuple
 
-from parallel.rendezvous import waiting_cycle
+from parallel.rendezvous import retire, waiting_cycle
 
 from .ir import (SEND_ARROW, Action, Plan, PlanError, counterpart, is_post, post_of, posted_receive)
 from .simulate import simulate, unit_cost
@@ -341,19 +341,38 @@ def send_completions(plan: Plan) -> dict[int, dict[Action, int | None]]:
 
     An NCCL send completes once the transfer has run, which needs its receive issued at the peer:
     no earlier than the later of its own issue and the peer's post (or RECV, when it has none) of
-    it. Both are read off the plan's unit-cost simulated timeline — the one `add_receive_posts`
-    orders each pair by, so the count is a property of the plan (and has the closed form the
-    search uses) and not of one device's speeds; transfers take no time there. The send is
-    complete from the first later action of its row that starts at or after that time."""
+    it, and — on a group's one communicator, which runs each rank's operations toward all peers one
+    after another (module docstring; what GPUs run) — no earlier than the operations both ranks
+    issued before it (`_transfer_times`). Issue times are read off the plan's unit-cost simulated
+    timeline — the one `add_receive_posts` orders the messages by, so the count is a property of
+    the plan (and has the closed form the search uses) and not of one device's speeds; transfers
+    take no time there. The send is complete from the first later action of its row that starts at
+    or after that time."""
     timeline = simulate(plan, unit_cost)
     start = {record.action: record.start for row in timeline.ranks for record in row}
-    receive_issued = {issued.message: issued.action for (rank, _), sequence in issue_sequences(plan).items()
-                      for issued in sequence if issued.action != issued.message}
+    ran = _transfer_times(plan, start)
     completions = {}
     for rank, row in enumerate(plan.ranks):
-        completions[rank] = {send: _first_slot_from(row, slot, max(start[send], start[receive_issued[send]]), start)
-                             for slot, send in enumerate(row) if send in receive_issued}
+        completions[rank] = {send: _first_slot_from(row, slot, ran[send], start)
+                             for slot, send in enumerate(row) if send in ran}
     return completions
+
+
+def _transfer_times(plan: Plan, start: dict) -> dict[Action, float]:
+    """message (its SEND) -> when it has run: both ends issued, and every operation either rank
+    issued before it has run (one stream per rank), in the order the messages can retire."""
+    ordered = issue_order(plan)
+    issued_at = {(rank, issued.message): start[issued.action] for rank, sequence in ordered.items()
+                 for issued in sequence}
+    retired, _ = retire({rank: [(_peer(plan, rank, issued), issued.message) for issued in sequence]
+                         for rank, sequence in ordered.items()})
+    ran, last = {}, defaultdict(float)  # rank -> when its previous operation ran
+    for message in retired:
+        ends = (plan.rank_of(message.stage), plan.rank_of(message.peer_stage))
+        ran[message] = max(*(issued_at[end, message] for end in ends), *(last[end] for end in ends))
+        for end in ends:
+            last[end] = ran[message]
+    return ran
 
 
 def _first_slot_from(row, slot: int, time: float, start: dict) -> int | None:

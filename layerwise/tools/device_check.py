@@ -391,8 +391,8 @@ def equality_points(mode: Mode, subset: bool) -> dict:
 def equality_section(mode: Mode, budget: Budget, report: Report, subset: bool, directory: Path) -> list:
     """Run every point (several at once: nothing here is timed), then each row against its reference."""
     points = equality_points(mode, subset)
-    timeout = budget.timeout(mode.point_timeout_s)
-    jobs = {key: (lambda key=key: run_point(points[key], directory / slug(key), timeout)) for key in points}
+    timeout = lambda: budget.timeout(mode.point_timeout_s)  # read when a run starts: later waves get less
+    jobs = {key: (lambda key=key: run_point(points[key], directory / slug(key), timeout())) for key in points}
     if not subset:
         for strategy, uninterrupted in (("single", "single device"), ("l2l", "l2l constant_memory=true dropout=0")):
             jobs[f"resume {strategy}"] = lambda strategy=strategy, uninterrupted=uninterrupted: resumed(
@@ -430,25 +430,25 @@ def slug(text: str) -> str:
     return "".join(character if character.isalnum() or character in "._-" else "-" for character in text)
 
 
-def resumed(overrides: list, directory: Path, timeout_s: float) -> dict:
+def resumed(overrides: list, directory: Path, timeout: Callable[[], float]) -> dict:
     """2 steps with a checkpoint at step 2, the process ends, then the same run directory to 4 steps:
     train.py resumes from its own `last` checkpoint (resume=true) and its summary covers all 4."""
     first = run_point([*overrides, "trainer.max_steps=2", "trainer.checkpoint_every_n_steps=2",
-                       "trainer.val_check_interval=2"], directory, timeout_s, keep_checkpoints=True)
+                       "trainer.val_check_interval=2"], directory, timeout(), keep_checkpoints=True)
     if first.get("status") != "completed":
         return first
-    return run_point([*overrides, "trainer.checkpoint_every_n_steps=2"], directory, timeout_s)
+    return run_point([*overrides, "trainer.checkpoint_every_n_steps=2"], directory, timeout())
 
 
-def hf_import(llama: list, dtype: str, directory: Path, timeout_s: float) -> dict:
+def hf_import(llama: list, dtype: str, directory: Path, timeout: Callable[[], float]) -> dict:
     """The seeded Llama of `llama` written as a Hugging Face directory in `dtype`, then trained with
     model=hf model.path=DIR: equal to the seeded run when the file is fp32."""
     model_directory = directory / "model"
-    written = run_helper("export_hf", {"overrides": llama, "dtype": dtype, "path": str(model_directory)}, timeout_s)
+    written = run_helper("export_hf", {"overrides": llama, "dtype": dtype, "path": str(model_directory)}, timeout())
     if written.get("status") != "completed":
         return written
     shaped = [o for o in llama if not o.startswith("model") or o.startswith("model.dropout")]  # config.json's shape
-    return run_point([*shaped, "model=hf", f"model.path={model_directory}"], directory / "run", timeout_s)
+    return run_point([*shaped, "model=hf", f"model.path={model_directory}"], directory / "run", timeout())
 
 
 def export_hf_helper(arguments: dict) -> dict:
@@ -483,8 +483,8 @@ def precision_section(mode: Mode, budget: Budget, report: Report, subset: bool, 
         points.update({"single 16-mixed": [*device, "strategy=single", "hardware.precision=16-mixed"],
                        "zero_bubble_h1 16-mixed": [*points["zero_bubble_h1 bf16-mixed"][:-1],
                                                    "hardware.precision=16-mixed"]})
-    timeout = budget.timeout(mode.point_timeout_s)
-    summaries = run_all({key: (lambda key=key: run_point(points[key], directory / slug(key), timeout))
+    timeout = lambda: budget.timeout(mode.point_timeout_s)
+    summaries = run_all({key: (lambda key=key: run_point(points[key], directory / slug(key), timeout()))
                          for key in points}, mode.parallel_runs)
     row = lambda name, reference, precision: compared("precision", name, summaries[name], summaries[reference],
                                                       BF16_LOSS_RTOL, reference, precision)

@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from parallel import compat
 from parallel.rendezvous import waiting_cycle
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "broadcast", "host_device")
@@ -123,7 +124,7 @@ class Communicator:
             output.copy_(shard)
             return None
         self._counted("all_gather", group, output)
-        return self._recorded("all_gather", group, output, async_op, lambda: dist.all_gather_single(
+        return self._recorded("all_gather", group, output, async_op, lambda: compat.all_gather_single(
             output, shard, group=group.process_group, async_op=async_op))
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, group: Group,
@@ -132,7 +133,7 @@ class Communicator:
             shard.copy_(full)
             return None
         self._counted("reduce_scatter", group, full)
-        return self._recorded("reduce_scatter", group, full, async_op, lambda: dist.reduce_scatter_single(
+        return self._recorded("reduce_scatter", group, full, async_op, lambda: compat.reduce_scatter_single(
             shard, full, op=op, group=group.process_group, async_op=async_op))
 
     def broadcast(self, tensor: torch.Tensor, source: int, group: Group, async_op=False):

@@ -17,7 +17,9 @@ from layerwise.run.fit import fit_rank, train
 from layerwise.preflight import validate
 from tests.ranks import QUICK, compose_config, run_on_ranks
 
-# Everything torch.distributed offers that involves every rank of a group (sends are not collectives).
+# Everything torch.distributed offers that involves every rank of a group (sends are not collectives),
+# under the names of every torch we accept: those this torch lacks are skipped (2.11, 2.12 have no *_single;
+# parallel/compat.py calls whichever it has, so a call is counted once either way).
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object",
                "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
                "reduce_scatter_single", "gather", "gather_object", "scatter", "scatter_object_list",

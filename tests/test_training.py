@@ -89,6 +89,7 @@ def test_evidence_files_follow_the_schema(reference):
     assert all(float(r["peak_compute_bytes"]) > 0 for r in rows)
 
 
+@pytest.mark.smoke  # also under torch 2.11 (make smoke-torch211): one resume
 def test_resume_continues_bit_identically(reference, tmp_path):
     """Stop after 4 steps, rerun with 10: steps 5-10 equal the uninterrupted run."""
     cfg_overrides = ["strategy=single", "trainer.checkpoint_every_n_steps=2"]

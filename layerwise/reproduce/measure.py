@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from layerwise.run.optim import build_optimizer
 from models import build_model
 from models.transformer import IGNORE_INDEX
+from parallel import compat
 from parallel.memory import ComputeMemoryMeter
 from strategies.l2l import relay_peak_bytes
 
@@ -72,8 +73,9 @@ def overrides(arguments, strategy: str, devices: int) -> list:
 
 # ----- an independent counter: torch.distributed's collectives tallied from their raw tensors
 
-COUNTED = (("all_gather_single", "all_gather", 0),  # (output, input, group, async_op): output is full
-           ("reduce_scatter_single", "reduce_scatter", 1))  # (output, input, op, group, ...): input is full
+# torch.distributed's names for them differ across the torch versions we accept: parallel/compat.py
+COUNTED = ((compat.ALL_GATHER_SINGLE, "all_gather", 0),  # (output, input, group, async_op): output is full
+           (compat.REDUCE_SCATTER_SINGLE, "reduce_scatter", 1))  # (output, input, op, group, ...): input is full
 
 
 @contextmanager

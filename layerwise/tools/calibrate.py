@@ -40,6 +40,7 @@ from layerwise.run.launch import run_ranks
 from layerwise.run.optim import build_optimizer
 from models.transformer import build_block
 from cost.inputs import GptShape
+from parallel import compat
 from parallel.dims import Layout
 
 MATMUL_EDGES = (128, 256, 384, 512, 768, 1024)
@@ -256,7 +257,7 @@ def _gather_overlap_rank(rank: int, world: int, budget_s: float) -> list:
     gathered, shard = torch.zeros(GATHER_BYTES // 4), torch.zeros(GATHER_BYTES // 4 // world)  # host: gloo
 
     def posted(count: int) -> None:
-        work = dist.all_gather_single(gathered, shard, async_op=True)
+        work = compat.all_gather_single(gathered, shard, async_op=True)
         products(matrix, count)
         work.wait()
     rows = []
@@ -264,7 +265,7 @@ def _gather_overlap_rank(rank: int, world: int, budget_s: float) -> list:
         dist.barrier()
         sample = mean_until_stable(
             lambda: [after_compute(matrix, lambda: products(matrix, count)),
-                     after_compute(matrix, lambda: dist.all_gather_single(gathered, shard)),
+                     after_compute(matrix, lambda: compat.all_gather_single(gathered, shard)),
                      after_compute(matrix, lambda: posted(count))],
             batch=10, min_batches=3, max_batches=60, budget_s=budget_s, agree=rank_zero_decides)
         alone, gather, both = sample["mean"]

@@ -1,7 +1,7 @@
 """Counted collectives along any dimension, and the autograd functions tensor parallelism uses.
 
 Everything passes through the layout's Communicator (so the bytes are counted: parallel/comm.py).
-torch's all_gather_single / reduce_scatter_single work on dim 0; `gather` and `scatter_sum`
+torch's single-tensor all-gather / reduce-scatter (parallel/compat.py) work on dim 0; `gather` and `scatter_sum`
 move the wanted dimension to the front and back. A group of one is the identity.
 """
 

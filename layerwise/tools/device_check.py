@@ -220,17 +220,25 @@ class Budget:
         return max(1.0, min(limit, self.left() - 5))
 
 
-def child_environment() -> dict:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+def child_environment(threads: Optional[int] = None) -> dict:
+    """`threads`: OMP_NUM_THREADS of a run that shares the cores with others (torch's intra-op
+    threads; several runs of 16 spinning threads each on 16 cores wait on each other's barriers)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled",
+            **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
 
 
-def run_point(overrides, directory: Path, timeout_s: float, keep_checkpoints: bool = False) -> dict:
+def shared_cores(parallel: int) -> int:
+    return max(1, (os.cpu_count() or 1) // parallel)
+
+
+def run_point(overrides, directory: Path, timeout_s: float, keep_checkpoints: bool = False,
+              threads: Optional[int] = None) -> dict:
     """train.py as a user runs it; its summary.json, or a failed one naming the last error line."""
     directory.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "train.py", *overrides, f"hydra.run.dir={directory}"]
     try:
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
-                                env=child_environment())
+                                env=child_environment(threads))
         output = result.stdout + result.stderr
     except subprocess.TimeoutExpired as expired:
         (directory / "device_check.log").write_text(str(expired.stdout or "") + str(expired.stderr or ""))
@@ -391,15 +399,15 @@ def equality_points(mode: Mode, subset: bool) -> dict:
 def equality_section(mode: Mode, budget: Budget, report: Report, subset: bool, directory: Path) -> list:
     """Run every point (several at once: nothing here is timed), then each row against its reference."""
     points = equality_points(mode, subset)
-    timeout = lambda: budget.timeout(mode.point_timeout_s)  # read when a run starts: later waves get less
-    jobs = {key: (lambda key=key: run_point(points[key], directory / slug(key), timeout())) for key in points}
+    point = shared_point(mode, budget)
+    jobs = {key: (lambda key=key: point(points[key], directory / slug(key))) for key in points}
     if not subset:
         for strategy, uninterrupted in (("single", "single device"), ("l2l", "l2l constant_memory=true dropout=0")):
             jobs[f"resume {strategy}"] = lambda strategy=strategy, uninterrupted=uninterrupted: resumed(
-                points[uninterrupted], directory / f"resume-{strategy}", timeout)
+                points[uninterrupted], directory / f"resume-{strategy}", point)
         for dtype in ("float32", "bfloat16"):
-            jobs[f"hf {dtype}"] = lambda dtype=dtype: hf_import(points["llama device"], dtype,
-                                                                 directory / f"hf-{dtype}", timeout)
+            jobs[f"hf {dtype}"] = lambda dtype=dtype: hf_import(points["llama device"], dtype, directory / f"hf-{dtype}",
+                                                                 point, budget.timeout(mode.point_timeout_s))
     summaries = run_all(jobs, mode.parallel_runs)
     return equality_rows(summaries, mode, subset)
 
@@ -430,25 +438,34 @@ def slug(text: str) -> str:
     return "".join(character if character.isalnum() or character in "._-" else "-" for character in text)
 
 
-def resumed(overrides: list, directory: Path, timeout: Callable[[], float]) -> dict:
+def shared_point(mode: Mode, budget: Budget) -> Callable:
+    """run_point for runs that share the node (several at once, timing nothing): each reads its
+    timeout when it starts (a later wave gets the time left) and gets its share of the cores."""
+    threads = shared_cores(mode.parallel_runs)
+    return lambda overrides, directory, **options: run_point(
+        overrides, directory, budget.timeout(mode.point_timeout_s), threads=threads, **options)
+
+
+def resumed(overrides: list, directory: Path, point: Callable) -> dict:
     """2 steps with a checkpoint at step 2, the process ends, then the same run directory to 4 steps:
     train.py resumes from its own `last` checkpoint (resume=true) and its summary covers all 4."""
-    first = run_point([*overrides, "trainer.max_steps=2", "trainer.checkpoint_every_n_steps=2",
-                       "trainer.val_check_interval=2"], directory, timeout(), keep_checkpoints=True)
+    first = point([*overrides, "trainer.max_steps=2", "trainer.checkpoint_every_n_steps=2",
+                   "trainer.val_check_interval=2"], directory, keep_checkpoints=True)
     if first.get("status") != "completed":
         return first
-    return run_point([*overrides, "trainer.checkpoint_every_n_steps=2"], directory, timeout())
+    return point([*overrides, "trainer.checkpoint_every_n_steps=2"], directory)
 
 
-def hf_import(llama: list, dtype: str, directory: Path, timeout: Callable[[], float]) -> dict:
+def hf_import(llama: list, dtype: str, directory: Path, point: Callable, helper_timeout_s: float) -> dict:
     """The seeded Llama of `llama` written as a Hugging Face directory in `dtype`, then trained with
     model=hf model.path=DIR: equal to the seeded run when the file is fp32."""
     model_directory = directory / "model"
-    written = run_helper("export_hf", {"overrides": llama, "dtype": dtype, "path": str(model_directory)}, timeout())
+    written = run_helper("export_hf", {"overrides": llama, "dtype": dtype, "path": str(model_directory)},
+                         helper_timeout_s)
     if written.get("status") != "completed":
         return written
     shaped = [o for o in llama if not o.startswith("model") or o.startswith("model.dropout")]  # config.json's shape
-    return run_point([*shaped, "model=hf", f"model.path={model_directory}"], directory / "run", timeout())
+    return point([*shaped, "model=hf", f"model.path={model_directory}"], directory / "run")
 
 
 def export_hf_helper(arguments: dict) -> dict:
@@ -483,8 +500,8 @@ def precision_section(mode: Mode, budget: Budget, report: Report, subset: bool, 
         points.update({"single 16-mixed": [*device, "strategy=single", "hardware.precision=16-mixed"],
                        "zero_bubble_h1 16-mixed": [*points["zero_bubble_h1 bf16-mixed"][:-1],
                                                    "hardware.precision=16-mixed"]})
-    timeout = lambda: budget.timeout(mode.point_timeout_s)
-    summaries = run_all({key: (lambda key=key: run_point(points[key], directory / slug(key), timeout()))
+    point = shared_point(mode, budget)
+    summaries = run_all({key: (lambda key=key: point(points[key], directory / slug(key)))
                          for key in points}, mode.parallel_runs)
     row = lambda name, reference, precision: compared("precision", name, summaries[name], summaries[reference],
                                                       BF16_LOSS_RTOL, reference, precision)
@@ -592,8 +609,8 @@ def plain_loop_helper(arguments: dict) -> dict:
     from layerwise.run.task import model_arguments
     cfg = compose(arguments["overrides"])
     device = torch.device("cuda" if cfg.hardware.accelerator == "gpu" else "cpu")
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # as a run's rank computes (layerwise/run/launch.py)
+    # torch's default threads, as a one-process run keeps them (layerwise/run/fit.py trains it in the
+    # launching process: no rank_threads); on a loaded CPU two spinning threads cost either side alike
     vocab, batch, sequence = 256, cfg.data.global_batch_size, cfg.data.sequence_length
     model = build_model(cfg.model.architecture, device=device, **model_arguments(cfg.model, vocab, cfg.seed))
     opt = cfg.optimizer

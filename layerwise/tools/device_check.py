@@ -702,7 +702,7 @@ def held_out_section(mode: Mode, budget: Budget, report: Report, subset: bool, d
     a core per rank where the node has enough cores (docs/plan.md, "Where issue 31 stops")."""
     if subset:
         return [skipped("held_out", name, "--subset") for name in HELD_OUT]
-    conf = directory / "conf"
+    conf = (directory / "conf").resolve()  # hydra.searchpath takes an absolute file:// path
     calibration = run_point(["mode=calibrate", "logger=none", "calibrate.silent=true", f"calibrate.name={HELD_OUT_PROFILE}",
                              f"calibrate.directory={conf / 'hardware'}", f"calibrate.quick={str(mode.calibrate_quick).lower()}"],
                             directory / "calibrate", budget.timeout(200))

@@ -74,6 +74,10 @@ def main(cfg):
     say(f"{cfg.strategy.name} × {cfg.model.name} × {cfg.hardware.name}: {world_size} rank(s), "
         f"run directory {run_directory}")
     if cfg.mode == "check":
+        if writes_run_files():  # what was checked: the memory fit per role, printed and kept in check.json
+            from layerwise.planning.mode import check
+            for line in check(cfg, world_size, run_directory):
+                say(line)
         say("configuration is valid; mode=check starts nothing")
         return 0.0
     if cfg.mode == "calibrate":  # measure this machine, write a hardware profile; no run

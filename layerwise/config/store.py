@@ -29,10 +29,18 @@ def point_directory(number, overrides: str) -> str:
     return f"{name[:MAX_DIRECTORY_NAME - 11]}-{digest}"
 
 
+def default_run_name(strategy: str, model: str, hardware: str, mode: str, searching) -> str:
+    """conf/config.yaml's run_name: `<strategy>-<model>-<hardware>`, or `search-<model>-<hardware>` for
+    mode=plan plan.search=true, which chooses no strategy (it was named after the default one, issue 55)."""
+    searched = mode == "plan" and str(searching).lower() == "true"  # a command-line `true` may arrive as text
+    return f"{'search' if searched else strategy}-{model}-{hardware}"
+
+
 def register_schemas() -> None:
     """Put every schema in Hydra's ConfigStore and our resolvers in OmegaConf (idempotent;
     train.py calls it before composing)."""
     OmegaConf.register_new_resolver("point_directory", point_directory, replace=True)
+    OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=True)
     # conf/hardware/cpu.yaml: this machine's peak per core and its cores (layerwise/config/machine.py)
     OmegaConf.register_new_resolver("machine_peak_flops", core_peak_flops, replace=True)
     OmegaConf.register_new_resolver("machine_cores", machine_cores, replace=True)

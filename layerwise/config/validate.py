@@ -228,18 +228,12 @@ def memory_errors(cfg, world: int) -> list:
     how far over it is and where."""
     if cfg.mode == "plan":
         return []
-    hardware = cfg.hardware
-    gpu = hardware.accelerator == "gpu"
-    node_memory = hardware.host_memory_bytes + (hardware.devices_per_node * hardware.device_memory_bytes
-                                                if gpu else 0)
-    if not node_memory or cfg.optimizer.name not in OPTIMIZER_STATE:
-        return []  # a profile without memory figures, or an unknown optimizer (reported already)
-    ranks_per_node = 1 if strategy_entry(cfg.strategy.name).one_process else hardware.devices_per_node
-    per_rank = hardware.host_memory_bytes / ranks_per_node + (hardware.device_memory_bytes if gpu else 0)
-    parameters = approximate_parameters(cfg.model)
-    total = parameters * (WEIGHT_AND_GRADIENT_BYTES + 4 * OPTIMIZER_STATE[cfg.optimizer.name])
-    if total / world <= per_rank:
+    bound = memory_lower_bound(cfg, world)
+    if bound is None or bound["needed_per_rank_bytes"] <= bound["available_per_rank_bytes"]:
         return []
+    hardware, gpu = cfg.hardware, cfg.hardware.accelerator == "gpu"
+    node_memory, ranks_per_node = bound["node_memory_bytes"], bound["ranks_per_node"]
+    per_rank, parameters, total = bound["available_per_rank_bytes"], bound["parameters"], bound["total_bytes"]
     share = (f"hardware.device_memory_bytes={hardware.device_memory_bytes / 1e9:.1f} GB plus a 1/"
              f"{ranks_per_node} share of " if gpu else "")
     nodes = math.ceil(total / node_memory)
@@ -250,6 +244,26 @@ def memory_errors(cfg, world: int) -> list:
             f"per node allows each of its {ranks_per_node} rank(s) ({per_rank / 1e9:.1f} GB). Fix: "
             f"hardware.nodes={nodes} or more with a sharding strategy (strategy=zero_layered), a "
             f"hardware profile with more memory, or a smaller model."]
+
+
+def memory_lower_bound(cfg, world: int):
+    """memory_errors' numbers (mode=check prints and keeps them): the fp32 weights, gradients and
+    optimizer state (`total_bytes`), their even share over `world` ranks (`needed_per_rank_bytes`) and
+    what each rank has (`available_per_rank_bytes`: its share of its node's host memory, plus its
+    device on a GPU); None for a profile without memory figures or an unknown optimizer."""
+    hardware = cfg.hardware
+    gpu = hardware.accelerator == "gpu"
+    node_memory = hardware.host_memory_bytes + (hardware.devices_per_node * hardware.device_memory_bytes
+                                                if gpu else 0)
+    if not node_memory or cfg.optimizer.name not in OPTIMIZER_STATE:
+        return None  # a profile without memory figures, or an unknown optimizer (reported already)
+    ranks_per_node = 1 if strategy_entry(cfg.strategy.name).one_process else hardware.devices_per_node
+    parameters = approximate_parameters(cfg.model)
+    total = parameters * (WEIGHT_AND_GRADIENT_BYTES + 4 * OPTIMIZER_STATE[cfg.optimizer.name])
+    return {"parameters": parameters, "total_bytes": total, "needed_per_rank_bytes": total / world,
+            "available_per_rank_bytes": hardware.host_memory_bytes / ranks_per_node
+            + (hardware.device_memory_bytes if gpu else 0),
+            "node_memory_bytes": node_memory, "ranks_per_node": ranks_per_node}
 
 
 def micro_batches(strategy) -> int:

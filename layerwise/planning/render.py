@@ -59,21 +59,60 @@ def _write(result: dict, timeline, directory: Path, device_memory_bytes: float, 
     _plot_memory(result, directory / "plan_memory.png", device_memory_bytes)
 
 
+# The device's memory is drawn as a line only when it is at most this many times the largest role (the
+# bars then fill a third of the axis or more): further out it squeezed gpt_tiny's 0.04 GiB bars into the
+# first pixels of a 7 GiB axis (issue 55); it is then written in the title instead.
+CAPACITY_IN_VIEW = 3
+UNITS = (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10))
+
+
+def byte_unit(largest_bytes: float) -> tuple:
+    """(name, bytes per unit): the largest binary unit in which `largest_bytes` is at least 1."""
+    return next(((name, size) for name, size in UNITS if largest_bytes >= size), ("bytes", 1))
+
+
+def in_unit(value_bytes: float, unit: tuple) -> str:
+    """`value_bytes` in `unit` with three significant figures, whole units from 1000 on ("51.2 MiB",
+    "6.75 GiB", "1,210 GiB")."""
+    value = value_bytes / unit[1]
+    return f"{value:.3g} {unit[0]}" if value < 1000 else f"{value:,.0f} {unit[0]}"
+
+
 def _plot_memory(result: dict, path: Path, device_memory_bytes: float) -> None:
-    """Stacked bars per rank role, one colour per kind, and the device's memory as a line."""
+    """plan_memory.png: memory_figure saved."""
+    memory_figure(result, device_memory_bytes).savefig(path, dpi=110)
+
+
+def memory_figure(result: dict, device_memory_bytes: float):
+    """Stacked bars per rank role, one colour per kind, in the unit of the largest role (MiB, GiB);
+    the axis ends just past the largest bar, or past the device's memory less the allocator margin
+    where that is within CAPACITY_IN_VIEW of it (drawn as a line); further out the title states it."""
     from matplotlib.figure import Figure
-    figure = Figure(figsize=(9, 1.5 + 0.45 * len(result["roles"])), layout="constrained")
+    roles_, kinds = result["roles"], list(result["roles"][0]["memory_bytes"])
+    largest = max(sum(role["memory_bytes"].values()) for role in roles_)
+    capacity = device_memory_bytes / (1 + result["allocator_margin"])
+    unit = byte_unit(max(largest, capacity) if capacity <= CAPACITY_IN_VIEW * largest else largest)
+    figure = Figure(figsize=(9, 1.5 + 0.45 * len(roles_)), layout="constrained")
     axes = figure.add_subplot()
-    kinds = list(result["roles"][0]["memory_bytes"])
     for colour, kind in enumerate(kinds):
-        lefts = [sum(role["memory_bytes"][k] for k in kinds[:colour]) / GIB for role in result["roles"]]
-        widths = [role["memory_bytes"][kind] / GIB for role in result["roles"]]
+        lefts = [sum(role["memory_bytes"][k] for k in kinds[:colour]) / unit[1] for role in roles_]
+        widths = [role["memory_bytes"][kind] / unit[1] for role in roles_]
         axes.barh(range(len(widths)), widths, left=lefts, color=f"C{colour}", label=kind)
-    axes.axvline(device_memory_bytes / (1 + result["allocator_margin"]) / GIB, color="black", linestyle="--",
-                 label="device memory less the allocator margin")
-    axes.set_yticks(range(len(result["roles"])), [role["role"] for role in result["roles"]])
+    for row, role in enumerate(roles_):  # each role's total at the end of its bar
+        total = sum(role["memory_bytes"].values())
+        axes.annotate(f" {in_unit(total, unit)}", (total / unit[1], row), va="center", fontsize=8)
+    title = f"plan: {result['strategy']} × {result['model']} on {result['world_size']} devices"
+    if capacity <= CAPACITY_IN_VIEW * largest:
+        axes.axvline(capacity / unit[1], color="black", linestyle="--", label="device memory less the allocator margin")
+        right = max(largest * 1.25, capacity * 1.05)
+    else:
+        title += (f"\ndevice memory less the allocator margin: {in_unit(capacity, byte_unit(capacity))} "
+                  f"(largest role {largest / capacity:.1%} of it; off this axis)")
+        right = largest * 1.25  # room for the totals' labels
+    axes.set_xlim(0, right / unit[1])
+    axes.set_yticks(range(len(roles_)), [role["role"] for role in roles_])
     axes.invert_yaxis()
-    axes.set_xlabel("GiB per device")
-    axes.set_title(f"plan: {result['strategy']} × {result['model']} on {result['world_size']} devices", fontsize=10)
-    axes.legend(loc="lower right", fontsize=8)
-    figure.savefig(path, dpi=110)
+    axes.set_xlabel(f"{unit[0]} per device")
+    axes.set_title(title, fontsize=10)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    return figure

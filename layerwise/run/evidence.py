@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from cost.step_time import model_flops_utilization
+from layerwise.run.console import Eta
 from parallel.comm import KINDS
 from parallel.flight import synchronizing
 from parallel.memory import ComputeMemoryMeter
@@ -195,6 +196,7 @@ class RunEvidence(pl.Callback):
         self._steps_run_here = 0  # since this process started training: a resume measures again
         self._validation_losses = []
         self._started = None
+        self._eta = Eta()  # the progress line's time left, from this process's steps only (console.py)
 
     # ----- checkpointed history
     def state_dict(self):
@@ -217,6 +219,7 @@ class RunEvidence(pl.Callback):
         if self.history["initial_val_loss"] is None and self.cfg.trainer.limit_val_batches > 0:
             self.history["initial_val_loss"] = evaluate(trainer, module)
             self._say(f"initial validation loss {self.history['initial_val_loss']:.4f}")
+        self._eta.start()
 
     def _record_setup_memory(self, trainer):
         """What building and placing this process's part of the model took, the maximum over ranks
@@ -313,6 +316,7 @@ class RunEvidence(pl.Callback):
                **{column: value() for column, value in self.row_columns.items()}}
         self._partial = row, [step_time, peak or 0.0, allocator or 0.0, calls] + [comm[k] for k in KINDS]
         self._steps_run_here += 1
+        self._eta.step()
         self.history["losses"].append(loss)
         if trainer.progress_bar_callback is not None:  # only the bar reads it; a module.log costs ~0.8 ms
             module.log("loss", loss, prog_bar=True, logger=False, rank_zero_only=True)
@@ -488,12 +492,9 @@ class RunEvidence(pl.Callback):
         every = max(1, self.max_steps // 20)
         if row["step"] % every and row["step"] != self.max_steps:
             return
-        elapsed = time.perf_counter() - self._started
-        done = len(self.history["losses"])
-        remaining = elapsed / max(1, done) * (self.max_steps - row["step"])
         self._say(f"step {row['step']}/{self.max_steps} loss {row['loss']:.4f} "
                   f"lr {row['lr']:.2e} {row['step_time_s']:.3f} s/step "
-                  f"{row['tokens_per_s']:.0f} tokens/s eta {remaining:.0f} s")
+                  f"{row['tokens_per_s']:.0f} tokens/s {self._eta.describe(self.max_steps - row['step'])}")
 
 
 class PointToPointOrderCheck(pl.Callback):

@@ -11,8 +11,9 @@ and the GPU check call it.
 from omegaconf import OmegaConf
 
 from layerwise.config.errors import ConfigError
-from layerwise.config.validate import (CHOICES, check_choices, check_hardware, check_model, check_ranges,
-                                       check_schema_keys, check_strategy, memory_errors, world_size)
+from layerwise.config.validate import (CHOICES, check_choices, check_encoding, check_hardware, check_model,
+                                       check_ranges, check_schema_keys, check_strategy, check_vocabulary,
+                                       memory_errors, world_size)
 from layerwise.planning.fits import planned_memory_errors
 from layerwise.planning.inputs import plan_mode_errors
 from layerwise.reproduce import CHOICES as CLAIM_CHOICES
@@ -33,7 +34,8 @@ def validate(cfg, submitting: bool = False) -> int:
         raise ConfigError(errors)
     world = world_size(cfg)
     searching = cfg.mode == "plan" and cfg.plan.search  # layerwise/planning/search.py validates each layout it keeps
-    errors = (check_model(cfg) + check_hardware(cfg) + gpu_errors(cfg, submitting) + memory_errors(cfg, world)
+    errors = (check_model(cfg) + check_vocabulary(cfg) + check_encoding(cfg) + check_hardware(cfg)
+              + gpu_errors(cfg, submitting) + memory_errors(cfg, world)
               + check_data(cfg)
               + ([] if searching else check_strategy(cfg, world)) + check_resume_from(cfg))
     if errors:

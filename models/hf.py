@@ -14,6 +14,7 @@ stored [in, out] and transposed; a tied output projection reads the token embedd
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -82,6 +83,47 @@ def read_config(path) -> dict:
         raise FileNotFoundError(f"model.path: {file} does not exist; point model.path at a Hugging Face "
                                 f"model directory (config.json + *.safetensors)")
     return json.loads(file.read_text())
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+SPECIAL_TOKENS = ("bos", "eos", "pad")
+TOKENIZER_NAMING = ("tokenizer_config.json", "special_tokens_map.json")  # where transformers names them
+
+
+def tokenizer_facts(directory) -> dict:
+    """What a Hugging Face tokenizer directory means for a model's vocabulary: `size` (the largest id
+    + 1, which the embedding must cover: ids may leave holes), `count` (ids defined, the `tokenizers`
+    library's get_vocab_size, which data=text gives the model when model.vocab_size is null),
+    `vocabulary` (the model's own tokens) and `added` (added tokens beyond them), and the ids of
+    its `bos`, `eos` and `pad` tokens (None where it names none: `special_token_ids`)."""
+    from tokenizers import Tokenizer  # data=text's dependency: imported only when a tokenizer is read
+    tokenizer = Tokenizer.from_file(str(Path(directory).expanduser() / "tokenizer.json"))
+    ids = tokenizer.get_vocab(with_added_tokens=True)
+    vocabulary = tokenizer.get_vocab_size(with_added_tokens=False)
+    return dict(size=max(ids.values(), default=-1) + 1, count=tokenizer.get_vocab_size(), vocabulary=vocabulary,
+                added=len(ids) - vocabulary, **special_token_ids(directory, tokenizer.token_to_id))
+
+
+def special_token_ids(directory, token_to_id) -> dict:
+    """{"bos": id, "eos": id, "pad": id} of a tokenizer directory: the token tokenizer_config.json
+    (else special_tokens_map.json) names as `<kind>_token`, looked up with `token_to_id`; else the
+    `<kind>_token_id` of its config.json (a model directory); else None."""
+    directory, found = Path(directory).expanduser(), {}
+    files = [json.loads((directory / name).read_text()) for name in TOKENIZER_NAMING if (directory / name).is_file()]
+    config = read_config(directory) if (directory / "config.json").is_file() else {}
+    for kind in SPECIAL_TOKENS:
+        found[kind] = None
+        for named in files:
+            token = named.get(f"{kind}_token")
+            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, str) and token_to_id(token) is not None:
+                found[kind] = token_to_id(token)
+                break
+        if found[kind] is None and isinstance(config.get(f"{kind}_token_id"), int):
+            found[kind] = config[f"{kind}_token_id"]
+    return found
 
 
 def _refuse(field: str, value, why: str):
@@ -358,15 +400,20 @@ def load_pretrained(path, device="cpu", sequence_length: int = None, dropout: fl
 def hf_config(architecture: str, vocab_size: int, max_sequence_length: int, layers: int, hidden: int,
               heads: int, mlp_ratio: int = 4, tie_embeddings: bool = False, kv_heads: int = None,
               ffn_hidden: int = None, norm_eps: float = 1e-5, rope_theta: float = 10000.0,
-              rope_scaling=None, qkv_bias: bool = False, dtype: str = "float32", **_) -> dict:
+              rope_scaling=None, qkv_bias: bool = False, dtype: str = "float32", special_tokens: dict = None,
+              **_) -> dict:
     """The config.json transformers needs for our model's shape: GPT -> GPT2LMHeadModel; Llama ->
-    LlamaForCausalLM, or Qwen2ForCausalLM with q/k/v biases."""
+    LlamaForCausalLM, or Qwen2ForCausalLM with q/k/v biases. `special_tokens` ({"bos", "eos", "pad"}:
+    ids or None) are written as bos_token_id, eos_token_id, pad_token_id, null included: a missing
+    key lets transformers fall back to its class's defaults (Llama 1 and 2, GPT-2 50256), so
+    generate() would stop on a token the run never used as EOS."""
+    special = {f"{kind}_token_id": (special_tokens or {}).get(kind) for kind in SPECIAL_TOKENS}
     if architecture == "gpt":
         return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=vocab_size,
                     n_positions=max_sequence_length, n_embd=hidden, n_layer=layers, n_head=heads,
                     n_inner=mlp_ratio * hidden, activation_function="gelu_new", layer_norm_epsilon=1e-5,
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tie_embeddings,
-                    dtype=dtype)
+                    dtype=dtype, **special)
     if architecture != "llama":
         raise ValueError(f"model.architecture: {architecture} has no Hugging Face equivalent here "
                          f"(export gpt or llama)")
@@ -378,7 +425,7 @@ def hf_config(architecture: str, vocab_size: int, max_sequence_length: int, laye
                   num_attention_heads=heads, num_key_value_heads=kv_heads or heads, head_dim=hidden // heads,
                   hidden_act="silu", rms_norm_eps=norm_eps, rope_theta=rope_theta,
                   rope_parameters={**rope, "rope_theta": rope_theta},
-                  tie_word_embeddings=tie_embeddings, attention_dropout=0.0, dtype=dtype)
+                  tie_word_embeddings=tie_embeddings, attention_dropout=0.0, dtype=dtype, **special)
     if not qkv_bias:
         config.update(attention_bias=False, mlp_bias=False)
     else:
@@ -417,6 +464,7 @@ class ShardWriter:
         self.path, self.shard_bytes = Path(path), shard_bytes
         self.path.mkdir(parents=True, exist_ok=True)
         self.pending, self.pending_bytes, self.shards, self.total = {}, 0, [], 0
+        self.written = []  # the files close() left, for follow_umask
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
@@ -437,28 +485,68 @@ class ShardWriter:
             self._flush()
         if len(self.shards) == 1:
             self.shards[0][0].rename(self.path / "model.safetensors")
+            self.written = [self.path / "model.safetensors"]
             return
         weight_map = {}
         for index, (file, names) in enumerate(self.shards):
             final = f"model-{index + 1:05d}-of-{len(self.shards):05d}.safetensors"
             file.rename(self.path / final)
             weight_map.update({name: final for name in names})
+            self.written.append(self.path / final)
         (self.path / INDEX).write_text(json.dumps({"metadata": {"total_size": self.total},
                                                    "weight_map": weight_map}, indent=2))
+        self.written.append(self.path / INDEX)
 
 
-def write_config(path, config: dict) -> None:
+def write_config(path, config: dict) -> Path:
     Path(path).mkdir(parents=True, exist_ok=True)
     (Path(path) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return Path(path) / "config.json"
 
 
-def save_pretrained(model: LanguageModel, path, shard_bytes: int = SHARD_BYTES) -> None:
-    """Write `model` (whole, plain) as a directory transformers loads: config.json and
-    model.safetensors (sharded with an index past `shard_bytes`)."""
+def write_generation_config(path, config: dict) -> Path:
+    """generation_config.json beside config.json: the special-token ids generate() reads (it prefers
+    this file to config.json), the known ones only."""
+    ids = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(key) is not None}
+    (Path(path) / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
+    return Path(path) / "generation_config.json"
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (/proc/self/status,
+    kernel 4.7+); elsewhere set and restored at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(files) -> None:
+    """Give `files` the mode a plain open() would: 0o666 & ~umask. safetensors' save_file (and any
+    writer through tempfile) creates them 0600, unreadable to the user's group even where the
+    umask shares everything else."""
+    mode = 0o666 & ~current_umask()
+    for file in files:
+        os.chmod(file, mode)
+
+
+def save_pretrained(model: LanguageModel, path, shard_bytes: int = SHARD_BYTES, special_tokens: dict = None) -> list:
+    """Write `model` (whole, plain) as a directory transformers loads: config.json (with
+    `special_tokens`' ids, null where unknown), generation_config.json and model.safetensors
+    (sharded with an index past `shard_bytes`), each file's mode following the umask; return the
+    files written."""
     fields = model_config(model)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    write_config(path, hf_config(**fields, dtype=dtype))
+    config = hf_config(**fields, dtype=dtype, special_tokens=special_tokens)
+    written = [write_config(path, config), write_generation_config(path, config)]
     writer = ShardWriter(path, shard_bytes)
     for name, tensor in hf_tensors(fields["architecture"], model.state_dict().items(), model.tie_embeddings):
         writer.add(name, tensor)
     writer.close()
+    follow_umask(written + writer.written)
+    return written + writer.written

@@ -3,6 +3,7 @@ and the fix. docs/reliability.md's table is generated from BAD_INPUTS (scripts/b
 and a test here keeps it equal to the messages the code gives today.
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,7 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Paths a data.path may point at, made fresh under a temporary directory: {name} in an override.
 PLACES = {"empty": "an empty directory", "file": "a file", "odd_bin": "a directory whose train.bin has 3 bytes",
-          "stale": "a config directory whose hardware/stale.yaml sets gather_overlapp"}
+          "stale": "a config directory whose hardware/stale.yaml sets gather_overlapp",
+          "text": "a directory of text", "tokenizer_300": "a tokenizer of 300 ids, EOS 299, BOS 298",
+          "hf_64": "a Hugging Face Llama directory: vocab_size 256, max_position_embeddings 64"}
 
 # (overrides, the field the message must name, a phrase of the message). Composition errors (wrong
 # type, unknown key or option, unparsable) are Hydra's, reported as train.py reports them.
@@ -130,6 +133,8 @@ BAD_INPUTS = [
     ("data=token_bin data.path={file}", "data.path", "is a file, not a directory"),
     ("data=token_bin data.path={odd_bin}", "data.path", "train.bin holds 3 bytes"),
     ("data=text_files data.path={empty}", "data.path", "holds no non-empty files"),
+    ("data=text data.path={text} data.tokenizer={file}", "data.tokenizer", "holds no tokenizer.json"),
+    ("data=text_files data.path={text} data.encoding=utf-9", "data.encoding", "data.encoding='utf-9' is not an encoding"),
     ("resume_from=/nonexistent/run/checkpoints/last", "resume_from", "does not exist"),
     ("resume_from={empty}", "resume_from", "is not a portable checkpoint"),
     # ----- across groups
@@ -145,6 +150,16 @@ BAD_INPUTS = [
     ("model=llama_tiny strategy=tp_1d strategy.tensor_grid=4 hardware.devices_per_node=4", "model.kv_heads",
      "model.kv_heads=2 is not divisible by strategy.tensor_grid=4"),
     ("data.sequence_length=512", "data.sequence_length", "data.sequence_length=512 exceeds"),
+    # issue 55 item 8: model=hf's bound is its config.json's, not model.max_sequence_length (which it sets)
+    ("model=hf model.path={hf_64} data.sequence_length=128", "data.sequence_length",
+     "max_position_embeddings=64 in"),
+    # issue 55 item 5: the tokenizer's ids, its EOS/BOS and the model's vocabulary agree before launch
+    ("data=text data.path={text} data.tokenizer={tokenizer_300} model.vocab_size=256", "model.vocab_size",
+     "gives token ids 0..299 (EOS 299, BOS 298; 300 tokens + 0 added) but model.vocab_size=256"),
+    ("model=hf model.path={hf_64} data=text data.path={text} data.tokenizer={tokenizer_300} data.sequence_length=32",
+     "data.tokenizer", "but the model's vocabulary is 256 (vocab_size in"),
+    ("data=token_bin data.path={odd_bin} model.vocab_size=256", "model.vocab_size",
+     "data=token_bin gives token ids 0..50303 (data.vocab_size=50304) but model.vocab_size=256"),
     ("strategy=ddp data.global_batch_size=3", "data.global_batch_size", "does not split into 2 data-parallel"),
     ("model.layers=3", "model.layers", "not a multiple of strategy.pipeline_degree=2"),
     ("model.tie_embeddings=true", "model.tie_embeddings", "puts one weight on the first and the last stage"),
@@ -164,6 +179,18 @@ BAD_INPUTS = [
 ]
 
 
+def write_tokenizer(directory: Path, size: int) -> Path:
+    """A word-level tokenizer of `size` ids whose last two are BOS and EOS (not transformers' 1 and 2)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = {f"w{index}": index for index in range(size - 3)} | {"<unk>": size - 3, "<s>": size - 2, "</s>": size - 1}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    directory.mkdir(parents=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return directory
+
+
 def make_places(root: Path) -> dict:
     """The PLACES under `root`: {name: path}."""
     (root / "empty").mkdir()
@@ -171,6 +198,13 @@ def make_places(root: Path) -> dict:
     (root / "odd_bin").mkdir()
     (root / "odd_bin" / "train.bin").write_bytes(b"abc")
     (root / "odd_bin" / "val.bin").write_bytes(b"ab")
+    (root / "text").mkdir()
+    (root / "text" / "a.txt").write_text("Some words of text, enough for a corpus. " * 40)
+    write_tokenizer(root / "tokenizer_300", 300)
+    (root / "hf_64").mkdir()
+    (root / "hf_64" / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)))
     (root / "stale" / "hardware").mkdir(parents=True)  # a profile's key the schema lacks (a typo, another version)
     (root / "stale" / "hardware" / "stale.yaml").write_text(
         "defaults:\n  - /schema_hardware_hardware@_here_\n  - _self_\nname: stale\ngather_overlapp: 0.6\n")

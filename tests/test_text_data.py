@@ -105,3 +105,98 @@ def test_missing_tokenizer_or_text_is_refused_before_launch(tmp_path):
     with pytest.raises(ConfigError, match="data.path=.* does not exist") as error:
         validate(cfg)
     assert "holds no tokenizer.json" in str(error.value)
+
+
+# ----- text checked as it is read (issue 55 item 4): binary and undecodable files skipped and counted,
+# data.encoding, one progress line, nothing left behind by an interrupted tokenization
+
+LATIN = "Café crème, señor: naïve façade à la mode.\n" * 40
+
+
+@pytest.fixture
+def dirty_dir(tmp_path):
+    """a.txt (text), ls.txt (the ls program: binary) and latin.txt (Latin-1 bytes, invalid UTF-8)."""
+    root = tmp_path / "dirty"
+    root.mkdir()
+    (root / "a.txt").write_text((STDLIB / "textwrap.py").read_text())
+    (root / "ls.txt").write_bytes(Path("/bin/ls").read_bytes())
+    (root / "latin.txt").write_bytes(LATIN.encode("latin-1"))
+    return root
+
+
+def test_a_binary_file_and_an_undecodable_one_are_skipped_and_counted(tokenizer_dir, dirty_dir, tmp_path):
+    printed = []
+    directory = tokenized(dirty_dir, tokenizer_dir, 0.5, tmp_path / "cache", printed.append)
+    meta = json.loads((directory / "meta.json").read_text())
+    assert meta["skipped"]["binary"] == ["ls.txt"] and meta["skipped"]["undecodable"] == ["latin.txt"]
+    assert meta["files"] == 1 and sum(meta["documents"].values()) == 1
+    tokenizer, eos = load_tokenizer(tokenizer_dir)
+    expected = tokenizer.encode((dirty_dir / "a.txt").read_text(), add_special_tokens=False).ids + [eos]
+    assert sum(meta["tokens"].values()) == len(expected)  # the text only: no byte of ls, no U+FFFD
+    summary = printed[-1]
+    assert "skipped 1 binary file (ls.txt), 1 undecodable as utf-8 (latin.txt)" in summary, printed
+    again = []
+    tokenized(dirty_dir, tokenizer_dir, 0.5, tmp_path / "cache", again.append)  # the cached summary says it too
+    assert "skipped 1 binary file (ls.txt)" in again[-1]
+
+
+def test_latin_1_text_is_read_right_with_data_encoding(tokenizer_dir, dirty_dir, tmp_path):
+    (dirty_dir / "ls.txt").unlink()
+    utf8 = json.loads((tokenized(dirty_dir, tokenizer_dir, 0.5, tmp_path, lambda line: None) / "meta.json").read_text())
+    latin = tokenized(dirty_dir, tokenizer_dir, 0.5, tmp_path, lambda line: None, encoding="latin-1")
+    meta = json.loads((latin / "meta.json").read_text())
+    assert utf8["skipped"]["undecodable"] == ["latin.txt"] and meta["skipped"] == {"binary": [], "undecodable": []}
+    tokenizer, eos = load_tokenizer(tokenizer_dir)
+    corpus = data_lib.load_corpus("text", path=str(dirty_dir), tokenizer=str(tokenizer_dir), validation_fraction=0.5,
+                                  cache_dir=str(tmp_path), encoding="latin-1", say=lambda line: None)
+    expected = tokenizer.encode(LATIN, add_special_tokens=False).ids + [eos]  # latin.txt: document 1, train
+    assert corpus.train.tolist() == expected and "\ufffd" not in tokenizer.decode(corpus.train.tolist())
+
+
+def test_tokenizing_many_files_prints_one_updating_line(tokenizer_dir, tmp_path):
+    import io
+    root = tmp_path / "many"
+    root.mkdir()
+    for index in range(40):
+        (root / f"{index:03d}.txt").write_text(f"document {index}: " + "some words here " * 20)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    printed, terminal = [], Terminal()
+    tokenized(root, tokenizer_dir, 0.25, tmp_path / "a", printed.append, stream=io.StringIO())
+    assert len(printed) <= 3, printed  # a pipe: a few lines, not one per file (issue 55: 301 for 301 files)
+    assert printed[-2].startswith("tokenizing: file 40/40") and printed[-1].startswith("tokenized into")
+    printed.clear()
+    tokenized(root, tokenizer_dir, 0.25, tmp_path / "b", printed.append, stream=terminal)
+    shown = terminal.getvalue()
+    assert "\n" not in shown.rstrip("\n") and shown.count("\r") >= 1 and "file 40/40" in shown  # rewritten in place
+    assert len(printed) == 1 and printed[0].startswith("tokenized into")  # the summary: its own line
+
+
+def test_an_interrupted_tokenization_leaves_nothing_and_a_dead_runs_partial_is_removed(tokenizer_dir, tmp_path):
+    root = tmp_path / "text"
+    root.mkdir()
+    (root / "a.txt").write_text("first document " * 50)
+    (root / "b.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match='line 2 has no "text" field'):
+        tokenized(root, tokenizer_dir, 0.5, cache, lambda line: None)
+    assert not [path.name for path in cache.iterdir() if ".partial" in path.name]
+    (root / "b.jsonl").write_text(json.dumps({"text": "fine"}) + "\n")
+    dead = cache / "0123456789abcdef0123.partial999999999"  # a run killed with SIGKILL left it (no such pid)
+    dead.mkdir()
+    (dead / "train.bin").write_bytes(b"\0" * 64)
+    tokenized(root, tokenizer_dir, 0.5, cache, lambda line: None)
+    assert not dead.exists()
+
+
+def test_text_files_skips_binary_and_undecodable_files_and_says_so(dirty_dir):
+    printed = []
+    corpus = data_lib.load_corpus("text_files", path=str(dirty_dir), validation_fraction=0.5, say=printed.append)
+    assert corpus.train.numel() + corpus.validation.numel() == len((dirty_dir / "a.txt").read_bytes())
+    assert any("skipped 1 binary file (ls.txt), 1 undecodable as utf-8 (latin.txt)" in line for line in printed)
+    latin = data_lib.load_corpus("text_files", path=str(dirty_dir), validation_fraction=0.5, encoding="latin-1",
+                                 say=printed.append)
+    read = bytes(torch.cat([latin.validation, latin.train]).tolist()).decode("utf-8")  # as UTF-8 bytes
+    assert LATIN in read

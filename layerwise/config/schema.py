@@ -47,6 +47,9 @@ class DataConfig:
     path: Optional[str] = None  # directory for text_files / token_bin; file or directory for text
     tokenizer: Optional[str] = None  # text only: a Hugging Face tokenizer directory (tokenizer.json)
     cache_dir: Optional[str] = None  # text only: token cache; null = $LAYERWISE_CACHE/tokens or ~/.cache/layerwise/tokens
+    # text and text_files: the files' encoding (latin-1 for Latin-1 corpora); a binary file, or one not valid in it,
+    # is skipped and counted in the printed summary (layerwise/run/text.py's rule), never decoded into U+FFFD
+    encoding: str = "utf-8"
     vocab_size: int = 256  # token_bin only: the tokenizer's vocabulary (bytes give 256)
     max_bytes: int = 16 * 2**20  # cap on the bytes read from stdlib / text_files
     validation_fraction: float = 0.05  # share of files held out for validation

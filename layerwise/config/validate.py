@@ -4,10 +4,12 @@ Every message names the field, what is wrong, and the fix. All problems are coll
 together, so a user fixes a config in one round instead of one error per launch.
 """
 
+import codecs
 import dataclasses
 import difflib
 import math
 import re
+from pathlib import Path
 
 from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf import OmegaConf
@@ -193,14 +195,83 @@ def check_model(cfg) -> list:
                       f"{model.architecture} ignores them. Fix: model.kv_heads=null model.ffn_hidden=null, "
                       f"or model.architecture=llama.")
     if data.sequence_length > model.max_sequence_length:
-        errors.append(f"data.sequence_length={data.sequence_length} exceeds the model's "
-                      f"model.max_sequence_length={model.max_sequence_length}. Fix: lower "
-                      f"data.sequence_length or raise model.max_sequence_length.")
+        errors.append(sequence_length_problem(cfg))
     if model.planning_only and cfg.mode == "fit":
         errors.append(f"model={model.name} is a planning-only shape ({model.layers} layers × "
                       f"{model.hidden} wide): it cannot be trained on this machine. Fix: "
                       f"mode=check, or a trainable model such as model=gpt_small.")
     return errors
+
+
+def sequence_length_problem(cfg) -> str:
+    """data.sequence_length past the model's positions. model=hf sets model.max_sequence_length from
+    its config.json (layerwise/run/rules.py fill_hf_model), so raising it there changes nothing:
+    the fix names the field of that file (GPT-2: n_positions, the others: max_position_embeddings)."""
+    model, length = cfg.model, cfg.data.sequence_length
+    if not model.get("path"):
+        return (f"data.sequence_length={length} exceeds the model's model.max_sequence_length="
+                f"{model.max_sequence_length}. Fix: lower data.sequence_length or raise model.max_sequence_length.")
+    field = "n_positions" if model.architecture == "gpt" else "max_position_embeddings"
+    config = Path(str(model.path)).expanduser() / "config.json"
+    return (f"data.sequence_length={length} exceeds the {field}={model.max_sequence_length} in {config}, "
+            f"the positions model=hf's model was built for (model.max_sequence_length is read from that file, "
+            f"so setting it changes nothing). Fix: data.sequence_length={model.max_sequence_length} or lower, "
+            f"or a model whose config.json allows {length} positions.")
+
+
+def check_encoding(cfg) -> list:
+    """data.encoding names a codec Python knows (layerwise/run/text.py decodes with it)."""
+    try:
+        codecs.lookup(cfg.data.encoding)
+    except LookupError:
+        return [f"data.encoding={cfg.data.encoding!r} is not an encoding Python knows. Fix: data.encoding=utf-8 "
+                f"(the default), or latin-1 for Latin-1 text (any name of Python's codecs module)."]
+    return []
+
+
+def check_vocabulary(cfg) -> list:
+    """The ids the data gives fit the model's embedding, before any rank starts: data=text's tokenizer
+    (its largest id, EOS and BOS; models/hf.py tokenizer_facts), data=token_bin's data.vocab_size, the
+    256 bytes of stdlib/text_files, each against the model's vocabulary (model.vocab_size, or for
+    model=hf its config.json's; null: the corpus's own, which fits unless the tokenizer's ids leave
+    holes). An id past it fails the first step in every rank (IndexError: index out of range in
+    self; a device-side assert on a GPU)."""
+    data, model = cfg.data, cfg.model
+    hf = bool(model.get("path"))
+    if data.corpus == "text":
+        tokenizer = data.get("tokenizer")
+        if not tokenizer or not (Path(str(tokenizer)).expanduser() / "tokenizer.json").is_file():
+            return []  # layerwise/run/rules.py check_data names what is missing
+        from models.hf import tokenizer_facts
+        facts = tokenizer_facts(tokenizer)
+        vocabulary = model.get("vocab_size") or facts["count"]
+        specials = [f"{kind.upper()} {facts[kind]}" for kind in ("eos", "bos") if facts[kind] is not None]
+        beyond = [name for name in specials if int(name.split()[1]) >= vocabulary]
+        if facts["size"] <= vocabulary and not beyond:
+            return []
+        given = (f"data.tokenizer={tokenizer} gives token ids 0..{facts['size'] - 1} ({', '.join(specials) or 'no EOS/BOS'}; "
+                 f"{facts['vocabulary']:,} tokens + {facts['added']:,} added)")
+    elif data.corpus == "token_bin" and not hf:  # model=hf: fill_hf_model compares them
+        vocabulary, facts, given = model.get("vocab_size"), {"size": data.vocab_size},             f"data=token_bin gives token ids 0..{data.vocab_size - 1} (data.vocab_size={data.vocab_size})"
+    elif not hf:
+        vocabulary, facts, given = model.get("vocab_size"), {"size": 256}, f"data={data.name} gives byte ids 0..255"
+    else:
+        return []
+    if not vocabulary or facts["size"] <= vocabulary and data.corpus != "text":
+        return []
+    wrong = "an id" if facts["size"] > vocabulary else "its " + " and ".join(beyond)
+    if hf:
+        config = Path(str(model.path)).expanduser() / "config.json"
+        return [f"{given} but the model's vocabulary is {vocabulary} (vocab_size in {config}): {wrong} >= {vocabulary} "
+                f"would index past its token embedding, failing the first step in every rank (IndexError: index out "
+                f"of range in self). Fix: data.tokenizer={model.path} (the model's own tokenizer), or a model "
+                f"whose vocab_size is at least {facts['size']}."]
+    where = "model.vocab_size" if model.get("vocab_size") else "the tokenizer's count of ids, model.vocab_size=null"
+    return [f"{given} but {where}={vocabulary}: {wrong} >= {vocabulary} would index past the model's token "
+            f"embedding, failing the first step in every rank (IndexError: index out of range in self). Fix: "
+            f"model.vocab_size={facts['size']}"
+            + (" (or null: the corpus's own size)" if data.corpus != "text" or facts["size"] == facts["count"] else "")
+            + (f", or a tokenizer of at most {vocabulary} ids in data.tokenizer." if data.corpus == "text" else ".")]
 
 
 def approximate_parameters(model) -> int:

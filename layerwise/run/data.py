@@ -7,6 +7,7 @@ every data-parallel degree, which is what lets the numerics tests compare strate
 This file knows nothing about process groups: the rank and degree arrive as plain ints.
 """
 
+import codecs
 import functools
 import hashlib
 import json
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from layerwise.run.text import token_dtype, tokenized
+from layerwise.run.text import readable, skipped_words, token_dtype, tokenized
 
 BYTE_VOCABULARY = 256
 DEFAULT_MAX_BYTES = 16 * 2**20  # enough text to learn from, small enough to start in a second
@@ -50,21 +51,23 @@ class Corpus:
 
 def load_corpus(kind: str, *, path: Optional[str] = None, max_bytes: Optional[int] = None,
                 validation_fraction: float = 0.05, vocab_size: int = 50304, tokenizer: Optional[str] = None,
-                cache_dir: Optional[str] = None, say=print) -> Corpus:
+                cache_dir: Optional[str] = None, encoding: str = "utf-8", say=print) -> Corpus:
     """The corpus `kind` ("stdlib" | "text_files" | "token_bin" | "text"), split into train and validation.
 
     stdlib and text_files are read as bytes (vocabulary 256), at most `max_bytes` of them
     (default 16 MiB), and split by file. token_bin reads nanoGPT's train.bin / val.bin (uint16, or
     uint32 when vocab_size exceeds 65,536). text tokenizes .txt/.jsonl/.parquet documents with the
     Hugging Face tokenizer in `tokenizer`, once, into a cache of token memmaps (layerwise/run/text.py).
+    text and text_files read their files in `encoding` (data.encoding) and skip, naming and counting
+    them through `say`, the binary and undecodable ones (text.py's rule, `readable`).
     """
     if kind == "text":
-        return _load_text(path, tokenizer, validation_fraction, cache_dir, say)
+        return _load_text(path, tokenizer, validation_fraction, cache_dir, say, encoding)
     max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
     if kind == "stdlib":
         return _load_stdlib(max_bytes, validation_fraction)
     if kind == "text_files":
-        return _load_text_files(path, max_bytes, validation_fraction)
+        return _load_text_files(path, max_bytes, validation_fraction, encoding, say)
     if kind == "token_bin":
         return _load_token_bin(path, vocab_size)
     raise DataError(f"data.corpus: unknown corpus {kind!r}; choose one of {', '.join(CORPORA)}")
@@ -79,10 +82,21 @@ def _load_stdlib(max_bytes: int, validation_fraction: float) -> Corpus:
     return Corpus(train, validation, BYTE_VOCABULARY, "stdlib")
 
 
-def _load_text_files(path: Optional[str], max_bytes: int, validation_fraction: float) -> Corpus:
+def _load_text_files(path: Optional[str], max_bytes: int, validation_fraction: float, encoding: str = "utf-8",
+                     say=print) -> Corpus:
+    """Every text file under `path` as UTF-8 bytes: binary and undecodable files skipped (said),
+    text in another `encoding` (latin-1) transcoded, so the byte model always sees UTF-8."""
     directory = _existing_directory(path, "text_files")
-    files = _files_under(directory, lambda name: True)
-    contents = _read_files(files, max_bytes)
+    files = [file for file in _files_under(directory, lambda name: True) if file.stat().st_size]
+    if files:
+        try:
+            files, skipped, reasons = readable(files, directory, encoding)
+        except ValueError as error:
+            raise DataError(str(error)) from error
+        if any(skipped.values()):
+            say(f"data.path={directory}: {skipped_words(skipped, encoding)}: "
+                + "; ".join(f"{name}: {why}" for name, why in list(reasons.items())[:3]))
+    contents = _read_files(files, max_bytes, None if codecs.lookup(encoding).name == "utf-8" else encoding)
     if not any(contents):
         raise DataError(
             f"data.path: directory {directory} has no non-empty files; "
@@ -99,12 +113,12 @@ def _load_token_bin(path: Optional[str], vocab_size: int) -> Corpus:
     return Corpus(splits[0], splits[1], vocab_size, f"token_bin:{directory}")
 
 
-def _load_text(path, tokenizer, validation_fraction: float, cache_dir, say) -> Corpus:
+def _load_text(path, tokenizer, validation_fraction: float, cache_dir, say, encoding: str = "utf-8") -> Corpus:
     if not tokenizer:
         raise DataError("data.tokenizer is not set: data=text tokenizes with a Hugging Face tokenizer. "
                         "Fix: data.tokenizer=/a/tokenizer/or/model/directory")
     try:
-        directory = tokenized(path, tokenizer, validation_fraction, cache_dir, say)
+        directory = tokenized(path, tokenizer, validation_fraction, cache_dir, say, encoding=encoding)
     except ValueError as error:
         raise DataError(str(error)) from error
     meta = json.loads((directory / "meta.json").read_text())
@@ -150,13 +164,15 @@ def _memmap_tokens(file: Path, dtype=np.uint16) -> torch.Tensor:
     return torch.from_numpy(np.memmap(file, dtype=dtype, mode="c"))
 
 
-def _read_files(files: List[Path], max_bytes: int) -> List[bytes]:
-    """The files' bytes in order, the last one cut so the total is at most max_bytes."""
+def _read_files(files: List[Path], max_bytes: int, encoding: Optional[str] = None) -> List[bytes]:
+    """The files' bytes in order (decoded from `encoding` and re-encoded as UTF-8 when one is
+    given), the last one cut so the total is at most max_bytes."""
     contents, total = [], 0
     for file in files:
         if total >= max_bytes:
             break
-        data = file.read_bytes()[: max_bytes - total]
+        data = file.read_bytes()
+        data = (data.decode(encoding).encode("utf-8") if encoding else data)[: max_bytes - total]
         contents.append(data)
         total += len(data)
     return contents

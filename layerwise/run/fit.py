@@ -155,7 +155,7 @@ def load_corpus(cfg, say=lambda message: None):
     return data_lib.load_corpus(data.corpus, path=data.path, max_bytes=data.max_bytes,
                                 validation_fraction=data.validation_fraction,
                                 vocab_size=data.vocab_size, tokenizer=data.get("tokenizer"),
-                                cache_dir=data.get("cache_dir"), say=say)
+                                cache_dir=data.get("cache_dir"), encoding=data.encoding, say=say)
 
 
 def tokenize_once(cfg) -> None:
@@ -172,7 +172,7 @@ def tokenize_once(cfg) -> None:
     from layerwise.run.hangs import collective_timeout_s
     from layerwise.run.text import learned_key, wait_seconds
     learned_key(cfg.data.path, cfg.data.tokenizer, cfg.data.validation_fraction, cfg.data.get("cache_dir"),
-                timeout_s=wait_seconds(collective_timeout_s(cfg)))
+                timeout_s=wait_seconds(collective_timeout_s(cfg)), encoding=cfg.data.encoding)
 
 
 def fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:

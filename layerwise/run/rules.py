@@ -73,7 +73,7 @@ def fill_hf_model(cfg) -> list:
     for name in HF_FIELDS:
         cfg.model[name] = shape.get(name) if name in shape else (None if name in ("kv_heads", "ffn_hidden") else cfg.model[name])
     corpus_vocabulary = {"token_bin": cfg.data.vocab_size, "text": 0}.get(cfg.data.corpus, 256)  # text: the
-    # tokenizer's ids; a tokenizer larger than the model fails the run's first batch (embedding index)
+    # tokenizer's ids, compared with the model's by layerwise/config/validate.py check_vocabulary
     if corpus_vocabulary > shape["vocab_size"]:
         return [f"data={cfg.data.name} gives token ids up to {corpus_vocabulary - 1}, beyond the "
                 f"{shape['vocab_size']} of model.path's config.json vocab_size. Fix: tokenize with the "

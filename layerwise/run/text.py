@@ -7,8 +7,19 @@
 3. every round(1/validation_fraction)-th document goes to validation, the rest to train (as
    text_files splits by file), written as token memmaps (uint16 when the vocabulary fits, uint32
    otherwise: Llama 3's 128,256 do not) under a cache directory keyed by a hash of the files'
-   bytes, the tokenizer's files and the split, so a second run reads them without tokenizing.
+   bytes, the tokenizer's files, the split and the encoding, so a second run reads them without
+   tokenizing.
 The launching process tokenizes before any rank starts (layerwise/run/fit.py); ranks only read.
+
+Text is checked as it is read (`unreadable`), by one rule: a .txt or .jsonl file is skipped, named
+and counted in the printed summary (and in meta.json's "skipped") when it is
+- binary: a NUL byte, or more than 30% control bytes other than tab, newline, CR, FF, VT, BS and ESC,
+  in its first 8000 bytes (git's test for a NUL in the first 8000 bytes, Perl's -B share), or
+- undecodable: not valid in `data.encoding` (default utf-8; latin-1 for Latin-1 corpora), rather
+  than decoded with U+FFFD replacement characters the model would learn.
+A corpus whose every file is skipped is refused. Progress is one line rewritten in place on a
+terminal (a line every 30 s otherwise); an interrupted tokenization removes its `.partial`
+directory, and one left by a killed run (its process gone) is removed by the next run.
 
 Under torchrun/Slurm only global rank 0 hashes and tokenizes; every other rank learns the cache key
 from it through a small handshake file in the cache directory (`learned_key`), named by a listing
@@ -18,9 +29,14 @@ the others wait for it with a deadline that restarts at each sign of progress, a
 error at once.
 """
 
+import codecs
 import hashlib
 import json
 import os
+import re
+import shutil
+import socket
+import sys
 import time
 from pathlib import Path
 
@@ -36,6 +52,12 @@ MIN_WAIT_S = 6 * PROGRESS_S  # never shorter: several of rank 0's progress write
 # (FAT: 2 s; git's "racily clean" entries): its key is not remembered from its listing.
 RACY_NS = 2 * 10**9
 KEYS = {}  # listing -> content key known in this process; forked ranks inherit it
+BINARY_SAMPLE = 8000  # bytes sniffed for binary content: git's buffer_is_binary (xdiff-interface.c) reads 8000
+CONTROL_SHARE = 0.30  # Perl's -B: a file whose first block is more than 30% odd characters is binary
+TEXT_CONTROLS = frozenset(b"\t\n\r\f\v\b\x1b")  # control bytes plain text does hold
+LINE_S = 30.0  # without a terminal, a progress line at most this often
+REDRAW_S = 0.2  # on a terminal, the line is rewritten at most this often
+PARTIAL = re.compile(r"\.partial(\d+)(?:@(.+))?$")  # <key>.partial<pid>@<host>: a tokenization under way
 
 
 class TokenCacheError(RuntimeError):
@@ -63,10 +85,77 @@ def text_files(path) -> list:
     return files
 
 
-def documents(file: Path):
-    """The documents of one file, in order."""
+def unreadable(file: Path, encoding: str = "utf-8"):
+    """None when `file` is text in `encoding`; else ("binary" | "undecodable", why). Binary: a NUL
+    byte (unless the encoding is UTF-16/32, whose text holds them) or more than CONTROL_SHARE
+    control bytes in the first BINARY_SAMPLE bytes. Undecodable: the whole file, decoded
+    incrementally 1 MiB at a time, raises in `encoding`. Parquet holds strings: never refused."""
+    if file.suffix == ".parquet":
+        return None
+    wide = codecs.lookup(encoding).name.startswith(("utf-16", "utf-32"))
+    decoder, offset = codecs.getincrementaldecoder(encoding)("strict"), 0
+    with file.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(2**20), b""):
+            if offset == 0 and not wide:
+                sample = chunk[:BINARY_SAMPLE]
+                if b"\0" in sample:
+                    return "binary", f"NUL byte at offset {sample.index(0)}"
+                controls = sum(1 for byte in sample if (byte < 32 or byte == 127) and byte not in TEXT_CONTROLS)
+                if controls > CONTROL_SHARE * len(sample):
+                    return "binary", f"{controls} of its first {len(sample)} bytes are control bytes"
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as error:
+                return "undecodable", f"byte {offset + error.start} (0x{chunk[error.start]:02x}) is not {encoding}"
+            offset += len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as error:
+        return "undecodable", f"it ends inside a {encoding} character ({error.reason})"
+    return None
+
+
+def shown_name(file: Path, root) -> str:
+    """`file` as the user knows it: relative to data.path when that is a directory."""
+    root = Path(root).expanduser()
+    return file.relative_to(root).as_posix() if root.is_dir() else file.name
+
+
+def readable(files: list, root, encoding: str = "utf-8"):
+    """(the files that are text in `encoding`, {"binary": [names], "undecodable": [names]},
+    {name: why}): the rule of this module's docstring. Raises ValueError when none is left."""
+    kept, skipped, reasons = [], {"binary": [], "undecodable": []}, {}
+    for file in files:
+        problem = unreadable(file, encoding)
+        if problem is None:
+            kept.append(file)
+            continue
+        name = shown_name(file, root)
+        skipped[problem[0]].append(name)
+        reasons[name] = problem[1]
+    if not kept:
+        raise ValueError(f"data.path: every one of the {len(files)} files at {root} was skipped: "
+                         f"{skipped_words(skipped, encoding)} ({'; '.join(f'{k}: {v}' for k, v in list(reasons.items())[:3])}). "
+                         f"Fix: data.encoding=latin-1 (or the corpus's encoding) if the text is not UTF-8, "
+                         f"or point data.path at text files.")
+    return kept, skipped, reasons
+
+
+def skipped_words(skipped: dict, encoding: str) -> str:
+    """"skipped 1 binary file (ls.txt), 0 undecodable as utf-8": counts, and the first names."""
+    def names(items):
+        shown = ", ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
+        return f" ({shown})" if items else ""
+    binary, undecodable = skipped.get("binary", []), skipped.get("undecodable", [])
+    return (f"skipped {len(binary)} binary file{'' if len(binary) == 1 else 's'}{names(binary)}, "
+            f"{len(undecodable)} undecodable as {encoding}{names(undecodable)}")
+
+
+def documents(file: Path, encoding: str = "utf-8"):
+    """The documents of one file, in order, decoded strictly (a byte invalid in `encoding` raises:
+    never a U+FFFD the model would learn; `readable` skips such files first)."""
     if file.suffix == ".jsonl":
-        with file.open(encoding="utf-8") as lines:
+        with file.open(encoding=encoding) as lines:
             for number, line in enumerate(lines, 1):
                 if line.strip():
                     record = json.loads(line)
@@ -85,7 +174,7 @@ def documents(file: Path):
         for batch in table.iter_batches(columns=["text"]):
             yield from batch.column("text").to_pylist()
     else:
-        yield file.read_text(encoding="utf-8", errors="replace")
+        yield file.read_text(encoding=encoding)
 
 
 def load_tokenizer(directory):
@@ -100,24 +189,27 @@ def load_tokenizer(directory):
 
 
 def eos_id(tokenizer, directory: Path) -> int:
-    """The EOS token named by tokenizer_config.json / special_tokens_map.json, else config.json's id."""
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        file = directory / name
-        token = json.loads(file.read_text()).get("eos_token") if file.is_file() else None
-        token = token.get("content") if isinstance(token, dict) else token
-        if token is not None and tokenizer.token_to_id(token) is not None:
-            return tokenizer.token_to_id(token)
-    config = directory / "config.json"
-    if config.is_file() and isinstance(json.loads(config.read_text()).get("eos_token_id"), int):
-        return json.loads(config.read_text())["eos_token_id"]
-    raise ValueError(f"data.tokenizer: {directory} names no EOS token (eos_token in tokenizer_config.json); "
-                     f"documents are joined with it. Fix: add \"eos_token\" to its tokenizer_config.json")
+    """The EOS token named by tokenizer_config.json / special_tokens_map.json, else config.json's id
+    (models/hf.py special_token_ids, which export and validation read too)."""
+    from models.hf import special_token_ids  # torch and safetensors: only when a tokenizer is read
+    eos = special_token_ids(directory, tokenizer.token_to_id)["eos"]
+    if eos is None:
+        raise ValueError(f"data.tokenizer: {directory} names no EOS token (eos_token in tokenizer_config.json); "
+                         f"documents are joined with it. Fix: add \"eos_token\" to its tokenizer_config.json")
+    return eos
 
 
-def cache_key(files: list, tokenizer_directory, validation_fraction: float, progress=None) -> str:
-    """sha256 of every file's name and bytes, the tokenizer's files and the split. `progress(bytes=n)`
-    is called after each MiB read (rank 0's sign of life to the waiting ranks)."""
-    digest, hashed = hashlib.sha256(f"v1/{validation_fraction}".encode()), 0
+def version(validation_fraction: float, encoding: str) -> str:
+    """What keys a cache besides the bytes: the format (v2: files checked as they are read, skipped
+    files counted), the split and the encoding (codecs' name: latin-1 and iso-8859-1 are one)."""
+    return f"v2/{validation_fraction}/{codecs.lookup(encoding).name}"
+
+
+def cache_key(files: list, tokenizer_directory, validation_fraction: float, progress=None,
+              encoding: str = "utf-8") -> str:
+    """sha256 of every file's name and bytes, the tokenizer's files, the split and the encoding.
+    `progress(bytes=n)` is called after each MiB read (rank 0's sign of life to the waiting ranks)."""
+    digest, hashed = hashlib.sha256(version(validation_fraction, encoding).encode()), 0
     for file in files:
         digest.update(file.name.encode())
         with file.open("rb") as handle:
@@ -140,11 +232,11 @@ def cache_root(cache_dir=None) -> Path:
     return Path(os.environ.get("LAYERWISE_CACHE", Path.home() / ".cache" / "layerwise")) / "tokens"
 
 
-def listing(files: list, tokenizer_directory, validation_fraction: float) -> tuple:
+def listing(files: list, tokenizer_directory, validation_fraction: float, encoding: str = "utf-8") -> tuple:
     """(fingerprint, newest modification time in ns) of the corpus and tokenizer files, from their
     paths, sizes and modification times: rsync's quick check and git's index, read by stat alone.
     Every rank computes the same fingerprint on a shared filesystem without reading the bytes."""
-    digest, newest = hashlib.sha256(f"v1/{validation_fraction}".encode()), 0
+    digest, newest = hashlib.sha256(version(validation_fraction, encoding).encode()), 0
     tokenizer = Path(tokenizer_directory).expanduser()
     for file in [*files, *(tokenizer / name for name in TOKENIZER_FILES)]:
         if not file.is_file():
@@ -213,14 +305,14 @@ def wait_seconds(collective_timeout_s: float) -> float:
 
 
 def learned_key(path, tokenizer_directory, validation_fraction: float, cache_dir=None,
-                timeout_s: float = WAIT_S, poll_s: float = 1.0) -> str:
+                timeout_s: float = WAIT_S, poll_s: float = 1.0, encoding: str = "utf-8") -> str:
     """The cache key global rank 0 of this launch computed for these files, read from its
     handshake file; this rank lists the files (stat) but never reads them. Waits while rank 0
     hashes and tokenizes; the deadline `timeout_s` restarts whenever the file changes. Raises
     TokenCacheError at once when rank 0 of this launch wrote that it failed, and at the deadline
     naming the launch, the cache directory and the fix."""
     files, root = text_files(path), cache_root(cache_dir)
-    fingerprint, _ = listing(files, tokenizer_directory, validation_fraction)
+    fingerprint, _ = listing(files, tokenizer_directory, validation_fraction, encoding)
     handshake = Handshake(root, fingerprint, launch_id())
     seen, since = None, time.monotonic()
     while True:
@@ -258,39 +350,78 @@ def _described(launch) -> str:
 
 
 def tokenized(path, tokenizer_directory, validation_fraction: float, cache_dir=None, say=print,
-              timeout_s: float = WAIT_S) -> Path:
+              timeout_s: float = WAIT_S, encoding: str = "utf-8", stream=None) -> Path:
     """The cache directory holding train.bin, val.bin and meta.json for this text and tokenizer;
-    tokenizes (with progress lines) only when it is not there yet. A rank other than global rank
-    0 never hashes: it takes the key this process already knows, or `learned_key`'s."""
+    tokenizes only when it is not there yet, its progress one line rewritten in place when
+    `stream` (default sys.stdout) is a terminal, else a line via `say` every LINE_S. A rank other
+    than global rank 0 never hashes: it takes the key this process already knows, or `learned_key`'s."""
     files, root = text_files(path), cache_root(cache_dir)
-    fingerprint, newest = listing(files, tokenizer_directory, validation_fraction)
+    fingerprint, newest = listing(files, tokenizer_directory, validation_fraction, encoding)
     key = KEYS.get(fingerprint)
     if key is None or not (root / key / "meta.json").is_file():
         if _global_rank() != 0:
-            key = learned_key(path, tokenizer_directory, validation_fraction, cache_dir, timeout_s)
+            key = learned_key(path, tokenizer_directory, validation_fraction, cache_dir, timeout_s, encoding=encoding)
         else:
-            return _rank_zero(files, tokenizer_directory, validation_fraction, root, (fingerprint, newest), say)
+            corpus = TextSource(files, Path(path).expanduser(), encoding)
+            return _rank_zero(corpus, tokenizer_directory, validation_fraction, root, (fingerprint, newest),
+                              say, Progress(say, sys.stdout if stream is None else stream))
     directory = root / key
     say(f"tokens cached in {directory}: {describe(json.loads((directory / 'meta.json').read_text()))}")
     return directory
 
 
-def _rank_zero(files, tokenizer_directory, validation_fraction, root, listed, say) -> Path:
+class TextSource:
+    """The files to tokenize, the data.path they were listed from, and their encoding."""
+
+    def __init__(self, files: list, root: Path, encoding: str):
+        self.files, self.root, self.encoding = files, root, encoding
+
+
+class Progress:
+    """Tokenizing's progress: on a terminal one line, rewritten in place (carriage return) at most
+    every REDRAW_S and ended with a newline; elsewhere (a pipe, a log file) a line through `say` at
+    most every LINE_S and the last one. Before: a line at every file's end (301 lines for 301 files)."""
+
+    def __init__(self, say, stream):
+        isatty = getattr(stream, "isatty", None)
+        self.say, self.stream, self.terminal = say, stream, bool(isatty and isatty())
+        self.last, self.width, self.shown = time.monotonic(), 0, False
+
+    def update(self, line: str, final: bool = False) -> None:
+        now = time.monotonic()
+        if self.terminal and (final or now - self.last >= REDRAW_S):
+            self.stream.write("\r" + line.ljust(self.width) + ("\n" if final else ""))
+            self.stream.flush()
+            self.width, self.last, self.shown = len(line), now, not final
+        elif not self.terminal and (final or now - self.last >= LINE_S):
+            self.say(line)
+            self.last = now
+
+    def close(self) -> None:
+        """End a line left open (an error interrupts it), so the next message starts on its own."""
+        if self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.shown = False
+
+
+def _rank_zero(corpus: TextSource, tokenizer_directory, validation_fraction, root, listed, say, progress) -> Path:
     """Hash, tokenize if the cache lacks this key, and tell the other ranks (Handshake): the key
     once the cache is whole, or the error."""
     handshake, started = Handshake(root, listed[0], launch_id()), time.time_ns()
     handshake.write("hashing")  # also replaces a record an earlier launch of the same id left
     try:
-        key = cache_key(files, tokenizer_directory, validation_fraction,
-                        lambda **counts: handshake.progress("hashing", **counts))
+        key = cache_key(corpus.files, tokenizer_directory, validation_fraction,
+                        lambda **counts: handshake.progress("hashing", **counts), corpus.encoding)
         if listed[1] < started - RACY_NS:  # no file changed since: its listing stands for its bytes
             KEYS[listed[0]] = key
         directory = root / key
         if (directory / "meta.json").is_file():
             say(f"tokens cached in {directory}: {describe(json.loads((directory / 'meta.json').read_text()))}")
         else:
-            _tokenize(files, tokenizer_directory, validation_fraction, directory, say,
-                      lambda **counts: handshake.progress("tokenizing", **counts))
+            remove_stale_partials(root)
+            _tokenize(corpus, tokenizer_directory, validation_fraction, directory, say,
+                      lambda **counts: handshake.progress("tokenizing", **counts), progress)
     except BaseException as error:
         handshake.write("failed", error=f"{type(error).__name__}: {error}")
         raise
@@ -298,47 +429,88 @@ def _rank_zero(files, tokenizer_directory, validation_fraction, root, listed, sa
     return directory
 
 
-def _tokenize(files, tokenizer_directory, validation_fraction: float, directory: Path, say, beat) -> None:
-    """Documents -> train.bin/val.bin/meta.json in `directory`, written aside and renamed in."""
+def partial_directory(directory: Path) -> Path:
+    """Where this process writes `directory` before renaming it in: <key>.partial<pid>@<host>."""
+    return directory.with_name(f"{directory.name}.partial{os.getpid()}@{socket.gethostname()}")
+
+
+def remove_stale_partials(root: Path) -> list:
+    """Remove the `.partial` directories of tokenizations whose process is gone (killed by SIGKILL
+    or a crash of the machine: nothing of theirs ran to clean up), and return their names. A
+    partial of this host is stale when its pid no longer exists (os.kill(pid, 0) raises
+    ProcessLookupError); one without a host is from an older layerwise and taken as this host's;
+    another host's is left alone (its pid means nothing here), however old."""
+    removed, host = [], socket.gethostname()
+    for entry in root.iterdir() if root.is_dir() else ():
+        match = PARTIAL.search(entry.name)
+        if not match or not entry.is_dir() or (match.group(2) or host) != host:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # alive (or another user's: PermissionError below)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+        except (PermissionError, OverflowError):
+            continue
+    return removed
+
+
+def _tokenize(corpus: TextSource, tokenizer_directory, validation_fraction: float, directory: Path, say, beat,
+              progress: Progress) -> None:
+    """Documents -> train.bin/val.bin/meta.json in `directory`, written aside and renamed in; on
+    any failure or interrupt (KeyboardInterrupt, SIGTERM's SystemExit) the aside is removed."""
+    files, skipped, reasons = readable(corpus.files, corpus.root, corpus.encoding)
     tokenizer, eos = load_tokenizer(tokenizer_directory)
     vocabulary = tokenizer.get_vocab_size()
     dtype, stride = token_dtype(vocabulary), max(2, round(1.0 / validation_fraction))
-    partial = directory.with_name(directory.name + f".partial{os.getpid()}")
+    partial = partial_directory(directory)
     partial.mkdir(parents=True, exist_ok=True)
-    counts = {"train": [0, 0], "validation": [0, 0]}  # documents, tokens
-    started, index, last = time.perf_counter(), 0, [0.0]
+    try:
+        counts, started = _write_splits(files, corpus.encoding, tokenizer, eos, dtype, stride, partial, beat, progress)
+        if counts["validation"][0] and not counts["train"][0]:  # a single document: hold out its tail instead
+            _split_single(partial, dtype, validation_fraction, counts)
+        meta = {"vocab_size": vocabulary, "dtype": np.dtype(dtype).name, "eos_id": eos, "files": len(files),
+                "encoding": corpus.encoding, "skipped": skipped, "skip_reasons": reasons,
+                "documents": {k: v[0] for k, v in counts.items()}, "tokens": {k: v[1] for k, v in counts.items()},
+                "tokenize_seconds": round(time.perf_counter() - started, 3)}
+        (partial / "meta.json").write_text(json.dumps(meta, indent=2))
+        try:
+            partial.rename(directory)  # atomic: a concurrent run sees the whole cache or none
+        except OSError:  # another process finished first: theirs is the same
+            shutil.rmtree(partial, ignore_errors=True)
+    except BaseException:
+        progress.close()
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    say(f"tokenized into {directory}: {describe(meta)}")
 
-    def progress(number: int, final: bool = False) -> None:  # a line every 5 s and at each file's end
+
+def _write_splits(files, encoding, tokenizer, eos, dtype, stride, partial: Path, beat, progress):
+    """Every file's documents encoded, EOS-terminated, into partial/train.bin and val.bin; returns
+    ({split: [documents, tokens]}, the perf_counter it started at)."""
+    counts = {"train": [0, 0], "validation": [0, 0]}  # documents, tokens
+    started, index = time.perf_counter(), 0
+
+    def show(number: int, final: bool = False) -> None:
         elapsed = time.perf_counter() - started
-        if final or elapsed - last[0] > 5:
-            last[0] = elapsed
-            total = counts["train"][1] + counts["validation"][1]
-            say(f"tokenizing: file {number}/{len(files)}, {index:,} documents, {total:,} tokens, "
-                f"{total / max(elapsed, 1e-9):,.0f} tokens/s")
+        total = counts["train"][1] + counts["validation"][1]
+        progress.update(f"tokenizing: file {number}/{len(files)}, {index:,} documents, {total:,} tokens, "
+                        f"{total / max(elapsed, 1e-9):,.0f} tokens/s", final)
 
     with (partial / "train.bin").open("wb") as train, (partial / "val.bin").open("wb") as validation:
         for number, file in enumerate(files, 1):
             batch = []
-            for text in documents(file):
+            for text in documents(file, encoding):
                 batch.append(text)
                 beat(file=number, documents=index + len(batch))
                 if len(batch) == 256:
                     index = _write(tokenizer, batch, eos, dtype, index, stride, train, validation, counts)
                     batch = []
-                    progress(number)
+                    show(number)
             index = _write(tokenizer, batch, eos, dtype, index, stride, train, validation, counts)
-            progress(number, final=True)
-    if index and not counts["train"][0]:  # a single document: hold out its tail instead
-        _split_single(partial, dtype, validation_fraction, counts)
-    meta = {"vocab_size": vocabulary, "dtype": np.dtype(dtype).name, "eos_id": eos, "files": len(files),
-            "documents": {k: v[0] for k, v in counts.items()}, "tokens": {k: v[1] for k, v in counts.items()},
-            "tokenize_seconds": round(time.perf_counter() - started, 3)}
-    (partial / "meta.json").write_text(json.dumps(meta, indent=2))
-    try:
-        partial.rename(directory)  # atomic: a concurrent run sees the whole cache or none
-    except OSError:  # another process finished first: theirs is the same
-        pass
-    say(f"tokenized into {directory}: {describe(meta)}")
+            show(number, final=number == len(files))
+    return counts, started
 
 
 def _write(tokenizer, batch, eos, dtype, index, stride, train, validation, counts) -> int:
@@ -363,6 +535,8 @@ def _split_single(directory: Path, dtype, validation_fraction: float, counts) ->
 def describe(meta: dict) -> str:
     """The printed split: documents and tokens of each."""
     documents, tokens = meta["documents"], meta["tokens"]
+    skipped = meta.get("skipped") or {}
+    words = f"; {skipped_words(skipped, meta.get('encoding', 'utf-8'))}" if any(skipped.values()) else ""
     return (f"train {documents['train']:,} documents / {tokens['train']:,} tokens, validation "
             f"{documents['validation']:,} documents / {tokens['validation']:,} tokens "
-            f"({meta['dtype']}, vocabulary {meta['vocab_size']:,})")
+            f"({meta['dtype']}, vocabulary {meta['vocab_size']:,}){words}")

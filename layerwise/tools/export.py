@@ -21,6 +21,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from models.hf import follow_umask
 from strategies import strategy_entry
 from strategies.checkpoint.per_rank import CheckpointError, read_checkpoint_file
 from strategies.checkpoint.portable import is_portable, portable_path, read_portable
@@ -113,6 +114,7 @@ def export(run_directory, out, checkpoint: str = "last") -> dict:
                 "vocab_size": str(vocabulary), "seed": str(cfg.seed), "strategy": cfg.strategy.name,
                 "checkpoint": checkpoint}
     save_file(state, str(out), metadata=metadata)
+    follow_umask([out])  # safetensors writes 0600
     return state
 
 
@@ -129,14 +131,35 @@ def part_states(run_directory, checkpoint: str, layers: int):
         yield {name[len(PREFIX):]: value for name, value in state.items()}
 
 
+def special_tokens(cfg) -> dict:
+    """{"bos", "eos", "pad"}: ids (or None) of the run's tokenizer (data.tokenizer: the EOS that
+    joined its documents), else of model=hf's source config.json (bos/eos/pad_token_id, else its
+    generation_config.json's); all None for byte corpora, which have none."""
+    from models.hf import SPECIAL_TOKENS, tokenizer_facts
+    tokenizer = cfg.data.get("tokenizer") if cfg.data.corpus == "text" else None
+    if tokenizer and (Path(tokenizer).expanduser() / "tokenizer.json").is_file():
+        facts = tokenizer_facts(tokenizer)
+        return {kind: facts[kind] for kind in SPECIAL_TOKENS}
+    found = dict.fromkeys(SPECIAL_TOKENS)
+    source = Path(cfg.model.path).expanduser() if cfg.model.get("path") else None
+    for name in ("generation_config.json", "config.json"):  # config.json's wins: read last
+        file = source / name if source else None
+        if file and file.is_file():
+            fields = json.loads(file.read_text())
+            found.update({kind: fields[f"{kind}_token_id"] for kind in SPECIAL_TOKENS
+                          if fields.get(f"{kind}_token_id") is not None})
+    return found
+
+
 def export_hf(run_directory, out, checkpoint: str = "last") -> dict:
-    """Write `out` as a Hugging Face model directory (config.json, model.safetensors or shards past
-    5 GB with their index, and the run's tokenizer files when it used one: data.tokenizer) that
-    transformers.AutoModelForCausalLM loads, reading the checkpoint one part at a time; return the
-    shapes written (our names)."""
+    """Write `out` as a Hugging Face model directory that transformers.AutoModelForCausalLM loads,
+    reading the checkpoint one part at a time: config.json (with the run's BOS/EOS/pad ids:
+    `special_tokens`), generation_config.json, model.safetensors or shards past 5 GB with their
+    index, and the run's tokenizer files when it used one (data.tokenizer), each file's mode
+    0o666 & ~umask; return the shapes written (our names)."""
     import shutil
 
-    from models.hf import ShardWriter, hf_config, hf_tensors, write_config
+    from models.hf import ShardWriter, hf_config, hf_tensors, write_config, write_generation_config
     cfg = run_config(run_directory)
     shapes, writer = {}, ShardWriter(out)
     for state in part_states(run_directory, checkpoint, cfg.model.layers):
@@ -149,14 +172,16 @@ def export_hf(run_directory, out, checkpoint: str = "last") -> dict:
                                                      "rope_scaling", "qkv_bias", "max_sequence_length")}
     fields["rope_scaling"] = OmegaConf.to_container(cfg.model.rope_scaling) if cfg.model.get("rope_scaling") else None
     config = hf_config(cfg.model.architecture, vocab_size=shapes["embed.token.weight"][0],
+                       special_tokens=special_tokens(cfg),
                        **{name: value for name, value in fields.items() if value is not None})
     writer.close()
-    write_config(out, config)
-    tokenizer = cfg.data.get("tokenizer")
+    written = [*writer.written, write_config(out, config), write_generation_config(out, config)]
+    tokenizer = cfg.data.get("tokenizer") if cfg.data.corpus == "text" else None
     if tokenizer:
         for name in TOKENIZER_FILES:
-            if (Path(tokenizer) / name).is_file():
-                shutil.copy2(Path(tokenizer) / name, Path(out) / name)
+            if (Path(tokenizer).expanduser() / name).is_file():
+                written.append(Path(shutil.copyfile(Path(tokenizer).expanduser() / name, Path(out) / name)))
+    follow_umask(written)
     return shapes
 
 

@@ -200,3 +200,22 @@ def test_text_files_skips_binary_and_undecodable_files_and_says_so(dirty_dir):
                                  say=printed.append)
     read = bytes(torch.cat([latin.validation, latin.train]).tolist()).decode("utf-8")  # as UTF-8 bytes
     assert LATIN in read
+
+
+def test_ctrl_c_while_tokenizing_removes_the_partial_directory(tokenizer_dir, tmp_path, monkeypatch):
+    """A KeyboardInterrupt (Ctrl-C) in the middle of a file leaves no `.partial` behind and no cache."""
+    from layerwise.run import text
+    root = tmp_path / "text"
+    root.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (root / name).write_text("words " * 100)
+    real = text.documents
+
+    def interrupted(file, encoding="utf-8"):
+        if file.name == "b.txt":
+            raise KeyboardInterrupt
+        yield from real(file, encoding)
+    monkeypatch.setattr(text, "documents", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tokenized(root, tokenizer_dir, 0.5, tmp_path / "cache", lambda line: None)
+    assert [path.name for path in (tmp_path / "cache").iterdir()] == ["handshakes"]

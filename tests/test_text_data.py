@@ -219,3 +219,17 @@ def test_ctrl_c_while_tokenizing_removes_the_partial_directory(tokenizer_dir, tm
     with pytest.raises(KeyboardInterrupt):
         tokenized(root, tokenizer_dir, 0.5, tmp_path / "cache", lambda line: None)
     assert [path.name for path in (tmp_path / "cache").iterdir()] == ["handshakes"]
+
+
+def test_text_files_checks_only_the_files_max_bytes_reads(tmp_path):
+    """data.max_bytes bounds what text_files reads, the check included: a binary file past the
+    budget is neither read nor counted."""
+    root = tmp_path / "texts"
+    root.mkdir()
+    (root / "a.txt").write_text("a" * 1000)
+    (root / "b.txt").write_bytes(b"\0" * 1000)  # sorted after a.txt: beyond max_bytes=1000
+    printed = []
+    corpus = data_lib.load_corpus("text_files", path=str(root), max_bytes=1000, say=printed.append)
+    assert corpus.train.numel() + corpus.validation.numel() == 1000 and printed == []
+    data_lib.load_corpus("text_files", path=str(root), max_bytes=1001, say=printed.append)
+    assert "skipped 1 binary file (b.txt)" in printed[-1]

@@ -90,7 +90,7 @@ def _load_text_files(path: Optional[str], max_bytes: int, validation_fraction: f
     files = [file for file in _files_under(directory, lambda name: True) if file.stat().st_size]
     if files:
         try:
-            files, skipped, reasons = readable(files, directory, encoding)
+            files, skipped, reasons = readable(files, directory, encoding, max_bytes)
         except ValueError as error:
             raise DataError(str(error)) from error
         if any(skipped.values()):

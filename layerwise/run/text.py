@@ -121,12 +121,17 @@ def shown_name(file: Path, root) -> str:
     return file.relative_to(root).as_posix() if root.is_dir() else file.name
 
 
-def readable(files: list, root, encoding: str = "utf-8"):
+def readable(files: list, root, encoding: str = "utf-8", max_bytes: int = None):
     """(the files that are text in `encoding`, {"binary": [names], "undecodable": [names]},
-    {name: why}): the rule of this module's docstring. Raises ValueError when none is left."""
-    kept, skipped, reasons = [], {"binary": [], "undecodable": []}, {}
+    {name: why}): the rule of this module's docstring. With `max_bytes` (data=text_files reads at
+    most that much) the files after the kept ones reach it are neither read nor returned: a large
+    directory is not read through for its first 16 MiB. Raises ValueError when none is left."""
+    kept, skipped, reasons, total = [], {"binary": [], "undecodable": []}, {}, 0
     for file in files:
+        if max_bytes is not None and total >= max_bytes:
+            break
         problem = unreadable(file, encoding)
+        total += file.stat().st_size if problem is None else 0
         if problem is None:
             kept.append(file)
             continue

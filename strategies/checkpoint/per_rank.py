@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from typing_extensions import override
 
-from strategies.checkpoint.safe_load import load_torch_file
+from strategies.checkpoint.safe_load import dcp_file_problems, load_torch_file
 
 
 def _old(path: Path) -> Path:
@@ -130,6 +130,42 @@ def read_checkpoint_file(file: Path) -> dict:
                               f"{str(error).splitlines()[0] if str(error) else 'empty'})") from error
 
 
+def portable_problems(path: Path) -> list:
+    """Why the portable (DCP) checkpoint directory `path` cannot be loaded: [] when its sidecar
+    passes its zip CRCs and every data file its `.metadata` names is there at full length
+    (safe_load.dcp_file_problems). A probe: it loads no tensor."""
+    path = Path(path)
+    for needed in (".metadata", "lightning.pt"):
+        if not (path / needed).is_file():
+            return [f"{path / needed} is missing"]
+    try:
+        verify_zip(path / "lightning.pt")
+        return dcp_file_problems(path)
+    except Exception as error:  # noqa: BLE001 - any failure to read means "not intact"; the message says which
+        return [f"{path} is unreadable ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"]
+
+
+def intact_portable_copies(path: Path) -> list:
+    """The portable checkpoints saved with per-rank or single-file `path` and with its previous
+    (`last.ckpt` -> `last/`, `previous.ckpt` -> `previous/`) that are intact, newest first: any
+    strategy and layout resume from them with `resume_from=`."""
+    copies = [Path(p).with_suffix("") for p in (path, previous_checkpoint(path)) if Path(p).suffix == ".ckpt"]
+    return [copy for copy in copies if copy.is_dir() and not portable_problems(copy)]
+
+
+def unreadable_fix(path: Path) -> str:
+    """The fix when no per-rank or single-file checkpoint at `path` is readable: the intact portable
+    copy beside it first (it holds the same step), else starting over."""
+    start_over = (f"delete the damaged checkpoint ({path}) to start over, or rerun with resume=false (or "
+                  f"another run_name) to start a new run without it")
+    copies = intact_portable_copies(path)
+    if not copies:
+        return f"Fix: {start_over}."
+    return (f"Fix: resume from the portable copy saved beside it, which is intact: rerun the same command "
+            f"with resume=false resume_from={copies[0]} (it holds the same weights and optimizer state, "
+            f"and any strategy or layout loads it); or {start_over}.")
+
+
 def load_first_readable(path: Path, read, agree=lambda ok: ok, say=print):
     """`read(candidate)` of the newest candidate every rank can read (`agree` votes).
 
@@ -147,10 +183,8 @@ def load_first_readable(path: Path, read, agree=lambda ok: ok, say=print):
                     f"falling back to {candidate}")
             return state
         problems.append(problem or f"another rank could not read its file of {candidate}")
-    raise CheckpointError(
-        f"no readable checkpoint at {path}: {'; '.join(problems) or 'nothing there'}. Fix: delete "
-        f"the damaged checkpoint ({path}) to start over, or rerun with resume=false (or another "
-        f"run_name) to start a new run without it.")
+    raise CheckpointError(f"no readable checkpoint at {path}: {'; '.join(problems) or 'nothing there'}. "
+                          f"{unreadable_fix(Path(path))}")
 
 
 def save_per_rank(checkpoint: dict, path: Path, rank: int, layout: dict, barrier) -> None:

@@ -39,8 +39,9 @@ import torch
 from typing_extensions import override
 
 from parallel.memory import ComputeMemoryMeter, host_side
-from strategies.checkpoint.per_rank import CheckpointError, read_checkpoint_file, swap_in
-from strategies.checkpoint.safe_load import UnsafeCheckpointError, dcp_load, dcp_metadata, read_dcp_tensors
+from strategies.checkpoint.per_rank import CheckpointError, portable_problems, read_checkpoint_file, swap_in
+from strategies.checkpoint.safe_load import (UnsafeCheckpointError, dcp_file_problems, dcp_load, dcp_metadata,
+                                             read_dcp_tensors)
 
 SIDECAR = "lightning.pt"
 MODEL, OPTIMIZER = "model.", "optimizer."
@@ -96,11 +97,14 @@ def resume_errors(path, expected_shapes) -> list:
     try:
         read_sidecar(resolved)  # refused here, before any process starts, if it would run code
         saved = plain_shapes(resolved)
+        damage = dcp_file_problems(resolved)  # a missing or short shard: here, not as DCP's raw error in a rank
     except UnsafeCheckpointError as error:
         return [f"resume_from={path}: {error}"]
     except Exception as error:  # noqa: BLE001 - a damaged .metadata: say which file
         return [f"resume_from={path}: {resolved / '.metadata'} is unreadable ({type(error).__name__}). "
-                f"Fix: resume from its previous checkpoint ({resolved.with_name('previous')})."]
+                f"{damage_fix(resolved)}"]
+    if damage:
+        return [f"resume_from={path}: {damaged_message(resolved, damage)}"]
     vocabulary = saved.get("embed.token.weight", (0,))[0]
     expected = expected_shapes(vocabulary)
     differ = sorted(name for name in set(saved) | set(expected) if saved.get(name) != expected.get(name))
@@ -110,6 +114,34 @@ def resume_errors(path, expected_shapes) -> list:
                 f"Fix: set model.* (layers, hidden, heads, mlp_ratio, max_sequence_length) to the values "
                 f"of the run that wrote it (its config.yaml), or remove resume_from."]
     return []
+
+
+def damaged_message(path: Path, problems: list) -> str:
+    """A damaged portable checkpoint in one paragraph: which files, why it cannot load, the fix."""
+    return (f"the portable checkpoint {path} is damaged: {'; '.join(problems)}. Its .metadata places "
+            f"tensors there, so no resume can load them (an incomplete copy, or a file lost or cut short "
+            f"on disk). {damage_fix(Path(path))}")
+
+
+def damage_fix(path: Path) -> str:
+    """What to resume from instead of the damaged portable checkpoint `path`, naming what exists:
+    the intact portable checkpoint saved before it (`previous/`), and the per-rank copy saved with
+    it (`last.ckpt`, same step, loadable only by the run that wrote it, in its layout)."""
+    path = Path(path)
+    fixes = []
+    earlier = path.with_name("previous") if path.name == "last" else None
+    if earlier is not None and earlier.is_dir() and not portable_problems(earlier):
+        fixes.append(f"resume from the portable checkpoint saved before it: resume_from={earlier}")
+    per_rank = path.with_name(path.name + ".ckpt")
+    if per_rank.exists() and path.parent.name == "checkpoints":
+        run = path.parent.parent
+        fixes.append(f"continue the run that wrote it from its own copy of the same step, {per_rank}: "
+                     f"rerun that run's command in its directory (hydra.run.dir={run}, with the overrides "
+                     f"in {run / '.hydra' / 'overrides.yaml'}), its strategy and layout unchanged")
+    if not fixes:
+        return ("Fix: copy the checkpoint directory again, whole, from where it came from, or remove "
+                "resume_from to start from scratch.")
+    return "Fix: " + "; or ".join(fixes) + "."
 
 
 # ----- what each rank holds ----------------------------------------------------------------------
@@ -466,19 +498,41 @@ def load_portable(strategy, path) -> dict:
     """A Lightning checkpoint for this rank, read from the portable checkpoint `path` into the
     pieces this strategy materialised (the model and optimizers must exist: restore after setup)."""
     path = Path(path)
+    damage = dcp_file_problems(path)  # validation checked it; checked again, a file may go since
+    if damage:  # every rank sees the same files and stops alike, before any of DCP's collectives
+        raise CheckpointError(damaged_message(path, damage))
     saved = read_sidecar(path)
     if "model_depth" in saved:  # a grown model (progressive stacking): its blocks exist before they load
         strategy.lightning_module.grow_to(saved["model_depth"])
     optimizers = strategy.optimizers
     _initialise_optimizer_state(optimizers, saved.get("optimizer_state_keys", []))
     state = PortableState(strategy.lightning_module, optimizers, strategy_layout(strategy), strategy.global_rank)
-    dcp_load(state.views(strategy.world_size), path)  # in place: DCP copies each rectangle into its view
+    try:
+        dcp_load(state.views(strategy.world_size), path)  # in place: DCP copies each rectangle into its view
+    except Exception as error:  # DCP's CheckpointException gathers every rank's failure, raised on all
+        raise_load_failure(error, path)
     checkpoint = {key: value for key, value in saved.items()
                   if key not in ("optimizer_param_groups", "optimizer_state_keys")}
     checkpoint["state_dict"] = strategy.lightning_module.state_dict()
     checkpoint["optimizer_states"] = [_with_groups(optimizer.state_dict(), groups, path) for optimizer, groups
                                       in zip(optimizers, saved.get("optimizer_param_groups", []))]
     return checkpoint
+
+
+def raise_load_failure(error: Exception, path: Path) -> None:
+    """Re-raise DCP's `CheckpointException` (a dict of rank -> wrapped exception and traceback) as
+    a CheckpointError naming the first failing rank and its error; a refusal to run code from a file
+    stays an UnsafeCheckpointError (not damage)."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        raise error
+    rank, failure = min(failures.items(), key=lambda item: item[0])
+    cause = getattr(failure, "exc", failure)
+    if isinstance(cause, UnsafeCheckpointError):
+        raise cause from error
+    text = str(cause).splitlines()[0] if str(cause) else ""
+    raise CheckpointError(f"the portable checkpoint {path} could not be read: rank {rank} failed with "
+                          f"{type(cause).__name__}: {text}. {damage_fix(Path(path))}") from error
 
 
 def read_sidecar(path) -> dict:

@@ -170,6 +170,30 @@ def dcp_metadata(path):
     return dcp_reader(path).read_metadata()
 
 
+def dcp_file_problems(path, metadata=None) -> list:
+    """What is wrong with the data files of the DCP checkpoint `path`, one line per file ([] if none).
+
+    `.metadata` records, for every item, the file (`relative_path`) and the byte range (offset,
+    length) that hold it; a file that is absent, or shorter than the end of its last range, would
+    fail DCP's read on whichever rank asks for it, as a raw `CheckpointException` (a truncated file
+    can also unpickle as garbage). Checking costs one stat per file, so validation does it before
+    any process starts and the load again. DCP keeps no checksums: bytes overwritten in place at
+    the same size are not seen here."""
+    metadata = dcp_metadata(path) if metadata is None else metadata
+    ends = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, end in sorted(ends.items()):
+        file = Path(path) / name
+        if not file.is_file():
+            problems.append(f"{file} is missing")
+        elif file.stat().st_size < end:
+            problems.append(f"{file} is truncated ({file.stat().st_size} bytes; .metadata places data up "
+                            f"to byte {end})")
+    return problems
+
+
 def read_dcp_tensors(path, prefix: str) -> dict:
     """Every tensor of the DCP checkpoint `path` whose key starts with `prefix`, whole, in this one
     process (export, validation and tests: no process group)."""

@@ -32,14 +32,18 @@ class FakeClock:
 # ----- (a) the ETA after a resume
 
 def test_the_eta_divides_this_process_time_by_this_process_steps():
-    """Resumed at step 25 of 100, five steps of 0.1 s here: 70 steps left take 7 s (the old formula,
-    this process's time over the global step count, said 0.5 s / 30 steps × 70 = 1.2 s)."""
+    """Resumed at step 25 of 100, a first step of 3 s (one-off costs), then four of 0.1 s: 70 steps
+    left take 7 s (the old formula, this process's time over the global step count, said
+    3.4 s / 30 steps × 70 = 7.9 s here, and 2 s in the issue's run where the first step was quick)."""
     clock = FakeClock()
     eta = Eta(clock)
     assert eta.describe(75) == "eta ?"  # nothing measured yet
     eta.start()
     assert eta.seconds_left(75) is None
-    for _ in range(5):
+    clock.now += 3.0
+    eta.step()
+    assert eta.seconds_left(74) == pytest.approx(3.0 * 74)  # the first step's time alone until a second ends
+    for _ in range(4):
         clock.now += 0.1
         eta.step()
     assert eta.seconds_left(70) == pytest.approx(7.0)
@@ -63,7 +67,7 @@ def test_the_eta_reads_in_hours_past_an_hour():
 
 def test_a_resumed_runs_progress_line_uses_this_process_steps(tmp_path, capsys):
     """RunEvidence's progress line after a resume: 30 steps restored from the checkpoint, 5 run here
-    at 0.2 s each; at step 35 of 100 the line says 65 × 0.2 = 13 s."""
+    at 0.2 s each; at step 35 of 100 the line says 65 × 0.2 = 13 s (the old formula: 1 s / 35 × 65 = 2 s)."""
     from layerwise.run.evidence import RunEvidence
     cfg = compose(["logger=none", "debug=fast", "trainer.max_steps=100"])
     evidence = RunEvidence(tmp_path, cfg, 1, {}, progress_lines=True)

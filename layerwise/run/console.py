@@ -56,36 +56,48 @@ def console_to_log(run_directory, rank: int):
 
 
 class Eta:
-    """The progress line's time left: the steps left × the mean wall time of the steps THIS process ran.
+    """The progress line's time left: the steps left × the mean wall time of the steps THIS process ran
+    after its first.
 
     A resumed run restores the steps of an earlier process (global_step, the loss history) but not
     their time: dividing this process's elapsed time by the global step count made a resumed run at
-    step 70 of 100 say "eta 2 s" (issue 55). So the clock starts when this process starts training
-    (after its initial validation, which is no step) and only steps counted here divide it.
-    `clock` is injectable so tests need no wall clock.
+    step 70 of 100 say "eta 2 s" (issue 55). So only steps run here divide time measured here. The
+    first step after a start pays one-off costs (the data loader's start, lazy initialisation, the
+    memory meter's warm-up steps): the mean starts at its end, and until a second step ends the first
+    one's time is the estimate. `clock` is injectable so tests need no wall clock.
     """
 
     def __init__(self, clock=time.perf_counter):
         self._clock = clock
-        self._started = None
-        self._steps = 0
+        self._started = self._first_ended = None
+        self._steps = 0  # ended since the first
 
     def start(self) -> None:
         """This process's training starts (fresh or resumed): nothing measured yet."""
-        self._started, self._steps = self._clock(), 0
+        self._started, self._first_ended, self._steps = self._clock(), None, 0
 
     def step(self) -> None:
-        """One more step ran in this process."""
-        self._steps += 1
+        """One more step ended in this process."""
+        if self._first_ended is None:
+            self._first_ended = self._clock()
+        else:
+            self._steps += 1
+
+    def seconds_per_step(self):
+        """The mean time of this process's steps after its first; the first's alone until then; None before."""
+        if self._started is None or self._first_ended is None:
+            return None
+        if self._steps == 0:
+            return self._first_ended - self._started
+        return (self._clock() - self._first_ended) / self._steps
 
     def seconds_left(self, steps_left: int):
-        """Seconds for `steps_left` more steps at this process's mean step time; None before its first step."""
-        if self._started is None or self._steps == 0:
-            return None
-        return (self._clock() - self._started) / self._steps * max(0, steps_left)
+        """Seconds for `steps_left` more steps at seconds_per_step; None before this process's first step."""
+        per_step = self.seconds_per_step()
+        return None if per_step is None else per_step * max(0, steps_left)
 
     def describe(self, steps_left: int) -> str:
-        """'eta 68 s' (minutes and hours past an hour's worth of seconds), 'eta ?' before a step ran."""
+        """'eta 68 s' (hours and minutes from an hour on), 'eta ?' before a step ran."""
         seconds = self.seconds_left(steps_left)
         if seconds is None:
             return "eta ?"

@@ -23,6 +23,7 @@ grid's collectives with compute unless the workload says so (`Workload.tensor_ov
 
 import bisect
 from collections import Counter
+from typing import NamedTuple
 
 from parallel.comm import KINDS
 from cost.inputs import Device, Workload
@@ -421,18 +422,26 @@ def exposed_reduction_seconds(workload: Workload, device: Device, stage: int, st
     return max(0.0, reduction - stage_seconds(workload, device, stage, stages)[1])
 
 
-def zero_gathers(workload: Workload, device: Device, rank: int, loops: int, breadth_first: int,
-                 groups: int) -> tuple:
-    """`exposed_gathers` of one rank of a looped ZeRO plan in closed form, as (at the groups' starts,
-    the rest). Its runs per breadth-first group: bf forwards of each local stage L₀ … L_{v−1}, then
-    bf backwards of L_{v−1} … L₀; a run's gather hides behind the run before it: forward L_j behind
-    forward L_{j−1}, backward L_{v−1} behind its own forwards, backward L_j behind backward L_{j+1},
-    and a group's first forward behind the previous group's last backward (nothing, for the first
-    group). A group's first two gathers are posted together as it starts: on ranks r > 0 after the
-    first receive (the receive's post sits between it and the compute, so zero.py's `_run_start`
-    leaves the gathers behind it), so those stalls add up along the pipeline at every group's fill."""
-    if not workload.layout.zero or workload.layout.data == 1:
-        return 0.0, 0.0
+class RankGathers(NamedTuple):
+    """One rank's exposed ZeRO gathers per breadth-first group (`rank_gathers`), in seconds."""
+
+    first_start: float  # the first group's stall as it starts: its first gather whole, and the second
+    later_first: float  # a later group's first gather, posted as the previous group's backward L₀ begins
+    second: float  # a group's second gather, posted with its first
+    rest: float  # the group's other gathers, but the turnaround's
+    turnaround: float  # the gather posted as the group's backwards begin (`zero_pipeline_gathers`)
+
+
+def rank_gathers(workload: Workload, device: Device, rank: int, loops: int, breadth_first: int) -> RankGathers:
+    """`exposed_gathers` of one rank of a looped ZeRO plan in closed form. Its runs per breadth-first
+    group: bf forwards of each local stage L₀ … L_{v−1}, then bf backwards of L_{v−1} … L₀; a run's
+    gather hides behind the run before it: forward L_j behind forward L_{j−1}, backward L_{v−1}
+    behind its own forwards, backward L_j behind backward L_{j+1}, and a group's first forward behind
+    the previous group's last backward (nothing, for the first group). A group's first two gathers
+    are posted together as it starts: on ranks r > 0 after the first receive (the receive's post
+    sits between it and the compute, so zero.py's `_run_start` leaves the gathers behind it), so
+    those stalls add up along the pipeline at every group's fill. The turnaround's gather is the
+    one posted as the backwards begin: backward L_{v−2}'s, at v = 1 the next group's first."""
     p, stages = workload.layout.pipeline, loops * workload.layout.pipeline
     held = [rank + loop * p for loop in range(loops)]
     timing = {stage: stage_seconds(workload, device, stage, stages) for stage in {held[0], held[-1], held[min(1, loops - 1)]}}
@@ -444,12 +453,73 @@ def zero_gathers(workload: Workload, device: Device, rank: int, loops: int, brea
     def exposed(stage: int, behind: float) -> float:  # the stage's gather behind `behind` seconds of compute
         return exposed_gather(gather[stage], behind, device.hidden_gather_fraction)
     second = exposed(held[1 % loops], forward(held[0]))  # forward L₁, or at v = 1 backward L₀
-    per_group = sum(exposed(held[j], forward(held[j - 1])) for j in range(1, loops))
-    per_group += exposed(held[-1], forward(held[-1]))
-    per_group += sum(exposed(held[j], backward(held[j + 1])) for j in range(loops - 1))
+    rest = sum(exposed(held[j], forward(held[j - 1])) for j in range(2, loops))
+    rest += exposed(held[-1], forward(held[-1])) if loops > 1 else 0.0  # at v = 1 that is `second`
+    rest += sum(exposed(held[j], backward(held[j + 1])) for j in range(loops - 2))
     later_first = exposed(held[0], backward(held[0]))
-    starts = gather[held[0]] + second + (groups - 1) * (later_first + second)
-    return starts, groups * (per_group - second)
+    turnaround = exposed(held[-2], backward(held[-1])) if loops > 1 else later_first
+    return RankGathers(gather[held[0]] + second, later_first, second, rest, turnaround)
+
+
+def turnaround_before_receive(rank: int, pipeline: int, loops: int, breadth_first: int) -> bool:
+    """Whether a looped ZeRO plan posts a rank's turnaround gather (`rank_gathers`) right before the
+    gradient receive that feeds its first backward: zero.py's `_run_start` moves it there unless a
+    receive post stands between the two (strategies/schedule/point_to_point.py posts each receive
+    right after the rank's previous operation in one order of all the plan's messages). So on
+    ranks 0 < r < p − 1, and on rank 0 at v > 1 and bf = p; not on the last rank (it receives no
+    gradient there), nor on rank 0 at v = 1 (it sends no gradient, so its next gradients' receives
+    are posted right after its first one) or at bf > p (its first gradient goes to rank p − 1, which
+    takes it only after its own bf backwards: rank 1's next gradient comes first in the order, and
+    its post falls between). tests/test_zero_turnaround.py checks this against built plans."""
+    if not 0 <= rank < pipeline - 1:
+        return False
+    return rank > 0 or (loops > 1 and breadth_first == pipeline)
+
+
+def zero_pipeline_gathers(workload: Workload, device: Device, loops: int, breadth_first: int, groups: int,
+                          middle: tuple, last: tuple, receive: float) -> tuple:
+    """What a looped ZeRO plan's exposed gathers add to its step in closed form, as (the groups'
+    start stalls, summed along the pipeline; the slowest rank's rest): `rank_gathers` per rank
+    (ranks 1 … p − 2 hold equal stages); the later gathers overlap across ranks in the lockstep loop.
+
+    Where the turnaround's gather stands right before the gradient receive that feeds the rank's
+    first backward (`turnaround_before_receive`), it also hides behind that receive's wait: the rank
+    starts its backwards at the later of the gather's exposed part and the gradient (a wait leaves
+    its core idle, so the gather runs whole-speed, as in the simulator). In the lockstep fill and
+    drain, rank r's wait is the group-start stalls of the ranks after it, r + 1 … p − 1 (each delays
+    their forwards, so the first gradient, by its own length), the last forward's hops to the last
+    rank, (p − 1 − r)(F + R), the last stage's backward and the gradient's way back,
+    (p − 2 − r)·B + (p − 1 − r)·R (F, B: a middle stage's micro-batch; R: a receive; the head's
+    slower forwards only lengthen it: left out). At v = 1 the turnaround's gather is the next
+    group's first, so what the wait hides comes off that group's start stall."""
+    p = workload.layout.pipeline
+    if not workload.layout.zero or workload.layout.data == 1:
+        return 0.0, 0.0
+    pieces = {rank: rank_gathers(workload, device, rank, loops, breadth_first) for rank in {0, min(1, p - 1), p - 1}}
+    of = [pieces.get(rank, pieces[min(1, p - 1)]) for rank in range(p)]
+    hides = [turnaround_before_receive(rank, p, loops, breadth_first) for rank in range(p)]
+    drain = [(p - 1 - rank) * (middle[0] + 2 * receive) + last[1] + (p - 2 - rank) * middle[1] for rank in range(p)]
+    starts, rests = 0.0, [0.0] * p
+    hidden = [0.0] * p  # at v = 1: the part of each rank's next first gather its turnaround's wait hid
+    previous = steps = None
+    for group in range(groups):
+        stalls = [piece.first_start if group == 0 else piece.later_first - hidden[rank] + piece.second
+                  for rank, piece in enumerate(of)]
+        if stalls == previous:  # the lockstep is periodic from here: every later group repeats this one
+            starts += (groups - group) * sum(stalls)
+            rests = [rest + (groups - group) * step for rest, step in zip(rests, steps)]
+            break
+        starts, previous, after, steps = starts + sum(stalls), stalls, 0.0, [0.0] * p
+        for rank in reversed(range(p)):  # each rank's turnaround wait: the stalls of the ranks after it, the drain
+            piece = of[rank]
+            waited = min(piece.turnaround, drain[rank] + after) if hides[rank] else 0.0
+            if loops > 1:
+                steps[rank] = piece.rest + piece.turnaround - waited
+            else:  # the turnaround's gather is the next group's first (none after the last group)
+                hidden[rank] = waited
+            after += stalls[rank]
+        rests = [rest + step for rest, step in zip(rests, steps)]
+    return starts, max(rests)
 
 
 SIMULATED = ("zbv", "zero_bubble_h2")  # no closed form for their list schedules: the (cached) plan is simulated
@@ -483,12 +553,10 @@ def closed_form_step(workload: Workload, device: Device, schedule: str, micro_ba
             [(cost, (last if rank == p - 1 else middle)[1] / 2) for rank, cost in zip({0, min(1, p - 1), p - 1}, per_micro_batch)]
         group = zero_bubble_h1_group(middle, receive, p, breadth_first, ranks)
     groups = micro_batches // breadth_first
-    # ZeRO: the stalls of each group's first gathers add up along the pipeline (ranks 1 … p − 2 hold
-    # equal stages); the later ones overlap across ranks in the lockstep loop, so the slowest rank's.
-    exposures = {rank: zero_gathers(workload, device, rank, loops, breadth_first, groups)
-                 for rank in {0, min(1, p - 1), p - 1}}
-    starts = exposures[0][0] + (exposures[p - 1][0] if p > 1 else 0) + max(0, p - 2) * exposures[min(1, p - 1)][0]
-    compute = groups * group + starts + max(rest for _, rest in exposures.values())
+    # ZeRO: the stalls of each group's first gathers add up along the pipeline; the later ones overlap
+    # across ranks in the lockstep loop, so the slowest rank's (`zero_pipeline_gathers`).
+    starts, rest = zero_pipeline_gathers(workload, device, loops, breadth_first, groups, middle, last, receive)
+    compute = groups * group + starts + rest
     exposed = max(exposed_reduction_seconds(workload, device, rank, stages) for rank in {0, 1 % p, p - 1})
     update = max(optimizer_seconds(workload, device, [rank + loop * p for loop in range(loops)], stages)
                  for rank in {0, 1 % p, p - 1})

@@ -181,6 +181,12 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         different orders can deadlock even when every pair's messages match. Here each pair
         exchanges one element in the order of the sorted pairs: the earliest pair not yet done
         always has both of its ranks waiting on it, so the sequence cannot stall.
+
+        The same order is safe on an eagerly initialised group (Lightning passes `device_id` on
+        GPUs), where no pair communicator is made and the group's one communicator runs each rank's
+        sends and receives toward all its peers in issue order: every rank issues its exchanges in
+        the sorted pairs' order and waits for each, so the ranks retire them one pair at a time and
+        no cycle of ranks waits for the next (docs/architecture.md, "Point-to-point order", rule 2).
         """
         ranks = [pipeline.ranks[r] for r in self.plan.placement]
         pairs = sorted({tuple(sorted(pair)) for pair in zip(ranks, ranks[1:]) if pair[0] != pair[1]})

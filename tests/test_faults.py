@@ -24,7 +24,7 @@ from layerwise.run.fit import train
 from layerwise.preflight import validate
 from strategies.checkpoint.per_rank import CheckpointError, load_per_rank, read_checkpoint_file
 from strategies.checkpoint.safe_load import load_torch_file
-from layerwise.run.launch import RankError
+from layerwise.run.launch import RankError, RunInterrupted
 from tests.ranks import QUICK, add_callbacks, compose_config
 from tests.same_checkpoints import assert_same_checkpoints
 
@@ -338,14 +338,15 @@ class Terminate(pl.Callback):
 def test_sigterm_on_a_rank_other_than_zero_stops_every_rank_and_the_rerun_resumes(tmp_path, monkeypatch,
                                                                                   reference, capfd):
     # The flag travels in the step's evidence exchange (Lightning's own check broadcasts rank 0's
-    # only): rank 1's SIGTERM after step 3 rides in step 4's exchange, both ranks stop before step 5,
-    # rank 0 writes every finished step's row and an "interrupted" summary, and the rerun resumes.
+    # only): rank 1's SIGTERM after step 3 rides in step 4's exchange, both ranks save step 4 and stop
+    # (layerwise/run/preemption.py, the agreed stop), rank 0 writes every finished step's row and an
+    # "interrupted" summary with the saved step, and the rerun resumes.
     add_callbacks(monkeypatch.setattr, Terminate(step=3, rank=1))
-    with pytest.raises(RankError, match="Terminated: SIGTERM received by a rank; stopped before step 5"):
+    with pytest.raises(RunInterrupted, match="stopped by SIGTERM"):
         run(tmp_path, "modular_pipeline")
     monkeypatch.undo()
-    assert saved_step(tmp_path) == 4  # the checkpoint interval: nothing finished is lost
-    assert summary_of(tmp_path)["status"] == "interrupted"
+    assert saved_step(tmp_path) == 4  # the step boundary after the signal: nothing finished is lost
+    assert summary_of(tmp_path)["status"] == "interrupted" and summary_of(tmp_path)["saved_step"] == 4
     steps = [int(row.split(",")[0]) for row in (tmp_path / "metrics.csv").read_text().splitlines()[1:]]
     assert steps == [1, 2, 3, 4]
     assert_resumes_like_reference(tmp_path, "modular_pipeline", reference, capfd)

@@ -398,7 +398,9 @@ class RunEvidence(pl.Callback):
         status = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
         self._complete_partial()  # no collective: the other ranks may be elsewhere; this rank's numbers
         self._flush_rows(trainer)
-        self.write_summary(trainer, status, error=f"{type(exception).__name__}: {exception}")
+        # an agreed stop (preemption.Interrupted) adds the step it saved and the signal
+        self.write_summary(trainer, status, error=f"{type(exception).__name__}: {exception}",
+                           **getattr(exception, "summary", {}))
 
     # ----- files
     def _flush_rows(self, trainer):
@@ -424,19 +426,24 @@ class RunEvidence(pl.Callback):
                 or row["step"] == self.max_steps)
 
     def _rewrite_csv_up_to(self, step: int):
-        """On resume, drop rows written after the checkpoint's step (they will be redone)."""
+        """On start or resume, drop rows written after the checkpoint's step (they will be redone), and
+        keep one row per step, the last written (a file from before the run directory was locked may
+        hold a step twice: issue 55). Rewritten to a temporary file and renamed: never half a file."""
         path = self.run_directory / "metrics.csv"
         if not path.exists():
             return
         with path.open() as handle:
-            rows = [r for r in csv.DictReader(handle) if int(r["step"]) <= step]
-        with path.open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+            rows = {int(r["step"]): r for r in csv.DictReader(handle) if r.get("step") and int(r["step"]) <= step}
+        temporary = path.with_name(path.name + ".tmp")
+        with temporary.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
             writer.writeheader()
-            writer.writerows(rows)
+            writer.writerows(rows[s] for s in sorted(rows))
+        os.replace(temporary, path)
 
-    def write_summary(self, trainer, status: str, error: str = None):
-        """Write summary.json on global rank 0 and return what it holds (None on other ranks)."""
+    def write_summary(self, trainer, status: str, error: str = None, **extra):
+        """Write summary.json on global rank 0 and return what it holds (None on other ranks);
+        `extra`: fields an ending adds (an interruption's saved step and signal)."""
         if not trainer.is_global_zero:
             return None
         rows = self.history["rows"]
@@ -480,6 +487,7 @@ class RunEvidence(pl.Callback):
         bubble = trainer.strategy.bubble_fraction()
         if bubble is not None:
             summary["bubble_fraction"] = bubble
+        summary.update(extra)
         write_json_atomically(self.run_directory / "summary.json", summary)
         return summary
 

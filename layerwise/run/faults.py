@@ -22,9 +22,6 @@ its exchange, which was issued before the backward); no collective of its own.
 """
 
 import math
-import os
-import signal
-import threading
 
 import lightning.pytorch as pl
 import torch
@@ -179,51 +176,3 @@ class NonFiniteGuard(pl.Callback):
         if loss is None or bool(torch.isfinite(loss).all()):
             return None
         return str(float(loss.float().mean()))
-
-
-class Terminated(KeyboardInterrupt):
-    """Every rank stops together after a SIGTERM (Lightning then runs on_exception: "interrupted")."""
-
-
-class StopOnSigterm(pl.Callback):
-    """SIGTERM on any rank stops every rank together at the next step boundary.
-
-    Lightning broadcasts rank 0's SIGTERM flag before every step (a blocking collective that waits for
-    the slowest rank: 1.2–1.3 ms a step, issue 15), its handler issues one more broadcast from inside
-    the signal handler, and its `received_sigterm` stops the signalled rank alone at the step's end:
-    a SIGTERM on a rank other than 0 left the others waiting in a collective. Here:
-    1. the handler only sets our flag (installed at train start: Lightning installs its own after
-       on_fit_start; it restores the handler it found at teardown);
-    2. the flag rides in the step's evidence exchange (`RunEvidence.flags`, any rank's);
-    3. before each step, in place of Lightning's broadcast, every rank reads it and raises `Terminated`.
-    """
-
-    def __init__(self, evidence):
-        self.evidence = evidence
-        self.received = False
-
-    def on_train_start(self, trainer, module):
-        if trainer.world_size == 1:
-            return  # one process: Lightning's own local check is all it needs
-        self.received = False
-        self.evidence.flags["sigterm"] = lambda: self.received
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: self._stop_if_signalled(trainer)
-        if threading.current_thread() is threading.main_thread():  # handlers: main thread only
-            self._flag_only(trainer._signal_connector._original_handlers.get(signal.SIGTERM))
-
-    def _flag_only(self, previous) -> None:
-        """Our handler: set the flag, then the handler Lightning found (no collective in a handler)."""
-        def handler(signum, frame):
-            self.received = True
-            os.write(2, b"[layerwise] received SIGTERM: every rank stops at the next step boundary\n")
-            if callable(previous):
-                previous(signum, frame)
-        signal.signal(signal.SIGTERM, handler)
-
-    def _stop_if_signalled(self, trainer) -> None:
-        """Before a step: stop every rank if any had been signalled when the last exchange was issued."""
-        if self.evidence.exchanged() and self.evidence.any_rank(trainer, "sigterm"):
-            raise Terminated(f"SIGTERM received by a rank; stopped before step {trainer.global_step + 1}")
-
-    def teardown(self, trainer, module, stage):
-        trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)

@@ -6,8 +6,11 @@ checkpoint when there is one, and returns rank 0's summary (None in the other ra
 torchrun started: only global rank 0 writes, and reads, the run directory's files).
 """
 
+import contextlib
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -18,11 +21,13 @@ from layerwise.config.layout import layout_of
 from layerwise.run import data as data_lib
 from layerwise.run.console import console_to_log
 from layerwise.run.evidence import PointToPointOrderCheck, RunEvidence, write_json_atomically
-from layerwise.run.faults import NonFiniteGuard, StopOnSigterm
-from layerwise.run.hangs import HangWatch, hang_directory, nccl_flight_recorder_environment, run_timeout_chain
-from layerwise.run.launch import (HangError, RankError, close_process_group, global_rank, launched_externally,
-                                  run_ranks, start_method, writes_run_files)
-from layerwise.run.preemption import slurm_callbacks, slurm_plugins, slurm_step_flags
+from layerwise.run.faults import NonFiniteGuard
+from layerwise.run.hangs import HangWatch, fresh, hang_directory, nccl_flight_recorder_environment, run_timeout_chain
+from layerwise.run.launch import (HangError, RankError, RunInterrupted, StopSignals, close_process_group,
+                                  global_rank, launched_externally, run_ranks, start_method, writes_run_files)
+from layerwise.run.lock import hold_run_directory, taken_over_line
+from layerwise.run.preemption import (STOP, Interrupted, agreed_stop_callback, slurm_callbacks, slurm_plugins,
+                                      slurm_step_flags)
 from layerwise.run.task import LanguageModelData, LanguageModelTask, objective_of
 from parallel.layout import RANK_ORDER
 from strategies import strategy_entry
@@ -53,14 +58,19 @@ class LastCheckpoint(pl.Callback):
     def __init__(self, path: Path, every_n_steps: int):
         self.path = Path(path)
         self.every_n_steps = every_n_steps
+        self.saved_step = None  # the agreed stop saves only if this step's save has not happened
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_index):
         if trainer.global_step % self.every_n_steps == 0:
-            trainer.save_checkpoint(self.path, weights_only=False)
+            self._save(trainer)
 
     def on_train_end(self, trainer, module):
         if trainer.global_step % self.every_n_steps:
-            trainer.save_checkpoint(self.path, weights_only=False)
+            self._save(trainer)
+
+    def _save(self, trainer):
+        trainer.save_checkpoint(self.path, weights_only=False)
+        self.saved_step = trainer.global_step
 
 
 def checkpoint_path(run_directory: Path) -> Path:
@@ -110,11 +120,13 @@ def show_bar(cfg) -> bool:
 
 def build_trainer(cfg, run_directory: Path, world_size: int, strategy, evidence) -> pl.Trainer:
     # the watchdog first: after a hang its on_exception parks this rank until the watchdog ends it
+    last = LastCheckpoint(checkpoint_path(run_directory), cfg.trainer.checkpoint_every_n_steps)
     callbacks = [HangWatch(cfg, run_directory, world_size, evidence, cfg.hardware.devices_per_node),
                  evidence,  # the guard before the checkpoint: a non-finite step is never saved
                  NonFiniteGuard(cfg.trainer.skip_nonfinite_steps, evidence, checkpoint_path(run_directory)),
-                 LastCheckpoint(checkpoint_path(run_directory), cfg.trainer.checkpoint_every_n_steps),
-                 StopOnSigterm(evidence)]  # its flag rides in the evidence's exchange
+                 last,  # then the agreed stop: SIGTERM/SIGINT/SIGHUP save at the step boundary, its flag
+                 agreed_stop_callback(checkpoint_path(run_directory), evidence,  # in the evidence's exchange
+                                      lambda: last.saved_step)]
     callbacks += slurm_callbacks(checkpoint_path(run_directory), evidence)  # preemption: save, requeue
     if cfg.trainer.check_point_to_point_order:  # after RunEvidence: its final validation is checked too
         callbacks.append(PointToPointOrderCheck())
@@ -220,22 +232,45 @@ def finish_wandb(cfg) -> None:
 def train(cfg, run_directory: Path, world_size: int):
     """Fit on all ranks; on any rank's failure, record it in summary.json and re-raise.
 
+    The run directory is held for the whole run (layerwise/run/lock.py): a second run on it raises
+    RunDirectoryLocked before it starts anything. A stop signal ends the run at a step boundary with
+    the checkpoint saved there: RunInterrupted, its summary recorded (`record_interruption`).
     Returns rank 0's summary; None in a rank Slurm or torchrun started other than global rank 0
     (that rank's node may not even see the file rank 0 writes)."""
     run_directory = Path(run_directory)
     run_directory.mkdir(parents=True, exist_ok=True)
+    with holding(run_directory):
+        return _train(cfg, run_directory, world_size)
+
+
+@contextlib.contextmanager
+def holding(run_directory: Path):
+    """Global rank 0 holds the run directory's lock for the run's life (the ranks it forks share it);
+    a lock its dead holder left is taken over, in one line."""
+    if not writes_run_files():
+        yield
+        return
+    with hold_run_directory(run_directory) as stale:
+        if stale is not None:
+            print(f"[layerwise] {taken_over_line(stale)}", flush=True)
+        yield
+
+
+def _train(cfg, run_directory: Path, world_size: int):
     os.environ.update(nccl_flight_recorder_environment(cfg, run_directory))  # GPU profiles: NCCL's own record
     tokenize_once(cfg)
+    started = time.time()  # a summary older than this is a previous run's
     try:
         if world_size == 1 or launched_externally():
-            try:
-                fit_rank(global_rank(), cfg, run_directory, world_size)
-            finally:
-                close_process_group()
+            fit_in_this_process(cfg, run_directory, world_size)
         else:
             run_ranks(fit_rank, world_size, cfg, run_directory, world_size,
                       method=start_method(cfg.hardware.accelerator),
                       ranks_per_node=cfg.hardware.devices_per_node, hang_directory=hang_directory(run_directory))
+    except RunInterrupted as stop:
+        if writes_run_files():
+            record_interruption(run_directory, cfg, world_size, stop, started)
+        raise
     except RankError as error:
         record_failure(run_directory, cfg, world_size, error)
         raise
@@ -243,6 +278,48 @@ def train(cfg, run_directory: Path, world_size: int):
         return None
     import json
     return json.loads((run_directory / "summary.json").read_text())
+
+
+def fit_in_this_process(cfg, run_directory: Path, world_size: int) -> None:
+    """One rank here: a one-process run (this process is its own launcher: its first stop signal sets
+    the agreed-stop flag, a second one interrupts at once), or a rank torchrun or srun started (their
+    launcher owns the signals; a SIGTERM still stops at the step boundary). Lightning turns a
+    KeyboardInterrupt into sys.exit(1) once its on_exception hooks ran: that becomes RunInterrupted."""
+    own = not launched_externally()
+
+    def interrupt_now(signum):
+        raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+    signals = StopSignals(lambda signum: setattr(STOP, "signal", signum), interrupt_now) if own else None
+    try:
+        with signals or contextlib.nullcontext():
+            fit_rank(global_rank(), cfg, run_directory, world_size)
+    except (SystemExit, KeyboardInterrupt) as ending:
+        interruption = ending if isinstance(ending, KeyboardInterrupt) else ending.__context__
+        if not own or not isinstance(interruption, KeyboardInterrupt):
+            raise
+        agreed = isinstance(interruption, Interrupted)
+        raise RunInterrupted(signals.received or STOP.number(), forced=not agreed) from None
+    finally:
+        close_process_group()
+        STOP.signal = 0  # the next run in this process (a sweep's next point) starts unasked
+
+
+def record_interruption(run_directory: Path, cfg, world_size: int, stop: RunInterrupted, started: float) -> None:
+    """Complete rank 0's "interrupted" summary with the launcher's signal (or write a minimal one when
+    the ranks were killed before writing theirs), and give `stop` the saved step and the checkpoint
+    for its one line."""
+    import json
+    path = run_directory / "summary.json"
+    summary = json.loads(path.read_text()) if fresh(path, started) else {}
+    if summary.get("status") != "interrupted":
+        summary = {"status": "interrupted", "error": str(stop), "strategy": cfg.strategy.name,
+                   "model": cfg.model.name, "hardware": cfg.hardware.name, "data": cfg.data.name,
+                   "world_size": world_size}
+    summary.update(signal=stop.signal.name, forced=stop.forced,
+                   saved_step=None if stop.forced else summary.get("saved_step"))
+    write_json_atomically(path, summary)
+    stop.saved_step = summary["saved_step"]
+    stop.checkpoint = checkpoint_path(run_directory) if checkpoint_exists(checkpoint_path(run_directory)) else None
 
 
 def record_failure(run_directory: Path, cfg, world_size: int, error: RankError) -> None:

@@ -9,17 +9,28 @@ is re-imported). GPU ranks are spawned: a forked child cannot use CUDA if the pa
 it, and spawn makes that impossible whatever the parent imported. The parent itself never
 initialises CUDA either (docs/architecture.md, departure 2): it counts GPUs with NVML only (`local_gpu_count`).
 
+The launcher owns its ranks (docs/faults.md, "Stopping a run"). Its first SIGTERM, SIGINT or SIGHUP
+sets a flag in shared memory that every rank reads at its next step boundary: they agree, save and
+stop (layerwise/run/preemption.py), and `run_ranks` raises `RunInterrupted`; a second signal kills
+them at once. The ranks ignore SIGINT and SIGHUP themselves (a terminal sends Ctrl-C and its hang-up
+to the whole foreground group: each rank would raise KeyboardInterrupt on its own) and die with the
+launcher however it dies (PR_SET_PDEATHSIG), so no rank outlives it to write into a run directory a
+rerun is using.
+
 Several nodes on one machine (`hardware.nodes` > 1 without Slurm or torchrun) are emulated: rank r
 gets LOCAL_RANK = r mod devices_per_node and NODE_RANK = r div devices_per_node, as a cluster
 would give it.
 """
 
+import contextlib
+import ctypes
 import os
 import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -30,6 +41,7 @@ import torch.multiprocessing as multiprocessing
 
 from layerwise.config.machine import rank_threads
 from layerwise.run.hangs import HUNG_EXIT_CODE, fresh, process_state, read_json
+from layerwise.run.preemption import STOP, STOP_SIGNALS, on_stop_signal
 
 RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
 
@@ -51,6 +63,93 @@ class HangError(RankError):
     def __init__(self, rank: int, detail: str):
         RuntimeError.__init__(self, f"hung: {detail}")
         self.rank, self.detail = rank, detail
+
+
+class RunInterrupted(Exception):
+    """The run stopped on a signal: every rank saved at the step boundary (`forced` False), or a second
+    signal killed the ranks at once (`forced`: the last periodic checkpoint is what remains).
+    Not a RankError: nothing failed. `exit_code` is the shell's for the signal, 128 + its number."""
+
+    def __init__(self, signum: int, forced: bool = False):
+        self.signal = signal.Signals(signum or signal.SIGTERM)  # unknown: a rank's own SIGTERM
+        self.forced = forced
+        self.exit_code = 128 + self.signal.value
+        self.saved_step, self.checkpoint = None, None  # filled from the run's summary (fit.record_interruption)
+        super().__init__(f"{'killed at once' if forced else 'stopped'} by {self.signal.name}")
+
+    def line(self, command: str) -> str:
+        """The one line a user reads: what was saved, and the command that resumes."""
+        if not self.forced and self.saved_step is not None:
+            return (f"interrupted by {self.signal.name}: every rank stopped after step {self.saved_step} and "
+                    f"saved it to {self.checkpoint}; the same command resumes from there: {command}")
+        kept = (f"rerunning resumes from the last checkpoint, {self.checkpoint}" if self.checkpoint
+                else "no checkpoint was written: rerunning starts over")
+        how = "a second signal stopped it at once, without a save" if self.forced else "stopped before a step was saved"
+        return f"interrupted by {self.signal.name}: {how}; {kept}: {command}"
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (PR_SET_PDEATHSIG), and leave at
+    once if the parent already died before that was set (it would never fire: the parent is then
+    PID 1 or a subreaper). SIGKILL: a rank without its launcher must not write into a run directory
+    a rerun may already be using; the checkpoint is swapped in atomically, so at most the steps since
+    the last save are lost. The signal follows the parent *thread* that forked: run_ranks must be
+    called from a thread that lives as long as the ranks (the main thread, in train.py)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return  # not Linux's prctl: the launcher's own handlers still end the ranks
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+class StopSignals:
+    """The launching process's handlers of SIGINT, SIGTERM and SIGHUP, installed for a block.
+
+    The first signal calls `first(signum)` (pass it on: set the ranks' shared flag, or this process's
+    own flag when it is the only rank); a second calls `again(signum)` (end the ranks at once). They
+    act only in the process that installed them: a rank forked before it resets its handlers runs
+    nothing here. Outside the main thread nothing is installed (Python allows handlers only there)."""
+
+    def __init__(self, first, again):
+        self.first, self.again = first, again
+        self.received, self.forced, self._previous, self._owner = 0, False, {}, os.getpid()
+
+    def _handle(self, signum, frame) -> None:
+        if os.getpid() != self._owner:
+            return
+        if not self.received:
+            self.received = signum
+            self.first(signum)
+        else:
+            self.forced = True
+            self.again(signum)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {number: signal.signal(number, self._handle) for number in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exception):
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+        return False
+
+
+@contextlib.contextmanager
+def blocked(signals):
+    """Block `signals` in this thread within; those that arrive meanwhile are delivered after.
+
+    Around starting the ranks: a child inherits the mask through fork and exec, so a spawned rank's
+    interpreter (seconds of imports before `_rank_entry` runs) cannot take the terminal's Ctrl-C as a
+    KeyboardInterrupt: it is held pending until the rank ignores it, and then discarded."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
 def free_port() -> int:
@@ -133,7 +232,17 @@ def close_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
-def _rank_entry(function, rank, world_size, ranks_per_node, port, results, arguments, threads=1):
+def _rank_entry(function, rank, world_size, ranks_per_node, port, results, arguments, threads=1,
+                parent_pid=None, stop_flag=None):
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
+    # The terminal's Ctrl-C and hang-up reach the whole foreground group; a rank acts only on the
+    # launcher's agreed stop (stop_flag) and on a SIGTERM sent to it (preemption.on_stop_signal).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, on_stop_signal)
+    STOP.signal, STOP.shared = 0, stop_flag  # a forked rank inherits the launcher's copy
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # what arrived while starting: handled now
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                       RANK=str(rank), LOCAL_RANK=str(rank % ranks_per_node),
                       NODE_RANK=str(rank // ranks_per_node))
@@ -142,7 +251,7 @@ def _rank_entry(function, rank, world_size, ranks_per_node, port, results, argum
     try:
         results.put((rank, "ok", function(rank, *arguments)))
     except BaseException as error:  # report everything, including KeyboardInterrupt, to the parent
-        # An interruption the ranks agreed on (faults.Terminated, slurm.Preempted) reaches here
+        # An interruption the ranks agreed on (preemption.Interrupted, .Preempted) reaches here
         # as Lightning's sys.exit(1) raised while handling it.
         interrupted = any(isinstance(e, KeyboardInterrupt) for e in (error, error.__context__))
         results.put((rank, "interrupted" if interrupted else "error", traceback.format_exc()))
@@ -176,19 +285,36 @@ def run_ranks(function, world_size: int, *arguments, timeout: Optional[float] = 
     per_node = ranks_per_node or world_size
     # spawn is GPU ranks' start method (start_method): each gets its share of its node's cores
     threads = rank_threads("gpu" if method == "spawn" else "cpu", per_node)
+    stop_flag = context.RawValue("i", 0)  # the first stop signal's number, read by every rank
     processes = [context.Process(target=_rank_entry, daemon=False,
-                                 args=(function, rank, world_size, per_node, port, results, arguments, threads))
+                                 args=(function, rank, world_size, per_node, port, results, arguments, threads,
+                                       os.getpid(), stop_flag))
                  for rank in range(world_size)]
-    for process in processes:
-        process.start()
-    try:
-        return _collect(processes, results, world_size, timeout, (hang_directory, started))
-    except RankError as error:
-        _end(processes)
-        error.exit_codes = [process.exitcode for process in processes]  # every rank's, once all ended
-        raise
-    finally:
-        _end(processes)
+
+    def stop_now(signum):  # a second signal: the user will not wait for the step boundary
+        for process in processes:
+            if process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+
+    # installed before the first fork: a signal between two starts must not orphan the started ranks
+    with StopSignals(lambda signum: setattr(stop_flag, "value", signum), stop_now) as signals:
+        with blocked(STOP_SIGNALS):  # each rank starts with them blocked: _rank_entry unblocks them
+            for process in processes:
+                process.start()
+        try:
+            return _collect(processes, results, world_size, timeout, (hang_directory, started),
+                            stopped=lambda: signals.forced)
+        except RunInterrupted:
+            raise RunInterrupted(signals.received) from None  # 0: a rank's own SIGTERM
+        except RankError as error:
+            _end(processes)
+            if signals.forced:
+                raise RunInterrupted(signals.received, forced=True) from None
+            error.exit_codes = [process.exitcode for process in processes]  # every rank's, once all ended
+            raise
+        finally:
+            _end(processes)
 
 
 def _end(processes) -> None:
@@ -199,7 +325,10 @@ def _end(processes) -> None:
         process.join(timeout=10)
 
 
-def _collect(processes, results, world_size: int, timeout: Optional[float], hangs=(None, 0.0)) -> list:
+def _collect(processes, results, world_size: int, timeout: Optional[float], hangs=(None, 0.0),
+             stopped=lambda: False) -> list:
+    """Every rank's result by rank; raises for the first that fails (`stopped()`: the launcher killed
+    them on a second stop signal, which no diagnosis should report as a failure)."""
     outputs, deadline = {}, None if timeout is None else time.monotonic() + timeout
     while len(outputs) < world_size:
         if deadline is not None and time.monotonic() > deadline:
@@ -208,11 +337,14 @@ def _collect(processes, results, world_size: int, timeout: Optional[float], hang
             rank, status, value = results.get(timeout=0.2)
         except queue.Empty:
             if _dead_rank(processes, outputs) is not None:
+                if stopped():
+                    raise RankError(_dead_rank(processes, outputs), "killed on a second stop signal")
                 _raise_hang(processes, *hangs)
                 _raise_reported_error(results, processes, outputs)
             continue
-        if status == "interrupted":
+        if status == "interrupted":  # every rank agreed on a stop and saved (preemption.Interrupted)
             _let_the_others_report(processes, results, world_size, outputs, rank)
+            raise RunInterrupted(0)  # run_ranks names the signal it passed on
         if status != "ok":
             _raise_hang(processes, *hangs)
             _raise_killed(processes, rank, value)

@@ -15,7 +15,10 @@ Nothing here initialises CUDA: local GPU ranks are started afterwards (layerwise
 """
 
 import os
+import shlex
 import sys
+import time
+import traceback
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -24,7 +27,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from layerwise.config.store import register_schemas
-from layerwise.run.launch import external_world_errors, launched_externally, writes_run_files
+from layerwise.run.launch import RunInterrupted, external_world_errors, launched_externally, writes_run_files
+from layerwise.run.lock import RunDirectoryLocked, check_run_directory_free
 from layerwise.config.errors import ConfigError
 from layerwise.config.validate import composition_problem
 from layerwise.preflight import validate
@@ -38,6 +42,7 @@ SILENT_RANK_OVERRIDES = ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
 # Set only while composing: main unsets it first, so errors of the run keep Hydra's short traceback
 # and forked ranks do not inherit it. A user's own HYDRA_FULL_ERROR wins (full tracebacks).
 RAISE_COMPOSITION_ERRORS = "HYDRA_FULL_ERROR" not in os.environ
+FAILED_POINTS = []  # a sweep's failed points so far: Hydra raises the first one's failure at its end
 
 
 def finish_config(cfg) -> None:
@@ -57,8 +62,9 @@ def say(message: str) -> None:
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg):
-    if RAISE_COMPOSITION_ERRORS:
+    if RAISE_COMPOSITION_ERRORS and not FAILED_POINTS:  # after a failed point: still raised at the end
         os.environ.pop("HYDRA_FULL_ERROR", None)
+    started = time.time()  # a summary.json older than this is a previous run's
     finish_config(cfg)
     try:
         world_size = validate(cfg)  # before any process starts
@@ -69,6 +75,52 @@ def main(cfg):
         print(f"layerwise: {error}", file=sys.stderr)
         sys.exit(2)
     run_directory = HydraConfig.get().runtime.output_dir
+    try:
+        return run(cfg, run_directory, world_size)
+    except RunDirectoryLocked as error:  # another live run holds it: refused before anything started
+        print(f"layerwise: {error}", file=sys.stderr)
+        sys.exit(2)
+    except RunInterrupted as stop:  # a stop signal: saved at the step boundary (docs/faults.md)
+        print(f"layerwise: {stop.line(resume_command())}", file=sys.stderr, flush=True)
+        sys.exit(stop.exit_code)  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
+    except Exception as error:  # noqa: BLE001 - every failure of the run becomes one paragraph
+        from layerwise.run.faults import interrupted, report_failure
+        if interrupted(error):  # the interruption path's own ending (status "interrupted")
+            raise
+        failure = report_failure(error, run_directory, started, cfg, world_size)
+        failure.__cause__ = error
+        if HydraConfig.get().mode.name == "RUN":  # one run: end here, as a configuration error does
+            exit_with(failure)
+        # A sweep's other points still run (Hydra's launchers catch a point's exception); Hydra then
+        # prints the failed point's overrides and, with HYDRA_FULL_ERROR set, raises the exception
+        # instead of printing its traceback: __main__ prints the paragraph and exits with its code.
+        FAILED_POINTS.append(failure)
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+        raise failure from error
+
+
+def exit_with(failure) -> None:
+    """A failed run's ending: its paragraph on stderr (the traceback before it only if the user set
+    HYDRA_FULL_ERROR; it is in train.log anyway) and the exit code of its kind (docs/faults.md)."""
+    if not RAISE_COMPOSITION_ERRORS or failure.traceback_on_console:
+        traceback.print_exception(failure.__cause__ or failure)
+    print(f"layerwise: {failure.paragraph}", file=sys.stderr, flush=True)
+    sys.exit(failure.code)
+
+
+def resume_command() -> str:
+    """The command line that resumes this run: the same one (a sweep's, into the same sweep directory)."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    hydra_config = HydraConfig.get()
+    if hydra_config.mode.name == "MULTIRUN" and not any(a.startswith("hydra.sweep.dir=") for a in argv):
+        argv.append(f"hydra.sweep.dir={hydra_config.sweep.dir}")
+    return shlex.join(argv)
+
+
+def run(cfg, run_directory: str, world_size: int):
+    """What `mode` asks for, on a validated config; its failures reach main as exceptions."""
+    if cfg.mode == "fit" and writes_run_files():  # a live run holds this directory: write nothing into it
+        check_run_directory_free(run_directory)
     if writes_run_files():  # under srun/torchrun every rank gets here: one writes
         OmegaConf.save(cfg, os.path.join(run_directory, "config.yaml"), resolve=True)
     say(f"{cfg.strategy.name} × {cfg.model.name} × {cfg.hardware.name}: {world_size} rank(s), "
@@ -113,3 +165,11 @@ if __name__ == "__main__":
             raise
         print(f"layerwise: {ConfigError([composition_problem(error)])}", file=sys.stderr)
         sys.exit(2)
+    except Exception as error:  # a run's failure: one paragraph and the exit code of its kind
+        from layerwise.run.faults import RunFailure
+        if isinstance(error, RunFailure):
+            exit_with(error)
+        if FAILED_POINTS:  # hydra/launcher=local's SweepFailed, naming every failed point's paragraph
+            print(f"layerwise: {error}", file=sys.stderr, flush=True)
+            sys.exit(FAILED_POINTS[0].code)
+        raise

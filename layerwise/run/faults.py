@@ -21,7 +21,12 @@ Cost on a healthy step: one finiteness test of a number the evidence gathers any
 its exchange, which was issued before the backward); no collective of its own.
 """
 
+import json
 import math
+import re
+import traceback
+from pathlib import Path
+from typing import Optional
 
 import lightning.pytorch as pl
 import torch
@@ -176,3 +181,174 @@ class NonFiniteGuard(pl.Callback):
         if loss is None or bool(torch.isfinite(loss).all()):
             return None
         return str(float(loss.float().mean()))
+
+
+# ======================================================= a failed run in one paragraph, with its exit code
+
+# `python train.py`'s exit code by what failed (docs/faults.md, "Exit codes"). 2 and 124 were already
+# documented (configuration errors; every rank of a hung run, as coreutils' `timeout`); 130 and 143
+# (interrupted by SIGINT/SIGTERM) belong to the interruption path, not to this table.
+EXIT_CODES = {"unknown": 1, "configuration": 2, "data": 3, "checkpoint": 4, "non-finite loss": 5,
+              "rank": 6, "hang": 124}
+# The last exception's class name -> kind. Names, not classes: a rank's exception reaches the
+# launcher as its formatted traceback (layerwise/run/launch.py _rank_entry), and torchrun/Slurm
+# ranks raise their own in place.
+KIND_OF_TYPE = {"NonFiniteLoss": "non-finite loss", "CheckpointError": "checkpoint",
+                "UnsafeCheckpointError": "checkpoint", "CheckpointException": "checkpoint",
+                "DataError": "data", "TokenCacheError": "data", "ConfigError": "configuration"}
+# A plain ValueError is ours when its message starts with the field it names (errors name the field)
+KIND_OF_PREFIX = (("data.", "data"), ("checkpoint ", "checkpoint"), ("resume_from", "checkpoint"),
+                  ("trainer.", "configuration"), ("strategy", "configuration"), ("model.", "configuration"),
+                  ("optimizer.", "configuration"), ("hardware.", "configuration"))
+WHAT_FAILED = {"unknown": "the run stopped on an unexpected error",
+               "configuration": "the run stopped on a configuration error found at run time",
+               "data": "the run stopped on a data error", "checkpoint": "the run stopped on a checkpoint error",
+               "non-finite loss": "the run stopped on a non-finite loss", "rank": "the run stopped: a rank failed",
+               "hang": "the run stopped: a rank hung"}
+GENERIC_FIX = {
+    "data": "Fix: correct the data.* setting or the file the message names, then rerun the same command.",
+    "checkpoint": "Fix: resume from another checkpoint (resume_from=, or delete the damaged one), then rerun.",
+    "configuration": "Fix: change the setting the message names, then rerun the same command.",
+    "unknown": "Fix: none is known for this error; the traceback shows where it came from. A rerun of the "
+               "same command resumes from the last checkpoint, if the cause was passing.",
+}
+TRACEBACK_START = re.compile(r"^Traceback \(most recent call last\):$", re.MULTILINE)
+ENOSPC = "No space left on device"
+
+
+class RunFailure(Exception):
+    """A run that failed, described once: `paragraph` for the console and summary.json, `code` to exit with."""
+
+    traceback_on_console = False  # set when train.log could not be written
+
+    def __init__(self, kind: str, rank: Optional[int], paragraph: str):
+        super().__init__(paragraph)
+        self.kind, self.rank, self.paragraph = kind, rank, paragraph
+
+    @property
+    def code(self) -> int:
+        return EXIT_CODES[self.kind]
+
+
+def last_exception(text: str) -> tuple:
+    """(class name, message) of the exception a formatted traceback ends with.
+
+    The last "Traceback (most recent call last):" section is the exception raised (a chained one's
+    cause comes first); its frames are indented, and the exception starts at the first line that
+    is not. A nested traceback inside a message (DCP's "Traceback ... (RANK 1)") is not a section."""
+    starts = [match.end() for match in TRACEBACK_START.finditer(text)]
+    lines = text[starts[-1] if starts else 0:].splitlines()
+    body = next((index for index, line in enumerate(lines) if line and not line[0].isspace()), None)
+    if body is None:
+        return "", text.strip()
+    name, _, message = "\n".join(lines[body:]).partition(": ")
+    return name.rsplit(".", 1)[-1].strip(), message.strip()
+
+
+def kind_of(name: str, message: str) -> str:
+    """What failed, from the exception's class name and message (see KIND_OF_TYPE, KIND_OF_PREFIX)."""
+    if name in KIND_OF_TYPE:
+        return KIND_OF_TYPE[name]
+    if ENOSPC in message:  # a full disk outside a checkpoint write (CheckpointError names those)
+        return "checkpoint"
+    if name in ("ValueError", "FileNotFoundError", "IndexError"):
+        for prefix, kind in KIND_OF_PREFIX:
+            if message.startswith(prefix):
+                return kind
+    return "unknown"
+
+
+def one_paragraph(text: str) -> str:
+    """A message's lines as one paragraph (a list of problems becomes "- a - b"), without a traceback
+    nested in it (DCP's CheckpointException carries each failed rank's; train.log keeps them)."""
+    text = text.split("Traceback (most recent call last)")[0]
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def interrupted(error: BaseException) -> bool:
+    """An interruption every rank agreed on (SIGINT, SIGTERM, preemption): not a failure."""
+    if isinstance(error, KeyboardInterrupt):
+        return True
+    detail = getattr(error, "detail", None)
+    return detail is not None and last_exception(detail)[0] in ("KeyboardInterrupt", "Terminated", "Preempted")
+
+
+def describe_failure(error: BaseException, run_directory, steps: Optional[int] = None) -> RunFailure:
+    """The one paragraph of a failed run: what failed, where (rank, step), the error's own message
+    (which names the file or field and its fix), the fix when it has none, and where the traceback is.
+
+    `error` is what `train` raised: a `RankError` (local ranks: the rank and its traceback text; a
+    killed rank: the launcher's diagnosis), a `HangError` (the watchdog's diagnosis), or the
+    exception itself (one process; a torchrun/Slurm rank). `steps`: the steps done when it failed."""
+    from layerwise.run.launch import HangError, RankError, global_rank, launched_externally
+    if isinstance(error, HangError):
+        kind, rank, message = "hang", error.rank, error.detail
+    elif isinstance(error, RankError):
+        rank = error.rank
+        name, message = last_exception(error.detail)
+        kind = kind_of(name, message)
+        if error.detail.startswith("failure diagnosis:") or "without reporting an error" in error.detail:
+            kind, message = "rank", error.detail.removeprefix("failure diagnosis: ")
+        elif name:
+            message = f"{name}: {message}" if kind == "unknown" else message
+    else:
+        rank = global_rank() if launched_externally() else 0
+        name, message = type(error).__name__, str(error)
+        kind = kind_of(name, message)
+        message = f"{name}: {message}" if kind == "unknown" else message
+    message = one_paragraph(message).rstrip(".") + "."
+    where = f"rank {rank}" if rank is not None else "the launcher"
+    when = "before the first step" if not steps else f"after step {steps}"
+    fix = "" if "Fix:" in message or kind in ("rank", "hang", "non-finite loss") else " " + GENERIC_FIX[kind]
+    if kind == "rank" and "SIGKILL" in message:
+        fix = (" SIGKILL comes from outside the run: often the kernel's out-of-memory killer (dmesg names "
+               "it), or a person or a scheduler.")
+    log = Path(run_directory) / "train.log"
+    return RunFailure(kind, rank, f"{WHAT_FAILED[kind]} ({where}, {when}): {message}{fix}"
+                                  f"{resumes(kind, run_directory)} Full traceback: {log} (exit code "
+                                  f"{EXIT_CODES[kind]}, docs/faults.md).")
+
+
+def resumes(kind: str, run_directory) -> str:
+    """For failures a rerun can get past: the checkpoint it resumes from."""
+    if kind not in ("rank", "unknown"):
+        return ""
+    path = Path(run_directory) / "checkpoints" / "last.ckpt"
+    if not checkpoint_exists(path):
+        return " Nothing was checkpointed yet: a rerun starts over."
+    return f" Fix: rerun the same command; it resumes from {path}." if kind == "rank" else ""
+
+
+def report_failure(error: BaseException, run_directory, started: float, cfg, world_size: int) -> RunFailure:
+    """Describe a failed run (describe_failure) and leave it in the run directory, on global rank 0:
+    the full traceback appended to train.log, and summary.json's `error` (the paragraph),
+    `failed_rank`, `failure_kind` and `exit_code`. A summary.json older than `started` (a previous
+    run's) is not this run's: its step count is not used, and it is replaced."""
+    from layerwise.run.evidence import write_json_atomically
+    from layerwise.run.launch import writes_run_files
+    run_directory = Path(run_directory)
+    path = run_directory / "summary.json"
+    summary = {}
+    if path.exists() and path.stat().st_mtime >= started - 1.0:  # the file clock may lag time.time()
+        try:
+            summary = json.loads(path.read_text())
+        except ValueError:
+            summary = {}
+    failure = describe_failure(error, run_directory, summary.get("steps"))
+    if not writes_run_files():
+        return failure
+    if summary.get("status") not in ("hung", "failed"):
+        summary = {"status": "failed", "strategy": cfg.strategy.name, "model": cfg.model.name,
+                   "hardware": cfg.hardware.name, "data": cfg.data.name, "world_size": world_size}
+    summary.update(error=failure.paragraph, failed_rank=failure.rank, failure_kind=failure.kind,
+                   exit_code=failure.code)
+    try:
+        run_directory.mkdir(parents=True, exist_ok=True)
+        with open(run_directory / "train.log", "a") as log:
+            log.write(f"[layerwise] {failure.paragraph}\n{''.join(traceback.format_exception(error))}")
+        write_json_atomically(path, summary)
+    except OSError as unwritable:  # a full disk may be the failure itself: the console gets the traceback
+        failure.paragraph += (f" The run directory could not be written ({unwritable.strerror or unwritable}): "
+                              f"the traceback is printed above instead.")
+        failure.traceback_on_console = True
+    return failure

@@ -328,7 +328,13 @@ def record_failure(run_directory: Path, cfg, world_size: int, error: RankError) 
     path = run_directory / "summary.json"
     import json
     hung = isinstance(error, HangError)  # the diagnosing rank wrote "hung" (layerwise/run/hangs.py)
-    status = json.loads(path.read_text()).get("status") if path.exists() else None
+    summary = json.loads(path.read_text()) if path.exists() else {}
+    status = summary.get("status")
+    if status == "failed" and not hung and error.rank != 0:  # rank 0's own "failed" is a peer's loss
+        # (gloo's "Connection closed by peer" after rank 1 was killed): the launcher knows the rank
+        summary.update(error=str(error).splitlines()[-1], failed_rank=error.rank)
+        write_json_atomically(path, summary)
+        return
     if status in (("hung",) if hung else ("failed", "interrupted")):
         return
     write_json_atomically(path, {"status": "hung" if hung else "failed", "error": str(error).splitlines()[-1],

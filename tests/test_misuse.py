@@ -66,13 +66,36 @@ def wait_for_steps(process: subprocess.Popen, run_directory: Path, steps: int) -
         time.sleep(0.1)
 
 
-def process_state(pid: int) -> str:
-    """"gone" (no such process, or a zombie: PID 1 here reaps slowly, docs/faults.md), else "alive"."""
+# pid -> its start time when a helper here first saw it: a pid the kernel has reused since (pid_max is
+# 32768 here, and other work starts processes) is another process, and counts as gone
+_BIRTHS = {}
+
+
+def _stat_fields(pid: int):
+    """/proc/<pid>/stat's fields after the command name (state first), or None when it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def remember(pids) -> set:
+    """`pids`, each one's start time noted (field 22 of /proc/<pid>/stat) the first time it is seen."""
+    for pid in pids:
+        fields = _stat_fields(pid)
+        if fields is not None:
+            _BIRTHS.setdefault(pid, int(fields[19]))
+    return set(pids)
+
+
+def process_state(pid: int) -> str:
+    """"gone" (no such process, a zombie: PID 1 here reaps slowly, docs/faults.md, or the pid reused by
+    a process started since it was remembered), else "alive"."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in "ZX":
         return "gone"
-    return "gone" if stat[stat.rindex(")") + 2] in "ZX" else "alive"
+    return "gone" if _BIRTHS.get(pid, int(fields[19])) != int(fields[19]) else "alive"
 
 
 def descendants(pid: int) -> set:
@@ -89,12 +112,12 @@ def descendants(pid: int) -> set:
     while frontier:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found
         found |= frontier
-    return {p for p in found if process_state(p) == "alive"}
+    return remember({p for p in found if process_state(p) == "alive"})
 
 
 def rank_pids(run_directory: Path) -> set:
     """The ranks' pids as each wrote them at fit start (processes/rank-<k>.json)."""
-    return {json.loads(path.read_text())["pid"] for path in (run_directory / "processes").glob("rank-*.json")}
+    return remember({json.loads(path.read_text())["pid"] for path in (run_directory / "processes").glob("rank-*.json")})
 
 
 def survivors(pids: set) -> set:
@@ -105,10 +128,24 @@ def survivors(pids: set) -> set:
     return {p for p in pids if process_state(p) == "alive"}
 
 
+class Remembered(set):
+    """A set of pids whose start times are noted as they are added (see `remember`)."""
+
+    def add(self, pid):
+        super().add(pid)
+        remember([pid])
+
+    def update(self, *others):
+        for pids in others:
+            for pid in pids:
+                self.add(pid)
+
+
 @pytest.fixture
 def reaper():
-    """Pids to SIGKILL after the test, whatever it asserted (a failing test leaves no stray rank)."""
-    pids = set()
+    """Pids to SIGKILL after the test, whatever it asserted (a failing test leaves no stray rank);
+    never a process that has since taken a reused pid."""
+    pids = Remembered()
     yield pids
     for pid in pids:
         if process_state(pid) == "alive":
@@ -229,6 +266,28 @@ def test_ranks_ignore_the_terminals_signals_from_their_start(method):
     before = signal.getsignal(signal.SIGINT)
     assert run_ranks(signal_dispositions, 2, method=method, timeout=120) == [(True, True, set())] * 2
     assert signal.getsignal(signal.SIGINT) is before and signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()
+
+
+def sleep_after_saying(rank: int, directory: str) -> None:
+    (Path(directory) / f"rank-{rank}").touch()
+    time.sleep(WAIT_S)
+
+
+def test_ranks_that_do_not_train_are_stopped_at_once(tmp_path):
+    """Outside training (calibration) no rank reads the agreed-stop flag: the first Ctrl-C kills the
+    ranks at once and run_ranks raises RunInterrupted, not a failure."""
+    import threading
+    from layerwise.run.launch import RunInterrupted, run_ranks
+
+    def interrupt_when_started():
+        deadline = time.monotonic() + WAIT_S
+        while len(list(tmp_path.glob("rank-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # to this process: run_ranks' handler is installed by now
+    threading.Thread(target=interrupt_when_started, daemon=True).start()
+    with pytest.raises(RunInterrupted) as stopped:
+        run_ranks(sleep_after_saying, 2, str(tmp_path), timeout=WAIT_S)
+    assert stopped.value.forced and stopped.value.exit_code == 130
 
 
 def test_a_lock_left_by_a_dead_holder_on_another_host_is_taken_over(tmp_path):

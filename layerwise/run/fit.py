@@ -266,7 +266,8 @@ def _train(cfg, run_directory: Path, world_size: int):
         else:
             run_ranks(fit_rank, world_size, cfg, run_directory, world_size,
                       method=start_method(cfg.hardware.accelerator),
-                      ranks_per_node=cfg.hardware.devices_per_node, hang_directory=hang_directory(run_directory))
+                      ranks_per_node=cfg.hardware.devices_per_node, hang_directory=hang_directory(run_directory),
+                      stop_at_step=True)  # a stop signal: every rank saves at the next step boundary
     except RunInterrupted as stop:
         if writes_run_files():
             record_interruption(run_directory, cfg, world_size, stop, started)

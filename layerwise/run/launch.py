@@ -84,7 +84,7 @@ class RunInterrupted(Exception):
                     f"saved it to {self.checkpoint}; the same command resumes from there: {command}")
         kept = (f"rerunning resumes from the last checkpoint, {self.checkpoint}" if self.checkpoint
                 else "no checkpoint was written: rerunning starts over")
-        how = "a second signal stopped it at once, without a save" if self.forced else "stopped before a step was saved"
+        how = "stopped at once, without a save" if self.forced else "stopped before a step was saved"
         return f"interrupted by {self.signal.name}: {how}; {kept}: {command}"
 
 
@@ -113,15 +113,15 @@ class StopSignals:
     act only in the process that installed them: a rank forked before it resets its handlers runs
     nothing here. Outside the main thread nothing is installed (Python allows handlers only there)."""
 
-    def __init__(self, first, again):
-        self.first, self.again = first, again
+    def __init__(self, first, again, forced_at_once: bool = False):
+        self.first, self.again, self.forced_at_once = first, again, forced_at_once
         self.received, self.forced, self._previous, self._owner = 0, False, {}, os.getpid()
 
     def _handle(self, signum, frame) -> None:
         if os.getpid() != self._owner:
             return
         if not self.received:
-            self.received = signum
+            self.received, self.forced = signum, self.forced_at_once
             self.first(signum)
         else:
             self.forced = True
@@ -266,7 +266,8 @@ def _rank_entry(function, rank, world_size, ranks_per_node, port, results, argum
 
 
 def run_ranks(function, world_size: int, *arguments, timeout: Optional[float] = None,
-              method: str = "fork", ranks_per_node: Optional[int] = None, hang_directory=None) -> list:
+              method: str = "fork", ranks_per_node: Optional[int] = None, hang_directory=None,
+              stop_at_step: bool = False) -> list:
     """Run `function(rank, *arguments)` on `world_size` local ranks; return results by rank.
 
     method: the start method (`start_method(accelerator)` chooses); with spawn, `function` and
@@ -277,6 +278,9 @@ def run_ranks(function, world_size: int, *arguments, timeout: Optional[float] = 
     hang_directory: where the ranks' watchdogs write their records and diagnosis (layerwise/run/
     hangs.py); a rank exiting with HUNG_EXIT_CODE raises HangError with that diagnosis. Every rank
     still running (a stopped one too) is killed before this returns or raises.
+    stop_at_step: training ranks that read the agreed-stop flag (preemption.StopAtStepBoundary): a
+    first SIGINT/SIGTERM/SIGHUP sets it and a second kills them; otherwise (calibration) the first
+    kills them at once. Either way RunInterrupted is raised.
     """
     started = time.time()  # older hang files are a previous run's
     context = multiprocessing.get_context(method)
@@ -298,7 +302,8 @@ def run_ranks(function, world_size: int, *arguments, timeout: Optional[float] = 
                     os.kill(process.pid, signal.SIGKILL)
 
     # installed before the first fork: a signal between two starts must not orphan the started ranks
-    with StopSignals(lambda signum: setattr(stop_flag, "value", signum), stop_now) as signals:
+    agreed = (lambda signum: setattr(stop_flag, "value", signum)) if stop_at_step else stop_now
+    with StopSignals(agreed, stop_now, forced_at_once=not stop_at_step) as signals:
         with blocked(STOP_SIGNALS):  # each rank starts with them blocked: _rank_entry unblocks them
             for process in processes:
                 process.start()

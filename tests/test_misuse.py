@@ -252,6 +252,34 @@ def test_a_second_run_on_a_directory_in_use_is_refused_at_once_naming_the_holder
     assert metrics_steps(directory) == sorted(set(metrics_steps(directory)))
 
 
+def test_ctrl_c_while_tokenizing_stops_at_once_in_one_line_and_leaves_no_partial_cache(tmp_path, reaper):
+    """Before any rank starts (data=text tokenizes in the launcher) there is nothing to save: Ctrl-C
+    stops at once, in one line, exit 130, and the cache keeps no half-written entry."""
+    from tests.test_text_data import STDLIB, train_tokenizer
+    corpus, cache = tmp_path / "text", tmp_path / "cache"
+    corpus.mkdir()
+    for copy in range(4):  # ~10 MB: seconds of tokenizing
+        for source in sorted(STDLIB.glob("*.py"))[:150]:
+            (corpus / f"{copy}_{source.stem}.txt").write_text(source.read_text(errors="ignore"))
+    directory, log = tmp_path / "run", tmp_path / "run.log"
+    command = train_command(directory, "data=text", f"data.path={corpus}", "data.max_bytes=100000000",
+                            f"data.tokenizer={train_tokenizer(tmp_path / 'tokenizer')}", f"data.cache_dir={cache}")
+    process = start(command, log)
+    reaper.add(process.pid)
+    deadline = time.monotonic() + WAIT_S
+    while not any(".partial" in path.name for path in cache.glob("*")):
+        assert process.poll() is None and time.monotonic() < deadline, "tokenizing never started"
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGINT)
+    code, out, err = finish(process, log)
+    assert code == 130 and "Traceback" not in err + out, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "interrupted by SIGINT: stopped at once" in lines[0], err[-3000:]
+    assert " ".join(command[1:]) in lines[0]
+    assert not any(".partial" in path.name for path in cache.glob("*"))
+    assert summary_of(directory)["status"] == "interrupted" and survivors({process.pid}) == set()
+
+
 def signal_dispositions(rank: int) -> tuple:
     """What a rank does with the terminal's signals, and which signals it still blocks."""
     return (signal.getsignal(signal.SIGINT) == signal.SIG_IGN, signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,

@@ -258,9 +258,9 @@ def holding(run_directory: Path):
 
 def _train(cfg, run_directory: Path, world_size: int):
     os.environ.update(nccl_flight_recorder_environment(cfg, run_directory))  # GPU profiles: NCCL's own record
-    tokenize_once(cfg)
     started = time.time()  # a summary older than this is a previous run's
     try:
+        tokenize_before_launch(cfg)
         if world_size == 1 or launched_externally():
             fit_in_this_process(cfg, run_directory, world_size)
         else:
@@ -279,6 +279,24 @@ def _train(cfg, run_directory: Path, world_size: int):
         return None
     import json
     return json.loads((run_directory / "summary.json").read_text())
+
+
+def tokenize_before_launch(cfg) -> None:
+    """`tokenize_once`, stopped at once by a stop signal: no rank and no step exists yet, so there is
+    nothing to save. The KeyboardInterrupt unwinds the tokenizer (which leaves no partial cache,
+    layerwise/run/text.py) and becomes RunInterrupted: one line, exit 128 + the signal (SIGTERM and
+    SIGHUP too, which would otherwise end the process without a word)."""
+    def interrupt(signum):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+    own = not launched_externally()
+    signals = StopSignals(interrupt, interrupt, forced_at_once=True) if own and cfg.data.corpus == "text" else None
+    try:
+        with signals or contextlib.nullcontext():
+            tokenize_once(cfg)
+    except KeyboardInterrupt:
+        if signals is None:
+            raise
+        raise RunInterrupted(signals.received or signal.SIGINT, forced=True) from None
 
 
 def fit_in_this_process(cfg, run_directory: Path, world_size: int) -> None:

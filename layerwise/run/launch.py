@@ -75,7 +75,7 @@ class RunInterrupted(Exception):
         self.forced = forced
         self.exit_code = 128 + self.signal.value
         self.saved_step, self.checkpoint = None, None  # filled from the run's summary (fit.record_interruption)
-        super().__init__(f"{'killed at once' if forced else 'stopped'} by {self.signal.name}")
+        super().__init__(f"{'stopped at once' if forced else 'stopped'} by {self.signal.name}")
 
     def line(self, command: str) -> str:
         """The one line a user reads: what was saved, and the command that resumes."""

@@ -141,14 +141,27 @@ class Remembered(set):
                 self.add(pid)
 
 
+def naming(text: str) -> set:
+    """Live processes whose command line contains `text` (a test's own directory)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.add(int(entry.name))
+        except OSError:
+            continue
+    return {pid for pid in found if process_state(pid) == "alive"}
+
+
 @pytest.fixture
-def reaper():
-    """Pids to SIGKILL after the test, whatever it asserted (a failing test leaves no stray rank);
-    never a process that has since taken a reused pid."""
+def reaper(tmp_path):
+    """Pids to SIGKILL after the test, whatever it asserted (a failing test leaves no stray rank),
+    and every process whose command line names the test's directory (a rank orphaned by a parent that
+    a subprocess timeout killed); never a process that has since taken a reused pid."""
     pids = Remembered()
     yield pids
-    for pid in pids:
-        if process_state(pid) == "alive":
+    for pid in set(pids) | remember(naming(str(tmp_path))):
+        if process_state(pid) == "alive" and pid != os.getpid():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -265,6 +265,14 @@ def test_a_second_run_on_a_directory_in_use_is_refused_at_once_naming_the_holder
     assert metrics_steps(directory) == sorted(set(metrics_steps(directory)))
 
 
+def test_a_hang_up_saves_at_the_step_and_exits_129(tmp_path, reaper):
+    process, directory, command, log, pids = started_run(tmp_path, reaper)
+    process.send_signal(signal.SIGHUP)  # the terminal closed (or `kill -HUP`)
+    code, out, err = finish(process, log)
+    assert_interrupted(code, out, err, directory, command, signal.SIGHUP)
+    assert survivors(pids) == set()
+
+
 def test_ctrl_c_while_tokenizing_stops_at_once_in_one_line_and_leaves_no_partial_cache(tmp_path, reaper):
     """Before any rank starts (data=text tokenizes in the launcher) there is nothing to save: Ctrl-C
     stops at once, in one line, exit 130, and the cache keeps no half-written entry."""

@@ -233,3 +233,17 @@ def test_text_files_checks_only_the_files_max_bytes_reads(tmp_path):
     assert corpus.train.numel() + corpus.validation.numel() == 1000 and printed == []
     data_lib.load_corpus("text_files", path=str(root), max_bytes=1001, say=printed.append)
     assert "skipped 1 binary file (b.txt)" in printed[-1]
+
+
+def test_a_dry_run_trains_on_the_configured_text(tokenizer_dir, text_dir, tmp_path):
+    """plan.dry_run with data=text reads the tokenized corpus a run reads (data.configured_corpus):
+    before, the dry run passed no tokenizer: 'DataError: data.tokenizer is not set'."""
+    from layerwise.tools.dry_run import dry_run
+    from tests.ranks import QUICK, compose_config
+    cfg = compose_config(*QUICK, "data=text", f"data.path={text_dir}", f"data.tokenizer={tokenizer_dir}",
+                         f"data.cache_dir={tmp_path}", "mode=plan", "strategy=single",
+                         "hardware.devices_per_node=1", "data.global_batch_size=2", "data.sequence_length=16")
+    corpus = data_lib.configured_corpus(cfg)
+    assert corpus.vocab_size == 300  # the tokenizer's ids, not the 256 bytes of the default corpus
+    result = dry_run(cfg, 0, 1)
+    assert result["peak_compute_bytes"] > 0

@@ -49,6 +49,15 @@ class Corpus:
 # ----------------------------------------------------------------------------- loading
 
 
+def configured_corpus(cfg, say=lambda message: None) -> Corpus:
+    """The corpus the configuration's `data` group names: what a run and a dry run both train on."""
+    data = cfg.data
+    return load_corpus(data.corpus, path=data.path, max_bytes=data.max_bytes,
+                       validation_fraction=data.validation_fraction, vocab_size=data.vocab_size,
+                       tokenizer=data.get("tokenizer"), cache_dir=data.get("cache_dir"),
+                       encoding=data.get("encoding", "utf-8"), say=say)
+
+
 def load_corpus(kind: str, *, path: Optional[str] = None, max_bytes: Optional[int] = None,
                 validation_fraction: float = 0.05, vocab_size: int = 50304, tokenizer: Optional[str] = None,
                 cache_dir: Optional[str] = None, encoding: str = "utf-8", say=print) -> Corpus:

@@ -163,11 +163,7 @@ def precision_arguments(hardware) -> tuple:
 
 
 def load_corpus(cfg, say=lambda message: None):
-    data = cfg.data
-    return data_lib.load_corpus(data.corpus, path=data.path, max_bytes=data.max_bytes,
-                                validation_fraction=data.validation_fraction,
-                                vocab_size=data.vocab_size, tokenizer=data.get("tokenizer"),
-                                cache_dir=data.get("cache_dir"), encoding=data.encoding, say=say)
+    return data_lib.configured_corpus(cfg, say)
 
 
 def tokenize_once(cfg) -> None:

@@ -243,9 +243,7 @@ def one_rank_step(cfg, world_size: int, emulate_object_broadcast: bool = False,
     nodes, per_node = node_split(cfg, world_size)
     entry = strategy_entry(cfg.strategy.name)
     pl.seed_everything(cfg.seed, workers=False, verbose=False)
-    corpus = synthetic_corpus(cfg) if cfg.model.get("planning_only") else data_lib.load_corpus(
-        cfg.data.corpus, path=cfg.data.path, max_bytes=cfg.data.max_bytes,
-        validation_fraction=cfg.data.validation_fraction, vocab_size=cfg.data.vocab_size)
+    corpus = synthetic_corpus(cfg) if cfg.model.get("planning_only") else data_lib.configured_corpus(cfg)
     vocabulary = data_lib.model_vocab_size(corpus, objective_of(cfg.model))
     task = LanguageModelTask(cfg, vocabulary)
     strategy = entry.build(cfg, world_size)

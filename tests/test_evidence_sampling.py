@@ -1,7 +1,8 @@
 """Evidence that costs nothing when it is not measuring (docs/evidence.md, "Sampled steps").
 
-The compute-memory meter and a pipeline's gathered timeline run only on sampled steps: the first
-WARM_UP_MEASURED_STEPS after start or resume, every trainer.measure_every_n_steps, and the last.
+The compute-memory meter runs only on sampled steps: the first WARM_UP_MEASURED_STEPS after start or
+resume, every trainer.measure_every_n_steps, and the last; a pipeline's gathered timeline on those and on
+the step after each, which the meter leaves alone (its bubble is the one reported: evidence.is_timed_step).
 Every step issues exactly one collective for its evidence (loss, times, bytes, calls, peaks).
 """
 

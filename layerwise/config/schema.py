@@ -272,7 +272,7 @@ class TrainerConfig:
     gradient_clip_val: float = 0.0  # global gradient-norm clip; 0 = off
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | none
     check_point_to_point_order: bool = False  # each step, compare rank pairs' p2p issue order (NCCL); tests: true
-    measure_every_n_steps: int = 50  # compute-memory meter and pipeline timelines: first 2 steps, every n, last
+    measure_every_n_steps: int = 50  # compute-memory meter and pipeline timelines: first 2 steps, every n, last; pipelines also time the step after each, unmetered (its bubble is reported)
     skip_nonfinite_steps: bool = False  # NaN/inf loss: skip the step's update (counted in summary.json skipped_steps) instead of stopping
     # a rank waiting this long in one collective or point-to-point operation writes hang/rank-<k>.json
     # and the run stops, naming the stuck rank (docs/faults.md); null = hardware.collective_timeout_s, 0 = off.

@@ -283,7 +283,8 @@ def test_preempted_job_resumes_identically_and_a_killed_rank_ends_only_its_job(t
     print(f"preempted at step {preempted_at}, requeued {requeued:.1f} s after the signal; rank 3 SIGKILLed: "
           f"job {victim_job} ended {ended:.1f} s later ({sacct_states(victim_job)[-1]})")
     # the killed rank: its job ends quickly, its sweep names it and fails; the other sweep completes
-    assert ended < 60
+    # Slurm ended the job (SLURM_KILL_BAD_EXIT), not our watchdog: "failed … Killed" below, not "hung";
+    # the time it took is printed above, not asserted (issue 55: load moves it)
     assert victim_process.returncode != 0, "the sweep reports the failed point"
     assert "0 of 1 points completed" in output
     assert re.search(r"#0 strategy=modular_pipeline .*: failed .*rank 3: Killed", output), output[-3000:]

@@ -50,9 +50,9 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 from omegaconf import OmegaConf, open_dict, read_write
 
 from layerwise.config.machine import rank_threads
-from layerwise.run.preemption import PREEMPTION, TIMEOUT_VARIABLE, exit_after_requeue, install_preemption_handler
+from layerwise.run.preemption import PREEMPTION, exit_after_requeue, install_preemption_handler
 
-OWN_KEYS = ("process_group_timeout_s", "max_requeues")  # launcher keys of ours, not submitit's
+OWN_KEYS = ("max_requeues",)  # launcher keys of ours, not submitit's
 # Slurm's RealMemory of a node sits below its physical memory (OS, daemons): a job asking for all of
 # hardware.host_memory_bytes would pend forever, so a derived mem_gb asks for this fraction of it.
 SCHEDULABLE_MEMORY_FRACTION = 0.9
@@ -221,7 +221,6 @@ class SlurmLauncher(_SubmititSlurm):
         if unknown:
             raise ValueError(f"hydra.launcher has unknown key(s) {unknown}. Known: "
                              f"{', '.join(sorted(SUBMITIT_KEYS + OWN_KEYS))}.")
-        self.process_group_timeout_s = params.pop("process_group_timeout_s", None)
         self.max_requeues = params.pop("max_requeues", None)
         if self.max_requeues is not None and (not isinstance(self.max_requeues, int) or self.max_requeues < 0):
             raise ValueError(f"hydra.launcher.max_requeues={self.max_requeues!r}: a preempted job is "
@@ -241,8 +240,6 @@ class SlurmLauncher(_SubmititSlurm):
         setup = ["export SLURM_KILL_BAD_EXIT=1",
                  f"export PYTHONPATH={PLUGIN_ROOT}${{PYTHONPATH:+:$PYTHONPATH}}"]
         setup += list(params.pop("setup", None) or [])
-        if self.process_group_timeout_s:
-            setup.append(f"export {TIMEOUT_VARIABLE}={int(self.process_group_timeout_s)}")
         base = set(OmegaConf.structured(BaseQueueConf).keys())
         executor.update_parameters(slurm_setup=setup, **{
             k if k in base else f"{self._EXECUTOR}_{k}": v for k, v in params.items()})
@@ -305,8 +302,6 @@ class SlurmLauncher(_SubmititSlurm):
 
         rank = int(os.environ.get("SLURM_PROCID", "0"))
         install_preemption_handler()  # before anything slow: submitit's USR2 handler is replaced
-        if self.process_group_timeout_s:
-            os.environ.setdefault(TIMEOUT_VARIABLE, str(int(self.process_group_timeout_s)))
         # SLURM_CPUS_PER_TASK where set; else CPU ranks 1, GPU ranks their share of the node
         torch.set_num_threads(rank_threads(self.config.hardware.accelerator,
                                            int(os.environ.get("SLURM_NTASKS_PER_NODE", "1"))))
@@ -395,7 +390,9 @@ def record_job_failure(directory: Path, cfg, rank: Optional[int], reason: str) -
         summary.update(status="failed", error=reason, strategy=cfg.strategy.name,
                        model=cfg.model.name, hardware=cfg.hardware.name, data=cfg.data.name,
                        world_size=world_size(cfg))
-    summary.setdefault("failed_rank", rank)
+    if rank is not None:  # Slurm's record of the task that died; a surviving rank 0 that wrote its own
+        summary["failed_rank"] = rank  # summary named itself (its peer-loss error), not the cause
+    summary.setdefault("failed_rank", None)
     summary["job_failure"] = reason
     directory.mkdir(parents=True, exist_ok=True)
     write_json_atomically(path, summary)

@@ -28,9 +28,6 @@ from typing import Optional
 PREEMPTION_SIGNAL = signal.SIGUSR2  # submitit asks Slurm for --signal=USR2@signal_delay_s
 
 
-TIMEOUT_VARIABLE = "LAYERWISE_PROCESS_GROUP_TIMEOUT_S"
-
-
 class _Preemption:
     requested = False  # set by the signal handler, nothing else happens there
     saved = False  # set after every rank saved the checkpoint at a step boundary

@@ -81,3 +81,14 @@ def test_slurm_tasks_set_their_threads_from_rank_threads():
     from layerwise.cluster import slurm
     source = inspect.getsource(slurm.SlurmLauncher.__call__)
     assert "torch.set_num_threads(rank_threads(" in source and source.count("set_num_threads") == 1
+
+
+def test_torchrun_ranks_set_their_threads_from_rank_threads():
+    """torchrun sets OMP_NUM_THREADS=1 when it starts several ranks a node; a rank it started
+    (fit_in_this_process) asks rank_threads with torchrun's LOCAL_WORLD_SIZE, so a GPU rank gets its
+    share of the node's cores (tests/test_torchrun.py runs the CPU path, where that share is 1)."""
+    import inspect
+
+    from layerwise.run import fit
+    source = inspect.getsource(fit.fit_in_this_process)
+    assert "set_num_threads(rank_threads(cfg.hardware.accelerator" in source and "LOCAL_WORLD_SIZE" in source

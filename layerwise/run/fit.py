@@ -18,6 +18,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from omegaconf import OmegaConf
 
 from layerwise.config.layout import layout_of
+from layerwise.config.machine import rank_threads
 from layerwise.run import data as data_lib
 from layerwise.run.console import console_to_log
 from layerwise.run.evidence import PointToPointOrderCheck, RunEvidence, write_json_atomically
@@ -301,6 +302,10 @@ def fit_in_this_process(cfg, run_directory: Path, world_size: int) -> None:
     launcher owns the signals; a SIGTERM still stops at the step boundary). Lightning turns a
     KeyboardInterrupt into sys.exit(1) once its on_exception hooks ran: that becomes RunInterrupted."""
     own = not launched_externally()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun sets OMP_NUM_THREADS=1 for several ranks a node;
+        # a GPU rank takes its share of the node's cores as our own launchers give it (rank_threads)
+        import torch
+        torch.set_num_threads(rank_threads(cfg.hardware.accelerator, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
     def interrupt_now(signum):
         raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")

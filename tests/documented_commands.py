@@ -238,6 +238,24 @@ def reproduced(run_name: str) -> Callable:
     return check
 
 
+def checked_memory(outcome: Outcome) -> None:
+    """mode=check: valid, each role's memory fit printed as the document shows it, kept in check.json."""
+    valid(outcome)
+    for line in DOCUMENTED[outcome.command].output:
+        if "memory" in line:
+            assert line in outcome.stdout + outcome.stderr, f"documented line not printed: {line!r}\n{outcome.tail()}"
+    one("runs/*/check.json", outcome.cwd)
+
+
+def stopped_on_nonfinite_loss(outcome: Outcome) -> None:
+    """A run-time error ends in one paragraph and its kind's exit code (docs/faults.md, 5)."""
+    exits(outcome, 5)
+    assert "layerwise: the run stopped on a non-finite loss (rank 0, after step 1)" in outcome.stderr, outcome.tail()
+    assert "Traceback" not in outcome.stderr, outcome.tail()
+    summary = json.loads(one("runs/*/summary.json", outcome.cwd).read_text())
+    assert summary["status"] == "failed" and summary["exit_code"] == 5, summary
+
+
 def rejected(outcome: Outcome) -> None:
     """Bad input: exit 2 and the very lines the document shows."""
     exits(outcome, 2)
@@ -327,6 +345,8 @@ def more_ranks(ranks: int, test: str) -> str:
 
 
 HOW: Dict[str, How] = {
+    "python train.py mode=check": How("real", checked_memory),
+    "python train.py strategy=single debug=fast optimizer.lr=1e30": How("real", stopped_on_nonfinite_loss),
     # ----- README: quick start and "Choosing what to run"
     "make run": How("capped", trained(), why="Makefile `run`: .venv/bin/python train.py $(ARGS); "
                     + TRAINS_FOR_MINUTES),

@@ -47,3 +47,17 @@ def add_callbacks(set_attribute, *callbacks, first=()):
         trainer.callbacks.extend(callbacks)
         return trainer
     set_attribute(fit, "build_trainer", build_with)
+
+
+def process_parents() -> dict:
+    """{pid: parent pid} of every process in the table (zombies included), read from /proc/<pid>/stat
+    (the command name in brackets may hold spaces: the fields after its closing one are split)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    return parents

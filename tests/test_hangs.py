@@ -21,7 +21,7 @@ from layerwise.run.fit import train
 from layerwise.run.hangs import HUNG_EXIT_CODE, StragglerDetector, Watchdog, diagnose, timeout_chain
 from layerwise.run.launch import HangError, RankError
 from parallel.flight import FlightRecorder
-from tests.ranks import QUICK, add_callbacks, compose_config
+from tests.ranks import QUICK, add_callbacks, compose_config, process_parents
 from tests.warm_python import server_pids
 
 TIMEOUT_S = 3.0
@@ -42,13 +42,8 @@ def children() -> list:
     """This process's descendants still in the process table (zombies included), read from /proc;
     the suite's warm interpreter (tests/warm_python.py, alive all session) and its tree left out."""
     parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry.name))
+    for child, parent in process_parents().items():
+        parents.setdefault(parent, []).append(child)
     found, frontier = [], [os.getpid()]
     while frontier:
         born = [pid for pid in parents.get(frontier.pop(), []) if pid not in server_pids()]

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ranks import process_parents
+
 ROOT = Path(__file__).resolve().parent.parent
 # A tiny 2-rank CPU run (debug=fast-like): steps of a few tens of ms, long enough to be stopped mid-way.
 SMALL = ["debug=fast", "strategy=ddp", "trainer.charts=false", "trainer.progress=none",
@@ -100,14 +102,7 @@ def process_state(pid: int) -> str:
 
 def descendants(pid: int) -> set:
     """Every live process below `pid`, from each process's parent in /proc/<pid>/stat."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    parents = process_parents()
     found, frontier = set(), {pid}
     while frontier:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found

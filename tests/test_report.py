@@ -245,7 +245,7 @@ def test_a_sweep_with_a_failed_point_still_ends_with_its_answer(sweeps, tmp_path
     summary = point_summary(failed)
     assert failed["status"] == summary["status"] == "failed" and "optimizer.lr=1e+30" in failed["overrides"]
     assert summary["error"].startswith(failed["failure_reason"].rstrip("…"))  # one cell: cut at 240 characters
-    assert failed["failure_reason"].startswith("NonFiniteLoss: non-finite training loss (nan) at step")
+    assert failed["failure_reason"].startswith("the run stopped on a non-finite loss (rank 0, after step")  # the paragraph (docs/faults.md)
     assert failed["prediction"].startswith("none: plan mode does not cover strategy=single")
     assert "0 of 1 points completed" in sweeps["output"]["failing"]
     assert "sweep_report.md" in sweeps["output"]["failing"] and (failing / "sweep_report.png").exists()

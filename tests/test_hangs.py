@@ -354,12 +354,15 @@ class Witness(Watchdog):
     def _hung(self, reason: str) -> None:
         self.fired = True
         self.verdict = {"reason": reason, **self.record(reason)}
+        (self.run_directory / f"named-by-rank-{self.rank}").touch()  # the late peer may come now
 
 
 def late_peer_on_fake_nccl(rank: int, directory: Path, late_s: float, recorded_sync: bool) -> dict:
-    """Rank 1 computes `late_s` before its all-reduce; rank 0 issues its own at once, on emulated
-    NCCL (tests/fake_nccl.py): the synchronous call returns at once, and the host blocks later, in a
-    sync of the compute stream — one that says so to the flight record, or one nobody records."""
+    """Rank 1 computes `late_s`, and until rank 0's watchdog has named the wait, before its all-reduce
+    (an order, not a race: however the machine is loaded, rank 0 waits past its allowance); rank 0
+    issues its own at once, on emulated NCCL (tests/fake_nccl.py): the synchronous call returns at
+    once, and the host blocks later, in a sync of the compute stream — one that says so to the
+    flight record, or one nobody records."""
     import torch
     import torch.distributed as dist
     from parallel.comm import Communicator, Group
@@ -373,6 +376,9 @@ def late_peer_on_fake_nccl(rank: int, directory: Path, late_s: float, recorded_s
     tensor, started = torch.ones(4), time.perf_counter()
     if rank == 1:
         time.sleep(late_s)  # its compute
+        deadline = time.monotonic() + 120  # a bound, so a broken watchdog fails the test, not hangs it
+        while not (directory / "named-by-rank-0").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     communicator.all_reduce(tensor, Group("world", (0, 1), dist.group.WORLD))
     returned_s = time.perf_counter() - started
     if recorded_sync:
@@ -403,7 +409,7 @@ def test_a_rank_waiting_on_emulated_nccl_is_seen_and_its_wait_counted(tmp_path, 
     assert (waiting["kind"], waiting["group"], waiting["sequence"]) == ("all_reduce", "world", 1)
     assert bool(waiting.get("in_flight")) is not recorded_sync
     # the wait is counted where the stream waited: rank 0 waited for nearly all of rank 1's compute
-    assert early["waits"]["world all_reduce"]["seconds"] >= late_s / 2, early["waits"]
+    assert early["waits"]["world all_reduce"]["seconds"] >= 0.5, early["waits"]  # the allowance it outlasted
     assert StragglerDetector(window=1).update([early["compute_s"], late["compute_s"]]) == [1], (early, late)
 
 

@@ -55,7 +55,7 @@ class ParallelLayout:
        DeepSpeed keep such a CPU group next to the device group for CPU offload);
     5. groups of size one never touch the process group (single-process runs need none);
     6. every group gets `timeout`, the backend's own bound on one operation: the world group's
-       (the strategy passes it; layerwise/run/hangs.py `TimeoutChain` sets it longer than the
+       (the strategy passes it; layerwise/run/timeouts.py `TimeoutChain` sets it longer than the
        watchdog's longest allowance). Without it torch gives a new group its backend's default
        (NCCL 10 min, gloo 30 min: distributed_c10d.py `_get_default_timeout`), whatever the world's;
     7. every collective goes through `self.communicator`, which counts logical bytes.

@@ -36,7 +36,7 @@ class LayerwiseStrategy(RunHooks, PortableCheckpoints, PerRankCheckpoints, DDPSt
     def __init__(self, degrees: Layout, process_group_backend: str = "gloo",
                  timeout_seconds: Optional[float] = None, **kwargs):
         # The run sets the timeout of every process group with `set_collective_timeout`
-        # (layerwise/run/fit.py, from layerwise/run/hangs.py `TimeoutChain`); None: Lightning's default
+        # (layerwise/run/fit.py, from layerwise/run/timeouts.py `TimeoutChain`); None: Lightning's default
         # (30 min) until then. The layout's subgroups get the world's (setup_environment).
         if timeout_seconds is not None:
             kwargs["timeout"] = timedelta(seconds=timeout_seconds)

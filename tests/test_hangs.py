@@ -18,7 +18,8 @@ import pytest
 
 from layerwise.preflight import validate
 from layerwise.run.fit import train
-from layerwise.run.hangs import HUNG_EXIT_CODE, StragglerDetector, Watchdog, diagnose, timeout_chain
+from layerwise.run.hangs import HUNG_EXIT_CODE, StragglerDetector, Watchdog, diagnose
+from layerwise.run.timeouts import timeout_chain
 from layerwise.run.launch import HangError, RankError
 from parallel.flight import FlightRecorder
 from tests.ranks import QUICK, add_callbacks, compose_config, process_parents
@@ -300,7 +301,7 @@ def test_every_process_group_outlasts_the_watchdog_s_longest_allowance(overrides
     """The backend's own timeout (NCCL's watchdog aborts the rank after it) is longer than the
     watchdog's longest allowance (first step, validation, checkpoints) plus the time its diagnosis
     takes, by PROCESS_GROUP_MARGIN_S: our paragraph is written before any rank is aborted."""
-    from layerwise.run.hangs import PROCESS_GROUP_MARGIN_S, run_timeout_chain
+    from layerwise.run.timeouts import PROCESS_GROUP_MARGIN_S, run_timeout_chain
     cfg = compose_config(*overrides)
     chain = run_timeout_chain(cfg)
     assert (chain.step_s, chain.process_group_s) == (step_s, process_group_s)
@@ -331,7 +332,7 @@ class GroupTimeouts(pl.Callback):
 def test_the_world_and_every_subgroup_get_the_chain_s_timeout(tmp_path, monkeypatch):
     """A 2-D tensor grid on 4 gloo ranks (the world, its rows and columns, the tensor axis): every
     group any rank holds reads back the chain's process-group timeout, not 300 s nor torch's default."""
-    from layerwise.run.hangs import run_timeout_chain
+    from layerwise.run.timeouts import run_timeout_chain
     add_callbacks(monkeypatch.setattr, GroupTimeouts(tmp_path))
     overrides = [*QUICK, "trainer.max_steps=1", "trainer.val_check_interval=1", "trainer.limit_val_batches=0",
                  "strategy=tp_2d", "strategy.tensor_grid=2", "hardware.devices_per_node=4",

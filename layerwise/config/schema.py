@@ -75,7 +75,7 @@ class HardwareConfig:
     host_device_bandwidth: float = 0.0  # bytes/s host <-> device (PCIe)
     matmul_overhead_s: float = 0.0  # fixed cost of one matrix product (launch, ramp): mode=calibrate measures it
     # default of trainer.collective_timeout_s on this hardware; every process group's own timeout follows from it
-    # (layerwise/run/hangs.py TimeoutChain: 300 s gives 3366 s; docs/faults.md, "The chain of timeouts")
+    # (layerwise/run/timeouts.py TimeoutChain: 300 s gives 3366 s; docs/faults.md, "The chain of timeouts")
     collective_timeout_s: float = 300.0
     nccl_trace_buffer_size: int = 0  # NCCL flight recorder entries (TORCH_NCCL_TRACE_BUFFER_SIZE); 0 = off
     collective_latency_s: float = 0.0  # fixed cost of one collective or message: mode=calibrate measures it
@@ -277,7 +277,7 @@ class TrainerConfig:
     # a rank waiting this long in one collective or point-to-point operation writes hang/rank-<k>.json
     # and the run stops, naming the stuck rank (docs/faults.md); null = hardware.collective_timeout_s, 0 = off.
     # Every process group (NCCL's own watchdog) times out at (long_timeout_factor + 1) × this + about 64 s,
-    # after our diagnosis (layerwise/run/hangs.py TimeoutChain: 60 s -> 726 s, 600 s -> 6666 s)
+    # after our diagnosis (layerwise/run/timeouts.py TimeoutChain: 60 s -> 726 s, 600 s -> 6666 s)
     collective_timeout_s: Optional[float] = None
     long_timeout_factor: float = 10.0  # the first step, validation and checkpoints wait this many times as long
     charts: bool = True  # PNG charts at the run's end (plan*.png, schedule_*.png); plan.json, schedule.json either way

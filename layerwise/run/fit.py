@@ -23,7 +23,8 @@ from layerwise.run import data as data_lib
 from layerwise.run.console import console_to_log
 from layerwise.run.evidence import PointToPointOrderCheck, RunEvidence, write_json_atomically
 from layerwise.run.faults import NonFiniteGuard
-from layerwise.run.hangs import HangWatch, fresh, hang_directory, nccl_flight_recorder_environment, run_timeout_chain
+from layerwise.run.hangs import HangWatch, fresh, hang_directory, nccl_flight_recorder_environment
+from layerwise.run.timeouts import run_timeout_chain
 from layerwise.run.launch import (HangError, RankError, RunInterrupted, StopSignals, close_process_group,
                                   global_rank, launched_externally, run_ranks, start_method, writes_run_files)
 from layerwise.run.lock import hold_run_directory, taken_over_line
@@ -178,7 +179,7 @@ def tokenize_once(cfg) -> None:
     if not launched_externally() or global_rank() == 0:
         load_corpus(cfg, say=lambda message: print(f"[layerwise] {message}", flush=True))
         return
-    from layerwise.run.hangs import collective_timeout_s
+    from layerwise.run.timeouts import collective_timeout_s
     from layerwise.run.text import learned_key, wait_seconds
     learned_key(cfg.data.path, cfg.data.tokenizer, cfg.data.validation_fraction, cfg.data.get("cache_dir"),
                 timeout_s=wait_seconds(collective_timeout_s(cfg)), encoding=cfg.data.encoding)

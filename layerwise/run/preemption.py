@@ -202,7 +202,7 @@ def exit_after_requeue(rank: int, max_requeues: Optional[int] = None) -> None:
 
 def slurm_plugins(strategy) -> list:
     """Lightning's Slurm environment without its signal handling. The process groups' timeout is the
-    run's (layerwise/run/hangs.py `TimeoutChain`, set in fit.py), not the launcher's: a shorter one
+    run's (layerwise/run/timeouts.py `TimeoutChain`, set in fit.py), not the launcher's: a shorter one
     would abort the ranks before the watchdog names the stuck one."""
     if not under_slurm_step():
         return []

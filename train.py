@@ -15,10 +15,8 @@ Nothing here initialises CUDA: local GPU ranks are started afterwards (layerwise
 """
 
 import os
-import shlex
 import sys
 import time
-import traceback
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -81,40 +79,23 @@ def main(cfg):
         print(f"layerwise: {error}", file=sys.stderr)
         sys.exit(2)
     except RunInterrupted as stop:  # a stop signal: saved at the step boundary (docs/faults.md)
-        print(f"layerwise: {stop.line(resume_command())}", file=sys.stderr, flush=True)
+        from layerwise.run.faults import resume_command
+        print(f"layerwise: {stop.line(resume_command(HydraConfig.get()))}", file=sys.stderr, flush=True)
         sys.exit(stop.exit_code)  # 128 + the signal: 130 for Ctrl-C, 143 for SIGTERM
     except Exception as error:  # noqa: BLE001 - every failure of the run becomes one paragraph
-        from layerwise.run.faults import interrupted, report_failure
+        from layerwise.run.faults import exit_with, interrupted, report_failure
         if interrupted(error):  # the interruption path's own ending (status "interrupted")
             raise
         failure = report_failure(error, run_directory, started, cfg, world_size)
         failure.__cause__ = error
         if HydraConfig.get().mode.name == "RUN":  # one run: end here, as a configuration error does
-            exit_with(failure)
+            exit_with(failure, not RAISE_COMPOSITION_ERRORS)
         # A sweep's other points still run (Hydra's launchers catch a point's exception); Hydra then
         # prints the failed point's overrides and, with HYDRA_FULL_ERROR set, raises the exception
         # instead of printing its traceback: __main__ prints the paragraph and exits with its code.
         FAILED_POINTS.append(failure)
         os.environ["HYDRA_FULL_ERROR"] = "1"
         raise failure from error
-
-
-def exit_with(failure) -> None:
-    """A failed run's ending: its paragraph on stderr (the traceback before it only if the user set
-    HYDRA_FULL_ERROR; it is in train.log anyway) and the exit code of its kind (docs/faults.md)."""
-    if not RAISE_COMPOSITION_ERRORS or failure.traceback_on_console:
-        traceback.print_exception(failure.__cause__ or failure)
-    print(f"layerwise: {failure.paragraph}", file=sys.stderr, flush=True)
-    sys.exit(failure.code)
-
-
-def resume_command() -> str:
-    """The command line that resumes this run: the same one (a sweep's, into the same sweep directory)."""
-    argv = list(getattr(sys, "orig_argv", sys.argv))
-    hydra_config = HydraConfig.get()
-    if hydra_config.mode.name == "MULTIRUN" and not any(a.startswith("hydra.sweep.dir=") for a in argv):
-        argv.append(f"hydra.sweep.dir={hydra_config.sweep.dir}")
-    return shlex.join(argv)
 
 
 def run(cfg, run_directory: str, world_size: int):
@@ -166,9 +147,9 @@ if __name__ == "__main__":
         print(f"layerwise: {ConfigError([composition_problem(error)])}", file=sys.stderr)
         sys.exit(2)
     except Exception as error:  # a run's failure: one paragraph and the exit code of its kind
-        from layerwise.run.faults import RunFailure
+        from layerwise.run.faults import RunFailure, exit_with
         if isinstance(error, RunFailure):
-            exit_with(error)
+            exit_with(error, not RAISE_COMPOSITION_ERRORS)
         if FAILED_POINTS:  # hydra/launcher=local's SweepFailed, naming every failed point's paragraph
             print(f"layerwise: {error}", file=sys.stderr, flush=True)
             sys.exit(FAILED_POINTS[0].code)

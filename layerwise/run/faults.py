@@ -24,6 +24,8 @@ its exchange, which was issued before the backward); no collective of its own.
 import json
 import math
 import re
+import shlex
+import sys
 import traceback
 from pathlib import Path
 from typing import Optional
@@ -352,3 +354,22 @@ def report_failure(error: BaseException, run_directory, started: float, cfg, wor
                               f"the traceback is printed above instead.")
         failure.traceback_on_console = True
     return failure
+
+
+def exit_with(failure: RunFailure, full_error: bool) -> None:
+    """A failed run's ending in train.py: its paragraph on stderr (the traceback before it only when
+    the user set HYDRA_FULL_ERROR, `full_error`, or train.log could not take it) and the exit code of
+    its kind (docs/faults.md, "Exit codes")."""
+    if full_error or failure.traceback_on_console:
+        traceback.print_exception(failure.__cause__ or failure)
+    print(f"layerwise: {failure.paragraph}", file=sys.stderr, flush=True)
+    sys.exit(failure.code)
+
+
+def resume_command(hydra_config) -> str:
+    """The command line that resumes an interrupted run: the same one (a sweep's, into the same sweep
+    directory), from Hydra's runtime config `hydra_config`."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    if hydra_config.mode.name == "MULTIRUN" and not any(a.startswith("hydra.sweep.dir=") for a in argv):
+        argv.append(f"hydra.sweep.dir={hydra_config.sweep.dir}")
+    return shlex.join(argv)

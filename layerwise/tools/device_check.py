@@ -35,7 +35,6 @@ import json
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -44,9 +43,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from layerwise.tools.device_helpers import HELPER_PREFIX
+
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("environment", "equality", "precision", "speed", "plan", "held_out")
-HELPER_PREFIX = "device_check result: "  # a helper's last line: this prefix and its JSON
 
 # Tolerances (the same reasoning as tests/tolerances.py, which library code does not import):
 # fp32 losses of one computation whose sums run in another order differ by a few ulp per operation,
@@ -267,8 +267,7 @@ def last_error(output: str) -> str:
 def run_helper(name: str, arguments: dict, timeout_s: float) -> dict:
     """One of this module's helpers in a subprocess of its own (a CUDA error or an out-of-memory stays
     there); its JSON result, or a failed one."""
-    command = [sys.executable, "-m", "layerwise.tools.device_check", "--helper", name, "--helper-arguments",
-               json.dumps(arguments)]
+    command = [sys.executable, "-m", "layerwise.tools.device_helpers", name, json.dumps(arguments)]
     try:
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
                                 env=child_environment())
@@ -321,52 +320,6 @@ def environment_section(mode: Mode, budget: Budget, report: Report, subset: bool
     rows.append(Row("environment", "largest bf16 product rate (TFLOP/s)", "ok", info["matmul_tflops"],
                     detail=f"{info['matmul_edge']}³ bf16 products, median of {info['matmul_repeats']}"))
     return rows
-
-
-def environment_helper(arguments: dict) -> dict:
-    import platform
-
-    import torch
-    import lightning
-    import hydra
-    use_gpu = arguments["gpu"] and torch.cuda.is_available()
-    if arguments["gpu"] and not use_gpu:
-        raise RuntimeError("the GPU mode found no CUDA device (torch.cuda.is_available() is False)")
-    device = torch.device("cuda" if use_gpu else "cpu")
-    edge, repeats = (8192, 10) if use_gpu else (256, 5)
-    generator = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(edge, edge, device=device, generator=generator).to(torch.bfloat16)  # random, never zeros
-    b = torch.randn(edge, edge, device=device, generator=generator).to(torch.bfloat16)
-    seconds = timed(lambda: torch.mm(a, b), device, warmup=3, repeats=repeats)
-    name = torch.cuda.get_device_name() if use_gpu else f"CPU ({platform.processor() or platform.machine()})"
-    memory = torch.cuda.get_device_properties(0).total_memory if use_gpu else None
-    return {"device": name, "device_memory_bytes": memory, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "lightning": lightning.__version__, "hydra": hydra.__version__,
-            "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "matmul_edge": edge, "matmul_repeats": repeats,
-            "matmul_tflops": 2 * edge ** 3 / statistics.median(seconds) / 1e12}
-
-
-def timed(work: Callable, device, warmup: int, repeats: int) -> list:
-    """Seconds of each of `repeats` calls after `warmup`: CUDA events on a GPU (the work is
-    asynchronous), the host clock on a CPU."""
-    import torch
-    for _ in range(warmup):
-        work()
-    seconds = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            work()
-            end.record()
-            end.synchronize()
-            seconds.append(start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            work()
-            seconds.append(time.perf_counter() - begin)
-    return seconds
 
 
 # ----------------------------------------------------------------------------- 2. equality
@@ -468,19 +421,6 @@ def hf_import(llama: list, dtype: str, directory: Path, point: Callable, helper_
     return point([*shaped, "model=hf", f"model.path={model_directory}"], directory / "run")
 
 
-def export_hf_helper(arguments: dict) -> dict:
-    import torch
-    from layerwise.config.store import compose
-    from layerwise.run.task import model_arguments
-    from models import build_model
-    from models.hf import save_pretrained
-    cfg = compose(arguments["overrides"])
-    model = build_model(cfg.model.architecture, device="cpu",
-                        **model_arguments(cfg.model, cfg.model.vocab_size, cfg.seed))
-    save_pretrained(model.to(getattr(torch, arguments["dtype"])), arguments["path"])
-    return {"path": arguments["path"]}
-
-
 # ----------------------------------------------------------------------------- 3. precision
 
 def precision_section(mode: Mode, budget: Budget, report: Report, subset: bool, directory: Path) -> list:
@@ -528,40 +468,6 @@ def scaler_row(result: dict) -> Row:
                   "weights kept, scale halved", detail)
 
 
-def scaler_helper(arguments: dict) -> dict:
-    """AgreedGradScaler (strategies/precision.py) on one rank of a real device: fp16 autocast, a
-    scaled backward, inf written into one gradient, step: GradScaler must skip it and halve the scale."""
-    import torch
-    from parallel.comm import Communicator, Group
-    from strategies.precision import AgreedGradScaler
-    device = torch.device("cuda" if arguments["gpu"] else "cpu")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = AgreedGradScaler(Communicator(), Group("world", (0,)), device.type)
-    inputs = torch.randn(16, 64, device=device)
-
-    def step(poison: bool) -> None:
-        optimizer.zero_grad()
-        with torch.autocast(device.type, dtype=torch.float16):
-            loss = model(inputs).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        if poison:
-            next(model.parameters()).grad.view(-1)[0] = float("inf")
-        scaler.step(optimizer)
-        scaler.update()
-
-    before = [p.detach().clone() for p in model.parameters()]
-    scale_before = float(scaler.get_scale())  # the initial scale until the first update
-    step(poison=True)
-    unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    scale_after = float(scaler.get_scale())
-    step(poison=False)
-    moved = not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    return {"device": str(device), "skipped_unchanged": unchanged, "scale_before": scale_before,
-            "scale_after": scale_after, "clean_moved": moved}
-
-
 # ----------------------------------------------------------------------------- 4. speed
 
 def speed_section(mode: Mode, budget: Budget, report: Report, subset: bool, directory: Path) -> list:
@@ -597,46 +503,6 @@ def speed_row(label: str, ours: dict, plain: dict) -> Row:
                   ours_mfu=ours.get("mfu"), plain_mfu=plain_mfu, peak_flops=peak,
                   ours_step_s=ours.get("step_time_s_median"), plain_step_s=plain["step_s"],
                   allocator_peak_bytes=ours.get("allocator_peak_bytes"), plain_peak_bytes=plain["peak_bytes"])
-
-
-def plain_loop_helper(arguments: dict) -> dict:
-    """The same model class and seeded weights as the run, torch.optim.AdamW with the run's settings,
-    autocast in the run's precision, random tokens of the run's batch shape; the median step after
-    warm-up, timed with CUDA events on a GPU."""
-    import torch
-    from layerwise.config.store import compose
-    from models import block_of, build_model, model_flops_per_token
-    from layerwise.run.task import model_arguments
-    cfg = compose(arguments["overrides"])
-    device = torch.device("cuda" if cfg.hardware.accelerator == "gpu" else "cpu")
-    # torch's default threads, as a one-process run keeps them (layerwise/run/fit.py trains it in the
-    # launching process: no rank_threads); on a loaded CPU two spinning threads cost either side alike
-    vocab, batch, sequence = 256, cfg.data.global_batch_size, cfg.data.sequence_length
-    model = build_model(cfg.model.architecture, device=device, **model_arguments(cfg.model, vocab, cfg.seed))
-    opt = cfg.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                                  weight_decay=opt.weight_decay)
-    tokens = torch.randint(0, vocab, (batch, sequence + 1), device=device,
-                           generator=torch.Generator(device=device).manual_seed(0))
-    precision = cfg.hardware.precision
-    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            loss = model.loss(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-        optimizer.step()
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    seconds = statistics.median(timed(step, device, warmup=4, repeats=max(3, arguments["steps"] - 4)))
-    flops = model_flops_per_token(cfg.model.layers, cfg.model.hidden, sequence, vocab, cfg.model.mlp_ratio,
-                                  block=block_of(cfg.model))
-    return {"tokens_per_s": batch * sequence / seconds, "step_s": seconds, "flops_per_token": flops,
-            "parameters": sum(p.numel() for p in model.parameters()), "batch": batch, "sequence": sequence,
-            "precision": precision,
-            "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None}
 
 
 # ----------------------------------------------------------------------------- 5. plan mode
@@ -741,8 +607,6 @@ def held_out_row(name: str, ranks: int, planned: dict, measured: dict) -> Row:
 SECTION_FUNCTIONS = {"environment": environment_section, "equality": equality_section,
                      "precision": precision_section, "speed": speed_section, "plan": plan_section,
                      "held_out": held_out_section}
-HELPERS = {"environment": environment_helper, "export_hf": export_hf_helper, "scaler": scaler_helper,
-           "plain_loop": plain_loop_helper}
 
 
 def check(directory: Path, mode: Mode, sections=SECTIONS, subset: bool = False,
@@ -778,10 +642,8 @@ def parse_arguments(argv):
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, in this order")
     parser.add_argument("--budget-s", type=float, default=None, help="wall clock of the whole check")
     parser.add_argument("--runs", default=None, help="where the run directories go (default OUTDIR/runs)")
-    parser.add_argument("--helper", default=None, help=argparse.SUPPRESS)  # internal: one helper's subprocess
-    parser.add_argument("--helper-arguments", default="{}", help=argparse.SUPPRESS)  # its JSON arguments
     arguments = parser.parse_args(argv)
-    if arguments.helper is None and not arguments.directory:
+    if not arguments.directory:
         parser.error("give OUTDIR: where device_check.json and results.md go")
     unknown = [name for name in arguments.sections.split(",") if name not in SECTIONS]
     if unknown:
@@ -791,10 +653,6 @@ def parse_arguments(argv):
 
 def main(argv=None) -> int:
     arguments = parse_arguments(argv)
-    if arguments.helper:
-        result = HELPERS[arguments.helper](json.loads(arguments.helper_arguments))
-        print(HELPER_PREFIX + json.dumps(result), flush=True)
-        return 0
     rows = check(Path(arguments.directory), CPU if arguments.cpu else GPU, arguments.sections.split(","),
                  arguments.subset, arguments.budget_s, runs=arguments.runs)
     print((Path(arguments.directory) / "results.md").read_text(), flush=True)

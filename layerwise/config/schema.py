@@ -123,7 +123,9 @@ class StrategyConfig:
 class ActivationRecomputeConfig:
     """Mixin of the strategies that keep block activations between forward and backward."""
 
-    activation_recompute: str = "none"  # none | full (each block keeps only its input; recomputed in backward)
+    # none | selective (only the core attention reruns in the backward, Korthikanti et al. 2022 §5)
+    # | full (each block keeps only its input; recomputed in backward)
+    activation_recompute: str = "none"
 
 
 @dataclass
@@ -176,11 +178,36 @@ class StagedStrategyConfig(MicroBatchedStrategyConfig):
     # world = data × pipeline_degree × tensor ranks (1d: q, 2d: q², 3d: q³).
     tensor_parallel: str = "none"  # none | 1d (Megatron) | 2d (SUMMA) | 3d (Bian et al. 2021)
     tensor_grid: int = 2  # q, the grid's edge (read only when tensor_parallel is not none)
+    # What a stage boundary carries: `compute` = the compute dtype (bf16/fp16 under mixed precision,
+    # as Megatron-LM sends its pipeline messages), `fp32` = the residual stream's own fp32.
+    message_dtype: str = "compute"  # compute | fp32
+    # 1-D grid: each tensor rank sends 1/t of a boundary message, the receivers all-gather it over
+    # the tensor group (Narayanan et al. 2021 §4.1); off: every tensor rank sends the whole message.
+    scatter_gather: bool = True
+    # 1-D grid: norms and dropout sharded along the sequence, all-gather + reduce-scatter in place of
+    # each all-reduce (Korthikanti et al. 2022 §4.2.2).
+    sequence_parallel: bool = False
+    # Sequence-parallel gathers and scatters chunked and overlapped with the neighbouring products.
+    tensor_overlap: bool = False
 
 
 @dataclass
-class PipelineStrategyConfig(StagedStrategyConfig, ActivationRecomputeConfig, BucketedReductionConfig):
+class OverlappedReductionConfig(BucketedReductionConfig):
+    """Mixin of the pipeline strategies whose data-parallel reduction may run under the backward."""
+
+    # Each bucket's reduction posted as soon as its gradients are final (with layered accumulation:
+    # after the stage's last micro-batch), overlapped with the rest of the backward; off: at the
+    # stage's REDUCE_GRADIENT action.
+    overlap_reduction: bool = True
+
+
+@dataclass
+class PipelineStrategyConfig(StagedStrategyConfig, ActivationRecomputeConfig, OverlappedReductionConfig):
     """modular_pipeline, gpipe, one_f_one_b, interleaved_1f1b: stage replicas all-reduce their gradients."""
+
+    # ZeRO-1 (Megatron's distributed optimizer): gradients reduce-scattered over the data ranks,
+    # optimizer state sharded over them, parameters all-gathered before the next forward.
+    distributed_optimizer: bool = False
 
 
 @dataclass
@@ -196,6 +223,8 @@ class TensorParallelStrategyConfig(StrategyConfig, ActivationRecomputeConfig):
     data_degree: Optional[int] = None  # data-parallel replicas; null = world / tensor ranks
     tensor_grid: int = 2  # q, the grid's edge; the tensor-parallel group has q^dimension ranks
     tensor_parallel: str = "3d"  # 1d (Megatron) | 2d (SUMMA) | 3d (Bian et al. 2021); fixed by the name
+    sequence_parallel: bool = False  # 1-D only: as StagedStrategyConfig.sequence_parallel
+    tensor_overlap: bool = False  # 1-D with sequence_parallel: chunked gathers/scatters under the products
 
 
 @dataclass
@@ -217,7 +246,7 @@ class KFACStrategyConfig(MicroBatchedStrategyConfig):
 
 
 @dataclass
-class PipeFisherStrategyConfig(StagedStrategyConfig, BucketedReductionConfig):
+class PipeFisherStrategyConfig(StagedStrategyConfig, OverlappedReductionConfig):
     """A pipeline whose bubbles run K-FAC's curvature, factor sync and inversion (Osawa et al. 2023).
     No activation recomputation: its curvature capture would see every recomputed forward twice."""
 

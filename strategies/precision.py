@@ -23,6 +23,22 @@ def activation_dtype(precision: str) -> torch.dtype:
     return compute_dtype(precision) if precision.endswith("-true") else torch.float32
 
 
+def message_dtype(precision: str, message: str) -> torch.dtype:
+    """What crosses a pipeline stage boundary (`strategy.message_dtype`): "compute" sends the compute
+    dtype (bf16/fp16 under "-mixed", as Megatron-LM sends its pipeline tensors in the params dtype),
+    "fp32" the residual stream as it is. Under 32-true and "-true" both are the stream's own dtype.
+    Under 16-mixed the gradient message is the loss-scaled gradient: one that overflows fp16 arrives
+    as inf, reaches the receiving stage's gradients, and AgreedGradScaler skips the step everywhere
+    (the receiving stage's fp16 products would overflow on it in any case)."""
+    if message not in MESSAGE_DTYPES:
+        raise ValueError(f"strategy.message_dtype={message}: need one of {', '.join(MESSAGE_DTYPES)}. "
+                         f"Fix: strategy.message_dtype=compute.")
+    return compute_dtype(precision) if message == "compute" else activation_dtype(precision)
+
+
+MESSAGE_DTYPES = ("compute", "fp32")
+
+
 class AgreedGradScaler(torch.amp.GradScaler):
     """fp16 loss scaling (Micikevicius et al. 2018, §3.2) whose skip decision every rank shares.
 

@@ -7,6 +7,7 @@ kind of strategies/schedule: the executor calls them in plan order. Every stage 
 this rank, so a backward never reaches across stages: the input's gradient is handed on explicitly.
 """
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -67,6 +68,15 @@ class Peers:
     communicator: object
 
 
+@dataclass(frozen=True)
+class BoundaryScatter:
+    """Where boundary messages are scattered over a tensor group (Narayanan et al. 2021 §4.1): the
+    group whose ranks hold copies of the piece, and this rank's index in it (its slice)."""
+
+    group: object  # parallel.comm.Group
+    index: int
+
+
 @dataclass
 class StepState:
     """Everything one step keeps between actions, keyed by (stage, micro-batch)."""
@@ -107,11 +117,16 @@ class StageWork:
     boundaries carry this grid position's piece of the activation to the same position of the next
     stage, the loss is the vocabulary-parallel one, and REDUCE_GRADIENT first sums the gradients of
     pieces the grid replicates over their tensor groups (docs/strategies/three_d.md), then over data.
+    Messages travel in `message_dtype` (bf16/fp16 under mixed precision), cast back to the stream's
+    `activation_dtype` on arrival; with a `scatter` group whose ranks hold copies of the piece (1-D),
+    each rank sends only its 1/t slice and the receivers all-gather the slices
+    (docs/strategies/modular_pipeline.md, "Stage-boundary messages").
     """
 
     def __init__(self, model: nn.Module, stages: int, layers_per_stage: int, micro_batches: int,
                  peers: Peers, activation_dtype: torch.dtype = torch.float32, scale_loss=None,
-                 activation_recompute: str = "none", bucket_bytes: int = 0, tensor_form=None):
+                 activation_recompute: str = "none", bucket_bytes: int = 0, tensor_form=None,
+                 message_dtype: torch.dtype = None, scatter: BoundaryScatter = None):
         self.model = model
         self.tensor_form = tensor_form
         self.loss_function = tensor_form.loss if tensor_form is not None else model.loss
@@ -122,11 +137,16 @@ class StageWork:
         # What crosses a stage boundary (the residual stream: fp32 under autocast, whose norms and
         # additions run in fp32). Receive buffers are allocated in it; NCCL needs equal sizes.
         self.activation_dtype = activation_dtype
+        # What travels: the compute dtype under mixed precision (Megatron-LM sends its pipeline
+        # tensors in the params dtype), cast back to activation_dtype on arrival (None: no cast).
+        self.message_dtype = message_dtype or activation_dtype
+        self.scatter = scatter  # a tensor group holding copies of the piece: send 1/t, gather on arrival
         self.scale_loss = scale_loss or (lambda loss: loss)  # fp16: the loss scaler's scale
         apply_activation_recompute(model, activation_recompute)
         self.bucket_bytes = bucket_bytes
         self.state = StepState()
         self.batch = None
+        self.scattered = False  # this step's messages scattered (`_scatters`), set by `start`
         self.training = True
 
     def handlers(self) -> dict:
@@ -145,6 +165,7 @@ class StageWork:
         self.state = StepState(releases=releases or {})
         self.training = training
         self.batch = {key: value.chunk(self.micro_batches) for key, value in batch.items()}
+        self.scattered = self._scatters()
 
     # ----- compute
     def forward(self, action: Action) -> None:
@@ -230,15 +251,33 @@ class StageWork:
         self._send(action, tensor, self._tag(action, True))
 
     def _send(self, action: Action, tensor, tag):
-        if tensor.dtype != self.activation_dtype:  # the receiver allocated activation_dtype bytes
+        if tensor.dtype != self.activation_dtype:  # the receiver allocated message_dtype bytes for it
             raise TypeError(f"stage boundary carries {tensor.dtype}, receivers expect {self.activation_dtype}")
         self.release_sends()
-        tensor = tensor.contiguous()
+        tensor = self.message(tensor)
         peer = self.peers.rank_of_stage[action.peer_stage]
         work = self.peers.communicator.send(tensor, peer, self.peers.pipeline_group, tag=tag)
         self.state.pending_sends.setdefault(peer, deque()).append((action, work, tensor))
         held = sum(len(queue) for queue in self.state.pending_sends.values())
         self.state.most_held = max(self.state.most_held, held)
+
+    def message(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What crosses the wire for a boundary tensor (an activation, or the gradient going back):
+        cast to `message_dtype`; scattered, only this rank's slice of the flattened tensor — every
+        rank of the tensor group holds the same tensor, so their slices together are the whole. A
+        slice is copied out, so a held send keeps 1/t of the bytes alive, not the whole tensor."""
+        if not self.scattered:
+            return tensor.to(self.message_dtype).contiguous()  # no cast: the very tensor, as before
+        size = self._slice_elements(tensor.numel())
+        start = self.scatter.index * size
+        return tensor.reshape(-1)[start:start + size].to(self.message_dtype, copy=True)
+
+    def _slice_elements(self, elements: int) -> int:
+        ranks = self.scatter.group.size
+        if elements % ranks:  # the check refuses it first (checks.grid_errors: model.hidden)
+            raise ValueError(f"a stage-boundary message of {elements} elements does not split into {ranks} "
+                             f"slices. Fix: model.hidden a multiple of {ranks}, or strategy.scatter_gather=false.")
+        return elements // ranks
 
     def release_sends(self) -> None:
         """Drop each sent tensor whose transfer is done, per peer in issue order (NCCL completes a
@@ -271,7 +310,19 @@ class StageWork:
         work.wait()
         self.state.proven.update(self.state.releases.get(action, ()))  # the peer issued their receives
         self.release_sends()
-        return tensor
+        return self.unpacked(tensor)
+
+    def unpacked(self, message: torch.Tensor) -> torch.Tensor:
+        """The boundary tensor from what arrived: scattered, the slices all-gathered over the tensor
+        group (a collective: every rank of the group runs the same plan row, so they issue it at the
+        same RECV, in the same order); then cast back to the residual stream's dtype, so the stage
+        and autograd see what they did before (the gradient of the cast is the cast back: the
+        sender's SEND_GRADIENT casts the fp32 input gradient to `message_dtype` in turn)."""
+        if self.scattered:
+            whole = torch.empty(message.numel() * self.scatter.group.size, dtype=message.dtype, device=message.device)
+            self.peers.communicator.all_gather(whole, message, self.scatter.group)
+            message = whole.view(self.boundary_shape(*self.batch["tokens"][0].shape))
+        return message.to(self.activation_dtype)  # no cast: the very buffer, as before
 
     def _post_receive(self, action: Action):
         # The sender's tag is computed from its own action: (peer stage, same micro-batch).
@@ -279,7 +330,10 @@ class StageWork:
         sender = Action(SEND_GRADIENT if gradient else SEND_ACTIVATION, action.peer_stage,
                         action.micro_batch, action.stage)
         tokens = self.batch["tokens"][0]
-        tensor = torch.empty(self.boundary_shape(*tokens.shape), dtype=self.activation_dtype, device=tokens.device)
+        shape = self.boundary_shape(*tokens.shape)
+        if self.scattered:  # this rank's slice only
+            shape = (self._slice_elements(math.prod(shape)),)
+        tensor = torch.empty(shape, dtype=self.message_dtype, device=tokens.device)
         work = self.peers.communicator.receive(tensor, self.peers.rank_of_stage[action.peer_stage],
                                                self.peers.pipeline_group, tag=self._tag(sender, gradient))
         return work, tensor
@@ -290,6 +344,17 @@ class StageWork:
             return rows, length, self.model.hidden
         return local_activation_shape(self.tensor_form.grid, rows, length, self.model.hidden)
 
+    def _scatters(self) -> bool:
+        """Whether boundary messages are scattered over `scatter.group` and gathered on arrival:
+        where each grid position's piece is the whole activation (the 1-D grid: Megatron keeps the
+        residual stream whole, so the group's ranks hold copies of it). A piece the grid already
+        splits (2-D, 3-D, or split along the sequence) is sent as it is: nothing to scatter."""
+        if self.scatter is None or self.scatter.group.size == 1:
+            return False
+        rows, length = self.batch["tokens"][0].shape
+        return tuple(self.boundary_shape(rows, length)) == (rows, length, self.model.hidden)
+
+    # ----- data parallel
     # ----- data parallel
     def reduce_gradient(self, action: Action) -> None:
         parameters = stage_parameters(self.model, action.stage, self.stages, self.layers_per_stage)

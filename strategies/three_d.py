@@ -20,6 +20,7 @@ from strategies.registry import StrategyEntry
 from strategies.tensor_parallel import consolidate as consolidate_form
 from strategies.tensor_parallel import parallelize_1d, parallelize_2d, parallelize_3d
 from strategies.tensor_parallel.grids import DIMENSION, layout_arguments
+from strategies.tensor_parallel.sequence import sequence_errors
 
 PARALLELIZE = {"1d": parallelize_1d, "2d": parallelize_2d, "3d": parallelize_3d}
 MODES = {"three_d": "3d", "tp_1d": "1d", "tp_2d": "2d"}
@@ -36,10 +37,14 @@ class TensorParallelStrategy(LayerwiseStrategy):
     4. `optimizer_step`: closure, sum replicated and data-parallel gradients, step.
     """
 
-    def __init__(self, degrees: Layout, tensor_grid: str, activation_recompute: str = "none", **kwargs):
+    def __init__(self, degrees: Layout, tensor_grid: str, activation_recompute: str = "none",
+                 sequence_parallel: bool = False, tensor_overlap: bool = False, **kwargs):
         super().__init__(degrees, **kwargs)
         self.tensor_grid = tensor_grid
         self.activation_recompute = activation_recompute
+        # 1-D only: the residual stream split along the sequence, its collectives chunked under the products
+        self.sequence_options = {"sequence_parallel": sequence_parallel, "tensor_overlap": tensor_overlap} \
+            if sequence_parallel else {}
         self.form = None
 
     @override
@@ -50,7 +55,7 @@ class TensorParallelStrategy(LayerwiseStrategy):
     def materialise_model(self, model) -> None:
         """Before the optimizers are built over the model's parameters: this rank's shards only,
         on its device, then broadcast over the data group (NCCL moves only device tensors)."""
-        self.form = PARALLELIZE[self.tensor_grid](model, self.layout, self.root_device)
+        self.form = PARALLELIZE[self.tensor_grid](model, self.layout, self.root_device, **self.sequence_options)
         self.synchronise_replicas(model)
         # Every rank recomputes its blocks in the same backward order, so the collectives inside a
         # recomputed block are issued in the same order on every rank of its groups.
@@ -111,6 +116,7 @@ def check(cfg, world_size: int) -> list:
         return [f"strategy.tensor_parallel={mode!r}, strategy.tensor_grid={q}: need a mode in "
                 f"1d, 2d, 3d and q >= 1. Fix: strategy.tensor_parallel=3d strategy.tensor_grid=2."]
     errors = _check_world(cfg, world_size, _tensor_degree(cfg), mode) + recompute_errors(cfg.strategy)
+    errors += sequence_errors(cfg, mode, _tensor_degree(cfg))
     data = degrees(cfg, world_size).data
     return errors + grid_errors(cfg, mode, q, batch_splits=data if not errors else 1,
                                 splitter=f"each of the {data} data-parallel ranks")
@@ -132,6 +138,8 @@ def _check_world(cfg, world_size: int, tensor: int, mode: str) -> list:
 def build(cfg, world_size: int):
     return TensorParallelStrategy(degrees(cfg, world_size), _mode(cfg),
                                   activation_recompute=cfg.strategy.activation_recompute,
+                                  sequence_parallel=cfg.strategy.sequence_parallel,
+                                  tensor_overlap=cfg.strategy.tensor_overlap,
                                   process_group_backend=cfg.hardware.process_group_backend)
 
 

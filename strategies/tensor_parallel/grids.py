@@ -11,7 +11,9 @@ Layouts of an activation [rows, features] (rows = this data rank's sequences):
       (a, b) maps L(a,b) -> L(b,a), so "first" has (a,b) = (j,k) and "second" (k,j) (§4: no
       redistribution between consecutive linears).
   2d  rows chunk `row` of q, features chunk `column` of q, before and after every linear.
-  1d  rows and features whole; column-parallel output features chunk t of P.
+  1d  rows and features whole; column-parallel output features chunk t of P. With sequence
+      parallelism the residual stream between the parallel regions holds positions chunk t of P
+      instead (strategies/tensor_parallel/sequence.py).
 
 This file is the one home of grid geometry: coordinates, the edge q, and the group families inside
 one tensor block that `layout_arguments` hands to ParallelLayout (which knows nothing of grids).
@@ -113,6 +115,8 @@ class Grid3D:
 
     norm_family = "output"  # features of the first layout are split by k
     activation_feature_parts = output_parts  # the residual stream L(j,k): features chunk k of q
+    sequence_parts = 1  # positions whole
+    replicated_piece = False  # each position's piece is its own: nothing to scatter at a boundary
     vocabulary_family = "input"  # the head is a "first" linear: logits split by j
     batch_families = ("output_weight",)  # logits rows are split by (i, k)
 
@@ -168,6 +172,8 @@ class Grid2D:
 
     norm_family = "row"
     activation_feature_parts = output_parts  # features chunk `column` of q
+    sequence_parts = 1
+    replicated_piece = False
     vocabulary_family = "row"
     batch_families = ("column",)
 
@@ -181,13 +187,19 @@ class Grid2D:
 
 
 class Grid1D:
-    """P ranks in one group (Megatron): "first" linears split outputs, "second" split inputs."""
+    """P ranks in one group (Megatron): "first" linears split outputs, "second" split inputs.
+
+    `sequence_parallel` (Korthikanti et al. 2022 §4.2.2): between the parallel regions rank t holds
+    positions chunk t of P of the residual stream; the norms, the row-parallel biases and the
+    embedding tables, still whole on every rank, then see only their rank's positions, so their
+    gradients are partial and summed over the tensor group (`replicated_over`)."""
 
     name = "1d"  # q^DIMENSION["1d"] ranks (parallel/dims.py)
     VARYING = {}  # the tensor group itself is the only group
 
-    def __init__(self, edge: int, local: int):
+    def __init__(self, edge: int, local: int, sequence_parallel: bool = False):
         self.q, self.t = edge, local
+        self.sequence_parallel = sequence_parallel
 
     @staticmethod
     def coordinates(local: int, edge: int) -> Dict[str, int]:
@@ -214,10 +226,28 @@ class Grid1D:
         return (shape[0], shape[1] * self.q)
 
     def replicated_over(self, style: Style, name: str) -> tuple:
-        return ()  # copies see identical inputs and gradients: nothing to sum
+        """Without sequence parallelism copies see identical inputs and gradients: nothing to sum.
+        With it, whatever acts on the sequence shard (norms, embedding tables, the row-parallel
+        bias added after the reduce-scatter) holds a partial gradient: summed over "tensor"."""
+        if not self.sequence_parallel:
+            return ()
+        partial = style.kind in ("norm", "embedding") or (style.kind, style.position, name) == ("linear", "second", "bias")
+        return ("tensor",) if partial else ()
 
     norm_family = None
     activation_feature_parts = 1  # Megatron keeps the residual stream whole on every rank
+
+    @property
+    def sequence_parts(self) -> int:
+        """Chunks the residual stream's positions are split into between the parallel regions."""
+        return self.q if self.sequence_parallel else 1
+
+    @property
+    def replicated_piece(self) -> bool:
+        """Whether every rank of the tensor group holds the same whole piece of the residual stream
+        (a boundary message may then be scattered over the group and gathered on arrival); with
+        sequence parallelism each holds its own positions: nothing to scatter."""
+        return not self.sequence_parallel
     vocabulary_family = "tensor"
     batch_families = ()
 
@@ -232,12 +262,14 @@ class Grid1D:
 
 def local_activation_shape(grid, rows: int, length: int, hidden: int) -> tuple:
     """This rank's piece of a [rows, length, hidden] residual-stream activation: what it holds
-    between blocks and what a pipeline stage boundary carries to the same grid position."""
-    row_parts, feature_parts = grid.input_rows()[1], grid.activation_feature_parts
-    if rows % row_parts or hidden % feature_parts:
-        raise ValueError(f"an activation of {rows} sequences × {hidden} features does not split into "
-                         f"{row_parts} row and {feature_parts} feature chunks on the {grid.name} grid")
-    return rows // row_parts, length, hidden // feature_parts
+    between blocks and what a pipeline stage boundary carries to the same grid position (1-D with
+    sequence parallelism: [rows, length/t, hidden])."""
+    row_parts, feature_parts, sequence_parts = grid.input_rows()[1], grid.activation_feature_parts, grid.sequence_parts
+    if rows % row_parts or hidden % feature_parts or length % sequence_parts:
+        raise ValueError(f"an activation of {rows} sequences × {length} positions × {hidden} features does not "
+                         f"split into {row_parts} row, {sequence_parts} position and {feature_parts} feature "
+                         f"chunks on the {grid.name} grid")
+    return rows // row_parts, length // sequence_parts, hidden // feature_parts
 
 
 GRIDS = {"1d": Grid1D, "2d": Grid2D, "3d": Grid3D}
@@ -252,9 +284,16 @@ def grid_edge(tensor_grid: str, tensor_degree: int) -> int:
     return edge
 
 
-def grid_of(tensor_grid: str, tensor_degree: int, local: int):
-    """The grid object of local tensor index `local` in a tensor block of `tensor_degree`."""
-    return GRIDS[tensor_grid](grid_edge(tensor_grid, tensor_degree), local)
+def grid_of(tensor_grid: str, tensor_degree: int, local: int, sequence_parallel: bool = False):
+    """The grid object of local tensor index `local` in a tensor block of `tensor_degree` (1-D: with
+    its residual stream split along the sequence if `sequence_parallel`)."""
+    edge = grid_edge(tensor_grid, tensor_degree)
+    if sequence_parallel:
+        if tensor_grid != "1d":
+            raise ValueError(f"sequence parallelism splits the 1-D grid's whole residual stream; the "
+                             f"{tensor_grid} grid already splits it")
+        return Grid1D(edge, local, sequence_parallel=True)
+    return GRIDS[tensor_grid](edge, local)
 
 
 def family_members(family: str, tensor_grid: str, tensor_degree: int) -> tuple:

@@ -15,6 +15,12 @@ from strategies.tensor_parallel.collectives import (
     sum_over_group,
     VocabularyParallelCrossEntropy,
 )
+from strategies.tensor_parallel.sequence import (
+    OverlappedColumnProduct,
+    OverlappedRowProduct,
+    ReduceScatterSequence,
+    ShardDropout,
+)
 
 
 def _parameter(tensor):
@@ -44,19 +50,26 @@ class GridLinear(nn.Module):
 
 
 class MegatronLinear(nn.Module):
-    """A 1-D tensor-parallel linear: this rank's slice of W (and b) and the tensor group."""
+    """A 1-D tensor-parallel linear: this rank's slice of W (and b), the tensor group, and with
+    sequence parallelism the group's `sequence.SequenceRegion` (None: the activation is whole)."""
 
-    def __init__(self, weight, bias, layout):
+    def __init__(self, weight, bias, layout, region=None):
         super().__init__()
         self.weight, self.bias = _parameter(weight), _parameter(bias)
         self.communicator, self.group = layout.communicator, layout.group("tensor")
+        self.region = region
 
 
 class ColumnParallelLinear(MegatronLinear):
     """Megatron: W split by output rows. Its input's gradient is summed over the group by the f
-    after the norm that feeds it (`CopyToGroup`), once for all the column linears reading it."""
+    after the norm that feeds it (`CopyToGroup`), once for all the column linears reading it; with
+    sequence parallelism that norm's output is gathered along the sequence instead, and if the
+    gather is still in flight (strategy.tensor_overlap) this linear computes it chunk by chunk."""
 
     def forward(self, x):
+        pending = None if self.region is None else self.region.take(x)
+        if pending is not None:
+            return OverlappedColumnProduct.apply(x, self.weight, self.bias, pending)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -74,10 +87,17 @@ class CopyToGroup:
 
 
 class RowParallelLinear(MegatronLinear):
-    """Megatron: W split by input columns; partial outputs summed over the group (g)."""
+    """Megatron: W split by input columns; partial outputs summed over the group (g), or with
+    sequence parallelism summed and scattered along the sequence (chunked under the products with
+    strategy.tensor_overlap). The bias is added after the sum (once, not t times)."""
 
     def forward(self, x):
-        y = reduce_from_group(F.linear(x, self.weight), self.communicator, self.group)
+        if self.region is None:
+            y = reduce_from_group(F.linear(x, self.weight), self.communicator, self.group)
+        elif self.region.overlap:
+            y = OverlappedRowProduct.apply(x, self.weight, self.region)
+        else:
+            y = ReduceScatterSequence.apply(F.linear(x, self.weight), self.region)
         return y if self.bias is None else y + self.bias
 
 
@@ -111,20 +131,26 @@ class ParallelEmbedding(nn.Module):
 
     The tables hold [V, h/q] (replicated over the ranks that share the feature chunk: their
     gradients are summed by the strategy). The simplest correct split (§4 allows it).
+    With a sequence `region` (1-D sequence parallelism) only this rank's s/t positions are looked
+    up: the output is the sequence shard the blocks take, with no collective, and the tables'
+    gradients are partial (summed over the tensor group, `Grid1D.replicated_over`).
     """
 
-    def __init__(self, token, position, dropout, rows):
+    def __init__(self, token, position, dropout, rows, region=None):
         super().__init__()
         self.token = nn.Embedding.from_pretrained(token.clone(), freeze=False)
         self.position = None if position is None else nn.Embedding.from_pretrained(position.clone(), freeze=False)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(dropout) if region is None else ShardDropout(dropout, region)
         self.rows = rows  # (index, parts) of this data rank's sequences
+        self.region = region
 
     def forward(self, tokens):
         tokens = tokens.chunk(self.rows[1], dim=0)[self.rows[0]]
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        if self.region is not None:
+            tokens, positions = self.region.shard(tokens), self.region.shard(positions, dim=0)
         if self.position is None:
             return self.dropout(self.token(tokens))
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
         return self.dropout(self.token(tokens) + self.position(positions))
 
 

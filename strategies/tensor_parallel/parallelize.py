@@ -25,6 +25,7 @@ from strategies.tensor_parallel.layers import (
     RowParallelLinear,
     VocabularyParallelLoss,
 )
+from strategies.tensor_parallel.sequence import GatherToSequence, SequenceRegion, ShardDropout
 
 
 def block_plan(description) -> Dict[str, Style]:
@@ -86,26 +87,37 @@ def cut(grid, style: Style, name: str, full: torch.Tensor) -> torch.Tensor:
     return grid.cut(style, name, full)
 
 
-def parallel_module(module: nn.Module, style: Style, grid, layout, shard=None) -> nn.Module:
+def parallel_module(module: nn.Module, style: Style, grid, layout, shard=None, region=None) -> nn.Module:
     """The parallel form of one plain module, holding this rank's shards. `shard(path, leaf, full)`
-    gives the shard of the parameter at `path` (default: cut from the materialised `full`)."""
+    gives the shard of the parameter at `path` (default: cut from the materialised `full`).
+    `region`: the 1-D grid's sequence-parallel region (sequence.py), or None."""
     shard = shard or (lambda path, leaf, full: cut(grid, style, leaf, full))
     if style.kind == "embedding":
         position = getattr(module, "position", None)  # Llama has none: RoPE in every block
         return ParallelEmbedding(shard("token.weight", "weight", module.token.weight),
                                  None if position is None else shard("position.weight", "weight", position.weight),
-                                 getattr(getattr(module, "dropout", None), "p", 0.0), grid.input_rows())
+                                 getattr(getattr(module, "dropout", None), "p", 0.0), grid.input_rows(), region)
     weight = shard("weight", "weight", module.weight)
     bias = None if getattr(module, "bias", None) is None else shard("bias", "bias", module.bias)
     if style.kind == "norm":
         if grid.norm_family is None:  # 1-D: features whole, the plain LayerNorm / RMSNorm is right;
-            module.register_forward_hook(CopyToGroup(layout))  # its output feeds column linears
+            # its output feeds column linears: Megatron's f, or the sequence gather that replaces it
+            module.register_forward_hook(CopyToGroup(layout) if region is None else GatherToSequence(region))
             return module
         return ParallelNorm(weight, bias, module.eps, layout, grid.norm_family)
     if grid.name != "1d":
         return GridLinear(weight, bias, layout, grid.linear_specs(style.position))
     linear = ColumnParallelLinear if style.position == "first" else RowParallelLinear
-    return linear(weight, bias, layout)
+    return linear(weight, bias, layout, region)
+
+
+def shard_dropouts(block: nn.Module, region) -> None:
+    """A block's dropouts (GPT: after the attention's and the MLP's row-parallel products) act on the
+    sequence shard under sequence parallelism: each becomes a `ShardDropout` of the same p."""
+    for name, child in list(block.named_modules()):
+        if isinstance(child, nn.Dropout):
+            parent, _, leaf = name.rpartition(".")
+            setattr(block.get_submodule(parent) if parent else block, leaf, ShardDropout(child.p, region))
 
 
 def gradient_groups(model: nn.Module, plan, grid, layout) -> Dict[str, Tuple]:
@@ -119,17 +131,23 @@ def gradient_groups(model: nn.Module, plan, grid, layout) -> Dict[str, Tuple]:
 
 
 @torch.no_grad()
-def parallelize(model: nn.Module, layout, device=None, parts=None, loss_over_data: bool = True) -> TensorParallelForm:
+def parallelize(model: nn.Module, layout, device=None, parts=None, loss_over_data: bool = True,
+                sequence_parallel: bool = False, tensor_overlap: bool = False) -> TensorParallelForm:
     """Turn a plain GPT or Llama into its form on `layout.tensor_grid`, in place (torchtitan-style), part
     by part; parts still on meta are first materialised on `device` with their seeded values.
 
     `parts`: only these (default: every part the model holds; a pipeline rank holds its stages').
     `loss_over_data`: the loss is normalised over the whole data group's batch (gradients then
     summed over data); false: over this data rank's batch (a pipeline averages over data itself).
+    `sequence_parallel` (1-D only): the residual stream split along the sequence between the parallel
+    regions; `tensor_overlap`: its gathers and reduce-scatters chunked under the products (sequence.py).
     """
     if model.embed is not None and model.head is not None and model.head.output.weight is model.embed.token.weight:
         raise ValueError("model.tie_embeddings=true is not supported by tensor parallelism")
-    grid = grid_of(layout.tensor_grid, layout.degrees.tensor, layout.index("tensor"))
+    if tensor_overlap and not sequence_parallel:
+        raise ValueError("tensor_overlap chunks the sequence-parallel gathers and reduce-scatters: it needs sequence_parallel")
+    grid = grid_of(layout.tensor_grid, layout.degrees.tensor, layout.index("tensor"), sequence_parallel)
+    region = SequenceRegion(layout, overlap=tensor_overlap) if sequence_parallel else None
     parts = model.part_names() if parts is None else parts
     plan = plan_of_parts(parts, model)  # names found on meta: parts are materialised one by one below
     # A weights hook that reads shards (models/hf.py PartWeights.read_cut) fills each parameter's
@@ -146,7 +164,7 @@ def parallelize(model: nn.Module, layout, device=None, parts=None, loss_over_dat
                         f"{name}.{path}", full.shape, lambda t: cut(grid, style, leaf, t), device,
                         full.dtype))  # the master dtype, whatever the file's (bf16 checkpoints)
                 module = model.get_submodule(name)
-                replacement = parallel_module(module, style, grid, layout, shard)
+                replacement = parallel_module(module, style, grid, layout, shard, region)
                 if replacement is module and on_meta(module):  # kept whole (1-D norms): filled whole
                     model.weights(name, module.to_empty(device=device))
                 setattr(model.get_submodule(parent) if parent else model, child, replacement)
@@ -154,6 +172,8 @@ def parallelize(model: nn.Module, layout, device=None, parts=None, loss_over_dat
             attention = model.get_submodule(part).attention
             attention.heads, attention.kv_heads = (attention.heads // grid.head_parts,
                                                    attention.kv_heads // grid.head_parts)
+            if region is not None:
+                shard_dropouts(model.get_submodule(part), region)
     data = layout.group("data") if loss_over_data else None
     return TensorParallelForm(model, VocabularyParallelLoss(layout, grid, data),
                               gradient_groups(model, plan, grid, layout), grid)
@@ -165,10 +185,12 @@ def _check_grid(layout, expected: str):
                          f"got {layout.tensor_grid!r}")
 
 
-def parallelize_1d(model, layout, device=None) -> TensorParallelForm:
-    """Megatron 1-D: column-parallel linears (qkv, fc_in; q, k, v, gate, up) and head, row-parallel proj and fc_out."""
+def parallelize_1d(model, layout, device=None, sequence_parallel: bool = False,
+                   tensor_overlap: bool = False) -> TensorParallelForm:
+    """Megatron 1-D: column-parallel linears (qkv, fc_in; q, k, v, gate, up) and head, row-parallel
+    proj and fc_out; optionally sequence-parallel between them (Korthikanti et al. 2022 §4.2.2)."""
     _check_grid(layout, "1d")
-    return parallelize(model, layout, device)
+    return parallelize(model, layout, device, sequence_parallel=sequence_parallel, tensor_overlap=tensor_overlap)
 
 
 def parallelize_2d(model, layout, device=None) -> TensorParallelForm:

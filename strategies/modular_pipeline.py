@@ -21,7 +21,7 @@ from parallel.timing import EventClock
 from strategies.base import OwnedStepStrategy
 from strategies.checks import divisors, grid_errors, nearest_multiples
 from strategies.buckets import bucket_bytes
-from strategies.precision import activation_dtype
+from strategies.precision import MESSAGE_DTYPES, activation_dtype, message_dtype
 from strategies.recompute import backward_factor, recompute_errors
 from strategies.registry import StrategyEntry, consolidate_replicated
 from strategies.schedule.generators import ZERO_BUBBLE
@@ -29,7 +29,7 @@ from strategies.schedule import (FORWARD, POST_RECV_ACTIVATION, RECV_ACTIVATION,
                                  Timeline, add_communication, add_gradient_reductions, build_plan,
                                  execute, flop_cost, parse_action, plot_timeline, send_releases, simulate,
                                  validate_plan)
-from strategies.stages import Peers, StageWork, keep_local_stages
+from strategies.stages import BoundaryScatter, Peers, StageWork, keep_local_stages
 from strategies.tensor_parallel import consolidate as consolidate_tensor_grid
 from strategies.tensor_parallel import parallelize
 from strategies.tensor_parallel.grids import DIMENSION, layout_arguments
@@ -78,15 +78,18 @@ class ModularPipelineStrategy(OwnedStepStrategy):
     4. before the optimizer: wait for the data-parallel all-reduces and average.
     With `tensor_parallel` ("1d" | "2d" | "3d"), each stage's parts are cut by the tensor-parallel
     strategies' own functions over the layout's innermost axis; a stage boundary carries each grid
-    position's piece of the activation to the same position of the next stage (no gather).
+    position's piece of the activation to the same position of the next stage; a piece every tensor
+    rank holds whole (1-D) goes as 1/t slices, all-gathered on arrival (`scatter_gather`). Messages
+    travel in `message_dtype` (the compute dtype under mixed precision: StageWork).
     Children (ZeRO-layered, PipeFisher) override only the seams: how the plans are completed, how
     stage work is made, which plan a step runs, which handlers run which kinds, and the step's context.
     """
 
     def __init__(self, degrees: Layout, compute: Plan, layers_per_stage: int,
                  activation_dtype: torch.dtype = torch.float32, activation_recompute: str = "none",
-                 bucket_mb: float = 25.0, tensor_parallel: str = None, sequence_parallel: bool = False,
-                 tensor_overlap: bool = False, **kwargs):
+                 bucket_mb: float = 25.0, tensor_parallel: str = None, message_dtype: torch.dtype = None,
+                 scatter_gather: bool = False, sequence_parallel: bool = False, tensor_overlap: bool = False,
+                 **kwargs):
         super().__init__(degrees, **kwargs)
         # 1-D grid: the residual stream split along the sequence (its boundary piece [rows, s/t, h]),
         # the gathers and reduce-scatters chunked under the products (strategies/tensor_parallel/sequence.py)
@@ -95,6 +98,8 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         self.form = None  # the tensor-parallel form of this rank's parts (parallelize_parts)
         self.layers_per_stage = layers_per_stage
         self.activation_dtype = activation_dtype
+        self.message_dtype = message_dtype or activation_dtype  # what crosses a stage boundary
+        self.scatter_gather = scatter_gather  # 1/t of each message per tensor rank, gathered on arrival
         self.activation_recompute = activation_recompute  # none | full (strategies/recompute.py)
         self.bucket_mb = bucket_mb  # data-parallel all-reduce buckets (strategies/buckets.py)
         self.plan = self.complete_plan(compute)
@@ -125,7 +130,15 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         stages keep activations and bucket their gradient all-reduces (every StageWork takes them)."""
         return {"activation_dtype": self.activation_dtype, "scale_loss": self.scale_loss,
                 "activation_recompute": self.activation_recompute, "bucket_bytes": bucket_bytes(self.bucket_mb),
-                "tensor_form": self.form}
+                "tensor_form": self.form, "message_dtype": self.message_dtype, "scatter": self.boundary_scatter()}
+
+    def boundary_scatter(self):
+        """The tensor group a stage boundary's messages are scattered over (Narayanan et al. 2021
+        §4.1), or None: with `scatter_gather`, a grid and more than one stage. StageWork scatters only
+        where a grid position's piece is the whole activation (`StageWork._scatters`: the 1-D grid)."""
+        if not (self.scatter_gather and self.tensor_parallel and self.plan.pipeline_degree > 1):
+            return None
+        return BoundaryScatter(self.layout.group("tensor"), self.layout.index("tensor"))
 
     def plan_of_step(self, step: int) -> Plan:
         return self.plan
@@ -362,7 +375,7 @@ def check(cfg, world_size: int) -> list:
                       f"stages of strategy.layers_per_stage={strategy.layers_per_stage}, not a multiple of "
                       f"strategy.pipeline_degree={strategy.pipeline_degree}. Fix: model.layers="
                       f"{nearest_multiples(cfg.model.layers, unit)}.")
-    errors += sequence_errors(cfg, mode, tensor)
+    errors += message_errors(cfg) + sequence_errors(cfg, mode, tensor)
     if cfg.model.tie_embeddings and strategy.pipeline_degree > 1:
         errors.append("model.tie_embeddings=true puts one weight on the first and the last stage. "
                       "Fix: model.tie_embeddings=false for pipeline strategies.")
@@ -371,6 +384,15 @@ def check(cfg, world_size: int) -> list:
                       f"activation recomputation (strategy.activation_recompute={strategy.activation_recompute}) "
                       f"would rerun twice. Fix: strategy.activation_recompute=none, or strategy.schedule=one_f_one_b.")
     return errors or schedule_errors(cfg)
+
+
+def message_errors(cfg) -> list:
+    """strategy.message_dtype names a dtype choice. (Scattered 1-D messages split into t equal slices
+    of a [rows, length, hidden] tensor: grid_errors already asks model.hidden to be a multiple of t.)"""
+    if cfg.strategy.message_dtype in MESSAGE_DTYPES:
+        return []
+    return [f"strategy.message_dtype={cfg.strategy.message_dtype}: need one of {', '.join(MESSAGE_DTYPES)}. "
+            f"Fix: strategy.message_dtype=compute (bf16/fp16 messages under mixed precision) or fp32."]
 
 
 def check_recomputing(cfg, world_size: int) -> list:
@@ -397,11 +419,13 @@ def build(cfg, world_size: int):
 
 
 def pipeline_arguments(cfg) -> dict:
-    """The keyword arguments every pipeline strategy's constructor takes: the hardware group's, and
-    the tensor grid each stage is split over."""
+    """The keyword arguments every pipeline strategy's constructor takes: the hardware group's, the
+    tensor grid each stage is split over, and how stage-boundary messages travel."""
     return {"activation_dtype": activation_dtype(cfg.hardware.precision),
-            "process_group_backend": cfg.hardware.process_group_backend,
+            "message_dtype": message_dtype(cfg.hardware.precision, cfg.strategy.message_dtype),
+            "scatter_gather": cfg.strategy.scatter_gather,
             "sequence_parallel": cfg.strategy.sequence_parallel, "tensor_overlap": cfg.strategy.tensor_overlap,
+            "process_group_backend": cfg.hardware.process_group_backend,
             "tensor_parallel": tensor_parallel(cfg.strategy)}
 
 

@@ -20,6 +20,7 @@ from parallel.dims import Layout, tensor_ranks
 from parallel.timing import EventClock
 from strategies.base import OwnedStepStrategy
 from strategies.checks import divisors, grid_errors, nearest_multiples
+from strategies.distributed_optimizer import DistributedOptimizerSeams, distributed_optimizer_errors
 from strategies.buckets import bucket_bytes
 from strategies.precision import MESSAGE_DTYPES, activation_dtype, message_dtype
 from strategies.recompute import backward_factor, recompute_errors
@@ -66,7 +67,7 @@ def forward_only(plan: Plan) -> Plan:
     return Plan(rows, plan.stages, plan.micro_batches, plan.placement, plan.name + " (forward)")
 
 
-class ModularPipelineStrategy(OwnedStepStrategy):
+class ModularPipelineStrategy(DistributedOptimizerSeams, OwnedStepStrategy):
     """Pipeline × data parallelism running a plan from strategies/schedule.
 
     1. setup: keep this rank's stages (looping: stage c on rank c mod p), embedding with stage 0,
@@ -76,6 +77,8 @@ class ModularPipelineStrategy(OwnedStepStrategy):
        backward ends);
     3. the loss (on the last stage) is broadcast over the pipeline so every rank returns it;
     4. before the optimizer: wait for the data-parallel all-reduces and average.
+    With `distributed_optimizer`, reduce-scatters replace the all-reduces, the optimizer steps on this
+    data rank's 1/d of each bucket and the weights are all-gathered (strategies/distributed_optimizer.py).
     With `tensor_parallel` ("1d" | "2d" | "3d"), each stage's parts are cut by the tensor-parallel
     strategies' own functions over the layout's innermost axis; a stage boundary carries each grid
     position's piece of the activation to the same position of the next stage; a piece every tensor
@@ -89,8 +92,9 @@ class ModularPipelineStrategy(OwnedStepStrategy):
                  activation_dtype: torch.dtype = torch.float32, activation_recompute: str = "none",
                  bucket_mb: float = 25.0, tensor_parallel: str = None, message_dtype: torch.dtype = None,
                  scatter_gather: bool = False, sequence_parallel: bool = False, tensor_overlap: bool = False,
-                 **kwargs):
+                 distributed_optimizer: bool = False, **kwargs):
         super().__init__(degrees, **kwargs)
+        self.distributed_optimizer = distributed_optimizer  # ZeRO-1 over the data ranks (DistributedOptimizerSeams)
         # 1-D grid: the residual stream split along the sequence (its boundary piece [rows, s/t, h]),
         # the gathers and reduce-scatters chunked under the products (strategies/tensor_parallel/sequence.py)
         self.sequence_options = {"sequence_parallel": sequence_parallel, "tensor_overlap": tensor_overlap}
@@ -144,8 +148,10 @@ class ModularPipelineStrategy(OwnedStepStrategy):
         return self.plan
 
     def handlers(self) -> dict:
-        """Action kind -> handler for the executor."""
-        return self.work.handlers()
+        """Action kind -> handler for the executor (the distributed optimizer's reduce-scatters and
+        weight gathers in place of the all-reduces, when on)."""
+        handlers = self.work.handlers()
+        return handlers if self.sharded is None else self.sharded.handlers(handlers)
 
     def step_context(self, batch, step: int):
         """Entered around one training step's execution; nothing by default."""
@@ -229,6 +235,8 @@ class ModularPipelineStrategy(OwnedStepStrategy):
     @override
     def before_optimizer_step(self, optimizer) -> None:
         self.work.wait_for_reductions()
+        if self.sharded is not None:
+            self.sharded.wait_for_reductions()
 
     @override
     def validation_step(self, *args, **kwargs):
@@ -383,6 +391,7 @@ def check(cfg, world_size: int) -> list:
         errors.append(f"strategy.schedule={strategy.schedule} keeps each micro-batch's graph from I to W, which "
                       f"activation recomputation (strategy.activation_recompute={strategy.activation_recompute}) "
                       f"would rerun twice. Fix: strategy.activation_recompute=none, or strategy.schedule=one_f_one_b.")
+    errors += distributed_optimizer_errors(cfg)
     return errors or schedule_errors(cfg)
 
 
@@ -415,7 +424,8 @@ def build(cfg, world_size: int):
     return ModularPipelineStrategy(degrees(cfg, world_size), compute_plan(cfg.strategy, cfg.model.layers),
                                    cfg.strategy.layers_per_stage, **pipeline_arguments(cfg),
                                    activation_recompute=cfg.strategy.activation_recompute,
-                                   bucket_mb=cfg.strategy.bucket_mb)
+                                   bucket_mb=cfg.strategy.bucket_mb,
+                                   distributed_optimizer=cfg.strategy.distributed_optimizer)
 
 
 def pipeline_arguments(cfg) -> dict:

@@ -437,6 +437,9 @@ def unknown_key_problem(message: str, cause) -> str:
                 f"are cut into pipeline stages or split over a tensor grid once, before training, and a "
                 f"dropped or added block would unbalance them. Fix: strategy=l2l (or single, ddp) with "
                 f"{cause.full_key}={value}, or remove it.")
+    if group == "strategy" and str(cause.key) == "distributed_optimizer" and "name" in declared:
+        from strategies.distributed_optimizer import not_composed  # its reasons live with the technique
+        return f"Could not override '{cause.full_key}': {not_composed(cause.parent_node.name)}"
     fix = (f"{prefix}{close[0]}={value}" if close
            else f"remove {cause.full_key}={value} (the settings here: {', '.join(declared)})")
     return f"Could not override '{cause.full_key}': {owner} has no such setting. Fix: {fix}."

@@ -358,19 +358,26 @@ class PortableState:
 
     `entries`: (DCP key, plain shape, the local flat tensor, [Rectangle], dtype). `views()` gives
     each rectangle as a view of the local tensor (no copy): DCP saves from them through
-    `HostStagingPlanner` (one rectangle staged to the host at a time) and loads into them in place."""
+    `HostStagingPlanner` (one rectangle staged to the host at a time) and loads into them in place.
+    `optimizer_pieces` ({id(optimizer parameter): (name, model parameter, begin, end)}, the strategy's
+    `optimizer_pieces()`) names the optimizer parameters that hold a flat range of a model parameter
+    (the distributed optimizer's shards): their state is saved as that range's rectangles."""
 
-    def __init__(self, module, optimizers, layout, rank: int):
+    def __init__(self, module, optimizers, layout, rank: int, optimizer_pieces: dict = None):
         self.rank, self.entries, self.scalars = rank, [], {}
-        model = module.model
+        model, self.grid = module.model, _grid(layout)
         self.pieces = local_pieces(model, layout)
         names = {id(parameter): name for name, parameter in model.named_parameters()}
         for name, parameter in model.named_parameters():
             self._add(MODEL, name, parameter.data, parameter.dtype)
+        optimizer_pieces = optimizer_pieces or {}
         for optimizer in optimizers:
             for parameter in (p for group in optimizer.param_groups for p in group["params"]):
                 for key, value in optimizer.state.get(parameter, {}).items():
-                    self._add_state(names[id(parameter)], parameter, key, value)
+                    if id(parameter) in optimizer_pieces:
+                        self._add_range_state(*optimizer_pieces[id(parameter)], key, value)
+                    else:
+                        self._add_state(names[id(parameter)], parameter, key, value)
 
     def _add(self, prefix: str, name: str, values, dtype, suffix: str = "") -> None:
         if not values.is_contiguous():
@@ -388,6 +395,20 @@ class PortableState:
                 self.scalars[f"{OPTIMIZER}{piece.name}.{key}"] = value
         else:
             raise CheckpointError(f"optimizer state {key!r} of {name} ({type(value).__name__}) has no "
+                                  f"portable form: neither per element nor a scalar")
+
+    def _add_range_state(self, name: str, parameter, begin: int, end: int, key: str, value) -> None:
+        """State of an optimizer parameter holding flat elements [begin, end) of model parameter `name`."""
+        if isinstance(value, torch.Tensor) and value.numel() == end - begin and value.dim() > 0:
+            where = placement(name, parameter.shape, self.grid)
+            if not value.is_contiguous():
+                raise CheckpointError(f"{OPTIMIZER}{name}.{key} is not contiguous. Fix: keep optimizer state contiguous.")
+            self.entries.append((f"{OPTIMIZER}{name}.{key}", where.shape, value.view(-1),
+                                 rectangles(where, begin, end, base=-begin), value.dtype))  # element begin at 0
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            self.scalars[f"{OPTIMIZER}{name}.{key}"] = value  # one counter per parameter: equal on every holder
+        else:
+            raise CheckpointError(f"optimizer state {key!r} of {name}'s shard ({type(value).__name__}) has no "
                                   f"portable form: neither per element nor a scalar")
 
     def views(self, world_size: int) -> dict:
@@ -447,7 +468,7 @@ def save_portable(strategy, checkpoint: dict, path) -> None:
     path = Path(path)
     temporary = path.with_name(path.name + ".tmp")
     state = PortableState(strategy.lightning_module, strategy.optimizers, strategy_layout(strategy),
-                          strategy.global_rank)
+                          strategy.global_rank, strategy.optimizer_pieces())
     if strategy.global_rank == 0:
         import shutil
         shutil.rmtree(temporary, ignore_errors=True)
@@ -506,7 +527,8 @@ def load_portable(strategy, path) -> dict:
         strategy.lightning_module.grow_to(saved["model_depth"])
     optimizers = strategy.optimizers
     _initialise_optimizer_state(optimizers, saved.get("optimizer_state_keys", []))
-    state = PortableState(strategy.lightning_module, optimizers, strategy_layout(strategy), strategy.global_rank)
+    state = PortableState(strategy.lightning_module, optimizers, strategy_layout(strategy), strategy.global_rank,
+                          strategy.optimizer_pieces())
     try:
         dcp_load(state.views(strategy.world_size), path)  # in place: DCP copies each rectangle into its view
     except Exception as error:  # DCP's CheckpointException gathers every rank's failure, raised on all
@@ -570,6 +592,12 @@ class PortableCheckpoints:
 
     portable_resume = False  # set by the run before fit when it resumes from a portable checkpoint
     portable_resumed_step = None  # the global step a portable resume started from
+
+    def optimizer_pieces(self) -> dict:
+        """{id(optimizer parameter): (model parameter name, model parameter, begin, end)} for optimizer
+        parameters that hold a flat range of a model parameter (strategies/distributed_optimizer.py);
+        {}: the optimizer holds whole model parameters."""
+        return {}
 
     @property
     @override

@@ -38,16 +38,26 @@ def block_saved_bytes(workload: "Workload", tokens: float, flash: bool) -> float
     q, k, v (k and v kv_heads·d wide under GQA; Llama's after RoPE) and context (`_attention_saved`),
     the MLP's wide activations (`_mlp_saved`: GELU's input and output 2·ffn; SwiGLU's gate, silu(gate),
     up and their product 4·ffn), and with the math attention kernel the softmax probabilities
-    (heads × s per token). A 1-D grid keeps the residual stream whole on every rank; 2-D/3-D grids
-    split everything. (Dropout masks, 1 byte each, are left out.)"""
+    (heads × s per token; under GQA also K and V repeated per head, `_expanded_kv`), which
+    selective recomputation (`recompute_attention`) reruns instead (strategies/recompute.py: the
+    core keeps only q, k, v, counted here anyway). A 1-D grid keeps the residual stream whole on
+    every rank; 2-D/3-D grids split everything. (Dropout masks, 1 byte each, are left out.)"""
     shape, ranks = workload.shape, workload.tensor_ranks
     h = shape.hidden
-    scores = 0 if flash else workload.heads * shape.length
+    scores = 0 if flash or workload.recompute_attention else workload.heads * shape.length + _expanded_kv(shape)
     if workload.layout.tensor_grid in ("2d", "3d"):
         return grid_block_saved_elements(workload, tokens, scores) * workload.activation_bytes
     residual = len(shape.block.norms) * shape.norm_saves * h / (1 if workload.layout.tensor_grid == "1d" else ranks)
     split = (_attention_saved(shape) + _mlp_saved(shape) + scores) / ranks
     return ((residual + split) * tokens + shape.rotary_elements()) * workload.activation_bytes
+
+
+def _expanded_kv(shape) -> int:
+    """Per token: what the math attention kernel saves beyond q, k, v under grouped-query attention:
+    K and V repeated to every query head (its products save the repeated copies; measured with the
+    meter, tests/test_selective_recompute.py), 2·(heads − kv_heads)·d; 0 without GQA."""
+    block = shape.block
+    return 2 * (block.heads - block.kv_heads) * block.head_dim
 
 
 def _attention_saved(shape) -> int:
@@ -91,7 +101,8 @@ def block_extra_bytes(workload: "Workload", tokens: float) -> float:
     shape, ranks = workload.shape, workload.tensor_ranks
     h = shape.hidden
     norm_statistics = len(shape.block.norms) * shape.norm_vectors  # LayerNorm: mean, 1/σ; RMSNorm: 1/rms
-    statistics = tokens * (norm_statistics + workload.heads / ranks) * BYTES
+    log_sum_exp = 0 if workload.recompute_attention else workload.heads / ranks  # selective: rerun
+    statistics = tokens * (norm_statistics + log_sum_exp) * BYTES
     if workload.activation_bytes >= BYTES:
         return statistics
     # each norm's fp32 tensors: its input (LayerNorm), also its normalised input (RMSNorm)

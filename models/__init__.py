@@ -12,6 +12,7 @@ from models.llama import Llama, describe_llama_block
 from models.transformer import (
     Block,
     BlockDescription,
+    CoreAttention,
     LinearShape,
     describe_gpt_block,
     LanguageModel,
@@ -51,6 +52,6 @@ def build_model(architecture: str, **kwargs) -> LanguageModel:
 
 
 __all__ = [
-    "ARCHITECTURES", "BERT", "Block", "BlockDescription", "GPT", "Llama", "LinearShape", "block_of", "describe_block", "LanguageModel", "build_block", "build_model",
+    "ARCHITECTURES", "BERT", "Block", "BlockDescription", "CoreAttention", "GPT", "Llama", "LinearShape", "block_of", "describe_block", "LanguageModel", "build_block", "build_model",
     "initialize_block", "layer_drop_mask", "model_flops_per_token", "on_meta", "parameter_count",
 ]

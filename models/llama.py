@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.transformer import BlockDescription, LanguageModel, LinearShape
+from models.transformer import BlockDescription, CoreAttention, LanguageModel, LinearShape
 
 
 def describe_llama_block(hidden: int, heads: int, kv_heads: int = None, ffn_hidden: int = None,
@@ -68,8 +68,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class GroupedQueryAttention(nn.Module):
     """Causal attention with `kv_heads` key/value heads shared by groups of heads/kv_heads queries.
 
-    q = rope(q(x)), k = rope(k(x)), v = v(x) split into heads; y = softmax(q kᵀ/√d) v with each
-    kv head serving its group (scaled_dot_product_attention's enable_gqa: K/V not repeated);
+    q = rope(q(x)), k = rope(k(x)), v = v(x) split into heads; y = core_attention(q, k, v) =
+    softmax(q kᵀ/√d) v with each kv head serving its group (scaled_dot_product_attention's
+    enable_gqa: K/V not repeated);
     out = proj(merge(y)). `heads`/`kv_heads` are the heads this module holds: tensor parallelism
     keeps a contiguous share of both (strategies/tensor_parallel), the widths follow.
     """
@@ -87,6 +88,7 @@ class GroupedQueryAttention(nn.Module):
         self.q = nn.Linear(hidden, heads * self.head_dim, bias=qkv_bias)
         self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
         self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
+        self.core_attention = CoreAttention(causal=True)
         self.proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,8 +101,7 @@ class GroupedQueryAttention(nn.Module):
         # [b, s, n, d] -> [b, n, s, d], the layout scaled_dot_product_attention expects
         query, key, value = (apply_rotary(query, cos, sin).transpose(1, 2),
                              apply_rotary(key, cos, sin).transpose(1, 2), value.transpose(1, 2))
-        y = F.scaled_dot_product_attention(query, key, value, is_causal=True,
-                                           enable_gqa=self.kv_heads != self.heads)
+        y = self.core_attention(query, key, value)
         return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 

@@ -156,11 +156,30 @@ class Embedding(nn.Module):
         return self.dropout(self.token(tokens) + self.position(positions))
 
 
+class CoreAttention(nn.Module):
+    """The core attention, y = softmax(q kᵀ / sqrt(d) [causal mask]) v per head: Q·Kᵀ, the softmax and
+    scores·V, on q[b, heads, s, d] and k, v[b, kv_heads, s, d]. No weights, no dropout.
+
+    Its own (parameter-free) module so that a strategy can treat it on its own: selective activation
+    recomputation (Korthikanti et al. 2022 §5; strategies/recompute.py) reruns just this in the
+    backward rather than keeping its tensors. Grouped-query attention when k and v hold fewer heads
+    than q, read off the shapes: a tensor-parallel rank holds a share of both.
+    """
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=self.causal,
+                                              enable_gqa=key.shape[1] != query.shape[1])
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with a fused query/key/value projection.
 
-    q, k, v = split(qkv(x)) into heads; y = softmax(q kᵀ / sqrt(d)) v (causal mask for GPT);
-    out = dropout(proj(merge heads(y))).
+    q, k, v = split(qkv(x)) into heads; y = core_attention(q, k, v) = softmax(q kᵀ / sqrt(d)) v
+    (causal mask for GPT); out = dropout(proj(merge heads(y))).
     """
 
     def __init__(self, hidden: int, heads: int, dropout: float, causal: bool):
@@ -170,6 +189,7 @@ class Attention(nn.Module):
         self.heads = self.kv_heads = heads
         self.causal = causal
         self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.core_attention = CoreAttention(causal)
         self.proj = nn.Linear(hidden, hidden)
         # Dropout on the output only, as an nn.Dropout: scaled_dot_product_attention's dropout_p
         # would draw from the global RNG inside a fused kernel, which RNG replay cannot reproduce.
@@ -181,7 +201,7 @@ class Attention(nn.Module):
         # come from `heads`, not x: a tensor-parallel rank holds fewer heads (and features of x).
         query, key, value = (t.view(batch, length, self.heads, -1).transpose(1, 2)
                              for t in self.qkv(x).chunk(3, dim=-1))
-        y = F.scaled_dot_product_attention(query, key, value, is_causal=self.causal)
+        y = self.core_attention(query, key, value)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(batch, length, -1)))
 
 

@@ -23,7 +23,7 @@ from strategies.checks import divisors, grid_errors, nearest_multiples
 from strategies.distributed_optimizer import DistributedOptimizerSeams, distributed_optimizer_errors
 from strategies.buckets import bucket_bytes
 from strategies.precision import MESSAGE_DTYPES, activation_dtype, message_dtype
-from strategies.recompute import backward_factor, recompute_errors
+from strategies.recompute import attention_share_of, backward_factor, recompute_errors
 from strategies.registry import StrategyEntry, consolidate_replicated
 from strategies.schedule.generators import ZERO_BUBBLE
 from strategies.schedule import (FORWARD, POST_RECV_ACTIVATION, RECV_ACTIVATION, SEND_ACTIVATION, Plan,
@@ -90,6 +90,7 @@ class ModularPipelineStrategy(DistributedOptimizerSeams, OwnedStepStrategy):
 
     def __init__(self, degrees: Layout, compute: Plan, layers_per_stage: int,
                  activation_dtype: torch.dtype = torch.float32, activation_recompute: str = "none",
+                 attention_share: float = 0.0,
                  bucket_mb: float = 25.0, tensor_parallel: str = None, message_dtype: torch.dtype = None,
                  scatter_gather: bool = False, sequence_parallel: bool = False, tensor_overlap: bool = False,
                  distributed_optimizer: bool = False, **kwargs):
@@ -104,7 +105,8 @@ class ModularPipelineStrategy(DistributedOptimizerSeams, OwnedStepStrategy):
         self.activation_dtype = activation_dtype
         self.message_dtype = message_dtype or activation_dtype  # what crosses a stage boundary
         self.scatter_gather = scatter_gather  # 1/t of each message per tensor rank, gathered on arrival
-        self.activation_recompute = activation_recompute  # none | full (strategies/recompute.py)
+        self.activation_recompute = activation_recompute  # none | selective | full (strategies/recompute.py)
+        self.attention_share = attention_share  # what selective reruns, in forwards (recompute.attention_share)
         self.bucket_mb = bucket_mb  # data-parallel all-reduce buckets (strategies/buckets.py)
         self.plan = self.complete_plan(compute)
         self.validation_plan = self.forward_plan(compute)
@@ -285,9 +287,10 @@ class ModularPipelineStrategy(DistributedOptimizerSeams, OwnedStepStrategy):
         self.timed_bubbles.append((timeline.bubble_fraction, self.metered))
 
     def simulated_timeline(self) -> Timeline:
-        """Uniform layers, backward twice the forward (three times with activation recomputation):
-        the cost model the measurement is held to."""
-        return simulate(self.plan, flop_cost(1.0, 1.0, backward_factor=backward_factor(self.activation_recompute)))
+        """Uniform layers, backward twice the forward (three times with full activation recomputation,
+        2 + the core attention's share with selective): the cost model the measurement is held to."""
+        return simulate(self.plan, flop_cost(1.0, 1.0, backward_factor=backward_factor(self.activation_recompute,
+                                                                                 self.attention_share)))
 
     @override
     def bubble_fraction(self) -> dict:
@@ -387,10 +390,12 @@ def check(cfg, world_size: int) -> list:
     if cfg.model.tie_embeddings and strategy.pipeline_degree > 1:
         errors.append("model.tie_embeddings=true puts one weight on the first and the last stage. "
                       "Fix: model.tie_embeddings=false for pipeline strategies.")
-    if strategy.schedule in ZERO_BUBBLE and getattr(strategy, "activation_recompute", "none") != "none":
+    # selective passes: the core attention has no weights, so only I reruns it (tests/test_selective_recompute.py)
+    if strategy.schedule in ZERO_BUBBLE and getattr(strategy, "activation_recompute", "none") == "full":
         errors.append(f"strategy.schedule={strategy.schedule} keeps each micro-batch's graph from I to W, which "
                       f"activation recomputation (strategy.activation_recompute={strategy.activation_recompute}) "
-                      f"would rerun twice. Fix: strategy.activation_recompute=none, or strategy.schedule=one_f_one_b.")
+                      f"would rerun twice. Fix: strategy.activation_recompute=none or selective, or "
+                      f"strategy.schedule=one_f_one_b.")
     errors += distributed_optimizer_errors(cfg)
     return errors or schedule_errors(cfg)
 
@@ -424,6 +429,7 @@ def build(cfg, world_size: int):
     return ModularPipelineStrategy(degrees(cfg, world_size), compute_plan(cfg.strategy, cfg.model.layers),
                                    cfg.strategy.layers_per_stage, **pipeline_arguments(cfg),
                                    activation_recompute=cfg.strategy.activation_recompute,
+                                   attention_share=attention_share_of(cfg),
                                    bucket_mb=cfg.strategy.bucket_mb,
                                    distributed_optimizer=cfg.strategy.distributed_optimizer)
 

@@ -1,4 +1,4 @@
-"""Activation recomputation (`strategy.activation_recompute`): each block keeps only its input.
+"""Activation recomputation (`strategy.activation_recompute`): what a block keeps for its backward.
 
 `full` runs every block's forward under torch.utils.checkpoint (non-reentrant, RNG state
 preserved): the forward saves nothing inside the block, and the backward recomputes the block from
@@ -6,16 +6,29 @@ its input with the same dropout masks before differentiating it, so gradients ar
 plain model. Compute rises from F + 2F to F + 3F per block (docs/strategies/modular_pipeline.md: 8 instead of 6
 FLOP/param/token); a block's working activations are held for one block at a time.
 
-The block's `forward` is replaced on the instance rather than the block wrapped in another module,
+`selective` (Korthikanti et al. 2022 §5; Megatron-LM's `--recompute-granularity selective`) does the
+same to the core attention only (models.CoreAttention: Q·Kᵀ, softmax, scores·V, no weights): the
+rest of the block keeps its activations; the core keeps only its inputs q, k, v, which the
+projections around it save anyway. What it no longer keeps: with the math kernel the s × s
+probabilities per head (and, in a model with attention dropout, its mask and output); with a
+fused (flash) kernel only the log-sum-exp (the output is the projection's saved input). The
+backward reruns the core's forward, `attention_share` of a block's forward.
+
+The module's `forward` is replaced on the instance rather than the module wrapped in another,
 so parameter names, checkpoints and flat shards are unchanged; models/ stays plain. The recompute
-reads the block's weights when the backward runs: under ZeRO those are the re-gathered ones.
+reads the block's weights when the backward runs: under ZeRO those are the re-gathered ones (the
+core has none).
 """
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-MODES = ("none", "full")
-BACKWARD_FACTORS = {"none": 2.0, "full": 3.0}  # backward cost in forwards: 2, plus one recomputation
+from models import BlockDescription, CoreAttention, block_of
+
+MODES = ("none", "selective", "full")
+# Backward cost in forwards: 2, plus one recomputation under `full`; under `selective`, 2 plus
+# `attention_share` (the core attention's forward), which depends on the shape (`backward_factor`).
+BACKWARD_FACTORS = {"none": 2.0, "full": 3.0}
 
 
 def recompute_errors(strategy_config) -> list:
@@ -24,16 +37,34 @@ def recompute_errors(strategy_config) -> list:
     if mode in MODES:
         return []
     return [f"strategy.activation_recompute={mode!r} is unknown. Fix: strategy.activation_recompute="
-            f"none (keep every block's activations) or full (keep only each block's input)."]
+            f"none (keep every block's activations), selective (rerun only the core attention) or "
+            f"full (keep only each block's input)."]
 
 
-def backward_factor(activation_recompute: str) -> float:
-    """Cost of a backward in forwards, for the simulator's flop_cost."""
+def attention_share(block: BlockDescription, sequence_length: int) -> float:
+    """The core attention's share of a block's forward FLOPs: per token, Q·Kᵀ and scores·V cost
+    2·s·(heads·d) each = 4·s·h (h = heads·d; the causal mask not discounted, as PaLM's count in
+    models.model_flops_per_token and cost/step_time.py's core_attention_seconds), the linears
+    2·W (W = block.matmul_weights()): share = 4sh / (2W + 4sh). GPT (W = 12h²): s / (6h + s)."""
+    attention = 4 * sequence_length * block.hidden
+    return attention / (2 * block.matmul_weights() + attention)
+
+
+def attention_share_of(cfg) -> float:
+    """`attention_share` of the configured model's block at the configured sequence length."""
+    return attention_share(block_of(cfg.model), cfg.data.sequence_length)
+
+
+def backward_factor(activation_recompute: str, attention_share: float = 0.0) -> float:
+    """Cost of a backward in forwards, for the simulator's flop_cost: 2 (none), 3 (full), or
+    2 + the core attention's share of the forward (selective: `attention_share`)."""
+    if activation_recompute == "selective":
+        return BACKWARD_FACTORS["none"] + attention_share
     return BACKWARD_FACTORS[activation_recompute]
 
 
 class RecomputedForward:
-    """A block's own forward, run under checkpoint whenever autograd records (training)."""
+    """A module's own forward, run under checkpoint whenever autograd records (training)."""
 
     def __init__(self, forward):
         self.forward = forward
@@ -44,10 +75,24 @@ class RecomputedForward:
         return checkpoint(self.forward, *arguments, use_reentrant=False, preserve_rng_state=True)
 
 
+def recomputed_modules(block, activation_recompute: str) -> list:
+    """The modules of `block` whose forward reruns in the backward: the block itself (full) or its
+    core attention (selective)."""
+    if activation_recompute == "full":
+        return [block]
+    cores = [module for module in block.modules() if isinstance(module, CoreAttention)]
+    if not cores:
+        raise ValueError(f"strategy.activation_recompute=selective: block {type(block).__name__} has no "
+                         f"models.CoreAttention to rerun. Fix: strategy.activation_recompute=full or none.")
+    return cores
+
+
 def apply_activation_recompute(model, activation_recompute: str) -> None:
-    """Under `full`, make each of the model's blocks (those this rank holds) recompute in the backward."""
+    """Under `full` or `selective`, make each of the model's blocks (those this rank holds)
+    recompute its whole forward, or its core attention's, in the backward."""
     if activation_recompute == "none":
         return
     for block in model.blocks.values():
-        if not isinstance(block.forward, RecomputedForward):  # applied once: Lightning may set up twice
-            block.forward = RecomputedForward(block.forward)
+        for module in recomputed_modules(block, activation_recompute):
+            if not isinstance(module.forward, RecomputedForward):  # applied once: Lightning may set up twice
+                module.forward = RecomputedForward(module.forward)

@@ -18,6 +18,7 @@ from typing_extensions import override
 from parallel.dims import Layout
 from strategies import modular_pipeline
 from strategies.modular_pipeline import ModularPipelineStrategy, compute_plan, forward_only
+from strategies.recompute import attention_share_of
 from strategies.schedule import BACKWARD, FINISH, FORWARD, validate_plan
 from strategies.schedule.zero import (GATHER_BACKWARD, GATHER_FORWARD, GATHER_WEIGHT, REDUCE_SCATTER, add_weight_gathers,
                                       add_zero)
@@ -253,7 +254,8 @@ def build(cfg, world_size: int):
     return ZeroLayeredStrategy(degrees(cfg, world_size),
                                compute_plan(cfg.strategy, cfg.model.layers), cfg.strategy.layers_per_stage,
                                **modular_pipeline.pipeline_arguments(cfg),
-                               activation_recompute=cfg.strategy.activation_recompute)
+                               activation_recompute=cfg.strategy.activation_recompute,
+                               attention_share=attention_share_of(cfg))
 
 
 def consolidate(rank_state_dicts: list, layout: dict) -> dict:

@@ -1,4 +1,5 @@
-"""Activation recomputation (`strategy.activation_recompute=full`) changes memory, not numbers.
+"""Activation recomputation (`strategy.activation_recompute=full`) changes memory, not numbers
+(`selective`, the core attention alone: tests/test_selective_recompute.py).
 
 Each strategy that keeps block activations runs with `none` and with `full` under dropout (so the
 replayed RNG state matters): losses and parameters are bit-identical, because the recomputed forward
@@ -71,9 +72,10 @@ def test_full_recompute_lowers_the_peak_of_an_eight_block_pipeline(tmp_path):
 def test_unknown_recompute_mode_names_the_field_and_the_fix():
     for strategy in ("single", "modular_pipeline", "zero_layered"):
         with pytest.raises(ConfigError) as caught:
-            validate(compose_config(f"strategy={strategy}", "strategy.activation_recompute=selective"))
-        assert "strategy.activation_recompute='selective' is unknown" in str(caught.value)
+            validate(compose_config(f"strategy={strategy}", "strategy.activation_recompute=partial"))
+        assert "strategy.activation_recompute='partial' is unknown" in str(caught.value)
         assert "Fix: strategy.activation_recompute=none" in str(caught.value)
+        assert "selective (rerun only the core attention)" in str(caught.value)
 
 
 def test_simulator_costs_a_recomputed_backward_as_three_forwards():

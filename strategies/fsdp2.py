@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from parallel.dims import Layout
 from strategies.hooks import RunHooks
+from strategies.compile import compiles
 from strategies.registry import StrategyEntry
 from strategies.checkpoint.safe_load import dcp_load, load_torch_file
 
@@ -149,4 +150,4 @@ def build(cfg, world_size: int):
                          process_group_backend=cfg.hardware.process_group_backend)
 
 
-FSDP2 = StrategyEntry(check=check, degrees=degrees, build=build)  # not priced by plan mode: zero_layered is
+FSDP2 = StrategyEntry(check=check, degrees=degrees, build=build, eager_blocks=compiles)  # not priced by plan mode: zero_layered is

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from parallel.memory import ComputeMemoryMeter
+from strategies.compile import apply_compile
 from parallel.timing import allocator_peak_bytes, reset_allocator_peak
 
 
@@ -42,6 +43,14 @@ class RunHooks:
     setup_allocator_peak_bytes = None  # the same from the CUDA caching allocator (None elsewhere)
     measuring = True  # whether this step is timed (RunEvidence sets it; outside a run every step is)
     metered = False  # whether the compute-memory meter watches this step (its dispatch mode slows the host)
+
+    compile_blocks = False  # trainer.compile: the run says so through enable_compile
+    compiled_blocks = 0  # blocks this rank compiled
+
+    def enable_compile(self, compile_blocks: bool) -> None:
+        """trainer.compile: compile each block this rank materialises (validation already refused a
+        strategy whose registry entry declares its blocks eager)."""
+        self.compile_blocks = compile_blocks
 
     step_loss_listener = None  # output -> None: the run's evidence issues the step's exchange there
 
@@ -92,6 +101,8 @@ class RunHooks:
             self.materialise_model(task.model)
         self.setup_peak_bytes = meter.peak_bytes
         self.setup_allocator_peak_bytes = allocator_peak_bytes(self.root_device)
+        if self.compile_blocks:  # lazily: each block's first call traces it (strategies/compile.py)
+            self.compiled_blocks = apply_compile(task.model, self.root_device.type)
         self.model_materialised = True
 
     def materialise_model(self, model) -> None:

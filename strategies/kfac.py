@@ -25,6 +25,7 @@ from parallel.layout import ParallelLayout
 from strategies.hooks import RunHooks
 from strategies.checkpoint.portable import PortableCheckpoints
 from strategies.plain import one_process_device
+from strategies.compile import KFAC_HOOKS, always_eager
 from strategies.registry import StrategyEntry
 from strategies.tensor_parallel.layers import MegatronLinear
 from strategies.tensor_parallel.parallelize import BLOCK_PLAN
@@ -351,4 +352,5 @@ def build(cfg, world_size: int):
                         one_process_device(cfg.hardware.accelerator), cfg.strategy.factor_blocks)
 
 
-KFAC_ORACLE = StrategyEntry(check=check, degrees=degrees, build=build, one_process=True, scales_fp16_loss=False)
+KFAC_ORACLE = StrategyEntry(check=check, degrees=degrees, build=build, one_process=True, scales_fp16_loss=False,
+                           eager_blocks=always_eager(KFAC_HOOKS))

@@ -24,6 +24,7 @@ from strategies.distributed_optimizer import DistributedOptimizerSeams, distribu
 from strategies.buckets import bucket_bytes
 from strategies.precision import MESSAGE_DTYPES, activation_dtype, message_dtype
 from strategies.recompute import attention_share_of, backward_factor, recompute_errors
+from strategies.compile import pipeline_eager_blocks
 from strategies.registry import StrategyEntry, consolidate_replicated
 from strategies.schedule.generators import ZERO_BUBBLE
 from strategies.schedule import (FORWARD, POST_RECV_ACTIVATION, RECV_ACTIVATION, SEND_ACTIVATION, Plan,
@@ -459,4 +460,4 @@ def consolidate(rank_state_dicts: list, layout: dict) -> dict:
 
 
 PIPELINE = StrategyEntry(check=check_recomputing, degrees=degrees, build=build, consolidate=consolidate,
-                         planned_as="pipeline")
+                         planned_as="pipeline", eager_blocks=pipeline_eager_blocks)

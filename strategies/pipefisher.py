@@ -19,6 +19,7 @@ from strategies.modular_pipeline import ModularPipelineStrategy
 from strategies.schedule import FORWARD, plot_timeline, simulate, validate_plan
 from models import block_of
 from strategies.schedule import curvature as units
+from strategies.compile import KFAC_HOOKS, always_eager
 from strategies.registry import StrategyEntry
 from strategies.stages import stage_blocks
 
@@ -211,4 +212,4 @@ def build(cfg, world_size: int):
 
 PIPEFISHER = StrategyEntry(check=check, degrees=modular_pipeline.degrees, build=build,
                            consolidate=modular_pipeline.consolidate, scales_fp16_loss=False,
-                           planned_as="pipefisher")
+                           planned_as="pipefisher", eager_blocks=always_eager(KFAC_HOOKS))

@@ -17,6 +17,7 @@ from parallel.layout import ParallelLayout
 from strategies.hooks import RunHooks
 from strategies.checkpoint.portable import PortableCheckpoints
 from strategies.recompute import apply_activation_recompute, recompute_errors
+from strategies.compile import compiles
 from strategies.registry import StrategyEntry
 
 
@@ -118,5 +119,6 @@ def build_ddp(cfg, world_size: int) -> "CountedDDPStrategy":
 
 
 SINGLE = StrategyEntry(check=check, degrees=degrees, build=build_single, one_process=True,
-                       clips_gradients=True, planned_as="whole_model")
-DDP = StrategyEntry(check=check, degrees=degrees, build=build_ddp, clips_gradients=True, planned_as="whole_model")
+                       clips_gradients=True, planned_as="whole_model", eager_blocks=compiles)
+DDP = StrategyEntry(check=check, degrees=degrees, build=build_ddp, clips_gradients=True, planned_as="whole_model",
+                    eager_blocks=compiles)

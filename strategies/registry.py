@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from parallel.dims import Layout
+from strategies.compile import NOT_DECLARED, always_eager
 
 
 def consolidate_replicated(rank_state_dicts: list, layout: dict) -> dict:
@@ -50,6 +51,10 @@ class StrategyEntry:
     # and "whole_model" (the one-stage pipeline each equals: its grid, or none), "relay" (L2L's, in
     # closed form), "pipefisher" (the pipeline plus K-FAC packed into its bubbles); None: not priced.
     planned_as: str = None
+    # trainer.compile=true (strategies/compile.py): eager_blocks(cfg) -> why this strategy's blocks run
+    # eager under this config, or None when each block compiles (the embedding, head and the
+    # strategy's own schedule, hooks and collectives always run eager: regional compilation).
+    eager_blocks: Callable = always_eager(NOT_DECLARED)
 
 
 # strategy.name -> (module, entry attribute). Modules import lazily: `--help` and config checks of

@@ -16,6 +16,7 @@ from strategies.base import LayerwiseStrategy
 from strategies.buckets import sum_over_groups
 from strategies.checks import grid_errors
 from strategies.recompute import apply_activation_recompute, recompute_errors
+from strategies.compile import TENSOR_GRID, always_eager
 from strategies.registry import StrategyEntry
 from strategies.tensor_parallel import consolidate as consolidate_form
 from strategies.tensor_parallel import parallelize_1d, parallelize_2d, parallelize_3d
@@ -144,4 +145,4 @@ def build(cfg, world_size: int):
 
 
 TENSOR_PARALLEL = StrategyEntry(check=check, degrees=degrees, build=build, consolidate=consolidate_form,
-                                planned_as="tensor_grid")
+                                planned_as="tensor_grid", eager_blocks=always_eager(TENSOR_GRID))

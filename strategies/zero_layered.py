@@ -24,6 +24,7 @@ from strategies.schedule.zero import (GATHER_BACKWARD, GATHER_FORWARD, GATHER_WE
                                       add_zero)
 from strategies.buckets import sum_over_groups
 from strategies.checks import divisors
+from strategies.compile import pipeline_eager_blocks
 from strategies.registry import StrategyEntry
 from strategies.sharding import FlatShard, ShardContainer, unshard
 from strategies.stages import Peers, StageWork, keep_local_stages, stage_parameter_names, stage_part_names
@@ -278,4 +279,4 @@ def unshard_over_data(states: list) -> dict:
 
 
 ZERO_LAYERED = StrategyEntry(check=check, degrees=degrees, build=build, consolidate=consolidate,
-                             planned_as="pipeline")
+                             planned_as="pipeline", eager_blocks=pipeline_eager_blocks)

@@ -487,6 +487,9 @@ class RunEvidence(pl.Callback):
         bubble = trainer.strategy.bubble_fraction()
         if bubble is not None:
             summary["bubble_fraction"] = bubble
+        for recorded in ("compile", "profile"):  # trainer.compile's counts, trainer.profile_steps' files
+            if self.history.get(recorded):  # (layerwise/run/compiled.py, layerwise/run/profile.py)
+                summary[recorded] = self.history[recorded]
         summary.update(extra)
         write_json_atomically(self.run_directory / "summary.json", summary)
         return summary

@@ -124,6 +124,7 @@ def build_trainer(cfg, run_directory: Path, world_size: int, strategy, evidence)
     # the watchdog first: after a hang its on_exception parks this rank until the watchdog ends it
     last = LastCheckpoint(checkpoint_path(run_directory), cfg.trainer.checkpoint_every_n_steps)
     callbacks = [HangWatch(cfg, run_directory, world_size, evidence, cfg.hardware.devices_per_node),
+                 *run_records(cfg, run_directory, evidence),  # before the evidence, which writes what they record
                  evidence,  # the guard before the checkpoint: a non-finite step is never saved
                  NonFiniteGuard(cfg.trainer.skip_nonfinite_steps, evidence, checkpoint_path(run_directory)),
                  last,  # then the agreed stop: SIGTERM/SIGINT/SIGHUP save at the step boundary, its flag
@@ -152,6 +153,18 @@ def build_trainer(cfg, run_directory: Path, world_size: int, strategy, evidence)
         gradient_clip_val=cfg.trainer.gradient_clip_val or None,
         log_every_n_steps=cfg.trainer.log_every_n_steps, default_root_dir=str(run_directory),
         plugins=[AtomicCheckpointIO()] + precision_plugins + slurm_plugins(strategy), accumulate_grad_batches=1)
+
+
+def run_records(cfg, run_directory: Path, evidence) -> list:
+    """The callbacks of trainer.compile (graphs counted) and trainer.profile_steps (traces written)."""
+    records = []
+    if cfg.trainer.compile:
+        from layerwise.run.compiled import CompileRecord
+        records.append(CompileRecord(evidence))
+    if cfg.trainer.profile_steps:
+        from layerwise.run.profile import StepProfiler
+        records.append(StepProfiler(run_directory, cfg.trainer.profile_steps, evidence, compiled=cfg.trainer.compile))
+    return records
 
 
 def precision_arguments(hardware) -> tuple:
@@ -201,8 +214,13 @@ def _fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:
     layout = {**layout_of(cfg, world_size).as_dict(), "order": list(RANK_ORDER)}  # tensor innermost
     evidence = RunEvidence(run_directory, cfg, world_size, layout,
                            progress_lines=not show_bar(cfg) and cfg.trainer.progress != "none",
-                           flags=slurm_step_flags())
-    trainer = build_trainer(cfg, run_directory, world_size, entry.build(cfg, world_size), evidence)
+                           flags=slurm_step_flags(),
+                           # the meter is a TorchDispatchMode, which compiled code refuses (dynamo: "non-infra
+                           # torch dispatch mode present"): a compiled run measures the allocator's peak only
+                           measure_memory=not cfg.trainer.compile)
+    strategy = entry.build(cfg, world_size)
+    strategy.enable_compile(cfg.trainer.compile)  # validation refused it where the blocks cannot compile
+    trainer = build_trainer(cfg, run_directory, world_size, strategy, evidence)
     for logger in trainer.loggers:  # the resolved config is logged at creation; add the layout
         logger.log_hyperparams({"layout": layout, "world_size": world_size})
     resume_from = checkpoint_path(run_directory)

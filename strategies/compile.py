@@ -1,0 +1,120 @@
+"""`trainer.compile=true`: each transformer block compiled once, regionally, as torchtitan does.
+
+torchtitan (`torchtitan/models/llama3/infra/parallelize.py`, `apply_compile`) compiles every
+transformer block on its own rather than the whole model: blocks are identical in code and shapes,
+so one graph serves all of them (dynamo treats the parameters of an inlined module as inputs), the
+compile time is one block's, and everything around the blocks (embedding, head, loss, the
+strategy's schedule, hooks and collectives) stays ordinary Python. Here:
+
+1. `apply_compile(model)` calls `nn.Module.compile` on each block this rank holds: the module keeps
+   its parameter names (no `_orig_mod.` wrapper), so checkpoints, flat shards and the pipeline's
+   stage partition are unchanged. Compilation is lazy: the first call traces, so a strategy that
+   later replaces a block's `forward` (activation recomputation, strategies/recompute.py) before the
+   first step gets that forward compiled, `checkpoint` included (torchtitan applies AC first too);
+2. `fullgraph=True`: a graph break inside a block is an error, never a silent eager island;
+   `dynamic=False`: a micro-batch shape is a graph (a new shape adds one, counted);
+3. dropout: inductor's own random numbers differ from eager's; `fallback_random` makes compiled
+   dropout draw from eager's generator in eager's order, so compiled equals eager (TORCH.md: 4.8e-7);
+4. `donated_buffer = False`: a block whose backward runs twice over one graph (retain_graph) would
+   otherwise raise "compiled with non-empty donated buffers" (TORCH.md);
+5. on CPU, `compile_threads = 1`: inductor compiles in the rank's own process instead of a pool of
+   worker processes. CPU ranks are forked (layerwise/run/launch.py), and a rank forked from a
+   process that had started the pool (a one-process compiled run before it, as in a test session or
+   a sweep) waited forever on the parent's workers (measured: a 2-rank ddp run hung > 600 s after a
+   compiled `single` in the same process). GPU ranks are spawned and keep inductor's pool.
+
+What a strategy cannot compile is declared, with the reason, by its registry entry's
+`eager_blocks(cfg)` (strategies/registry.py); where nothing would compile, validation refuses
+`trainer.compile=true` naming that reason (`compile_errors`). The reasons are these constants.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Why a strategy's blocks run eager (each is the text of the config error or the summary's `eager`).
+SPLIT_BACKWARD = ("its schedule splits the backward into I and W (strategy.schedule={schedule}); a compiled block "
+                  "is one autograd node, so W would rerun the block's whole backward (107 ms vs 64 ms fused, "
+                  "docs/notes TORCH.md): split-backward stages stay eager")
+TENSOR_GRID = ("its blocks' tensor-grid layers call the counted communicator (parallel/comm.py) between their "
+               "products, Python bookkeeping dynamo cannot trace: fullgraph would fail, and graph breaks would "
+               "leave silent eager islands")
+L2L_RELAY = ("L2L relays each block's weights through the host store and replays dropout masks by hand "
+             "(strategies/l2l.py): the block's tensors are swapped under it every layer, so a compiled graph's "
+             "guards would fail each time")
+KFAC_HOOKS = ("K-FAC reads every linear's input and output gradient through module hooks (strategies/kfac.py); "
+              "hooks inside a compiled block are traced into the graph once and then see no per-step calls")
+NOT_DECLARED = "the strategy does not declare that its blocks compile"
+
+
+def compiles(cfg) -> None:
+    """`eager_blocks` of a strategy whose blocks all compile: no reason to stay eager."""
+    return None
+
+
+def always_eager(reason: str):
+    """`eager_blocks` of a strategy that cannot compile its blocks under any config."""
+    def eager_blocks(cfg) -> str:
+        return reason
+    return eager_blocks
+
+
+def pipeline_eager_blocks(cfg):
+    """`eager_blocks` of the staged strategies: their blocks compile unless the schedule splits the
+    backward or a tensor grid cuts the blocks' layers."""
+    from strategies.schedule.generators import ZERO_BUBBLE
+    strategy = cfg.strategy
+    if strategy.get("schedule") in ZERO_BUBBLE:
+        return SPLIT_BACKWARD.format(schedule=strategy.schedule)
+    if strategy.get("tensor_parallel", "none") not in (None, "none"):
+        return TENSOR_GRID
+    return None
+
+
+def compile_errors(cfg, entry) -> list:
+    """The config error of `trainer.compile=true` on a strategy whose blocks would all run eager."""
+    if not cfg.trainer.get("compile", False):
+        return []
+    reason = entry.eager_blocks(cfg)
+    if reason is None:
+        return []
+    return [f"trainer.compile=true: strategy={cfg.strategy.name} cannot compile its blocks: {reason}. "
+            f"Fix: trainer.compile=false (this strategy runs eager), or a strategy that compiles "
+            f"(single, ddp, fsdp2, the pipelines and zero_layered with a fused-backward schedule)."]
+
+
+def configure_compiler(device_type: str) -> None:
+    """Process-wide settings every compiled block needs (see the module's docstring, 3 to 5)."""
+    import torch._functorch.config
+    import torch._inductor.config
+    torch._inductor.config.fallback_random = True
+    torch._functorch.config.donated_buffer = False
+    if device_type == "cpu":
+        torch._inductor.config.compile_threads = 1
+
+
+def apply_compile(model, device_type: str) -> int:
+    """Compile each block `model.blocks` holds on this rank, in place, once; returns how many.
+    Idempotent: Lightning may configure the model twice (validate/test after fit)."""
+    configure_compiler(device_type)
+    compiled = 0
+    for block in model.blocks.values():
+        if getattr(block, "_compiled_call_impl", None) is None:
+            block.compile(fullgraph=True, dynamic=False)
+        compiled += 1
+    return compiled
+
+
+# dynamo's timers of a whole forward compile (inductor's lowering of the forward, and of the backward
+# when it is not deferred, included) and of a backward compiled lazily at its first call
+COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+
+def compile_counters() -> dict:
+    """torch's own counts in this process: the graphs dynamo made (`unique_graphs`; a new shape or
+    grad mode adds one, TORCH.md) and the recompilations it logged (guard failures), and the seconds
+    spent compiling (COMPILE_TIMERS)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+    seconds = sum(sum(compilation_time_metrics.get(name, ())) for name in COMPILE_TIMERS)
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "recompiles": int(sum(counters["recompiles"].values())), "compile_s": float(seconds)}

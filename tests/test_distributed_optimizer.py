@@ -189,6 +189,30 @@ def test_fp16_loss_scaling_unscales_and_checks_the_shards(tmp_path):
     assert relative_gap(sharded["losses"], single["losses"]) <= BF16_LOSS_RTOL
 
 
+def test_dry_run_at_64_ranks_holds_the_formulas_bytes_and_less_memory():
+    """The dry run (fake process group; layerwise/tools/dry_run.py) of pp2 × dp32: the reduce-scatter
+    and the all-gather each carry half the all-reduce they replace, plus fewer than d padding elements
+    per bucket; fake tensors give the real ones' bytes and peak, and the peak falls by the moments
+    the rank no longer holds (no gloo temporaries here)."""
+    from layerwise.tools.dry_run import dry_run
+    world, data = 64, 32
+
+    def config(switch):
+        return compose_config(*QUICK, f"data.global_batch_size={4 * world}", "mode=plan", "model.layers=4",
+                              "strategy=modular_pipeline", "strategy.pipeline_degree=2",
+                              f"strategy.distributed_optimizer={switch}")
+    off, on = dry_run(config("false"), 0, world), dry_run(config("true"), 0, world)
+    fake = dry_run(config("true"), 0, world, fake_tensors=True)
+    assert fake["bytes_by_kind"] == on["bytes_by_kind"] and fake["peak_compute_bytes"] == on["peak_compute_bytes"]
+    before, after = off["bytes_by_kind"], on["bytes_by_kind"]
+    assert after.get("all_reduce", 0) == 0 and after["reduce_scatter"] == after["all_gather"]
+    padding = after["reduce_scatter"] - before["all_reduce"] / 2  # 2 buckets (stages) on this rank
+    assert 0 <= padding < 2 * data * 4 * (data - 1) / data
+    assert on["peak_compute_bytes"] < off["peak_compute_bytes"]
+    print(f"dry run pp2 × dp32, rank 0: bytes before {before}, after {after}; peak compute bytes "
+          f"{off['peak_compute_bytes']} -> {on['peak_compute_bytes']}")
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["strategy=modular_pipeline", "strategy.pipeline_degree=2", "optimizer=lamb", ON],
      "optimizer.name=lamb scales each tensor by its own trust ratio"),

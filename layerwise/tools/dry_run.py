@@ -318,11 +318,12 @@ class UpperBoundNonzero(TorchDispatchMode):
 
 def _under_fake_tensors(strategy, emulated: Counter) -> None:
     """Run the strategy's materialisation and its optimizer step (closure: training_step, backward;
-    then reductions and the update) under one FakeTensorMode. Data loading stays outside it (it
-    reads values: offsets.tolist()); real batches enter the mode as constants."""
+    then reductions and the update) under one FakeTensorMode, and the optimizers' set-up (the
+    distributed optimizer's flat buffers, strategies/distributed_optimizer.py). Data loading stays
+    outside it (it reads values: offsets.tolist()); real batches enter the mode as constants."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    for name in ("shard_lightning_module", "optimizer_step"):
+    for name in ("shard_lightning_module", "setup_optimizers", "optimizer_step"):
         method = getattr(strategy, name)
 
         def under_mode(*args, _method=method, **kwargs):

@@ -8,7 +8,7 @@ activation replaced by an all-gather and a reduce-scatter of the same total byte
 gradients of the pieces the sequence shard makes replicated, summed once per step). Overlapped
 collectives are bit-identical to the unchunked ones (same products per row, same sums). The stash of
 the blocks per rank is measured with the meter with and without sequence parallelism.
-Ids: p2 = 1-D over 2 tensor ranks, pp2 = 2 pipeline ranks, sp = sequence_parallel, overlap = tensor_overlap.
+Ids: p2 / p4 = 1-D over 2 / 4 tensor ranks, pp2 = 2 pipeline ranks, sp = sequence_parallel, overlap = tensor_overlap.
 Dropout: 0 in every equality case but `dropout`, where masks are drawn as `single` draws them.
 """
 
@@ -41,7 +41,8 @@ PP = ["strategy=modular_pipeline", "strategy.tensor_parallel=1d", "strategy.tens
       "hardware.devices_per_node=4"]
 SP, OVERLAP = ["strategy.sequence_parallel=true"], ["strategy.sequence_parallel=true", "strategy.tensor_overlap=true"]
 CASES = {  # id -> (overrides, world size, reference overrides)
-    "tp_1d_p2_sp": ([*TP, *SP], 2, ()),
+    "tp_1d_p4_sp_overlap": (["strategy=tp_1d", "strategy.tensor_grid=4", "hardware.devices_per_node=4",
+                             "model.heads=4", *OVERLAP], 4, ("strategy=single", "model.heads=4")),
     "llama_tp_1d_p2_sp_overlap": ([*TP, *OVERLAP, *LLAMA], 2, LLAMA_REFERENCE),
     "pp2_p2_sp": ([*PP, *SP], 4, ()),
     "llama_pp2_p2_sp_overlap": ([*PP, *OVERLAP, *LLAMA], 4, LLAMA_REFERENCE),
@@ -60,7 +61,9 @@ def sequence_parallel_bytes(cfg, parameters: dict, pipeline_rank: int) -> dict:
     """Logical bytes by kind one rank moves per step (cost/traffic.py's 1-D formula with sequence
     parallelism): per micro-batch and block 4 all-gathers and 4 reduce-scatters of the activation
     (rows × s × h), where 1-D Megatron makes 4 all-reduces (an all-reduce moves 2(t−1)/t, each of these
-    (t−1)/t: the same bytes); the head one of each in place of its input gradient's all-reduce; the
+    (t−1)/t: the same bytes), and in the backward one more all-gather per gathered norm output (2), the
+    column linears' saved shard gathered again for their weight gradients; the head one all-gather and
+    one reduce-scatter in place of its input gradient's all-reduce, and its own second gather; the
     vocabulary-parallel loss 3 all-reduces of rows × s; once per stage and step the partial gradients
     (norms, row biases, tables) all-reduced over t; each boundary message [rows, s/t, h]."""
     t, s, h = cfg.strategy.tensor_grid, cfg.data.sequence_length, cfg.model.hidden
@@ -79,9 +82,10 @@ def sequence_parallel_bytes(cfg, parameters: dict, pipeline_rank: int) -> dict:
     activation = rows * s * h
     traffic = dict.fromkeys(KINDS, 0.0)
     for forwards, blocks, embed, head in stages.values():
-        collectives = forwards * (4 * len(blocks) + head)
-        traffic["all_gather"] += collectives * all_gather(activation, t)
-        traffic["reduce_scatter"] += collectives * all_gather(activation, t)  # (t−1)/t of it too
+        replaced = forwards * (4 * len(blocks) + head)  # the all-reduces 1-D Megatron makes
+        regathered = forwards * (2 * len(blocks) + head)  # one per gathered norm output
+        traffic["all_gather"] += (replaced + regathered) * all_gather(activation, t)
+        traffic["reduce_scatter"] += replaced * all_gather(activation, t)  # (t−1)/t of it too
         traffic["all_reduce"] += forwards * 3 * all_reduce(rows * s, t) if head else 0
         partial = sum(value.numel() for name, value in parameters.items() if PARTIAL.search(name) and (
             any(f".blocks.{b}." in name for b in blocks) or (embed and ".embed." in name)
@@ -190,13 +194,14 @@ def block_stash_on_rank(rank, sequence_parallel):
 
 
 def test_sequence_parallel_divides_the_norm_regions_stash_by_t():
-    """Per block and token, 1-D Megatron keeps the two norms' inputs (2h) and their statistics (LayerNorm's
-    mean and 1/σ: 2·2) whole on every rank; sequence parallelism keeps 1/t of them. The rest (the
-    gathered norm outputs the column linears read, and the split attention and MLP tensors) is unchanged."""
+    """Per block and token, 1-D Megatron keeps the two norms' inputs and outputs (the column linears'
+    input: 4h) and their statistics (LayerNorm's mean and 1/σ: 2·2) whole on every rank; sequence
+    parallelism keeps 1/t of them (the column linears save the shard and gather it again in the
+    backward). The split attention and MLP tensors are unchanged."""
     plain = run_on_ranks(block_stash_on_rank, 2, False)
     sharded = run_on_ranks(block_stash_on_rank, 2, True)
     tokens, t = ROWS * LENGTH, 2
-    saved = LAYERS * tokens * (2 * HIDDEN + 2 * 2) * (1 - 1 / t) * BYTES
+    saved = LAYERS * tokens * (4 * HIDDEN + 2 * 2) * (1 - 1 / t) * BYTES
     for (plain_stash, plain_peak), (stash, peak) in zip(plain, sharded):
         print(f"blocks' stash per rank: {plain_stash} B without, {stash} B with sequence parallelism "
               f"(predicted saving {saved:.0f} B); peak {plain_peak} -> {peak} B")
@@ -214,7 +219,7 @@ def test_sequence_parallel_divides_the_norm_regions_stash_by_t():
     (["strategy=pipefisher", "strategy.tensor_parallel=1d", "strategy.tensor_grid=2", "hardware.devices_per_node=4",
       "strategy.layers_per_stage=2", *SP], "pipefisher's K-FAC factors"),
     (["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1", "strategy.tensor_parallel=1d",
-      "hardware.devices_per_node=4", *OVERLAP], "an overlapped product computes both in one autograd node"),
+      "hardware.devices_per_node=4", *SP], "a column linear computes both in one autograd node"),
 ], ids=["length", "overlap_alone", "2d", "no_grid", "pipefisher", "split_backward"])
 def test_bad_sequence_parallel_settings_are_named_before_launch(overrides, message):
     with pytest.raises(ConfigError) as error:

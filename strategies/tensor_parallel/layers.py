@@ -16,9 +16,9 @@ from strategies.tensor_parallel.collectives import (
     VocabularyParallelCrossEntropy,
 )
 from strategies.tensor_parallel.sequence import (
-    OverlappedColumnProduct,
     OverlappedRowProduct,
     ReduceScatterSequence,
+    SequenceColumnLinear,
     ShardDropout,
 )
 
@@ -62,15 +62,16 @@ class MegatronLinear(nn.Module):
 
 class ColumnParallelLinear(MegatronLinear):
     """Megatron: W split by output rows. Its input's gradient is summed over the group by the f
-    after the norm that feeds it (`CopyToGroup`), once for all the column linears reading it; with
-    sequence parallelism that norm's output is gathered along the sequence instead, and if the
-    gather is still in flight (strategy.tensor_overlap) this linear computes it chunk by chunk."""
+    after the norm that feeds it (`CopyToGroup`), once for all the column linears reading it. With
+    sequence parallelism that norm's output is gathered along the sequence instead: this linear keeps
+    only its shard for the backward (`sequence.SequenceColumnLinear`), and if the gather is still in
+    flight (strategy.tensor_overlap) multiplies it chunk by chunk."""
 
     def forward(self, x):
-        pending = None if self.region is None else self.region.take(x)
-        if pending is not None:
-            return OverlappedColumnProduct.apply(x, self.weight, self.bias, pending)
-        return F.linear(x, self.weight, self.bias)
+        gathered = None if self.region is None else self.region.gathered_input(x)
+        if gathered is None:
+            return F.linear(x, self.weight, self.bias)
+        return SequenceColumnLinear.apply(x, self.weight, self.bias, gathered, self.region.take(x))
 
 
 class CopyToGroup:

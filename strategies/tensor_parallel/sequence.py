@@ -5,9 +5,11 @@ tensor group holds 1/t of the sequence, [rows, s/t, h], instead of a copy of the
 
     embedding   looks up only this rank's s/t positions (no collective; its tables' gradients are
                 then partial: summed over the tensor group with the norms', `Grid1D.replicated_over`)
-    norm -> g   the norm runs on the shard; its output is all-gathered along the sequence before the
+    norm -> f   the norm runs on the shard; its output is all-gathered along the sequence before the
                 column-parallel linears read it (backward: the summed input gradient is reduce-
-                scattered), in place of Megatron's f (identity forward, all-reduce backward)
+                scattered), in place of Megatron's f (identity forward, all-reduce backward); the
+                linears save the shard and gather it again for their weight gradients
+                (`GatheredInput`, `SequenceColumnLinear`)
     row linear  its partial sums are reduce-scattered along the sequence (backward: all-gathered),
                 in place of Megatron's g (all-reduce forward)
     dropout     on the shard, with this rank's slice of the mask `single` draws for the whole
@@ -15,16 +17,19 @@ tensor group holds 1/t of the sequence, [rows, s/t, h], instead of a copy of the
 
 An all-reduce moves 2(t−1)/t of its tensor, an all-gather and a reduce-scatter (t−1)/t each: the
 bytes are those of the all-reduces replaced (megatron/core/tensor_parallel/mappings.py names the
-four functions). Partial sums are added in fp32, as `collectives.sum_copy` adds them.
+four functions), plus one all-gather per gathered norm output in the backward (the saved shard's).
+Partial sums are added in fp32, as `collectives.sum_copy` adds them.
 
 With `chunks` > 1 (strategy.tensor_overlap) the gathers and reduce-scatters are split into chunks
 along the sequence and posted asynchronously, so the product of one chunk runs while the next
-chunk is on the wire (Wang et al. 2022, "Overlap communication with dependent computation via
-decomposition"; Megatron-Core's --tp-comm-overlap does it with a ring of sends):
-    forward:  the norm's gather is posted and the first column linear reading it (`ColumnParallel-
-              Linear`) computes chunk by chunk as each arrives; the row linear's product is computed
-              chunk by chunk and each chunk's reduce-scatter posted behind it;
-    backward: the row linear's gradient gather is chunked under the input-gradient products.
+chunk is on the wire (Wang et al., ASPLOS 2023, "Overlap communication with dependent computation
+via decomposition in large deep learning models"; Megatron-Core's --tp-comm-overlap does it with a
+ring of sends):
+    forward:  the norm's gather is posted and the first column linear reading it
+              (`SequenceColumnLinear`) computes chunk by chunk as each arrives; the row linear's
+              product is computed chunk by chunk and each chunk's reduce-scatter posted behind it;
+    backward: the column linear's second gather of its shard travels under its dX product; the row
+              linear's gradient gather is chunked under the input-gradient products.
 Not overlapped, and why: the norm gather's backward (a reduce-scatter of the input gradient summed
 over every column linear reading it: q, k and v, or gate and up) can only start once autograd has
 summed all of them, and the next operation (the norm's backward) needs its result; the row
@@ -56,6 +61,7 @@ class SequenceRegion:
         self.rank, self.parts = layout.index("tensor"), self.group.size
         self.overlap = overlap
         self.pending = {}
+        self.gathered = {}  # the latest gathered tensor -> its `GatheredInput` (the column linears' saved shard)
 
     def chunks(self, local_length: int) -> int:
         """Chunks an overlapped collective of a shard `local_length` long takes: t (the ring's steps)
@@ -76,6 +82,45 @@ class SequenceRegion:
     def take(self, full: torch.Tensor):
         """The gather in flight into `full`, if any (removed: only its first reader overlaps it)."""
         return self.pending.pop(full.data_ptr(), None) if self.pending else None
+
+    def gathered_input(self, full: torch.Tensor):
+        """The `GatheredInput` of `full` if it is the latest gathered norm output, else None."""
+        return self.gathered.get(full.data_ptr())
+
+
+class GatheredInput:
+    """A gathered norm output as the column linears reading it keep it for their weight gradients:
+    its shard, gathered again in the backward (Korthikanti et al. 2022 §4.2.2: "we store Y_i^s and
+    perform an extra all-gather in the backward pass"), once for all of them (GPT's qkv, Llama's q, k
+    and v): the first backward gathers, the others reuse it, the last drops it."""
+
+    def __init__(self, region: SequenceRegion, shard: torch.Tensor):
+        self.region, self.shard = region, shard
+        self.readers = 0  # column linears that saved it and have not run their backward yet
+        self.full, self.work = None, None
+
+    def post(self, shard: torch.Tensor) -> None:
+        """Start the backward's gather asynchronously (under strategy.tensor_overlap: the input
+        gradient's product runs while it travels), unless it is already here or on its way."""
+        if self.full is None and self.work is None:
+            front = shard.movedim(1, 0).contiguous()
+            self.buffer = front.new_empty((self.region.parts * front.shape[0],) + tuple(front.shape[1:]))
+            self.work = self.region.communicator.all_gather(self.buffer, front, self.region.group, async_op=True)
+
+    def take(self, shard: torch.Tensor) -> torch.Tensor:
+        """The gathered [rows, s, h] for one reader's weight gradient."""
+        if self.full is None:
+            if self.work is None:
+                self.full = gather(self.region.communicator, shard, self.region.group, dim=1).contiguous()
+            else:
+                self.work.wait()
+                self.full = self.buffer.movedim(0, 1).contiguous()
+                self.work = self.buffer = None
+        full = self.full
+        self.readers -= 1
+        if self.readers <= 0:
+            self.full = None
+        return full
 
 
 def _chunked(tensor: torch.Tensor, parts: int, chunks: int) -> torch.Tensor:
@@ -127,12 +172,14 @@ class GatherSequence(torch.autograd.Function):
     def forward(context, shard, region):
         context.region, context.dtype = region, shard.dtype
         region.settle()
-        shard = shard.to(compute_dtype(shard))
+        shard = shard.to(compute_dtype(shard)).contiguous()
         chunks = region.chunks(shard.shape[1])
-        if chunks == 1:
-            return gather(region.communicator, shard, region.group, dim=1)
-        full = shard.new_empty((shard.shape[0], shard.shape[1] * region.parts) + tuple(shard.shape[2:]))
-        region.pending[full.data_ptr()] = PendingGather(region, shard, full, chunks)
+        if chunks == 1:  # [rows, s, h] contiguous: the linears' reshapes to [rows·s, h] are views, not copies
+            full = gather(region.communicator, shard, region.group, dim=1).contiguous()
+        else:
+            full = shard.new_empty((shard.shape[0], shard.shape[1] * region.parts) + tuple(shard.shape[2:]))
+            region.pending[full.data_ptr()] = PendingGather(region, shard, full, chunks)
+        region.gathered = {full.data_ptr(): GatheredInput(region, shard)}
         return full
 
     @staticmethod
@@ -165,32 +212,43 @@ def _sum_scatter(region: SequenceRegion, full: torch.Tensor) -> torch.Tensor:
     return scatter_sum(region.communicator, wide, region.group, dim=1)
 
 
-class OverlappedColumnProduct(torch.autograd.Function):
-    """y = x·Wᵀ + b for a gathered x still in flight: chunk c's product runs once chunk c arrives,
-    while the later chunks travel. Backward is the plain linear's (dX = dY·W, dW = dYᵀ·X, db = Σ dY
-    over the flattened rows), so it is the unchunked linear's to the bit."""
+class SequenceColumnLinear(torch.autograd.Function):
+    """y = x·Wᵀ + b for a gathered norm output x, saving its shard (`GatheredInput`), not x.
+
+    Forward: if x's gather is still in flight (strategy.tensor_overlap), chunk c's product runs once
+    chunk c arrives while the later chunks travel; else one product. Backward: dX = dY·W needs no X;
+    X is gathered again for dW = dYᵀ·X (posted before dX's product under overlap, so it travels
+    while dX is computed, as Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication does);
+    db = Σ dY. The products are the plain linear's over the flattened rows: bit-identical to it."""
 
     @staticmethod
-    def forward(context, x, weight, bias, pending):
-        context.has_bias = bias is not None
+    def forward(context, x, weight, bias, gathered, pending):
+        context.has_bias, context.gathered, context.shape = bias is not None, gathered, x.shape
         dtype = compute_dtype(x)
         weight_c, bias_c = weight.to(dtype), None if bias is None else bias.to(dtype)
-        y = x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],))
-        rows = _chunked(y, pending.region.parts, pending.chunks)
-        for chunk in range(pending.chunks):
-            rows[:, :, chunk] = F.linear(pending.wait(chunk), weight_c, bias_c)
-        context.save_for_backward(x, weight)  # after the chunks are written into x (its version)
+        if pending is None:
+            y = F.linear(x.to(dtype), weight_c, bias_c)
+        else:
+            y = x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],), dtype=dtype)
+            rows = _chunked(y, pending.region.parts, pending.chunks)
+            for chunk in range(pending.chunks):
+                rows[:, :, chunk] = F.linear(pending.wait(chunk), weight_c, bias_c)
+        gathered.readers += 1
+        context.save_for_backward(gathered.shard, weight)
         return y
 
     @staticmethod
     def backward(context, grad_y):
-        x, weight = context.saved_tensors
-        dtype = x.dtype
+        shard, weight = context.saved_tensors
+        gathered, dtype = context.gathered, shard.dtype
+        if gathered.region.overlap:
+            gathered.post(shard)
         grad = grad_y.to(dtype).reshape(-1, grad_y.shape[-1])
-        grad_x = (grad @ weight.to(dtype)).view(x.shape)
+        grad_x = (grad @ weight.to(dtype)).view(context.shape)
+        x = gathered.take(shard)
         grad_weight = grad.t() @ x.reshape(-1, x.shape[-1])
         grad_bias = grad.sum(0) if context.has_bias else None
-        return grad_x, grad_weight, grad_bias, None
+        return grad_x, grad_weight, grad_bias, None, None
 
 
 class OverlappedRowProduct(torch.autograd.Function):
@@ -288,12 +346,12 @@ def sequence_errors(cfg, mode, tensor: int) -> list:
                       "strategy.tensor_overlap=false.")
     if not sequence:
         return errors
-    if overlap and strategy.get("schedule") in ZERO_BUBBLE:
-        errors.append(f"strategy.tensor_overlap=true with strategy.schedule={strategy.schedule}: the split backward "
-                      f"runs a weight's gradient (W) apart from the input's (I), but an overlapped product computes "
-                      f"both in one autograd node around its collectives, which W would run again. Fix: "
-                      f"strategy.tensor_overlap=false (sequence parallelism alone splits), or strategy.schedule="
-                      f"one_f_one_b.")
+    if strategy.get("schedule") in ZERO_BUBBLE:
+        errors.append(f"strategy.sequence_parallel=true with strategy.schedule={strategy.schedule}: the split "
+                      f"backward runs a weight's gradient (W) apart from the input's (I), but a column linear "
+                      f"computes both in one autograd node around the all-gather of its saved input shard (and an "
+                      f"overlapped row linear around its chunked collectives), which W would run again (not "
+                      f"built). Fix: strategy.sequence_parallel=false, or strategy.schedule=one_f_one_b.")
     if strategy.name == "pipefisher":
         errors.append("strategy.sequence_parallel=true: pipefisher's K-FAC factors pair each linear's input with "
                       "its output gradient token by token, which a row-parallel linear's sequence shard breaks "

@@ -167,6 +167,21 @@ def test_portable_checkpoint_holds_whole_tensors_and_optimizer_state(adamw_runs)
             assert tolerance_excess(on[name], off[name], OPTIMIZER_STATE_RTOL, atol) <= 1, name
 
 
+def test_portable_resume_loads_whole_state_into_shards(tmp_path, adamw_runs):
+    """resume_from the 8-rank run's portable checkpoint into pp2 × dp2 (another layout), one more
+    step, with the distributed optimizer on and off: its shards load their ranges of the moments
+    (strategies/checkpoint/portable.py), so both continue alike and save the same whole state."""
+    from strategies.checkpoint.portable import read_portable
+    source = adamw_runs("pp2_p2_dp2")["true"][0] / "checkpoints" / "last"
+    resumed = {switch: run(tmp_path / switch, *LAYOUTS["pp2_dp2"], *ADAMW, f"strategy.distributed_optimizer={switch}",
+                           f"resume_from={source}", steps=STEPS + 1) for switch in ("false", "true")}
+    assert resumed["true"]["losses"] == resumed["false"]["losses"]
+    assert len(resumed["true"]["losses"]) == STEPS + 1
+    for prefix in ("model.", "optimizer."):
+        on, off = (read_portable(tmp_path / switch / "checkpoints" / "last", prefix) for switch in ("true", "false"))
+        assert on.keys() == off.keys() and all(torch.equal(on[name], off[name]) for name in off), prefix
+
+
 def test_resume_is_bit_identical(tmp_path, adamw_runs):
     (whole_directory, whole) = adamw_runs("pp2_dp2")["true"]
     overrides = [*LAYOUTS["pp2_dp2"], *ADAMW, ON, "trainer.checkpoint_every_n_steps=2"]

@@ -115,13 +115,17 @@ class DistributedOptimizer:
     def __init__(self, work, local_stages: list, capacity_bytes: int, communicator, group, rank: int):
         self.work, self.communicator, self.group = work, communicator, group
         model = work.model
-        self.buckets = {}  # stage -> [Bucket], in backward order
-        for stage in local_stages:
+        # A tied weight is one parameter under two names (and, with one pipeline rank, in the first
+        # and the last stage: the check refuses ties across ranks): it is sharded once, under the
+        # model's name for it, in the lowest stage, whose REDUCE_GRADIENT follows every backward.
+        named = {id(parameter): name for name, parameter in model.named_parameters()}
+        self.buckets, seen = {}, set()  # stage -> [Bucket], in backward order
+        for stage in sorted(local_stages):
             names = stage_parameter_names(model, stage, work.stages, work.layers_per_stage)[::-1]
-            named = {id(model.get_parameter(name)): name for name in names}
+            parameters = [p for p in {id(p): p for p in map(model.get_parameter, names)}.values() if id(p) not in seen]
+            seen.update(map(id, parameters))
             self.buckets[stage] = [Bucket([(named[id(p)], p) for p in bucket], rank, group.size)
-                                   for bucket in parameter_buckets([model.get_parameter(n) for n in names],
-                                                                   capacity_bytes)]
+                                   for bucket in parameter_buckets(parameters, capacity_bytes)]
         self.reductions = []  # (bucket, work) posted this step
         self.gathers = {}  # stage -> [work] posted after the last step, waited before its first forward
 

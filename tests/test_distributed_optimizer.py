@@ -204,6 +204,16 @@ def test_fp16_loss_scaling_unscales_and_checks_the_shards(tmp_path):
     assert relative_gap(sharded["losses"], single["losses"]) <= BF16_LOSS_RTOL
 
 
+def test_a_tied_weight_is_sharded_once(tmp_path):
+    """One pipeline rank holding every stage with model.tie_embeddings=true: the embedding and the
+    head share one weight, sharded once (in stage 0, reduced after every backward reached it)."""
+    tied = ["model.tie_embeddings=true", *ADAMW]
+    single = run(tmp_path / "single", "strategy=single", *tied)
+    sharded = run(tmp_path / "sharded", "strategy=modular_pipeline", "strategy.pipeline_degree=1",
+                  "hardware.devices_per_node=2", ON, *tied)
+    assert_same_losses(sharded["losses"], single["losses"])
+
+
 def test_dry_run_at_64_ranks_holds_the_formulas_bytes_and_less_memory():
     """The dry run (fake process group; layerwise/tools/dry_run.py) of pp2 × dp32: the reduce-scatter
     and the all-gather each carry half the all-reduce they replace, plus fewer than d padding elements

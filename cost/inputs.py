@@ -151,6 +151,10 @@ class Workload:
     # ZeRO-1 (Megatron's distributed optimizer, Rajbhandari et al. 2020 stage 1): gradients reduce-
     # scattered (half an all-reduce's bytes), parameters all-gathered beside the next step's forward.
     distributed_optimizer: bool = False
+    # The pipeline stages' gradient buckets (strategy.bucket_mb in bytes; strategies/buckets.py
+    # GradientBuckets): each bucket's flat buffer is made when the backward first reaches it, up to a
+    # bucket ahead of autograd's own gradients, and reduced in place (no flat copy). 0: per tensor.
+    gradient_bucket_bytes: int = 0
     # Selective recomputation (Korthikanti et al. 2022 §5): only the core attention (Q·Kᵀ, softmax,
     # dropout, scores·V) is recomputed, its forward rerun in the backward; the rest is saved.
     recompute_attention: bool = False

@@ -289,35 +289,50 @@ def _extra(held: set, done: set) -> int:
     return sum(send.kind == SEND_GRADIENT or (send.stage, send.micro_batch) in done for send in held)
 
 
-def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True, temporaries: bool = True) -> dict:
+def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True, temporaries: bool = True,
+           moment: bool = False) -> dict:
     """Bytes by kind on one rank of pipeline position `pipeline_rank` (the parts it holds);
-    `temporaries=False` leaves gloo's reduce-scatter temporaries out (the fake group makes none)."""
+    `temporaries=False` leaves gloo's reduce-scatter temporaries out (the fake group makes none);
+    `moment`: the name of the peak moment instead (`stage_memory`)."""
     row = [action for action in plan.ranks[pipeline_rank] if action is not None]
     stages = sorted({action.stage for action in row if action.kind == FORWARD})
     last_alive, later, posted = in_flight_moments(row)
     pending = pending_moments(row) if any(action.kind == BACKWARD_WEIGHT for action in row) else 0
     return stage_memory(workload, stages, plan.stages, in_flight(row), flash, later, last_alive, posted,
                         held_sends(plan, pipeline_rank, completes_when_received=not workload.gloo), temporaries,
-                        pending)
+                        pending, moment)
+
+
+def peak_moment(workload: Workload, plan, pipeline_rank: int, flash: bool = True) -> str:
+    """Which moment of `stage_memory` ("start", "first backward", "forward", "later", "reduction")
+    is the peak of `memory(workload, plan, pipeline_rank, flash)`."""
+    return memory(workload, plan, pipeline_rank, flash, moment=True)
 
 
 def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int, flash: bool = True,
                  later: int = None, last_alive: int = None, posted: int = None, sends_held: tuple = (0, 0),
-                 temporaries: bool = True, pending: int = 0) -> dict:
-    """Bytes by kind on a rank holding `stages` (of `total_stages`) at its peak: what `memory` reads
+                 temporaries: bool = True, pending: int = 0, moment: bool = False) -> dict:
+    """Bytes by kind on a rank holding `stages` (of `total_stages`) at its peak (`moment`: the
+    name of the peak moment instead): what `memory` reads
     off a built plan, and what the search gives in closed form (`closed_form_in_flight`,
     `closed_form_moments`). Parameters and optimizer state stay; the step starts with
-    `zero_grad(set_to_none=True)`, so gradients are created by the backward. The largest of:
+    `zero_grad(set_to_none=True)`, so gradients are created by the backward: by autograd one tensor
+    at a time, or in the pipeline stages' buckets (`gradient_buckets`) one bucket at a time, a
+    bucket's flat buffer made when the backward first reaches it. The largest of:
       start       last step's gradients (with `gradients_through_forward`, also beside the whole
                   forward's stash and the loss's working set);
       first backward  `alive` forwards' stash (`last_alive` of the last stage with the head's
                   saved tensors), their outputs (sent, or handed to the next stage), the `posted`
                   gradient receives, and the backward creating its stage's gradients block by
-                  block as it frees that micro-batch's saved tensors;
+                  block (up to a bucket ahead) as it frees that micro-batch's saved tensors;
       later       every gradient, `later` forwards' stash and outputs, the sends still held and
                   the receives posted (`sends_held[0]`, `held_sends`), a backward's working set;
-      reduction   every gradient, the sends held at the end (`sends_held[1]`), and the data-parallel
-                  reduction's flat copy of a stage. ZeRO adds its gathered stages to each moment (below).
+      optimizer   every gradient and the optimizer's temporaries as it steps one tensor at a time
+                  (`optimizer_temporaries`; where the reduction copies no more, this can be the peak);
+      reduction   every gradient, the sends held at the end (`sends_held[1]`), and, where the
+                  reduction copies (the one-stage strategies' own: `gradients_through_forward`), a
+                  stage's flat copy; the pipeline stages' buckets are reduced in place, so their
+                  reduction adds nothing. ZeRO adds its gathered stages to each moment (below).
     A split backward's `pending` stage-micro-batches between I and W add their recorded gradients to
     the first backward and later moments: a count (`pending_weight_gradients`, the closed form: an
     upper bound, its peak need not coincide with the stash's), or `pending_moments`' (at the first I;
@@ -357,7 +372,8 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     if layout.zero:
         growth = part[max(stages)] + working + block_copies
     else:
-        at_start, during, end = _first_backward_growth(workload, tokens, stages, total_stages, block, working)
+        at_start, during, end = _first_backward_growth(workload, tokens, stages, total_stages, block, working,
+                                                       gradient_buckets(workload))
         growth = max(at_start + start_copies, during + block_copies, end + block_copies)
     posted = sent_first if posted is None else posted
     per_pending = recorded_gradient_bytes(workload, tokens)
@@ -371,11 +387,16 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
         return in_flight * kept + waiting * per_pending + later / loops * head + working, buffers
     later_activations, later_buffers = max((later_moment(*pair) for pair in pairs), key=sum, default=later_moment(later, 0))
     every_send = sends_held[1] * pipelined * piece
-    flat = largest if layout.data > 1 and not layout.zero else 0  # ZeRO's gathered buffers are counted below
+    # Only the one-stage strategies' own reductions copy (three_d's sum_over_groups, DDP's buckets);
+    # ZeRO's gathered buffers are counted below, the pipeline stages' buckets are reduced in place.
+    flat = largest if layout.data > 1 and not layout.zero and workload.gradients_through_forward else 0
     forward = alive * kept + last_alive * head + working if workload.gradients_through_forward else 0
     moments = {"start": (gradients, 0, 0), "first backward": (0, first_backward, 0), "forward": (gradients, forward, 0),
                "later": (gradients, later_activations, later_buffers + block_copies),
-               "reduction": (gradients, 0, every_send + flat)}
+               "reduction": (gradients, 0, every_send + flat),
+               "optimizer": (gradients, 0, 0 if layout.zero else optimizer_temporaries(workload, stages, total_stages))}
+    if moment:
+        return max(moments, key=lambda name: sum(moments[name]))
     kept_gradients, activations, buffers = max(moments.values(), key=sum)
     return {"parameters": sharded, "gradients": kept_gradients,
             "optimizer": OPTIMIZER_STATE.get(workload.optimizer, 2) * sharded,
@@ -400,13 +421,50 @@ def gloo_temporaries(workload: Workload, tokens: float, head: bool = False) -> f
     return 2 * largest * BYTES
 
 
+# Temporaries an optimizer step holds at once, in tensors of the largest parameter's size
+# (layerwise/run/optim.py): AdamW with foreach=False computes sqrt(v̂) and its division while its
+# loop variable still holds the previous tensor's denominator (3); LAMB 5; SGD updates in place.
+# Measured with parallel/memory.py's meter on three 1000 × 1000 tensors
+# (tests/test_overlapped_reduction.py).
+OPTIMIZER_TEMPORARIES = {"adamw": 3, "lamb": 5, "sgd": 0}
+
+
+def optimizer_temporaries(workload: Workload, stages: list, total_stages: int) -> float:
+    """Bytes the optimizer step holds beside every gradient: OPTIMIZER_TEMPORARIES of the largest
+    parameter tensor of this grid position (a block's largest product, the token table on the first
+    stage, the head on the last), the optimizer stepping one tensor at a time."""
+    layout, shape = workload.layout, workload.shape
+    ranks = layout.tensor
+    split = 1 if layout.tensor_grid in (None, "1d") else layout.edge
+    largest = max(fan_in * fan_out for fan_in, fan_out, _, _ in shape.linears()) / ranks
+    if 0 in stages:
+        largest = max(largest, shape.vocabulary * shape.hidden / split)
+    if total_stages - 1 in stages:
+        largest = max(largest, shape.hidden * shape.vocabulary / ranks)
+    return OPTIMIZER_TEMPORARIES.get(workload.optimizer, 2) * largest * BYTES
+
+
+def gradient_buckets(workload: Workload) -> float:
+    """Bytes of one gradient bucket the pipeline stages make at once (strategies/buckets.py
+    GradientBuckets: a bucket's flat buffer is made when the backward first reaches it): 0 where
+    autograd creates each gradient itself (the one-stage strategies, run through Lightning's
+    closure), under ZeRO (its own flat buffers, counted apart) and under the distributed optimizer
+    (its own buffers, strategies/distributed_optimizer.py)."""
+    if workload.gradients_through_forward or workload.layout.zero or workload.distributed_optimizer:
+        return 0.0
+    return float(workload.gradient_bucket_bytes)
+
+
 def _first_backward_growth(workload: Workload, tokens: float, stages: list, total_stages: int, block: float,
-                           working: float) -> float:
+                           working: float, bucket: float = 0.0) -> float:
     """What the rank's first backward (its last local stage's) adds at its peak, as it creates that
     stage's gradients (full size) and frees the micro-batch's saved tensors: the working set at its
     start (the head's, on the last stage); its last block's working set beside the other blocks'
     gradients (and the head's) less what they freed; or, at its end, every gradient of the stage,
-    the embedding's last, less everything the micro-batch kept: (at its start, during, at its end)."""
+    the embedding's last, less everything the micro-batch kept: (at its start, during, at its end).
+    With gradient buckets of `bucket` bytes, the buffers run up to one bucket ahead of the gradients
+    autograd would have created by then (never past the stage's), beside the last block's working
+    set (during); the working set at the start is past its peak when the first gradient arrives."""
     stage, per_stage = max(stages), workload.layers_per_stage
     shape, layout, last = workload.shape, workload.layout, max(stages) == total_stages - 1
     block_gradients = local_parameters(layout.tensor_grid, layout.edge, shape, False, 1, False)["all"] * BYTES
@@ -417,7 +475,9 @@ def _first_backward_growth(workload: Workload, tokens: float, stages: list, tota
     others = (per_stage - 1) * (block_gradients - freed) + head
     during = others + backward_working_bytes(workload, tokens, False)
     end = others + block_gradients - freed + embedding - (workload.piece * BYTES if workload.recompute else 0)
-    return working, during, end
+    stage_gradients = per_stage * block_gradients + (head + head_saved_bytes(workload, tokens) if last else 0) + embedding
+    created = (per_stage - 1) * block_gradients + (head + head_saved_bytes(workload, tokens) if last else 0)
+    return working, during + min(bucket, stage_gradients - created), end
 
 
 def closed_form_in_flight(schedule: str, pipeline_degree: int, loops: int, breadth_first: int, rank: int) -> int:

@@ -1,12 +1,21 @@
 """Gradient reductions in flat buckets (`strategy.bucket_mb`): one collective per bucket, not per tensor.
 
 Consecutive parameters are grouped into buckets of at most `bucket_mb` MiB of gradient (a larger
-tensor is a bucket alone; `bucket_mb=0` keeps one bucket per tensor, the comparator). A bucket's
-gradients are copied once into one flat buffer and each `.grad` becomes a view of it (DDP's
-gradient_as_bucket_view), so one all-reduce sums them all in place and one division averages
-them. The logical bytes are those of the tensors one by one: the same elements cross the same
-ring. Each element is summed from the same addends as per tensor (bit-identical on two replicas).
+tensor is a bucket alone; `bucket_mb=0` keeps one bucket per tensor, the comparator). The logical
+bytes are those of the tensors one by one: the same elements cross the same ring. Each element is
+summed from the same addends as per tensor (bit-identical on two replicas).
+
+Two users. The pipeline stages (`GradientBuckets`) accumulate into the buckets from the start: each
+`.grad` is a view of its bucket's flat buffer before the stage's first backward (DDP's
+gradient_as_bucket_view, Li et al. 2020 §3.2.3), so nothing is copied, and a bucket is posted as soon
+as the stage's last backward has finished all of its gradients (`strategy.overlap_reduction`).
+L2L's host store (`post_bucket_reductions`) receives whole gradients from the device and copies each
+bucket into one flat buffer at its reduction (`flat_gradient`).
 """
+
+import contextlib
+import functools
+from collections import Counter
 
 import torch
 
@@ -18,13 +27,15 @@ def bucket_bytes(bucket_mb: float) -> int:
     return int(bucket_mb * MEBIBYTE)
 
 
-def parameter_buckets(parameters: list, capacity_bytes: int) -> list:
-    """Consecutive parameters in lists of at most `capacity_bytes` of gradient, one dtype and device each."""
+def parameter_buckets(parameters: list, capacity_bytes: int, apart=None) -> list:
+    """Consecutive parameters in lists of at most `capacity_bytes` of gradient, one dtype and device
+    each; `apart(parameter)`, if given, is a set that a bucket never mixes (late vs early ones)."""
     buckets, size = [], 0
     for parameter in parameters:
         nbytes = parameter.numel() * parameter.element_size()
         last = buckets[-1][-1] if buckets else None
         joins = last is not None and (last.dtype, last.device) == (parameter.dtype, parameter.device)
+        joins = joins and (apart is None or apart(last) == apart(parameter))
         if not joins or size + nbytes > capacity_bytes:
             buckets.append([])
             size = 0
@@ -50,7 +61,8 @@ def flat_gradient(parameters: list) -> torch.Tensor:
 
 
 def post_bucket_reductions(parameters: list, capacity_bytes: int, communicator, group) -> list:
-    """Post one asynchronous all-reduce (sum) per bucket; returns (work, flat gradient) pairs."""
+    """Post one asynchronous all-reduce (sum) per bucket of whole gradients; returns (work, flat
+    gradient) pairs (L2L's host store; the pipeline stages use GradientBuckets)."""
     reductions = []
     for bucket in parameter_buckets(parameters, capacity_bytes):
         flat = flat_gradient(bucket)
@@ -74,3 +86,142 @@ def sum_over_groups(gradients_and_groups: list, communicator) -> None:
         for gradient in gradients:
             gradient.copy_(flat[offset:offset + gradient.numel()].view_as(gradient))
             offset += gradient.numel()
+
+
+class Bucket:
+    """One bucket of one stage: its parameters, this step's flat buffer, which are final, if posted."""
+
+    __slots__ = ("stage", "parameters", "late", "flat", "final", "posted")
+
+    def __init__(self, stage: int, parameters: list, late: bool):
+        self.stage, self.parameters, self.late = stage, parameters, late
+        self.flat, self.final, self.posted = None, set(), False
+
+
+class GradientBuckets:
+    """One rank's data-parallel gradient reduction of its pipeline stages, in flat buckets, no copy.
+
+    1. `lay_out(stage, parameters, late)`, once per stage: the parameters, in reverse order (the
+       order a backward finishes them, DDP's), cut into buckets of at most `capacity_bytes`; `late`
+       ones (a tensor grid's replicated pieces, summed over their tensor groups first) never share a
+       bucket with the others. Each trainable parameter gets two hooks: a gradient hook, which
+       autograd runs before accumulating (also where a W captures the gradient), and a
+       post-accumulate-grad hook.
+    2. The step's first gradient into any parameter of a bucket (the gradient hook) gives the bucket
+       a zeroed flat buffer and makes each of its parameters' `.grad` a view of it, so autograd
+       accumulates every micro-batch in place. Buffers are made one bucket at a time as the backward
+       reaches them, as autograd would create the gradients (a bucket ahead at most: cost/memory.py);
+       the step's `zero_grad(set_to_none=True)` (strategies/base.py) drops the views and `start` the
+       buffers. No whole-stage copy is ever made.
+    3. `accumulating(stage, micro_batches)` is entered around every accumulation into the stage's
+       gradients (a fused backward B, or a split backward's W); in its last of the step (the m-th),
+       each parameter whose gradient autograd has accumulated is final (the post-accumulate hook; a
+       W reports its weights itself, strategies/split_backward.py `PendingWeightGradient.run`); with
+       `overlap`, a bucket whose parameters are all final posts its asynchronous all-reduce at once,
+       under the rest of that backward and the earlier stages'.
+    4. `post_rest(stage)` (the plan's REDUCE_GRADIENT(c), after the stage's last backward) posts every
+       bucket not yet posted, in layout order: all of them without `overlap`; with it, the late ones
+       and any bucket holding a parameter that got no gradient (zeros: every replica joins every
+       all-reduce).
+    5. `wait(size)` before the optimizer: wait for each all-reduce and divide by the replicas.
+    NCCL order: a data group's ranks (one per replica, at the same pipeline and tensor position) run
+    the same plan row on the same stage shapes, so the same autograd graphs; autograd runs a graph's
+    accumulators in one deterministic order, so every replica completes, and posts, its buckets in
+    the same order, and REDUCE_GRADIENT posts the rest in layout order at the same plan position. A
+    model whose graph depended on the data (a parameter used on one replica, not another) would
+    break this; none of ours does (layer_drop's masks are per step, not per replica, and not offered
+    to pipelines).
+    """
+
+    def __init__(self, capacity_bytes: int, communicator, group, overlap: bool):
+        self.capacity_bytes, self.communicator, self.group, self.overlap = capacity_bytes, communicator, group, overlap
+        self.layouts = {}  # stage -> [Bucket] in layout order
+        self.bucket_of = {}  # id(parameter) -> its Bucket
+        self.accumulations = Counter()  # stage -> accumulations into it this step
+        self.finishing = set()  # stages whose last accumulation of the step is running
+        self.pending = []  # (work, flat) in posting order
+
+    def laid_out(self, stage: int) -> bool:
+        return stage in self.layouts
+
+    def lay_out(self, stage: int, parameters: list, late: set) -> None:
+        """Cut `parameters` (reverse order) into buckets; `late`: ids of parameters posted only by
+        `post_rest`, after their tensor-group sum."""
+        buckets = parameter_buckets(parameters, self.capacity_bytes, apart=lambda parameter: id(parameter) in late)
+        self.layouts[stage] = [Bucket(stage, bucket, id(bucket[0]) in late) for bucket in buckets]
+        for bucket in self.layouts[stage]:
+            for parameter in bucket.parameters:
+                self.bucket_of[id(parameter)] = bucket
+                if parameter.requires_grad:
+                    parameter.register_hook(functools.partial(self._arriving, bucket))
+                    parameter.register_post_accumulate_grad_hook(self.accumulated)
+
+    def start(self) -> None:
+        """A new step: no buffers (the last step's go with its `.grad` views), nothing final or posted."""
+        for buckets in self.layouts.values():
+            for bucket in buckets:
+                bucket.flat, bucket.final, bucket.posted = None, set(), False
+        self.accumulations.clear()
+        self.finishing.clear()
+        self.pending = []
+
+    @contextlib.contextmanager
+    def accumulating(self, stage: int, micro_batches: int):
+        """Around one accumulation into `stage`'s gradients; the m-th of the step is its last."""
+        self.accumulations[stage] += 1
+        last = self.accumulations[stage] == micro_batches
+        if last:
+            self.finishing.add(stage)
+        try:
+            yield
+        finally:
+            self.finishing.discard(stage)
+
+    def _arriving(self, bucket: Bucket, gradient: torch.Tensor) -> None:
+        """A gradient hook: autograd is about to accumulate into one of `bucket`'s parameters."""
+        self.attach(bucket)
+
+    @staticmethod
+    def attach(bucket: Bucket) -> None:
+        """A bucket without a buffer this step gets a zeroed one, and its parameters' `.grad`
+        become views of it (a gradient already there, e.g. never zeroed, is copied in)."""
+        if bucket.flat is not None:
+            return
+        first = bucket.parameters[0]
+        bucket.flat = torch.zeros(sum(p.numel() for p in bucket.parameters), dtype=first.dtype, device=first.device)
+        offset = 0
+        for parameter in bucket.parameters:
+            view = bucket.flat[offset:offset + parameter.numel()].view_as(parameter)
+            if parameter.grad is not None:
+                view.copy_(parameter.grad)
+            parameter.grad = view
+            offset += parameter.numel()
+
+    def accumulated(self, parameter: torch.Tensor) -> None:
+        """`parameter`'s gradient was accumulated (its hook, or a W): during its stage's last
+        accumulation it is final, and its bucket is posted once all of the bucket is."""
+        bucket = self.bucket_of.get(id(parameter))
+        if bucket is None or bucket.stage not in self.finishing or bucket.late or not self.overlap:
+            return
+        bucket.final.add(id(parameter))
+        if len(bucket.final) == len(bucket.parameters):
+            self._post(bucket)
+
+    def post_rest(self, stage: int) -> None:
+        """REDUCE_GRADIENT(stage): post every bucket of the stage not posted yet, in layout order."""
+        for bucket in self.layouts[stage]:
+            self.attach(bucket)  # none of its parameters got a gradient: zeros
+            self._post(bucket)
+
+    def _post(self, bucket: Bucket) -> None:
+        if not bucket.posted:
+            bucket.posted = True
+            self.pending.append((self.communicator.all_reduce(bucket.flat, self.group, async_op=True), bucket.flat))
+
+    def wait(self, replicas: int) -> None:
+        """The all-reduces summed: divide for the mean (a group of one reduced nothing)."""
+        for work, flat in self.pending:
+            if work is not None:
+                work.wait()
+                flat.div_(replicas)
+        self.pending = []

@@ -93,13 +93,14 @@ class ModularPipelineStrategy(DistributedOptimizerSeams, OwnedStepStrategy):
                  activation_dtype: torch.dtype = torch.float32, activation_recompute: str = "none",
                  attention_share: float = 0.0,
                  bucket_mb: float = 25.0, tensor_parallel: str = None, message_dtype: torch.dtype = None,
-                 scatter_gather: bool = False, sequence_parallel: bool = False, tensor_overlap: bool = False,
-                 distributed_optimizer: bool = False, **kwargs):
+                 scatter_gather: bool = False, distributed_optimizer: bool = False,
+                 overlap_reduction: bool = True, sequence_parallel: bool = False, tensor_overlap: bool = False,
+                 **kwargs):
         super().__init__(degrees, **kwargs)
-        self.distributed_optimizer = distributed_optimizer  # ZeRO-1 over the data ranks (DistributedOptimizerSeams)
         # 1-D grid: the residual stream split along the sequence (its boundary piece [rows, s/t, h]),
         # the gathers and reduce-scatters chunked under the products (strategies/tensor_parallel/sequence.py)
         self.sequence_options = {"sequence_parallel": sequence_parallel, "tensor_overlap": tensor_overlap}
+        self.distributed_optimizer = distributed_optimizer  # ZeRO-1 over the data ranks (DistributedOptimizerSeams)
         self.tensor_parallel = tensor_parallel  # None, or the grid each stage is split over
         self.form = None  # the tensor-parallel form of this rank's parts (parallelize_parts)
         self.layers_per_stage = layers_per_stage
@@ -109,6 +110,7 @@ class ModularPipelineStrategy(DistributedOptimizerSeams, OwnedStepStrategy):
         self.activation_recompute = activation_recompute  # none | selective | full (strategies/recompute.py)
         self.attention_share = attention_share  # what selective reruns, in forwards (recompute.attention_share)
         self.bucket_mb = bucket_mb  # data-parallel all-reduce buckets (strategies/buckets.py)
+        self.overlap_reduction = overlap_reduction  # each bucket posted from the stage's last backward
         self.plan = self.complete_plan(compute)
         self.validation_plan = self.forward_plan(compute)
         self.work = None
@@ -137,6 +139,7 @@ class ModularPipelineStrategy(DistributedOptimizerSeams, OwnedStepStrategy):
         stages keep activations and bucket their gradient all-reduces (every StageWork takes them)."""
         return {"activation_dtype": self.activation_dtype, "scale_loss": self.scale_loss,
                 "activation_recompute": self.activation_recompute, "bucket_bytes": bucket_bytes(self.bucket_mb),
+                "overlap_reduction": self.overlap_reduction, "gradient_buckets": not self.distributed_optimizer,
                 "tensor_form": self.form, "message_dtype": self.message_dtype, "scatter": self.boundary_scatter()}
 
     def boundary_scatter(self):
@@ -431,7 +434,7 @@ def build(cfg, world_size: int):
                                    cfg.strategy.layers_per_stage, **pipeline_arguments(cfg),
                                    activation_recompute=cfg.strategy.activation_recompute,
                                    attention_share=attention_share_of(cfg),
-                                   bucket_mb=cfg.strategy.bucket_mb,
+                                   bucket_mb=cfg.strategy.bucket_mb, overlap_reduction=cfg.strategy.overlap_reduction,
                                    distributed_optimizer=cfg.strategy.distributed_optimizer)
 
 

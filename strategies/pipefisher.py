@@ -207,7 +207,8 @@ def build(cfg, world_size: int):
     return PipeFisherStrategy(degrees, modular_pipeline.compute_plan(cfg.strategy, cfg.model.layers),
                               cfg.strategy.layers_per_stage, cost, cfg.strategy.refresh_interval,
                               cfg.strategy.bubble_margin, cfg.strategy.damping,
-                              **modular_pipeline.pipeline_arguments(cfg), bucket_mb=cfg.strategy.bucket_mb)
+                              **modular_pipeline.pipeline_arguments(cfg), bucket_mb=cfg.strategy.bucket_mb,
+                              overlap_reduction=cfg.strategy.overlap_reduction)
 
 
 PIPEFISHER = StrategyEntry(check=check, degrees=modular_pipeline.degrees, build=build,

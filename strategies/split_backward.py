@@ -95,16 +95,18 @@ class PendingWeightGradient:
     def __init__(self, groups: list, recorded: dict, weights: dict):
         self.groups, self.recorded, self.weights = groups, recorded, weights
 
-    def run(self) -> None:
+    def run(self, accumulated=None) -> None:
         """Accumulate each weight's gradient into `.grad`, group by group. A group of several
         intermediates (one may lie on another's path) replays each one's recorded gradient at it,
-        so a gradient is never counted twice; those go first, with the graph kept for the rest."""
+        so a gradient is never counted twice; those go first, with the graph kept for the rest.
+        `accumulated(weight)` is called after each weight's accumulation, as autograd's accumulator
+        runs a post-accumulate-grad hook (strategies/buckets.py posts a finished bucket from it)."""
         ordered = sorted(self.groups, key=lambda group: len(group.intermediates) == 1)
         for group in ordered:
-            self._run_group(group, shared=len(group.intermediates) > 1)
+            self._run_group(group, shared=len(group.intermediates) > 1, accumulated=accumulated)
         self.groups, self.recorded = [], {}  # the graph and the gradients go with this W
 
-    def _run_group(self, group: _Group, shared: bool) -> None:
+    def _run_group(self, group: _Group, shared: bool, accumulated=None) -> None:
         edges, gradients = [], []
         for node in group.intermediates:
             for index, gradient in enumerate(self.recorded.get(node, ())):
@@ -125,6 +127,8 @@ class PendingWeightGradient:
         for node, gradient in zip(accumulators, results):
             if gradient is not None:
                 _accumulate(self.weights[node], gradient)
+                if accumulated is not None:
+                    accumulated(self.weights[node])
 
 
 def _replay(arrived: tuple, kept: tuple) -> tuple:

@@ -7,6 +7,7 @@ kind of strategies/schedule: the executor calls them in plan order. Every stage 
 this rank, so a backward never reaches across stages: the input's gradient is handed on explicitly.
 """
 
+import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from strategies.buckets import post_bucket_reductions, sum_over_groups
+from strategies.buckets import GradientBuckets, sum_over_groups
 from strategies.recompute import apply_activation_recompute
 from strategies.split_backward import input_gradient
 from strategies.tensor_parallel.grids import local_activation_shape
@@ -91,7 +92,6 @@ class StepState:
     proven: set = field(default_factory=set)  # SENDs whose receive the peer has issued (send_releases)
     releases: dict = field(default_factory=dict)  # RECV -> the SENDs it proves received (the plan's)
     most_held: int = 0  # most sends held at once this step (tests hold it to the plan's count)
-    pending_reductions: list = field(default_factory=list)  # (work, flat gradient) per bucket
     posted_receives: dict = field(default_factory=dict)  # RECV action -> (work, buffer), from its post
     loss: torch.Tensor = None
 
@@ -109,9 +109,12 @@ class StageWork:
        (`release_sends`); POST_RECV_* post asynchronous receives where the plan says
        (NCCL matches a pair's operations in issue order, so the plan fixes that order); RECV_*
        wait for their posted receive, or post and wait at once when the plan has no post for it;
-       REDUCE_GRADIENT(c) starts the data-parallel all-reduces of stage c's gradients, one per
-       flat bucket of at most `bucket_bytes` (0: one per tensor), as soon as its last backward is
-       done (layered accumulation: they overlap the earlier stages' backward).
+       the data-parallel all-reduce runs per flat bucket of at most `bucket_bytes` (0: one per
+       tensor) into which the backward accumulates in place (strategies/buckets.py GradientBuckets):
+       with `overlap_reduction` each bucket is posted as soon as stage c's last backward (its
+       m-th B or W of the step) has finished all of its gradients, under the rest of that backward;
+       REDUCE_GRADIENT(c) posts the rest (all of them without overlap) — with layered
+       accumulation both overlap the earlier stages' backward.
     With `activation_recompute="full"` each block keeps only its input and reruns in the backward.
     With a `tensor_form` (strategies/tensor_parallel) the stages' modules are this rank's shards:
     boundaries carry this grid position's piece of the activation to the same position of the next
@@ -126,7 +129,8 @@ class StageWork:
     def __init__(self, model: nn.Module, stages: int, layers_per_stage: int, micro_batches: int,
                  peers: Peers, activation_dtype: torch.dtype = torch.float32, scale_loss=None,
                  activation_recompute: str = "none", bucket_bytes: int = 0, tensor_form=None,
-                 message_dtype: torch.dtype = None, scatter: BoundaryScatter = None):
+                 message_dtype: torch.dtype = None, scatter: BoundaryScatter = None,
+                 overlap_reduction: bool = False, gradient_buckets: bool = True):
         self.model = model
         self.tensor_form = tensor_form
         self.loss_function = tensor_form.loss if tensor_form is not None else model.loss
@@ -144,6 +148,10 @@ class StageWork:
         self.scale_loss = scale_loss or (lambda loss: loss)  # fp16: the loss scaler's scale
         apply_activation_recompute(model, activation_recompute)
         self.bucket_bytes = bucket_bytes
+        # None where another owner keeps the gradients in its own flat buffers and reduces them
+        # (the distributed optimizer, strategies/distributed_optimizer.py)
+        self.gradients = GradientBuckets(bucket_bytes, peers.communicator, peers.data_group,
+                                         overlap_reduction) if gradient_buckets else None
         self.state = StepState()
         self.batch = None
         self.scattered = False  # this step's messages scattered (`_scatters`), set by `start`
@@ -163,6 +171,8 @@ class StageWork:
         POST_RECV_* actions, in the order NCCL needs, never all at once here. `releases` is this
         rank's `send_releases` of the plan: after which RECV each send may be released."""
         self.state = StepState(releases=releases or {})
+        if self.gradients is not None:
+            self.gradients.start()
         self.training = training
         self.batch = {key: value.chunk(self.micro_batches) for key, value in batch.items()}
         self.scattered = self._scatters()
@@ -193,10 +203,11 @@ class StageWork:
     def backward(self, action: Action) -> None:
         key = (action.stage, action.micro_batch)
         output = self.state.outputs.pop(key)
-        if action.stage == self.stages - 1:
-            self.scale_loss(output).backward()
-        else:
-            output.backward(self.state.output_gradients.pop(key))
+        with self._accumulating(action.stage):
+            if action.stage == self.stages - 1:
+                self.scale_loss(output).backward()
+            else:
+                output.backward(self.state.output_gradients.pop(key))
         stage_input = self.state.inputs.pop(key)
         if action.stage > 0:
             self._hand_back_input_gradient(action, stage_input.grad)
@@ -224,7 +235,9 @@ class StageWork:
         (stage 0: the whole backward, its I having done nothing)."""
         if action.stage == 0:
             return self.backward(Action(BACKWARD, 0, action.micro_batch))
-        self.state.weight_work.pop((action.stage, action.micro_batch)).run()
+        with self._accumulating(action.stage):
+            accumulated = None if self.gradients is None else self.gradients.accumulated
+            self.state.weight_work.pop((action.stage, action.micro_batch)).run(accumulated)
 
     def weights(self, stage: int) -> list:
         """The tensors a W accumulates into: the stage's trainable parameters."""
@@ -355,13 +368,31 @@ class StageWork:
         return tuple(self.boundary_shape(rows, length)) == (rows, length, self.model.hidden)
 
     # ----- data parallel
-    # ----- data parallel
+    def _accumulating(self, stage: int):
+        """Around one accumulation into stage `stage`'s gradients (a B, or a W): its buckets laid
+        out and attached, and in its m-th of the step each finished bucket posted (GradientBuckets)."""
+        if self.gradients is None:
+            return contextlib.nullcontext()
+        self._lay_out(stage)
+        return self.gradients.accumulating(stage, self.micro_batches)
+
+    def _lay_out(self, stage: int) -> None:
+        """Stage `stage`'s buckets, once: its parameters reversed (the order the backward finishes
+        them, DDP's); those a tensor grid replicates are late (summed over their tensor groups at
+        REDUCE_GRADIENT first, then posted: not from the backward)."""
+        if self.gradients.laid_out(stage):
+            return
+        names = stage_parameter_names(self.model, stage, self.stages, self.layers_per_stage)
+        groups = {} if self.tensor_form is None else self.tensor_form.gradient_groups
+        late = {id(self.model.get_parameter(name)) for name in names if groups.get(name)}
+        self.gradients.lay_out(stage, [self.model.get_parameter(name) for name in names][::-1], late)
+
     def reduce_gradient(self, action: Action) -> None:
-        parameters = stage_parameters(self.model, action.stage, self.stages, self.layers_per_stage)
+        """After stage c's last backward: the replicated pieces summed over the tensor grid, then
+        every bucket of c not posted from the backward (all of them without overlap) posted."""
         self.sum_replicated_gradients(action.stage)
-        # Reversed: the order the backward finished them, the order DDP fills its buckets in.
-        self.state.pending_reductions += post_bucket_reductions(
-            parameters[::-1], self.bucket_bytes, self.peers.communicator, self.peers.data_group)
+        self._lay_out(action.stage)
+        self.gradients.post_rest(action.stage)
 
     def sum_replicated_gradients(self, stage: int) -> None:
         """Pieces a tensor grid holds on several ranks (norms, some biases, embeddings in 2-D/3-D)
@@ -384,9 +415,5 @@ class StageWork:
 
     def wait_for_reductions(self) -> None:
         """Called before the optimizer: the all-reduces summed; divide for the mean."""
-        size = self.peers.data_group.size
-        for work, gradient in self.state.pending_reductions:
-            if work is not None:
-                work.wait()
-                gradient.div_(size)
-        self.state.pending_reductions.clear()
+        if self.gradients is not None:
+            self.gradients.wait(self.peers.data_group.size)

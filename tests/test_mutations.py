@@ -15,6 +15,7 @@ from layerwise.run import data as data_lib
 from layerwise.run.fit import load_corpus
 from layerwise.run.task import model_arguments, objective_of
 from models import build_model
+from strategies.buckets import GradientBuckets
 from strategies.l2l import HostStore, step_only
 from strategies.pipefisher import PipeFisherStrategy
 from strategies.sharding import FlatShard
@@ -108,10 +109,12 @@ def test_dropped_micro_batch_is_caught(monkeypatch, tmp_path, tmp_path_factory):
 # ----- (c) one stage's data-parallel reduction skipped
 
 def test_skipped_stage_reduction_is_caught(monkeypatch, tmp_path, tmp_path_factory):
-    """Stage 0 (embedding + block 0) is never all-reduced: each replica steps on its own half-batch."""
-    original = StageWork.reduce_gradient
-    monkeypatch.setattr(StageWork, "reduce_gradient",
-                        lambda self, action: None if action.stage == 0 else original(self, action))
+    """Stage 0 (embedding + block 0) is never all-reduced: each replica steps on its own half-batch.
+    Its buckets are posted from its last backward (strategy.overlap_reduction) or at REDUCE_GRADIENT:
+    both go through GradientBuckets._post, which skips them here."""
+    original = GradientBuckets._post
+    monkeypatch.setattr(GradientBuckets, "_post",
+                        lambda self, bucket: None if bucket.stage == 0 else original(self, bucket))
     excess = assert_caught(compare_under_sgd("modular_pipeline_pp2_dp2_v2_m4", tmp_path, tmp_path_factory),
                            "(c) stage 0's data-parallel reduction skipped")
     caught_at_step_one(excess)

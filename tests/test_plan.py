@@ -46,8 +46,10 @@ def test_gpt3_on_512_gpus_plans_in_seconds_with_a_role_per_pipeline_position(tmp
     assert written["step_time_s"] == result["step_time_s"] > 0 and 0 < written["mfu"] < 1
     assert (tmp_path / "plan.png").stat().st_size > 10_000 and (tmp_path / "plan_memory.png").stat().st_size > 5_000
     # 1F1B keeps p − r micro-batches in flight on pipeline rank r: the first stage holds the most.
+    # (The last rank's steady state adds the head's saved log-probabilities: 4.50 GiB beside rank
+    # 14's 4.22. It peaked at the reduction's flat copy before the buckets were reduced in place.)
     roles = result["roles"]
-    activations = [role["memory_bytes"]["activations"] for role in roles]
+    activations = [role["memory_bytes"]["activations"] for role in roles[:-1]]
     assert activations == sorted(activations, reverse=True)
     assert sorted(rank for role in roles for rank in role["pipeline_ranks"]) == list(range(16))
     # StageWork releases each send once a later message proves it received (issue 28; before, it kept

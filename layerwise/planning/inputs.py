@@ -12,6 +12,7 @@ from layerwise.config.errors import ConfigError
 from layerwise.config.schema import PipelineStrategyConfig
 from layerwise.config.layout import layout_of
 from strategies.registry import planned_as, strategies_planned_as
+from strategies.buckets import bucket_bytes
 from strategies.modular_pipeline import compute_plan
 
 
@@ -71,7 +72,9 @@ def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
     return Workload(shape_of(cfg, vocabulary), cfg.model.layers, cfg.model.heads, layout, cfg.strategy.layers_per_stage,
                     cfg.data.global_batch_size // (layout.data * cfg.strategy.micro_batches),
                     cfg.optimizer.name, cfg.strategy.activation_recompute == "full",
-                    compute_bytes(cfg), through_forward, cfg.hardware.process_group_backend == "gloo")
+                    compute_bytes(cfg), through_forward, cfg.hardware.process_group_backend == "gloo",
+                    # the pipeline stages' gradient buckets (the strategies with the overlap_reduction switch)
+                    gradient_bucket_bytes=bucket_bytes(cfg.strategy.bucket_mb) if "overlap_reduction" in cfg.strategy else 0)
 
 
 def compute_bytes(cfg) -> int:

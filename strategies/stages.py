@@ -379,10 +379,15 @@ class StageWork:
     def _lay_out(self, stage: int) -> None:
         """Stage `stage`'s buckets, once: its parameters reversed (the order the backward finishes
         them, DDP's); those a tensor grid replicates are late (summed over their tensor groups at
-        REDUCE_GRADIENT first, then posted: not from the backward)."""
+        REDUCE_GRADIENT first, then posted: not from the backward). A weight an earlier local stage
+        also holds (model.tie_embeddings on one pipeline rank: the head's is the embedding's) is
+        that stage's: its gradient is final only after stage 0's backward, which always comes last."""
         if self.gradients.laid_out(stage):
             return
-        names = stage_parameter_names(self.model, stage, self.stages, self.layers_per_stage)
+        earlier = {id(parameter) for lower in range(stage) if stage_blocks(lower, self.layers_per_stage)[0] in self.model.blocks
+                   for parameter in stage_parameters(self.model, lower, self.stages, self.layers_per_stage)}
+        names = [name for name in stage_parameter_names(self.model, stage, self.stages, self.layers_per_stage)
+                 if id(self.model.get_parameter(name)) not in earlier]
         groups = {} if self.tensor_form is None else self.tensor_form.gradient_groups
         late = {id(self.model.get_parameter(name)) for name in names if groups.get(name)}
         self.gradients.lay_out(stage, [self.model.get_parameter(name) for name in names][::-1], late)

@@ -5,9 +5,9 @@ the first step's gradient (recovered from the weights after step 1) and the para
 last, at the eager tolerances (tests/tolerances.py: compiled kernels reorder a few fp32 sums, ~1e-7
 relative, inside LOSS_RTOL/GRADIENT_RTOL = 1e-5). The families: the whole model (single, with
 dropout and full recomputation, whose checkpoint sits inside the compiled block; ddp), a pipeline
-(modular_pipeline, p = 2 looping, 2 micro-batches). Cold compiles cost ~10 s a graph here, so the
+(modular_pipeline, p = 2 looping, 2 micro-batches), a sharded one (zero_layered, d = 2). Cold compiles cost ~10 s a graph here, so the
 runs share one micro-batch shape (8 rows) where they can: ddp's graph serves the pipeline from the
-inductor cache. Validation refuses the strategies whose blocks cannot compile, with the reason.
+inductor cache (so does zero_layered's, m = 1). Validation refuses the strategies whose blocks cannot compile, with the reason.
 """
 
 import pytest
@@ -65,9 +65,11 @@ def test_single_compiled_with_dropout_and_recompute_equals_eager(tmp_path, tmp_p
 @pytest.mark.parametrize("overrides", [
     ["strategy=ddp"],
     ["strategy=modular_pipeline", "strategy.pipeline_degree=2", "strategy.micro_batches=2"],
-], ids=["ddp_dp2", "modular_pipeline_pp2_v2_m2"])
+    ["strategy=zero_layered", "strategy.micro_batches=1"],
+], ids=["ddp_dp2", "modular_pipeline_pp2_v2_m2", "zero_layered_dp2_m1"])
 def test_compiled_strategy_equals_eager_single(overrides, tmp_path, tmp_path_factory):
-    """ddp on 2 replicas (4 blocks each: 8 compiled) and a looping pipeline (2 stages a rank: 4)."""
+    """ddp and zero_layered on 2 replicas (4 blocks each: 8 compiled; zero_layered's weights are
+    gathered into its flat shards' views before each run) and a looping pipeline (2 stages a rank: 4)."""
     actual = SgdRun(tmp_path, *overrides, COMPILE)
     SgdComparison(actual, sgd_reference(tmp_path_factory)).check()
-    assert_compiled_once(actual.summary, blocks=8 if overrides == ["strategy=ddp"] else 4)
+    assert_compiled_once(actual.summary, blocks=4 if "strategy.pipeline_degree=2" in overrides else 8)

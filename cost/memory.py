@@ -1,7 +1,8 @@
 """The analytic memory of a pipeline-family rank (cost/step_time.py's memory half).
 
-Per rank role, the largest of four moments of a training step (`stage_memory`): its start, its
-first backward, the steady state and the data-parallel reduction, each with what the real code
+Per rank role, the largest of the moments of a training step (`stage_memory`): its start, its
+first backward, the steady state, the data-parallel reduction and the optimizer's step (and, where
+Lightning's closure zeroes the gradients, the forward's end), each with what the real code
 holds then — parameters, gradients, optimizer state, the stash of the forwards in flight (the
 blocks' saved tensors as autograd keeps them, autocast's weight copies, the head's softmax), a
 backward's working set, the point-to-point buffers `StageWork` keeps, ZeRO's gathered stages —
@@ -304,8 +305,8 @@ def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True, tem
 
 
 def peak_moment(workload: Workload, plan, pipeline_rank: int, flash: bool = True) -> str:
-    """Which moment of `stage_memory` ("start", "first backward", "forward", "later", "reduction")
-    is the peak of `memory(workload, plan, pipeline_rank, flash)`."""
+    """Which moment of `stage_memory` ("start", "first backward", "forward", "later", "reduction",
+    "optimizer") is the peak of `memory(workload, plan, pipeline_rank, flash)`."""
     return memory(workload, plan, pipeline_rank, flash, moment=True)
 
 

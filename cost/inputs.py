@@ -136,17 +136,29 @@ class Workload:
     # a gloo send completes only in wait(), an NCCL one once its receive is posted: the sends held
     # differ (cost.memory.held_sends, docs/strategies/pipeline_memory.md).
     gloo: bool = False
-    # How the run's code communicates and overlaps (the defaults are layerwise's; a published run's
-    # software may differ, layerwise/reproduce/published.py): bytes per element on the wire (2: fp16/bf16
-    # collectives and messages), the pipeline message split over the tensor ranks and all-gathered
-    # over NVLink (Narayanan et al. 2021 §4.1), the data-parallel reduction bucketed under the last
-    # micro-batch's backward (PyTorch DDP, Li et al. 2020), the tensor collectives overlapped with the
-    # products (Megatron-Core --tp-comm-overlap), attention scores materialised (no flash kernel).
-    wire_bytes: int = BYTES
+    # How the run's code communicates and overlaps. layerwise/planning/inputs.py `communication_of`
+    # sets every field from the strategy's switches (issue 56), so a plan prices what our strategies
+    # do; the defaults are a strategy without those switches. A published run's software may differ:
+    # layerwise/reproduce/published.py names each difference it prices (MEGATRON_ONLY).
+    # Bytes per element on the wire, apart because our code sends each kind in its own dtype:
+    # a pipeline message (2: strategy.message_dtype=compute under bf16/fp16, strategies/stages.py
+    # `StageWork.message`), a tensor-grid collective (4: our grids add partial sums in fp32,
+    # strategies/tensor_parallel/collectives.py `sum_copy`) and a data-parallel gradient (4: the fp32
+    # gradients of the fp32 master weights).
+    message_bytes: int = BYTES
+    tensor_bytes: int = BYTES
+    reduction_bytes: int = BYTES
+    # The pipeline message split over the 1-D tensor ranks and all-gathered on arrival (Narayanan et
+    # al. 2021 §4.1; strategy.scatter_gather); the data-parallel reduction bucketed under the last
+    # micro-batch's backward (strategy.overlap_reduction; PyTorch DDP, Li et al. 2020); the tensor
+    # collectives overlapped with the products (strategy.tensor_overlap); attention scores
+    # materialised (plan.flash_attention=false: the math kernel).
     scatter_gather: bool = False
     reduction_overlaps_backward: bool = False
     tensor_overlap: bool = False
     attention_scores: bool = False
+    # Korthikanti et al. 2022 §4.2.2 (strategy.sequence_parallel): norms and dropout sharded along the
+    # sequence, each all-reduce an all-gather + reduce-scatter; a boundary carries the 1/t shard.
     sequence_parallel: bool = False
     # ZeRO-1 (Megatron's distributed optimizer, Rajbhandari et al. 2020 stage 1): gradients reduce-
     # scattered (half an all-reduce's bytes), parameters all-gathered beside the next step's forward.
@@ -155,8 +167,9 @@ class Workload:
     # GradientBuckets): each bucket's flat buffer is made when the backward first reaches it, up to a
     # bucket ahead of autograd's own gradients, and reduced in place (no flat copy). 0: per tensor.
     gradient_bucket_bytes: int = 0
-    # Selective recomputation (Korthikanti et al. 2022 §5): only the core attention (Q·Kᵀ, softmax,
-    # dropout, scores·V) is recomputed, its forward rerun in the backward; the rest is saved.
+    # Selective recomputation (Korthikanti et al. 2022 §5; strategy.activation_recompute=selective):
+    # only the core attention (Q·Kᵀ, softmax, dropout, scores·V) is recomputed, its forward rerun in
+    # the backward; the rest is saved.
     recompute_attention: bool = False
 
     @property
@@ -167,6 +180,14 @@ class Workload:
     @property
     def tensor_ranks(self) -> int:
         return self.layout.tensor
+
+    @property
+    def message_elements(self) -> float:
+        """Elements one rank sends (and posts a receive for) per boundary message: the activation
+        piece, ÷ t where each tensor rank sends its 1/t (scatter/gather: the receivers all-gather the
+        slices over NVLink; sequence parallelism: the stream between blocks is the rank's sequence
+        shard). In `message_bytes` each; on arrival it is gathered and cast back to the stream's dtype."""
+        return self.piece / (self.tensor_ranks if self.scatter_gather or self.sequence_parallel else 1)
 
 
 OPTIMIZER_STATE = {"adamw": 2, "lamb": 2, "sgd": 1}  # fp32 tensors per parameter (SGD: momentum)

@@ -12,7 +12,7 @@ Nothing here builds a model or a process group; it is what plan mode answers at 
             the slowest rank's optimizer step. Where the device's memory bandwidth is known (the GPU
             profiles), products run at their roofline and the memory-bound operators and the loss's
             passes over the logits are charged at that bandwidth; how the run's software sends
-            (wire bytes, scatter/gather, bucketed or sharded reductions, overlapped tensor
+            (bytes per element of each kind, scatter/gather, bucketed or sharded reductions, overlapped tensor
             collectives) is the workload's (docs/plan.md, "Against published runs").
 Where mode=calibrate measured them, a collective's seconds come from its table
 (`collective_seconds`), and the framework's own costs per step and per action are added.
@@ -102,7 +102,7 @@ def grid_seconds(workload: Workload, device: Device, stage: int, stages: int) ->
     if stage == stages - 1:
         traffic += head_traffic(layout.tensor_grid, layout.edge, workload.micro_batch_rows, workload.shape)
     count = grid_collectives(layout.tensor_grid, workload.layers_per_stage, stage == stages - 1, workload.shape)
-    wire = workload.wire_bytes / BYTES  # traffic.py counts fp32; the run's code may send fp16/bf16
+    wire = workload.tensor_bytes / BYTES  # traffic.py counts fp32; a run's code may send fp16/bf16
     return collective_seconds(device, wire * sum(traffic.values()), workload.tensor_ranks, count)
 
 
@@ -280,12 +280,14 @@ def optimizer_seconds(workload: Workload, device: Device, stages: list, total_st
 
 
 def receive_seconds(workload: Workload, device: Device) -> float:
-    """One boundary receive: the activation piece (or its gradient, the same size) over the link
-    pipeline neighbours cross (a tensor block apart; inside a node only if the whole pipeline is)."""
+    """One boundary receive: the message (`Workload.message_elements`: the activation piece or its
+    gradient, the same size, ÷ t where each tensor rank sends its slice) in `message_bytes` over the
+    link pipeline neighbours cross (a tensor block apart; inside a node only if the whole pipeline
+    is). The receivers' all-gather of the slices over NVLink is left out (t − 1 slices at NVLink's
+    rate against one slice over InfiniBand), as Narayanan et al. 2021 §4.1 do."""
     latency = device.collective_latency_s if device.point_to_point_latency_s is None else device.point_to_point_latency_s
-    split = workload.tensor_ranks if workload.scatter_gather else 1  # each tensor rank sends 1/T, NVLink gathers
     extent = workload.tensor_ranks * workload.layout.pipeline  # one sender, one receiver: one device's link
-    return latency + workload.piece * workload.wire_bytes / split / link_bandwidth(device, extent, stride=extent)
+    return latency + workload.message_elements * workload.message_bytes / link_bandwidth(device, extent, stride=extent)
 
 
 def gather_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
@@ -362,8 +364,10 @@ def exposed_gather(gather: float, behind: float, hidden: float) -> float:
 
 def rank_traffic(workload: Workload, plan, pipeline_rank: int) -> Counter:
     """cost/traffic.py's bytes by kind for a rank at `pipeline_rank` of this workload."""
+    split = workload.piece / workload.message_elements  # t where each tensor rank sends its slice
     return step_traffic(plan, workload.layout, pipeline_rank, workload.shape, workload.layers_per_stage,
-                        workload.micro_batch_rows)
+                        workload.micro_batch_rows, workload.message_bytes, round(split), workload.scatter_gather,
+                        workload.distributed_optimizer)
 
 
 def predict_step(workload: Workload, device: Device, plan) -> dict:
@@ -407,7 +411,7 @@ def reduction_seconds(workload: Workload, device: Device, stage: int, stages: in
     held = stage_parameters(workload, stage, stages)
     sharded = layout.zero or workload.distributed_optimizer  # a reduce-scatter: all_gather's bytes
     volume = all_gather(held, layout.data) if sharded else all_reduce(held, layout.data)
-    volume *= workload.wire_bytes / BYTES  # 2: the run reduces fp16/bf16 gradients
+    volume *= workload.reduction_bytes / BYTES  # 4: our fp32 master gradients; 2: a run reducing fp16/bf16 ones
     return collective_seconds(device, volume, workload.tensor_ranks * layout.pipeline * layout.data,
                               stride=workload.tensor_ranks * layout.pipeline)
 
@@ -417,7 +421,7 @@ def exposed_reduction_seconds(workload: Workload, device: Device, stage: int, st
     `reduction_overlaps_backward` (PyTorch DDP's buckets, Li et al. 2020 §3.2.3, reduce while the
     last micro-batch's backward still runs) what outlasts that backward."""
     reduction = reduction_seconds(workload, device, stage, stages)
-    if not workload.reduction_overlaps_backward:
+    if not workload.reduction_overlaps_backward or not device.overlaps_communication:  # a CPU pays it where issued
         return reduction
     return max(0.0, reduction - stage_seconds(workload, device, stage, stages)[1])
 

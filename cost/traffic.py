@@ -1,7 +1,10 @@
 """Logical bytes one rank moves per optimizer step, as the sum of its layout's parts' formulas.
 
 A composed layout (data × pipeline × tensor grid) moves, per rank and step:
-  pipeline  its plan row's sends × the activation piece it holds (grids.local_activation_shape);
+  pipeline  its plan row's sends × the activation piece it holds (grids.local_activation_shape), in
+            the message's bytes per element (2: strategy.message_dtype=compute under bf16/fp16),
+            ÷ t where each tensor rank sends its slice (scatter/gather; sequence parallelism), and
+            with scatter/gather each receive's all-gather of the t slices over the tensor group;
   tensor    per forward-and-backward of a block, the grid's collectives (docs/strategies/three_d.md):
               1d  4 all-reduces of the micro-batch's activation (Megatron's f and g, twice);
               2d  per linear, a gather of X along the row and of W along the column, and their
@@ -22,7 +25,8 @@ from collections import Counter
 from cost.inputs import BYTES, GptShape, activation_piece
 from parallel.comm import ring_factor
 from parallel.dims import Layout, tensor_ranks
-from strategies.schedule import FORWARD, REDUCE_GRADIENT, SEND_ACTIVATION, SEND_GRADIENT
+from strategies.schedule import (FORWARD, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT, SEND_ACTIVATION,
+                                 SEND_GRADIENT)
 from strategies.schedule.zero import GATHERS, REDUCE_SCATTER
 from strategies.tensor_parallel.grids import grid_of
 
@@ -132,20 +136,32 @@ def replicated_group(layout: Layout) -> int:
 
 
 def step_traffic(plan, layout: Layout, pipeline_rank: int, shape: GptShape, layers_per_stage: int,
-                 micro_batch_rows: int) -> Counter:
-    """Logical bytes by kind (parallel.comm.KINDS) one rank at `pipeline_rank` moves in one step."""
+                 micro_batch_rows: int, message_bytes: int = BYTES, message_split: int = 1,
+                 gathered: bool = False, distributed_optimizer: bool = False) -> Counter:
+    """Logical bytes by kind (parallel.comm.KINDS) one rank at `pipeline_rank` moves in one step. A
+    boundary message carries `message_bytes` per element and 1/`message_split` of the rank's piece
+    (cost.inputs.Workload.message_elements); `gathered`: each receive then all-gathers the slices
+    over the tensor group (scatter/gather, Narayanan et al. 2021 §4.1; not under sequence
+    parallelism, whose shard is the stream itself). `distributed_optimizer`: each stage reduction is
+    a reduce-scatter of the fp32 gradients and the updated fp32 parameters are all-gathered, (n−1)/n
+    of the stage each, in place of the all-reduce's 2(n−1)/n."""
     row = [action for action in plan.ranks[pipeline_rank] if action is not None]
     traffic = Counter()
     sends = sum(action.kind in (SEND_ACTIVATION, SEND_GRADIENT) for action in row)
-    traffic["send_recv"] += sends * activation_piece(layout, micro_batch_rows, shape) * BYTES
+    piece = activation_piece(layout, micro_batch_rows, shape)
+    traffic["send_recv"] += sends * piece / message_split * message_bytes
+    if gathered:
+        receives = sum(action.kind in (RECV_ACTIVATION, RECV_GRADIENT) for action in row)
+        traffic["all_gather"] += receives * ring_factor("all_gather", message_split) * piece * message_bytes
     traffic["broadcast"] += BYTES if layout.pipeline > 1 else 0  # the loss, from the last stage
     for stage in sorted({action.stage for action in row if action.kind == FORWARD}):
-        traffic += _stage_traffic(row, stage, plan.stages, layout, shape, layers_per_stage, micro_batch_rows)
+        traffic += _stage_traffic(row, stage, plan.stages, layout, shape, layers_per_stage, micro_batch_rows,
+                                  distributed_optimizer)
     return traffic
 
 
 def _stage_traffic(row, stage: int, stages: int, layout: Layout, shape: GptShape,
-                   layers_per_stage: int, rows: int) -> Counter:
+                   layers_per_stage: int, rows: int, distributed_optimizer: bool = False) -> Counter:
     grid, q, n = layout.tensor_grid, layout.edge, layout.data
     forwards = sum(action.kind == FORWARD and action.stage == stage for action in row)
     parameters = local_parameters(grid, q, shape, stage == 0, layers_per_stage, stage == stages - 1)
@@ -157,8 +173,12 @@ def _stage_traffic(row, stage: int, stages: int, layout: Layout, shape: GptShape
         traffic += Counter({kind: forwards * volume for kind, volume in per_micro_batch.items()})
     if not layout.zero:
         reductions = sum(action.kind == REDUCE_GRADIENT and action.stage == stage for action in row)
-        traffic["all_reduce"] += reductions * (all_reduce(parameters["all"], n)
-                                               + all_reduce(parameters["replicated"], replicated_group(layout)))
+        traffic["all_reduce"] += reductions * all_reduce(parameters["replicated"], replicated_group(layout))
+        if distributed_optimizer:  # ZeRO-1: the gradient reduce-scattered, the parameters gathered back
+            traffic["reduce_scatter"] += reductions * all_gather(parameters["all"], n)
+            traffic["all_gather"] += reductions * all_gather(parameters["all"], n)
+        else:
+            traffic["all_reduce"] += reductions * all_reduce(parameters["all"], n)
         return traffic
     return traffic + _zero_traffic(row, stage, stages, layout, shape, layers_per_stage)
 

@@ -128,7 +128,8 @@ def test_a_tensor_strategy_is_planned_as_the_one_stage_pipeline_it_equals(strate
     tensor = compose_config(*shape, f"strategy={strategy}", f"strategy.tensor_grid={edge}")
     pipeline = compose_config(*shape, "strategy=modular_pipeline", "strategy.pipeline_degree=1",
                               f"strategy.layers_per_stage={tensor.model.layers}", "strategy.micro_batches=1",
-                              f"strategy.tensor_parallel={grid}", f"strategy.tensor_grid={edge}")
+                              f"strategy.tensor_parallel={grid}", f"strategy.tensor_grid={edge}",
+                              "strategy.overlap_reduction=false")  # the tensor strategies have no such switch
     ours, theirs = plan_result(tensor, validate(tensor)), plan_result(pipeline, validate(pipeline))
     assert ours["strategy"] == strategy and ours["layout"] == theirs["layout"]
     assert ours["step_time_s"] == theirs["step_time_s"] and same_but_gradients(ours["roles"], theirs["roles"])
@@ -154,7 +155,8 @@ def test_single_and_ddp_are_planned_as_one_stage_data_replicas():
     for strategy, devices in (("single", 1), ("ddp", 2)):
         ours = compose_config(*shape, f"strategy={strategy}", f"hardware.devices_per_node={devices}")
         pipeline = compose_config(*shape, "strategy=modular_pipeline", "strategy.pipeline_degree=1", "strategy.layers_per_stage=8",
-                                  "strategy.micro_batches=1", f"hardware.devices_per_node={devices}")
+                                  "strategy.micro_batches=1", f"hardware.devices_per_node={devices}",
+                                  "strategy.overlap_reduction=false")  # single and ddp have no such switch
         mine, theirs = plan_result(ours, validate(ours)), plan_result(pipeline, validate(pipeline))
         assert mine["strategy"] == strategy and mine["layout"]["data"] == devices and mine["layout"]["pipeline"] == 1
         assert mine["step_time_s"] == theirs["step_time_s"] and same_but_gradients(mine["roles"], theirs["roles"])

@@ -5,6 +5,8 @@ small-scale comparison and verdicts on made-up inputs (nothing is trained here).
 
 import math
 
+from dataclasses import replace
+
 import pytest
 
 from layerwise.config.store import compose
@@ -90,9 +92,23 @@ def test_depth_first_needs_m_times_the_bandwidth_of_layered(base):
     assert tt.bandwidth_needed(point, replicated) == 0.0
 
 
+class AfterBackward(Evaluator):
+    """The Evaluator of a strategy without strategy.overlap_reduction: its reduction after the backward."""
+
+    def workload(self, point):
+        return replace(super().workload(point), reduction_overlaps_backward=False)
+
+
 def test_one_f_one_b_is_credited_at_most_one_micro_batch_backward(base):
+    """Without the overlapped reduction in its workload (a strategy without strategy.overlap_reduction)
+    1F1B is credited its last backward; with it (the pipeline families' default since issue 56) the
+    workload prices the overlap itself, so no credit is added on top."""
     point = tt.point_config(base, "gpt_6.7b", "dgx_a100_80g", 256)
     evaluate = Evaluator(point, 256)
+    overlapped = Point.of("one_f_one_b", 4, "1d", 8, 8, 8, "none", 8)
+    assert evaluate.workload(overlapped).reduction_overlaps_backward
+    assert tt.evaluated(evaluate, overlapped)["overlap_credit_s"] == 0.0
+    evaluate = AfterBackward(point, 256)
     for micro in (1, 8):
         layout = Point.of("one_f_one_b", 4, "1d", 8, 8, micro, "none", 8)
         raw, credited = evaluate(layout), tt.evaluated(evaluate, layout)

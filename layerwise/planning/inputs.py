@@ -6,7 +6,7 @@ inputs (cost/inputs.py) here, and nowhere else.
 
 from omegaconf import OmegaConf
 
-from cost.inputs import Device, GptShape, Workload
+from cost.inputs import BYTES, Device, GptShape, Workload
 from models import block_of
 from layerwise.config.errors import ConfigError
 from layerwise.config.schema import PipelineStrategyConfig
@@ -14,6 +14,7 @@ from layerwise.config.layout import layout_of
 from strategies.registry import planned_as, strategies_planned_as
 from strategies.buckets import bucket_bytes
 from strategies.modular_pipeline import compute_plan
+from strategies.precision import activation_dtype, compute_dtype
 
 
 # Which strategies plan mode prices, and how, is each one's StrategyEntry.planned_as (strategies/registry.py).
@@ -57,7 +58,14 @@ def one_stage_pipeline(cfg, grid: str, edge: int, data_degree=None, activation_r
     planned.strategy = OmegaConf.merge(OmegaConf.structured(PipelineStrategyConfig), {
         "name": "modular_pipeline", "pipeline_degree": 1, "data_degree": data_degree,
         "layers_per_stage": cfg.model.layers, "micro_batches": 1, "tensor_parallel": grid,
-        "tensor_grid": edge, "activation_recompute": activation_recompute})
+        "tensor_grid": edge, "activation_recompute": activation_recompute,
+        # the switches the strategy has; one it lacks keeps what it does without (the Workload's default)
+        "sequence_parallel": cfg.strategy.get("sequence_parallel", False),
+        "tensor_overlap": cfg.strategy.get("tensor_overlap", False),
+        "overlap_reduction": cfg.strategy.get("overlap_reduction", False),
+        "message_dtype": cfg.strategy.get("message_dtype", "fp32"),  # (one stage: nothing crosses a boundary)
+        "scatter_gather": cfg.strategy.get("scatter_gather", False),
+        "distributed_optimizer": cfg.strategy.get("distributed_optimizer", False)})
     return planned
 
 
@@ -73,8 +81,43 @@ def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
                     cfg.data.global_batch_size // (layout.data * cfg.strategy.micro_batches),
                     cfg.optimizer.name, cfg.strategy.activation_recompute == "full",
                     compute_bytes(cfg), through_forward, cfg.hardware.process_group_backend == "gloo",
-                    # the pipeline stages' gradient buckets (the strategies with the overlap_reduction switch)
-                    gradient_bucket_bytes=bucket_bytes(cfg.strategy.bucket_mb) if "overlap_reduction" in cfg.strategy else 0)
+                    **communication_of(cfg.strategy, cfg.hardware.precision, layout, cfg.plan.flash_attention))
+
+
+def communication_of(strategy, precision: str, layout, flash_attention: bool = True) -> dict:
+    """How our strategies communicate and overlap, from the strategy's switches (issue 56), as the
+    `cost.inputs.Workload` fields cost/step_time.py prices: the one place a config becomes them (plan
+    mode, the search's Evaluator, the reproductions). `strategy` is the strategy node (or a dict of
+    its fields); a strategy whose schema lacks a switch gets what it does without one (the Workload
+    default). Each field as our code does it:
+    - message_bytes: a stage-boundary message in the compute dtype under strategy.message_dtype=compute
+      (bf16/fp16 under mixed precision: 2), else the residual stream's own (fp32 under autocast;
+      the narrow dtype under -true) — strategies/stages.py `StageWork.message`;
+    - tensor_bytes, reduction_bytes: 4. Our tensor grids add their partial sums in fp32
+      (strategies/tensor_parallel/collectives.py `sum_copy`), and the data-parallel reduction moves
+      the fp32 gradients of the fp32 master weights, whatever the precision;
+    - scatter_gather: strategy.scatter_gather on a 1-D grid between pipeline stages, not under
+      sequence parallelism (there the boundary already carries the rank's 1/t sequence shard);
+    - reduction_overlaps_backward: strategy.overlap_reduction (buckets posted under the backward);
+    - sequence_parallel, tensor_overlap: the switches, on a 1-D grid (tensor_overlap only with
+      sequence parallelism: it chunks the sequence-parallel gathers and scatters);
+    - distributed_optimizer: the switch (ZeRO-1 over the data ranks);
+    - recompute_attention: strategy.activation_recompute=selective (the core attention rerun);
+    - attention_scores: plan.flash_attention=false (the math kernel materialises the scores)."""
+    one_d = layout.tensor_grid == "1d" and layout.tensor > 1
+    sequence_parallel = bool(strategy.get("sequence_parallel", False)) and one_d
+    stream = activation_dtype(precision)
+    wire = compute_dtype(precision) if strategy.get("message_dtype", "fp32") == "compute" else stream
+    return {"message_bytes": wire.itemsize, "tensor_bytes": BYTES, "reduction_bytes": BYTES,
+            "scatter_gather": bool(strategy.get("scatter_gather", False)) and one_d and layout.pipeline > 1
+            and not sequence_parallel,
+            "reduction_overlaps_backward": bool(strategy.get("overlap_reduction", False)),
+            "tensor_overlap": bool(strategy.get("tensor_overlap", False)) and sequence_parallel,
+            "attention_scores": not flash_attention, "sequence_parallel": sequence_parallel,
+            "distributed_optimizer": bool(strategy.get("distributed_optimizer", False)),
+            "recompute_attention": strategy.get("activation_recompute", "none") == "selective",
+            # the pipeline stages' gradient buckets (the strategies with the overlap_reduction switch)
+            "gradient_bucket_bytes": bucket_bytes(strategy.get("bucket_mb", 0)) if "overlap_reduction" in strategy else 0}
 
 
 def compute_bytes(cfg) -> int:

@@ -22,6 +22,7 @@
 """
 
 import csv
+import dataclasses
 import itertools
 import multiprocessing
 import os
@@ -31,7 +32,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from layerwise.planning.inputs import compute_bytes, device_of, efficiency_of, shape_of
+from layerwise.config.schema import PipelineStrategyConfig, ZeroLayeredStrategyConfig
+from layerwise.planning.inputs import communication_of, compute_bytes, device_of, efficiency_of, shape_of
 from layerwise.planning.result import plan_result
 from models.transformer import model_flops_per_token
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
@@ -60,7 +62,7 @@ TWO_STAGES_PER_RANK = ("zbv",)  # the V: layers_per_stage = layers / 2p
 
 # plan_search.csv's first columns: a point under the strategy group's own field names
 COLUMNS = ("family", "pipeline_degree", "tensor_parallel", "tensor_grid", "layers_per_stage", "micro_batches",
-           "activation_recompute", "data_degree")
+           "activation_recompute", "data_degree", "sequence_parallel", "distributed_optimizer")
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,9 @@ class Point:
     layout: Layout
     layers_per_stage: int
     micro_batches: int
-    activation_recompute: str  # none | full
+    activation_recompute: str  # none | selective | full
+    sequence_parallel: bool = False  # 1-D grids (Korthikanti et al. 2022 §4.2.2)
+    distributed_optimizer: bool = False  # ZeRO-1 over the data ranks (the non-ZeRO families)
 
     @property
     def schedule(self) -> str:
@@ -85,12 +89,14 @@ class Point:
 
     @classmethod
     def of(cls, family: str, pipeline_degree: int, tensor_parallel: str, tensor_grid: int, layers_per_stage: int,
-           micro_batches: int, activation_recompute: str, data_degree: int) -> "Point":
+           micro_batches: int, activation_recompute: str, data_degree: int, sequence_parallel=False,
+           distributed_optimizer=False) -> "Point":
         """The point of these strategy fields (tensor_parallel none | 1d | 2d | 3d, tensor_grid q);
-        ZeRO is the family's."""
+        ZeRO is the family's. The switches may come as a csv's strings."""
         grid = None if tensor_parallel == "none" else tensor_parallel
         return cls(family, Layout(data_degree, pipeline_degree, grid, tensor_grid, FAMILIES[family][1]),
-                   layers_per_stage, micro_batches, activation_recompute)
+                   layers_per_stage, micro_batches, activation_recompute, _flag(sequence_parallel),
+                   _flag(distributed_optimizer))
 
     @property
     def pipeline_degree(self) -> int:
@@ -113,17 +119,45 @@ class Point:
         return {name: getattr(self, name) for name in COLUMNS}
 
     def strategy_fields(self) -> dict:
-        """What the point's `strategy` node holds (the family's yaml plus these)."""
-        return {"name": STRATEGY_OF.get(self.family, self.family), "schedule": self.schedule, "pipeline_degree": self.pipeline_degree,
-                "layers_per_stage": self.layers_per_stage, "micro_batches": self.micro_batches,
-                "breadth_first_micro_batches": self.breadth_first_micro_batches,
-                "activation_recompute": self.activation_recompute, "tensor_parallel": self.tensor_parallel,
-                "tensor_grid": self.tensor_grid if self.tensor_parallel != "none" else 2}
+        """What the point's `strategy` node holds (the family's yaml plus these; the switches of
+        issue 56 the search does not range over keep their schema defaults)."""
+        fields = {"name": STRATEGY_OF.get(self.family, self.family), "schedule": self.schedule,
+                  "pipeline_degree": self.pipeline_degree,
+                  "layers_per_stage": self.layers_per_stage, "micro_batches": self.micro_batches,
+                  "breadth_first_micro_batches": self.breadth_first_micro_batches,
+                  "activation_recompute": self.activation_recompute, "tensor_parallel": self.tensor_parallel,
+                  "tensor_grid": self.tensor_grid if self.tensor_parallel != "none" else 2,
+                  "sequence_parallel": self.sequence_parallel}
+        if not self.layout.zero:  # ZeRO's families shard everything already: no such field
+            fields["distributed_optimizer"] = self.distributed_optimizer
+        return fields
+
+    def switches(self) -> dict:
+        """The strategy node's fields as `communication_of` reads them: the family's schema defaults
+        (16-bit messages, scatter/gather, the overlapped reduction where the schema has it) and the
+        point's own."""
+        return {**SCHEMA_DEFAULTS[self.layout.zero], **self.strategy_fields()}
 
     def describe(self) -> str:
         grid = f"{self.tensor_parallel} q{self.tensor_grid}" if self.tensor_parallel != "none" else "-"
-        return (f"{self.family} d{self.data_degree} p{self.pipeline_degree} {grid} k{self.layers_per_stage} "
-                f"m{self.micro_batches}{' recompute' if self.activation_recompute == 'full' else ''}")
+        recompute = {"full": " recompute", "selective": " selective"}.get(self.activation_recompute, "")
+        switches = (" sp" if self.sequence_parallel else "") + (" dist-opt" if self.distributed_optimizer else "")
+        return (f"{self.family} d{self.data_degree} p{self.pipeline_degree} {grid}{switches} k{self.layers_per_stage} "
+                f"m{self.micro_batches}{recompute}")
+
+
+def _flag(value) -> bool:
+    """A switch as a bool (plan_search.csv reads back 'True'/'False')."""
+    return value in (True, "True", "true", 1)
+
+
+def _schema_defaults(schema) -> dict:
+    return {field.name: field.default for field in dataclasses.fields(schema)
+            if field.default is not dataclasses.MISSING}
+
+
+# ZeRO or not → the family's schema defaults of the switches (layerwise/config/schema.py)
+SCHEMA_DEFAULTS = {False: _schema_defaults(PipelineStrategyConfig), True: _schema_defaults(ZeroLayeredStrategyConfig)}
 
 
 # ----- 1. enumeration: only layouts validation accepts
@@ -161,7 +195,7 @@ def families(cfg) -> list:
 def layouts(cfg, world: int):
     """Every valid layout (generator): the checks of strategies/modular_pipeline.py `check`,
     zero_layered.py `check`, layerwise/config/validate.py `check_strategy` and the schedules' own."""
-    layers, batch = cfg.model.layers, cfg.data.global_batch_size
+    layers, batch, switches = cfg.model.layers, cfg.data.global_batch_size, Switches(cfg, world)
     for family in families(cfg):
         schedule, _, breadth_first = FAMILIES[family]
         for mode, q in tensor_options(cfg, world):
@@ -176,9 +210,66 @@ def layouts(cfg, world: int):
                         if (batch // (data * micro)) % rows_split or not _schedule_accepts(
                                 schedule, pipeline, layers // per_stage, micro, breadth_first):
                             continue
-                        # a split backward keeps the graph from I to W: no recomputation (modular_pipeline.check)
-                        for recompute in ("none",) if schedule in ZERO_BUBBLE else ("none", "full"):
-                            yield Point.of(family, pipeline, mode, q, per_stage, micro, recompute, data)
+                        for recompute in recomputations(cfg, schedule):
+                            point = switches.chosen(Point.of(family, pipeline, mode, q, per_stage, micro, recompute, data))
+                            if point is not None:
+                                yield point
+
+
+def recomputations(cfg, schedule: str) -> tuple:
+    """strategy.activation_recompute values worth searching: none and full; selective (the core
+    attention rerun) only where attention keeps its scores (plan.flash_attention=false): a flash
+    kernel keeps none, so there it would cost a rerun and save nothing. A split backward keeps the
+    graph from I to W: no recomputation (modular_pipeline.check)."""
+    if schedule in ZERO_BUBBLE:
+        return ("none",)
+    return ("none", "full") if cfg.plan.flash_attention else ("none", "selective", "full")
+
+
+_ACCEPTED = {}  # Switches.accepts' answers
+
+
+class Switches:
+    """Issue 56's switches on each searched layout, where its strategy's own check accepts them
+    (`check_strategy`, asked once per family, grid, data replication and recomputation):
+    sequence parallelism on every 1-D grid and the distributed optimizer on every non-ZeRO layout
+    with data replicas. The search does not range over them: in the cost model each only ever
+    shortens the step (sequence parallelism: the same collective bytes, the residual stream's
+    memory-bound operators and the boundary message split t ways; the distributed optimizer: a
+    reduce-scatter, half an all-reduce's bytes, the gather hidden under the next forward) and needs
+    no more memory, so the layout without one is never faster. Message dtype, scatter/gather and the
+    overlapped reduction keep their schema defaults (on)."""
+
+    def __init__(self, cfg, world: int):
+        self.cfg, self.world = cfg, world
+        model, data = cfg.model, cfg.data  # what a strategy's check reads besides the layout
+        self.config_key = (model.name, model.layers, model.hidden, model.heads, model.get("kv_heads"),
+                           data.sequence_length, cfg.hardware.name, cfg.hardware.precision, cfg.optimizer.name,
+                           cfg.trainer.gradient_clip_val)
+
+    def accepts(self, point: Point) -> bool:
+        """Whether the strategy's check accepts the point, asked once per config and (family, grid,
+        data replication, recomputation, switches): the first point `layouts` meets is its smallest
+        (p = 1 and m = 1 where valid), whose plan the check builds fast; the answer is kept across
+        searches (the training-time reproduction searches each model at many GPU counts)."""
+        from layerwise.config.validate import check_strategy
+        key = (self.config_key, point.family, point.tensor_parallel, point.tensor_grid, point.data_degree > 1,
+               point.activation_recompute, point.sequence_parallel, point.distributed_optimizer)
+        if key not in _ACCEPTED:
+            _ACCEPTED[key] = not check_strategy(point_config(self.cfg, point), self.world)
+        return _ACCEPTED[key]
+
+    def chosen(self, point: Point):
+        """The point with each switch its strategy accepts; None where it refuses the point's
+        recomputation (selective) itself."""
+        if point.activation_recompute == "selective" and not self.accepts(point):
+            return None
+        if point.tensor_parallel == "1d" and self.accepts(dataclasses.replace(point, sequence_parallel=True)):
+            point = dataclasses.replace(point, sequence_parallel=True)
+        if not point.layout.zero and point.data_degree > 1 \
+                and self.accepts(dataclasses.replace(point, distributed_optimizer=True)):
+            point = dataclasses.replace(point, distributed_optimizer=True)
+        return point
 
 
 def stage_sizes(family: str, layers: int, pipeline: int) -> list:
@@ -216,10 +307,14 @@ class Evaluator:
         self.activation_bytes = compute_bytes(cfg)
 
     def workload(self, point: Point) -> Workload:
+        """The point's workload, its communication from its strategy fields as plan mode reads a config's
+        (`communication_of`)."""
         rows = self.cfg.data.global_batch_size // (point.data_degree * point.micro_batches)
         return Workload(self.shape, self.cfg.model.layers, self.cfg.model.heads, point.layout, point.layers_per_stage,
                         rows, self.cfg.optimizer.name, point.activation_recompute == "full", self.activation_bytes,
-                        gloo=self.cfg.hardware.process_group_backend == "gloo")
+                        gloo=self.cfg.hardware.process_group_backend == "gloo",
+                        **communication_of(point.switches(), self.cfg.hardware.precision, point.layout,
+                                           self.cfg.plan.flash_attention))
 
     def __call__(self, layout: Point) -> dict:
         """One csv row: the layout's fields, the step, MFU and the largest role's bytes."""
@@ -382,7 +477,7 @@ def point_config(cfg, layout: Point):
     """The config of one searched layout: the user's, with the strategy node replaced by the
     family's fields (an untyped copy: the families' schemas differ) and plan.search off."""
     container = OmegaConf.to_container(cfg, resolve=True)
-    container["strategy"] = {**layout.strategy_fields(), "data_degree": None}
+    container["strategy"] = {**layout.switches(), "data_degree": None}  # the schema's defaults too: plan mode reads them
     if not FAMILIES[layout.family][1]:
         container["strategy"]["bucket_mb"] = 25.0
     container["plan"]["search"] = False
@@ -459,4 +554,6 @@ def strategy_overrides(points: list) -> list:
 
 
 def _hydra_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
     return "null" if value is None else str(value)

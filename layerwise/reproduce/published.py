@@ -1,28 +1,39 @@
-"""Plan mode against published large-scale training throughput (issue 31 item 1).
+"""Plan mode against published large-scale training throughput (issue 31 item 1; issue 56 item 3).
 
     python benchmarks/plan_vs_published.py        the table: predicted vs published TFLOP/s per GPU
     python benchmarks/plan_vs_published.py --runs benchmarks/published/vtrain_runs.csv   vTrain's measured runs
 
 Every row of benchmarks/published/megatron_runs.csv (Narayanan et al. 2021 table 1 on A100s, the
 Megatron-LM README's H100 weak scaling, Korthikanti et al. 2022 table 4's step times; each row cites
-its source) is priced by plan mode's own
-closed form (layerwise/planning/search.py `Evaluator` → cost/step_time.py `closed_form_step`, the
-formulas the simulator, the search and the reproductions share) at the run's exact layout:
-tensor × pipeline (interleaved with v virtual stages where the run used them) × data, its
-micro-batch, recomputation and precision. The predicted step is turned into TFLOP/s per GPU the way
-the row's source counts FLOPs (`counted_flops`), so the two figures compare directly.
+its source) is a configuration a user would type (`overrides_of`: `python train.py mode=plan` with
+the run's shape, hardware, batch, exact layout and, through our strategies' own switches, what its
+software did: recomputation, sequence parallelism, the reduction's overlap, the distributed
+optimizer, tensor overlap, materialised attention scores), composed and validated as train.py does
+it (`published_config`) and priced by plan mode's workload of that configuration
+(layerwise/planning/inputs.py `workload_of`). What Megatron-LM does that no switch of ours does is
+named, with why, in MEGATRON_ONLY and priced on top (16-bit tensor collectives and gradient
+reductions), nothing else. The step is the search's closed form (cost/step_time.py
+`closed_form_step`, held within 1% of plan mode's simulator), or plan mode's simulated plan itself
+with `simulate`. The predicted step is turned into TFLOP/s per GPU the way the row's source counts
+FLOPs (`counted_flops`), so the two figures compare directly.
 The rows' split into tuned and held-out was fixed in the csv before any model term changed.
 """
 
+import copy
 import csv
+import functools
+import re
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from cost.step_time import closed_form_step
-from layerwise.planning.search import Evaluator, Point
+from cost.step_time import closed_form_step, predict_step
+from layerwise.config.errors import ConfigError
+from layerwise.config.validate import (check_choices, check_hardware, check_model, check_ranges, check_schema_keys,
+                                       check_strategy, check_vocabulary, world_size)
+from layerwise.planning.inputs import device_of, plan_mode_errors, training_plan_of, workload_of
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "benchmarks" / "published" / "megatron_runs.csv"  # data, read as a file (never imported)
@@ -112,85 +123,156 @@ def counted_flops(run: PublishedRun) -> float:
     raise ValueError(f"unknown flops counting {run.flops!r} in {RUNS.name}")
 
 
-def point_config(base, run: PublishedRun):
-    """An untyped copy of `base` with the run's model, hardware, precision and batch."""
-    container = OmegaConf.to_container(base, resolve=True, throw_on_missing=False)
-    hardware = OmegaConf.to_container(OmegaConf.load(ROOT / f"conf/hardware/{run.hardware}.yaml"))
-    hardware.pop("defaults", None)
-    container["model"] = {**container["model"], "name": run.name, "architecture": "gpt", "layers": run.layers,
-                          "hidden": run.hidden, "heads": run.heads, "mlp_ratio": 4, "tie_embeddings": False,
-                          "max_sequence_length": run.sequence_length, "planning_only": True}
-    container["hardware"] = {**container["hardware"], **hardware, "precision": run.precision,
-                             "nodes": run.gpus // hardware["devices_per_node"]}
-    container["data"] = {**container["data"], "corpus": "token_bin", "vocab_size": run.vocabulary,
-                         "global_batch_size": run.global_batch, "sequence_length": run.sequence_length}
-    return OmegaConf.create(container)
+def model_name(run: PublishedRun) -> str:
+    """The run as a model name a command line can carry: 'K22_175B_selective' (Hydra's override
+    grammar takes letters, digits, '_', '.' and '-' unquoted)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "", f"{run.source}_{run.model}".replace(" ", "_"))
 
 
-def point_of(run: PublishedRun) -> Point:
-    """The search's point of the run: 1F1B, or interleaved 1F1B with v virtual stages per rank
-    (Narayanan et al. 2021 §2.2.2), the 1-D (Megatron) tensor grid, one stage = l / (p·v) layers."""
+def overrides_of(run: PublishedRun, efficiency: float = None) -> list:
+    """What a user types to plan the run: `python train.py mode=plan` + these. The run's shape (no
+    conf/model file holds it: gpt3_175b's node with its widths), hardware, precision and batch; its
+    layout — 1F1B, or interleaved 1F1B with v virtual stages per rank (Narayanan et al. 2021
+    §2.2.2), the 1-D (Megatron) tensor grid, one stage = l / (p·v) layers; and what its software
+    did, through our own switches (layerwise/config/schema.py): full or selective recomputation,
+    sequence parallelism, the reduction after the backward (`--DDP-impl local`: overlap_reduction
+    off) or bucketed under it, the H100 runs' distributed optimizer and `--tp-comm-overlap`
+    (tensor_overlap), and attention's materialised scores in 2021-22 (no flash kernel:
+    plan.flash_attention=false). Messages in the compute dtype and scatter/gather are our defaults.
+    `efficiency`: plan.efficiency (the large-product rate), e.g. the one fitted on the tuned rows."""
     family = "interleaved_1f1b" if run.virtual_stages > 1 else "one_f_one_b"
-    grid = "1d" if run.tensor_parallel > 1 else "none"
-    return Point.of(family, run.pipeline_parallel, grid, run.tensor_parallel,
-                    run.layers // (run.pipeline_parallel * run.virtual_stages), run.micro_batches,
-                    "full" if run.recompute == "full" else "none", run.data_parallel)
+    hardware = OmegaConf.load(ROOT / f"conf/hardware/{run.hardware}.yaml")
+    line = ["mode=plan", "model=gpt3_175b", f"model.name={model_name(run)}", f"model.layers={run.layers}",
+            f"model.hidden={run.hidden}", f"model.heads={run.heads}", f"model.max_sequence_length={run.sequence_length}",
+            f"hardware={run.hardware}", f"hardware.nodes={run.gpus // hardware.devices_per_node}",
+            f"hardware.precision={run.precision}", f"strategy={family}",
+            f"strategy.pipeline_degree={run.pipeline_parallel}",
+            f"strategy.layers_per_stage={run.layers // (run.pipeline_parallel * run.virtual_stages)}",
+            f"strategy.micro_batches={run.micro_batches}"]
+    if run.tensor_parallel > 1:
+        line += ["strategy.tensor_parallel=1d", f"strategy.tensor_grid={run.tensor_parallel}"]
+    if run.recompute != "none":
+        line.append(f"strategy.activation_recompute={run.recompute}")
+    if run.sequence_parallel and run.tensor_parallel > 1:
+        line.append("strategy.sequence_parallel=true")
+        if run.megatron_core:
+            line.append("strategy.tensor_overlap=true")
+    if run.data_reduction == "after_backward":
+        line.append("strategy.overlap_reduction=false")
+    if run.megatron_core:
+        line.append("strategy.distributed_optimizer=true")
+    else:
+        line.append("plan.flash_attention=false")
+    line += ["data=token_bin", f"data.vocab_size={run.vocabulary}", f"data.global_batch_size={run.global_batch}",
+             f"data.sequence_length={run.sequence_length}"]
+    return line + ([f"plan.efficiency={efficiency}"] if efficiency is not None else [])
 
 
-def workload_of(evaluate: Evaluator, run: PublishedRun):
-    """The Evaluator's workload of the run's layout, with how Megatron-LM communicates and overlaps
-    (cost.inputs.Workload's run fields): 16-bit collectives, messages and gradients (--fp16/--bf16),
-    scatter/gather of pipeline messages (default since Narayanan et al. 2021 §4.1), the gradient
-    reduction overlapped (torch DDP, or the H100 runs' --overlap-grad-reduce) or after the backward
-    (--DDP-impl local), materialised attention scores (2021: no flash kernel); on the H100 runs
-    sequence parallelism, --tp-comm-overlap and the distributed optimizer (--overlap-param-gather
-    exists only with it: gradients reduce-scattered, parameters gathered beside the next forward);
-    selective recomputation where the run used it (K22's sequence-parallel rows)."""
-    modern = run.megatron_core
-    return replace(evaluate.workload(point_of(run)), wire_bytes=2, scatter_gather=True,
-                   reduction_overlaps_backward=run.data_reduction == "overlapped", tensor_overlap=modern,
-                   attention_scores=not modern, sequence_parallel=run.sequence_parallel,
-                   distributed_optimizer=modern, recompute_attention=run.recompute == "selective")
+def command_of(run: PublishedRun, efficiency: float = None) -> str:
+    return "python train.py " + " ".join(overrides_of(run, efficiency))
+
+
+# What Megatron-LM does that our strategies do not, each priced on top of the configuration's own
+# workload (layerwise/planning/inputs.py `communication_of`), with why it is not a switch of ours.
+MEGATRON_ONLY = {
+    "tensor collectives in 16 bits": (
+        lambda workload: replace(workload, tensor_bytes=2),
+        "Megatron all-reduces (or gathers and reduce-scatters) the fp16/bf16 partial sums of its 1-D "
+        "grid; ours adds them in fp32 (strategies/tensor_parallel/collectives.py sum_copy: one "
+        "rounding, as inside the unsharded product)"),
+    "gradients reduced in 16 bits": (
+        lambda workload: replace(workload, reduction_bytes=2),
+        "Megatron reduces the fp16/bf16 gradients (--fp16/--bf16 without "
+        "--accumulate-allreduce-grads-in-fp32); ours reduces the fp32 gradients of the fp32 master weights"),
+}
+
+
+def published_config(run: PublishedRun, efficiency: float = None, checked: bool = False):
+    """The run's configuration as train.py composes it (layerwise/config/store.py `compose`) and its
+    world size; `checked`: also held to the configuration's and plan mode's rules train.py's
+    validation runs in mode=plan (layerwise/preflight.py `validate`, whose other rooms' rules — data
+    files, this machine's GPUs — a plan does not need): names, keys, ranges, the model, the hardware
+    and the strategy's own checks, which build and check the whole plan (a minute for the deepest
+    pipelines here, so the table's tests check the small rows and the generator every row)."""
+    cfg = copy.deepcopy(_composed(run))
+    if efficiency is not None:  # as the override plan.efficiency=… would set it
+        cfg.plan.efficiency = efficiency
+    world = world_size(cfg)
+    if checked:
+        errors = (check_choices(cfg) + check_schema_keys(cfg) + check_ranges(cfg) + check_model(cfg)
+                  + check_vocabulary(cfg) + check_hardware(cfg) + check_strategy(cfg, world) + plan_mode_errors(cfg))
+        if errors:
+            raise ConfigError(errors)
+    return cfg, world
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(run: PublishedRun):
+    """`overrides_of(run)` composed once (the efficiency fit prices each tuned row a dozen times)."""
+    from layerwise.config.store import compose
+    return compose(overrides_of(run))
+
+
+def priced_workload(cfg, world: int, megatron_only=tuple(MEGATRON_ONLY)):
+    """Plan mode's workload of the configuration (`layerwise.planning.inputs.workload_of`, what
+    `train.py mode=plan` prices), then each named MEGATRON_ONLY term."""
+    workload = workload_of(cfg, world)
+    for name in megatron_only:
+        workload = MEGATRON_ONLY[name][0](workload)
+    return workload
 
 
 # Each term of the model switched off (docs/plan.md, "Against published runs": what each one moves).
 ABLATIONS = {
     "roofline products and memory-bound operators": lambda w, d: (w, replace(d, memory_bandwidth=0.0)),
-    "16-bit wire bytes": lambda w, d: (replace(w, wire_bytes=4), d),
+    "16-bit messages (strategy.message_dtype)": lambda w, d: (replace(w, message_bytes=4), d),
+    "16-bit tensor collectives and gradients (Megatron's only)": lambda w, d: (replace(w, tensor_bytes=4, reduction_bytes=4), d),
     "scatter/gather messages": lambda w, d: (replace(w, scatter_gather=False), d),
     "reduction overlapped with the backward": lambda w, d: (replace(w, reduction_overlaps_backward=False), d),
     "distributed optimizer (reduce-scatter)": lambda w, d: (replace(w, distributed_optimizer=False), d),
     "tensor collectives overlapped": lambda w, d: (replace(w, tensor_overlap=False), d),
     "attention scores materialised": lambda w, d: (replace(w, attention_scores=False), d),
-    "sequence parallelism": lambda w, d: (replace(w, sequence_parallel=False), d),
+    # without it the configuration's scatter/gather (on by default) splits the messages instead
+    "sequence parallelism": lambda w, d: (replace(w, sequence_parallel=False,
+                                                  scatter_gather=w.scatter_gather or w.sequence_parallel), d),
     "selective recomputation (the core attention rerun)": lambda w, d: (replace(w, recompute_attention=False), d),
     "tensor collectives free": lambda w, d: (w, replace(d, intra_node_bandwidth=float("inf"))),
     "inter-node traffic free (messages, data reduction)": lambda w, d: (w, replace(d, inter_node_bandwidth=float("inf"))),
 }
 
 
-def predict(base, run: PublishedRun, ablate: str = None) -> dict:
-    """Plan mode's closed-form step for the run (cost.step_time.closed_form_step, the search's and the
-    simulator's formulas), and the TFLOP/s per GPU it implies as the source counts; `ablate` names an
-    ABLATIONS term to switch off."""
-    evaluate = Evaluator(point_config(base, run), run.gpus)
-    layout = point_of(run)
-    workload, device = workload_of(evaluate, run), evaluate.device
+def predict(base, run: PublishedRun, ablate: str = None, simulate: bool = False,
+            megatron_only=tuple(MEGATRON_ONLY), checked: bool = False) -> dict:
+    """The run's step as `train.py mode=plan` prices its configuration (`overrides_of` at `base`'s
+    plan.efficiency): the configuration's workload with the MEGATRON_ONLY terms named in
+    `megatron_only`, in the search's closed form (cost.step_time.closed_form_step, held within 1% of
+    the simulator by tests/test_plan_search.py) or, with `simulate`, plan mode's own simulated plan
+    (layerwise/planning/result.py `plan_result`: minutes for the deepest pipelines); and the TFLOP/s
+    per GPU it implies as the source counts. `ablate` names an ABLATIONS term to switch off."""
+    cfg, world = published_config(run, base.plan.efficiency, checked or simulate)
+    workload, device = priced_workload(cfg, world, megatron_only), device_of(cfg, world)
     if ablate is not None:
         workload, device = ABLATIONS[ablate](workload, device)
-    step = closed_form_step(workload, device, layout.schedule, layout.micro_batches,
-                            layout.breadth_first_micro_batches)
+    if simulate:
+        step = predict_step(workload, device, training_plan_of(cfg))
+    else:
+        step = closed_form_step(workload, device, cfg.strategy.schedule, cfg.strategy.micro_batches,
+                                cfg.strategy.breadth_first_micro_batches)
     predicted = counted_flops(run) / (step["step_seconds"] * run.gpus) / 1e12
     return {"run": run.name, "source": run.source, "split": run.split, "verified": run.verified,
+            "command": command_of(run, base.plan.efficiency),
             "step_time_s": step["step_seconds"],
             "bubble_fraction": step["bubble_fraction"], "predicted_tflops_per_gpu": predicted,
             "published_tflops_per_gpu": run.published_throughput,
+            "published_step_s": run.published_step_s or counted_flops(run) / (run.published_tflops_per_gpu * 1e12 * run.gpus),
             "error": predicted / run.published_throughput - 1}
 
 
-def validation_table(base, runs: list = None, ablate: str = None) -> list:
+def validation_table(base, runs: list = None, ablate: str = None, simulate: bool = False,
+                     megatron_only=tuple(MEGATRON_ONLY), checked: bool = False) -> list:
     """One `predict` row per published run (default: every row of the csv)."""
-    return [predict(base, run, ablate) for run in (runs if runs is not None else read_runs())]
+    return [predict(base, run, ablate, simulate, megatron_only, checked)
+            for run in (runs if runs is not None else read_runs())]
 
 
 def summary(rows: list) -> dict:

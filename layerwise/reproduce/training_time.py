@@ -172,12 +172,16 @@ def point_config(cfg, model: str, hardware: str, batch_sequences: int):
 # ----- 3. the fastest step of each configuration at each GPU count
 
 def evaluated(evaluate: Evaluator, layout) -> dict:
-    """The Evaluator's row, crediting contiguous 1F1B with what DDP's gradient buckets overlap: the
-    closed form exposes a 1F1B stage's whole all-reduce (one stage per rank), but depth-first
-    accumulation still overlaps it with the last micro-batch's backward (docs/strategies/modular_pipeline.md), which at
-    m = 1 is the whole backward, as under layered accumulation."""
+    """The Evaluator's row, crediting contiguous 1F1B with what DDP's gradient buckets overlap where
+    its workload does not already: the closed form without `reduction_overlaps_backward` exposes a
+    1F1B stage's whole all-reduce (one stage per rank), but depth-first accumulation still overlaps
+    it with the last micro-batch's backward (docs/strategies/modular_pipeline.md), which at m = 1 is
+    the whole backward, as under layered accumulation. Since issue 56 the pipeline families reduce in
+    buckets under the backward themselves (strategy.overlap_reduction, on by default), which the
+    workload prices: no credit then."""
     row = evaluate(layout)
-    if layout.family != "one_f_one_b" or layout.data_degree == 1:
+    if layout.family != "one_f_one_b" or layout.data_degree == 1 \
+            or evaluate.workload(layout).reduction_overlaps_backward:
         return {**row, "overlap_credit_s": 0.0}
     stages = evaluate.cfg.model.layers // layout.layers_per_stage
     backward = stage_seconds(evaluate.workload(layout), evaluate.device, 0, stages)[1]

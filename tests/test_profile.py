@@ -53,3 +53,12 @@ def test_an_out_of_memory_on_cuda_writes_the_allocator_snapshot(tmp_path, monkey
         profiler.on_exception(trainer, None, exception)
         assert len(dumped) - before == expected, (device, exception)
     assert dumped == [str(tmp_path / "profile" / "rank3_oom_memory.pickle")]
+
+
+def test_validation_refuses_profile_steps_outside_the_run():
+    import pytest
+
+    from layerwise.config.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"trainer.profile_steps=\[0, 4\]: \[0, 4\] are not optimizer steps"):
+        validate(compose_config(*QUICK, "trainer.max_steps=3", "trainer.profile_steps=[0,4]"))
+    validate(compose_config(*QUICK, "trainer.max_steps=3", "trainer.profile_steps=[1,3]"))

@@ -372,13 +372,24 @@ def dynamic_depth_errors(cfg) -> list:
     return errors
 
 
+def profile_errors(trainer_config) -> list:
+    """trainer.profile_steps (layerwise/run/profile.py) names 1-based optimizer steps of this run;
+    any other would never be profiled."""
+    steps, last = list(trainer_config.get("profile_steps") or []), trainer_config.max_steps
+    wrong = [step for step in steps if not isinstance(step, int) or not 1 <= step <= last]
+    if not wrong:
+        return []
+    return [f"trainer.profile_steps={steps}: {wrong} are not optimizer steps of this run (1 … trainer.max_steps="
+            f"{last}), so they would never be profiled. Fix: trainer.profile_steps=[{min(2, last)}]."]
+
+
 def check_strategy(cfg, world: int) -> list:
     if cfg.strategy.name not in REGISTRY:
         return []
     entry = strategy_entry(cfg.strategy.name)
     errors = (entry.check(cfg, world) + gradient_clipping_errors(cfg.strategy.name, cfg.trainer.gradient_clip_val)
               + fp16_errors(cfg.strategy.name, cfg.hardware.precision) + dynamic_depth_errors(cfg)
-              + compile_errors(cfg, entry))
+              + compile_errors(cfg, entry) + profile_errors(cfg.trainer))
     if errors:
         return errors
     data_degree, micro = layout_of(cfg, world).data, micro_batches(cfg.strategy)

@@ -27,7 +27,7 @@ from strategies.base import OwnedStepStrategy
 from strategies.buckets import bucket_bytes, post_bucket_reductions
 from strategies.precision import compute_dtype
 from strategies.checks import divisors
-from strategies.compile import L2L_RELAY, always_eager
+from strategies.compile import compiles
 from strategies.registry import StrategyEntry
 from strategies.schedule import BACKWARD, FINISH, FORWARD, REDUCE_GRADIENT, execute, validate_plan
 from strategies.schedule.offload import (GRADIENT_TO_HOST, RELEASE_BACKWARD, RELEASE_FORWARD, UPDATE_ON_HOST,
@@ -601,4 +601,4 @@ def build(cfg, world_size: int) -> L2LOffloadStrategy:
 
 
 L2L = StrategyEntry(check=check, degrees=degrees, build=build, scales_fp16_loss=False, planned_as="relay",
-                    eager_blocks=always_eager(L2L_RELAY))
+                    eager_blocks=compiles)

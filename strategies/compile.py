@@ -36,9 +36,10 @@ import torch
 SPLIT_BACKWARD = ("its schedule splits the backward into I and W (strategy.schedule={schedule}); a compiled block "
                   "is one autograd node, so W would rerun the block's whole backward (measured for issue 59: "
                   "107 ms vs 64 ms fused): split-backward stages stay eager")
-TENSOR_GRID = ("its blocks' tensor-grid layers call the counted communicator (parallel/comm.py) between their "
-               "products, Python bookkeeping dynamo cannot trace: fullgraph would fail, and graph breaks would "
-               "leave silent eager islands")
+TENSOR_GRID = ("its blocks' tensor-grid layers are autograd functions whose collectives update the counted "
+               "communicator's tallies (parallel/comm.py); inside a compiled block dynamo refuses that side effect "
+               "(\"Unsupported: HOP: Unsafe side effect\", tried with tp_1d on torch 2.13), and graph breaks "
+               "around each collective would leave silent eager islands")
 KFAC_HOOKS = ("K-FAC captures each linear's input in a forward hook that registers a gradient hook on its output "
               "(strategies/kfac.py); inside a compiled block dynamo refuses that (\"Unsupported HOP: Unsafe side "
               "effect\", tried on torch 2.13), and a graph break there would leave the linears eager")

@@ -231,3 +231,15 @@ def train_quick(directory, *overrides):
     summary = train(cfg, directory, validate(cfg))
     assert summary["status"] == "completed", summary.get("error")
     return summary
+
+
+def test_a_2d_grid_with_replicas_sums_its_replicated_gradients_before_the_data_reduction(tmp_path, tmp_path_factory):
+    """A 2-D grid (q = 2) replicates norms, biases and tables over its columns: their buckets are
+    late (apart from the others, posted at REDUCE_GRADIENT after the tensor-group sum), the rest
+    posted from the backward; × 2 data replicas on one pipeline rank, equal to single under SGD."""
+    from tests.references import SgdComparison, SgdRun, sgd_reference
+    expected = sgd_reference(tmp_path_factory)
+    actual = SgdRun(tmp_path, "strategy=modular_pipeline", "strategy.pipeline_degree=1", "strategy.tensor_parallel=2d",
+                    "strategy.tensor_grid=2", "hardware.devices_per_node=8", "strategy.micro_batches=2")
+    assert actual.summary["layout"]["data"] == 2 and actual.summary["world_size"] == 8
+    SgdComparison(actual, expected).check()

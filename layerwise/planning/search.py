@@ -305,10 +305,16 @@ class Evaluator:
         self.model_flops = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
                                                  self.shape.vocabulary, cfg.model.mlp_ratio, self.shape.block) * self.tokens
         self.activation_bytes = compute_bytes(cfg)
+        self.workloads = {}
 
     def workload(self, point: Point) -> Workload:
         """The point's workload, its communication from its strategy fields as plan mode reads a config's
-        (`communication_of`)."""
+        (`communication_of`); kept per point (a row asks for it once per rank it bounds)."""
+        if point not in self.workloads:
+            self.workloads[point] = self._workload(point)
+        return self.workloads[point]
+
+    def _workload(self, point: Point) -> Workload:
         rows = self.cfg.data.global_batch_size // (point.data_degree * point.micro_batches)
         return Workload(self.shape, self.cfg.model.layers, self.cfg.model.heads, point.layout, point.layers_per_stage,
                         rows, self.cfg.optimizer.name, point.activation_recompute == "full", self.activation_bytes,

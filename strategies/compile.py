@@ -24,8 +24,10 @@ strategy's schedule, hooks and collectives) stays ordinary Python. Here:
    compiled `single` in the same process). GPU ranks are spawned and keep inductor's pool.
 
 What a strategy cannot compile is declared, with the reason, by its registry entry's
-`eager_blocks(cfg)` (strategies/registry.py); where nothing would compile, validation refuses
-`trainer.compile=true` naming that reason (`compile_errors`). The reasons are these constants.
+`eager_blocks(cfg)` (strategies/registry.py): those blocks run eager, and the run says so with the
+reason (`eager_note`: a line at start and summary.json's `compile.eager`), never a silent graph
+break; a sweep over strategies with trainer.compile=true runs every point. The reasons are these
+constants.
 """
 
 from __future__ import annotations
@@ -70,16 +72,15 @@ def pipeline_eager_blocks(cfg):
     return None
 
 
-def compile_errors(cfg, entry) -> list:
-    """The config error of `trainer.compile=true` on a strategy whose blocks would all run eager."""
+def eager_note(cfg, entry) -> str | None:
+    """Under `trainer.compile=true`, why this strategy's blocks run eager (None: they compile)."""
     if not cfg.trainer.get("compile", False):
-        return []
+        return None
     reason = entry.eager_blocks(cfg)
     if reason is None:
-        return []
-    return [f"trainer.compile=true: strategy={cfg.strategy.name} cannot compile its blocks: {reason}. "
-            f"Fix: trainer.compile=false (this strategy runs eager), or a strategy that compiles "
-            f"(single, ddp, fsdp2, the pipelines and zero_layered with a fused-backward schedule)."]
+        return None
+    return (f"trainer.compile=true: strategy={cfg.strategy.name} runs its blocks eager: {reason}. The blocks "
+            f"compile in single, ddp, fsdp2, l2l, the pipelines and zero_layered with a fused-backward schedule.")
 
 
 def configure_compiler(device_type: str) -> None:

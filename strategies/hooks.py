@@ -48,8 +48,8 @@ class RunHooks:
     compiled_blocks = 0  # blocks this rank compiled
 
     def enable_compile(self, compile_blocks: bool) -> None:
-        """trainer.compile: compile each block this rank materialises (validation already refused a
-        strategy whose registry entry declares its blocks eager)."""
+        """trainer.compile: compile each block this rank materialises (false where the strategy's
+        registry entry declares its blocks eager: the run states the reason, strategies/compile.py)."""
         self.compile_blocks = compile_blocks
 
     step_loss_listener = None  # output -> None: the run's evidence issues the step's exchange there

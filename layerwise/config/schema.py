@@ -312,7 +312,7 @@ class TrainerConfig:
     charts: bool = True  # PNG charts at the run's end (plan*.png, schedule_*.png); plan.json, schedule.json either way
     straggler_window: int = 20  # a rank whose compute time stays > 1.5x the median this many steps is flagged; 0 = off
     # torch.compile each transformer block once, regionally (strategies/compile.py); strategies whose blocks
-    # cannot compile are refused with the reason. summary.json's `compile` holds graphs, recompilations, seconds
+    # cannot compile run them eager and say why (printed, and summary.json compile.eager). summary.json's `compile` holds graphs, recompilations, seconds
     compile: bool = False
     # steps (1-based optimizer steps) to profile: a Chrome/Perfetto trace per rank and a memory record in
     # <run>/profile/ (layerwise/run/profile.py), linked from summary.json's `profile`

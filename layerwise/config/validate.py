@@ -20,7 +20,6 @@ from layerwise.config.layout import layout_of
 from layerwise.config import schema as schema_module
 from layerwise.config.schema import Config
 from strategies import REGISTRY, strategy_entry
-from strategies.compile import compile_errors
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors, nearest_multiples
 from strategies.schedule.generators import SCHEDULES
 
@@ -389,7 +388,7 @@ def check_strategy(cfg, world: int) -> list:
     entry = strategy_entry(cfg.strategy.name)
     errors = (entry.check(cfg, world) + gradient_clipping_errors(cfg.strategy.name, cfg.trainer.gradient_clip_val)
               + fp16_errors(cfg.strategy.name, cfg.hardware.precision) + dynamic_depth_errors(cfg)
-              + compile_errors(cfg, entry) + profile_errors(cfg.trainer))
+              + profile_errors(cfg.trainer))
     if errors:
         return errors
     data_degree, micro = layout_of(cfg, world).data, micro_batches(cfg.strategy)

@@ -27,8 +27,9 @@ REGIONAL = ("the embedding, the head and the loss, and the strategy's schedule, 
 class CompileRecord(pl.Callback):
     """Counts graphs per training step and hands the totals to the run's evidence at the end."""
 
-    def __init__(self, evidence):
+    def __init__(self, evidence, eager_blocks: str | None = None):
         self.evidence = evidence
+        self.eager_blocks = eager_blocks  # why the strategy's blocks run eager (strategies/compile.py), or None
         self.steps = []  # (graphs, recompiles) each training step added, in this process
         self.start = None
         self.before = None
@@ -65,5 +66,5 @@ class CompileRecord(pl.Callback):
             "recompiles": int(maxima[3]),  # all of training's, validation included
             "validation_graphs": int(maxima[4]),  # no_grad traces its own graph
             "compile_s": round(maxima[5], 3),  # the slowest rank's seconds in dynamo + inductor (cold or cached)
-            "eager": REGIONAL,
+            "eager": self.eager_blocks or REGIONAL,
         }

@@ -33,6 +33,7 @@ from layerwise.run.preemption import (STOP, Interrupted, agreed_stop_callback, s
 from layerwise.run.task import LanguageModelData, LanguageModelTask, objective_of
 from parallel.layout import RANK_ORDER
 from strategies import strategy_entry
+from strategies.compile import eager_note
 from strategies.checkpoint.per_rank import (checkpoint_exists, load_first_readable, read_checkpoint_file, swap_in,
                                             write_checkpoint_file)
 from strategies.checkpoint.portable import resolve_portable
@@ -160,7 +161,7 @@ def run_records(cfg, run_directory: Path, evidence) -> list:
     records = []
     if cfg.trainer.compile:
         from layerwise.run.compiled import CompileRecord
-        records.append(CompileRecord(evidence))
+        records.append(CompileRecord(evidence, eager_note(cfg, strategy_entry(cfg.strategy.name))))
     if cfg.trainer.profile_steps:
         from layerwise.run.profile import StepProfiler
         records.append(StepProfiler(run_directory, cfg.trainer.profile_steps, evidence, compiled=cfg.trainer.compile))
@@ -219,7 +220,8 @@ def _fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:
                            # torch dispatch mode present"): a compiled run measures the allocator's peak only
                            measure_memory=not cfg.trainer.compile)
     strategy = entry.build(cfg, world_size)
-    strategy.enable_compile(cfg.trainer.compile)  # validation refused it where the blocks cannot compile
+    # where the strategy declares its blocks eager, they stay eager and the run says why (eager_note)
+    strategy.enable_compile(cfg.trainer.compile and eager_note(cfg, entry) is None)
     trainer = build_trainer(cfg, run_directory, world_size, strategy, evidence)
     for logger in trainer.loggers:  # the resolved config is logged at creation; add the layout
         logger.log_hyperparams({"layout": layout, "world_size": world_size})
@@ -275,6 +277,9 @@ def holding(run_directory: Path):
 def _train(cfg, run_directory: Path, world_size: int):
     os.environ.update(nccl_flight_recorder_environment(cfg, run_directory))  # GPU profiles: NCCL's own record
     started = time.time()  # a summary older than this is a previous run's
+    note = eager_note(cfg, strategy_entry(cfg.strategy.name))
+    if note and writes_run_files():  # said once, before any rank starts (summary.json keeps it too)
+        print(f"[layerwise] {note}", flush=True)
     try:
         tokenize_before_launch(cfg)
         if world_size == 1 or launched_externally():

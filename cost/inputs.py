@@ -109,6 +109,14 @@ class Device:
     # exposed_gather); None: all of it where communication overlaps, none where it does not.
     # mode=calibrate measures it: 0.66-0.89 here (2 ranks on 2 cores: gloo's work needs the rank's core).
     gather_overlap: float = None
+    # The dense peak of the blocks' linear products where it differs from the compute dtype's: under
+    # fp8-mixed the FP8 rate (torchao's Float8Linear; strategies/float8.py). 0: flops_per_second. MFU
+    # stays stated against flops_per_second (the bf16 peak), as torchtitan and Megatron-LM state it.
+    linear_flops_per_second: float = 0.0
+
+    @property
+    def linear_peak(self) -> float:
+        return self.linear_flops_per_second or self.flops_per_second
 
     @property
     def hidden_gather_fraction(self) -> float:

@@ -143,22 +143,29 @@ def products_seconds(workload: Workload, device: Device, stage: int, stages: int
         head = 2 * workload.micro_batch_rows * shape.length * shape.hidden * shape.vocabulary \
             / workload.tensor_ranks if stage == stages - 1 else 0
         rate = device.flops_per_second * device.efficiency
-        return (flops - head) / rate, head / rate
+        # the blocks' linears at their own peak (FP8 under fp8-mixed), the rest at the compute dtype's
+        linears = workload.layers_per_stage * 2 * workload.micro_batch_rows * shape.length * sum(
+            fan_in * fan_out for fan_in, fan_out, _, _ in shape.linears()) / workload.tensor_ranks \
+            if device.linear_peak != device.flops_per_second else 0
+        return ((flops - head - linears) / rate + linears / (device.linear_peak * device.efficiency),
+                head / rate)
     t, tokens, h = workload.tensor_ranks, workload.micro_batch_rows * shape.length, shape.hidden
     # the block description's linears, each cut as Megatron's 1-D grid cuts it (column: its outputs,
     # row: its inputs), and attention's two per-head products
     block = sum(roofline(workload, device, tokens, fan_in // (t if place == "second" else 1),
-                         fan_out // (t if place == "first" else 1))
+                         fan_out // (t if place == "first" else 1), peak=device.linear_peak)
                 for fan_in, fan_out, place, _ in shape.linears())
     block += attention_products_seconds(workload, device)
     head = roofline(workload, device, tokens, h, shape.vocabulary // t) if stage == stages - 1 else 0.0
     return workload.layers_per_stage * block, head
 
 
-def roofline(workload: Workload, device: Device, m: int, k: int, n: int, count: int = 1) -> float:
-    """`count` M×K by K×N products: the slower of their FLOPs at the large-product rate and their
+def roofline(workload: Workload, device: Device, m: int, k: int, n: int, count: int = 1,
+             peak: float = None) -> float:
+    """`count` M×K by K×N products: the slower of their FLOPs at the large-product rate (`peak`:
+    the device's compute-dtype peak unless given, e.g. the blocks' linears under FP8) and their
     operands and results over the memory bandwidth (Williams et al. 2009)."""
-    compute = 2 * m * k * n * count / (device.flops_per_second * device.efficiency)
+    compute = 2 * m * k * n * count / ((peak or device.flops_per_second) * device.efficiency)
     moved = (m * k + k * n + m * n) * count * workload.activation_bytes
     return max(compute, moved / device.memory_bandwidth)
 

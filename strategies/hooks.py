@@ -47,6 +47,15 @@ class RunHooks:
     compile_blocks = False  # trainer.compile: the run says so through enable_compile
     compiled_blocks = 0  # blocks this rank compiled
 
+    fp8_recipe = None  # hardware.precision=fp8-mixed: the run says so through enable_fp8
+    fp8_emulate = False
+    fp8_linears = 0  # Float8Linear layers this rank's blocks hold
+
+    def enable_fp8(self, recipe: str | None, emulate: bool = False) -> None:
+        """hardware.precision=fp8-mixed: the blocks' linears become torchao's Float8Linear with this
+        recipe where the strategy materialises them (strategies/float8.py); None: bf16 as they are."""
+        self.fp8_recipe, self.fp8_emulate = recipe, emulate
+
     def enable_compile(self, compile_blocks: bool) -> None:
         """trainer.compile: compile each block this rank materialises (false where the strategy's
         registry entry declares its blocks eager: the run states the reason, strategies/compile.py)."""
@@ -98,12 +107,22 @@ class RunHooks:
         reset_allocator_peak(self.root_device)
         meter = ComputeMemoryMeter()
         with meter:
+            self.convert_to_fp8(task.model)  # the meta blocks: FSDP2 shards them in place
             self.materialise_model(task.model)
+            self.convert_to_fp8(task.model)  # the blocks the others build afresh
         self.setup_peak_bytes = meter.peak_bytes
         self.setup_allocator_peak_bytes = allocator_peak_bytes(self.root_device)
         if self.compile_blocks:  # lazily: each block's first call traces it (strategies/compile.py)
             self.compiled_blocks = apply_compile(task.model, self.root_device.type)
         self.model_materialised = True
+
+    def convert_to_fp8(self, model) -> None:
+        """Under fp8-mixed, swap the blocks' nn.Linear for Float8Linear (idempotent; names kept)."""
+        if self.fp8_recipe is None:
+            return
+        from strategies.float8 import check_device, convert_blocks
+        check_device(self.root_device)
+        self.fp8_linears = convert_blocks(model, self.fp8_recipe, self.fp8_emulate)
 
     def materialise_model(self, model) -> None:
         """Give the parts of the meta `model` this rank owns their storage and seeded values; a

@@ -10,7 +10,8 @@ from parallel.flight import synchronizing
 
 # Matrix products (and L2L's device copies of the weights) run in this dtype.
 COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
-                  "16-mixed": torch.float16, "16-true": torch.float16}
+                  "16-mixed": torch.float16, "16-true": torch.float16,
+                  "fp8-mixed": torch.bfloat16}  # bf16-mixed plus FP8 linears (strategies/float8.py)
 
 
 def compute_dtype(precision: str) -> torch.dtype:

@@ -207,6 +207,7 @@ class ZeroLayeredStrategy(ModularPipelineStrategy):
             parts = stage_part_names(stage, self.plan.stages, self.layers_per_stage)
             self.parallelize_parts(model, parts)  # a tensor grid's shards first; ZeRO shards those over data
             model.materialise(self.root_device, parts)
+            self.convert_to_fp8(model)  # fp8-mixed: before cutting, while the linears hold Parameters
             for part in parts:
                 self.synchronise_replicas(model.get_submodule(part))
             self.shards.update(shard_stages(model, [stage], self.plan.stages, self.layers_per_stage,

@@ -65,7 +65,12 @@ class HardwareConfig:
     accelerator: str = "cpu"  # cpu | gpu
     devices_per_node: int = 2  # GPUs per node; on cpu the number of local processes
     nodes: int = 1  # nodes in the job
-    precision: str = "32-true"  # Lightning precision: 32-true | bf16-mixed | 16-mixed
+    precision: str = "32-true"  # Lightning precision: 32-true | bf16-mixed | 16-mixed | fp8-mixed (ours: below)
+    # fp8-mixed = bf16-mixed with the blocks' linears in FP8 through torchao (strategies/float8.py; Hopper
+    # GPUs: the profile's peak_flops has an fp8 rate). The scaling recipe: rowwise | tensorwise; fp8_emulate:
+    # torchao's emulation (FP8 rounding, products in high precision), which runs on CPU, for tests.
+    fp8_recipe: str = "rowwise"
+    fp8_emulate: bool = False
     process_group_backend: str = "gloo"  # gloo | nccl
     peak_flops: Dict[str, float] = field(default_factory=dict)  # dense FLOP/s per dtype
     device_memory_bytes: float = 0.0  # memory of one device (on cpu: the share of one process)

@@ -21,6 +21,7 @@ from layerwise.config import schema as schema_module
 from layerwise.config.schema import Config
 from strategies import REGISTRY, strategy_entry
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors, nearest_multiples
+from strategies.float8 import PRECISION as FP8_PRECISION, RECIPES as FP8_RECIPES, float8_errors
 from strategies.schedule.generators import SCHEDULES
 
 CHOICES = {
@@ -34,7 +35,8 @@ CHOICES = {
     "logger.name": ("wandb", "csv", "tensorboard", "none"),
     "logger.mode": ("offline", "online", "disabled"),
     "trainer.progress": ("auto", "bar", "lines", "none"),
-    "hardware.precision": ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true"),
+    "hardware.precision": ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "fp8-mixed"),
+    "hardware.fp8_recipe": FP8_RECIPES,
 }
 CHOICES_STRATEGY = {"schedule": SCHEDULES}  # where the strategy's schema has the field
 CPU_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true")
@@ -283,7 +285,8 @@ def approximate_parameters(model) -> int:
 
 def check_hardware(cfg) -> list:
     hardware, errors = cfg.hardware, []
-    if hardware.accelerator == "cpu" and hardware.precision not in CPU_PRECISIONS:
+    # fp8-mixed on CPU: float8_errors says why (no FP8 products) and names the emulation
+    if hardware.accelerator == "cpu" and hardware.precision not in (*CPU_PRECISIONS, FP8_PRECISION):
         errors.append(f"hardware.precision={hardware.precision!r} is not supported on CPU. "
                       f"Fix: hardware.precision=32-true (or bf16-mixed).")
     if hardware.accelerator == "cpu" and hardware.process_group_backend != "gloo":
@@ -387,7 +390,7 @@ def check_strategy(cfg, world: int) -> list:
         return []
     entry = strategy_entry(cfg.strategy.name)
     errors = (entry.check(cfg, world) + gradient_clipping_errors(cfg.strategy.name, cfg.trainer.gradient_clip_val)
-              + fp16_errors(cfg.strategy.name, cfg.hardware.precision) + dynamic_depth_errors(cfg)
+              + fp16_errors(cfg.strategy.name, cfg.hardware.precision) + float8_errors(cfg) + dynamic_depth_errors(cfg)
               + profile_errors(cfg.trainer))
     if errors:
         return errors

@@ -145,8 +145,11 @@ def device_of(cfg, world_size: int = None) -> Device:
     waits for its descheduled peer like a collective does (measured: a 256 KB send took ~3 ms with 4 ranks on 2
     cores, 0.2 ms with 2)."""
     hardware = cfg.hardware
-    dtype = "bf16" if hardware.precision.startswith("bf16") else "fp16" if hardware.precision.startswith("16") \
-        else "fp32"
+    # fp8-mixed: bf16-mixed whose blocks' linears run at the profile's fp8 rate (linear_flops_per_second);
+    # flops_per_second stays the bf16 peak, against which MFU is stated (as torchtitan and Megatron-LM do)
+    fp8 = hardware.precision == "fp8-mixed"
+    dtype = "bf16" if hardware.precision.startswith(("bf16", "fp8")) else "fp16" \
+        if hardware.precision.startswith("16") else "fp32"
     ranks = min(hardware.devices_per_node, world_size or hardware.devices_per_node)
     share = hardware.compute_units_per_node / ranks if hardware.compute_units_per_node else 1.0
     slow = min(share, 1.0)  # time-sharing stretches every compute cost (a lone rank's threads: core_share)
@@ -158,7 +161,8 @@ def device_of(cfg, world_size: int = None) -> Device:
                   hardware.overlaps_communication, hardware.memory_bandwidth, share,
                   tuple(tuple(row) for row in hardware.collective_seconds_by_bytes or ()),
                   hardware.step_overhead_s / slow, hardware.action_overhead_s / slow,
-                  hardware.get("gather_overlap"))
+                  hardware.get("gather_overlap"),
+                  linear_flops_per_second=hardware.peak_flops.get("fp8", 0.0) * share if fp8 else 0.0)
 
 
 def efficiency_of(cfg) -> float:

@@ -487,6 +487,9 @@ class RunEvidence(pl.Callback):
         bubble = trainer.strategy.bubble_fraction()
         if bubble is not None:
             summary["bubble_fraction"] = bubble
+        if trainer.strategy.fp8_recipe is not None:  # fp8-mixed: Lightning ran bf16-mixed, these linears FP8
+            summary["fp8"] = {"recipe": trainer.strategy.fp8_recipe, "emulated": trainer.strategy.fp8_emulate,
+                              "linears": trainer.strategy.fp8_linears}  # this rank's (strategies/float8.py)
         for recorded in ("compile", "profile"):  # trainer.compile's counts, trainer.profile_steps' files
             if self.history.get(recorded):  # (layerwise/run/compiled.py, layerwise/run/profile.py)
                 summary[recorded] = self.history[recorded]

@@ -34,6 +34,7 @@ from layerwise.run.task import LanguageModelData, LanguageModelTask, objective_o
 from parallel.layout import RANK_ORDER
 from strategies import strategy_entry
 from strategies.compile import eager_note
+from strategies.float8 import PRECISION as FP8_PRECISION, lightning_precision
 from strategies.checkpoint.per_rank import (checkpoint_exists, load_first_readable, read_checkpoint_file, swap_in,
                                             write_checkpoint_file)
 from strategies.checkpoint.portable import resolve_portable
@@ -175,7 +176,7 @@ def precision_arguments(hardware) -> tuple:
     if hardware.accelerator == "cpu" and hardware.precision == "16-mixed":
         from lightning.pytorch.plugins import MixedPrecision
         return None, [MixedPrecision("16-mixed", "cpu")]
-    return hardware.precision, []
+    return lightning_precision(hardware.precision), []  # fp8-mixed runs as bf16-mixed plus its linears
 
 
 def load_corpus(cfg, say=lambda message: None):
@@ -221,6 +222,8 @@ def _fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:
                            measure_memory=not cfg.trainer.compile)
     strategy = entry.build(cfg, world_size)
     # where the strategy declares its blocks eager, they stay eager and the run says why (eager_note)
+    if cfg.hardware.precision == FP8_PRECISION:  # the blocks' linears in FP8 (validation refused it where it cannot run)
+        strategy.enable_fp8(cfg.hardware.fp8_recipe, cfg.hardware.fp8_emulate)
     strategy.enable_compile(cfg.trainer.compile and eager_note(cfg, entry) is None)
     trainer = build_trainer(cfg, run_directory, world_size, strategy, evidence)
     for logger in trainer.loggers:  # the resolved config is logged at creation; add the layout

@@ -484,7 +484,40 @@ def speed_section(mode: Mode, budget: Budget, report: Report, subset: bool, dire
         plain = run_helper("plain_loop", {"overrides": run, "steps": mode.speed_steps}, budget.timeout(180))
         rows.append(speed_row(label, ours, plain))
         report.add(rows[-1:])
+    if mode.name == "gpu" and not subset:  # Hopper only: a CPU refuses fp8-mixed (strategies/float8.py)
+        report.add(fp8_rows(mode, budget, directory))
     return []  # added one by one above: each model is minutes on the 1B
+
+
+def fp8_rows(mode: Mode, budget: Budget, directory: Path) -> list:
+    """hardware.precision=fp8-mixed (torchao's Float8Linear in the blocks, each recipe) against bf16-mixed:
+    `single`'s median step on the ~1B Llama (products large enough for FP8 to pay), and the loss after
+    the same steps. Not a pass/fail of the speed: the ratio is reported (torchtitan reports ~1.2-1.5x
+    on H100 for 8B models); the losses must agree within FP8's rounding (tests/test_fp8.py: 2^-3)."""
+    run = [*SPEED_COMMON, "strategy=single", *mode.device, *LLAMA_1B, f"trainer.max_steps={mode.speed_steps}",
+           f"trainer.val_check_interval={mode.speed_steps}"]
+    summaries = {}
+    for precision in ("bf16-mixed", "fp8-mixed rowwise", "fp8-mixed tensorwise"):
+        if budget.left() < 60:
+            return [skipped("speed", f"llama_1b {precision}", f"time budget: {budget.left():.0f} s left")]
+        name, _, recipe = precision.partition(" ")
+        summaries[precision] = run_point([*run, f"hardware.precision={name}"] + ([f"hardware.fp8_recipe={recipe}"]
+                                         if recipe else []), directory / slug(f"fp8 {precision}"), budget.timeout(240))
+    base, rows = summaries["bf16-mixed"], []
+    for precision in ("fp8-mixed rowwise", "fp8-mixed tensorwise"):
+        fp8 = summaries[precision]
+        if fp8.get("status") != "completed" or base.get("status") != "completed":
+            rows.append(failed("speed", f"llama_1b {precision} / bf16-mixed step", fp8 if base.get("status")
+                               == "completed" else base))
+            continue
+        ratio = base["step_time_s_median"] / fp8["step_time_s_median"]
+        loss = abs(fp8["losses"][-1] - base["losses"][-1]) / abs(base["losses"][-1])
+        rows.append(judged("speed", f"llama_1b {precision}: bf16 step / fp8 step", ratio, loss <= 2.0 ** -3,
+                           "losses within 2^-3", f"step {base['step_time_s_median']:.4g} s bf16, "
+                           f"{fp8['step_time_s_median']:.4g} s fp8; last loss {fp8['losses'][-1]:.4f} vs "
+                           f"{base['losses'][-1]:.4f}; MFU {fp8.get('mfu') or 0:.1%} (against the bf16 peak)",
+                           bf16_step_s=base["step_time_s_median"], fp8_step_s=fp8["step_time_s_median"]))
+    return rows
 
 
 def speed_row(label: str, ours: dict, plain: dict) -> Row:

@@ -46,6 +46,7 @@ from layerwise.run.task import LanguageModelData, LanguageModelTask, objective_o
 from parallel.comm import KINDS
 from parallel.memory import ComputeMemoryMeter
 from strategies import strategy_entry
+from strategies.float8 import lightning_precision
 
 
 MEASURED_STEP = 1  # the step measured (0-based): the first with gradients and optimizer state (DryRunProbe)
@@ -208,7 +209,8 @@ def dry_trainer(cfg, strategy, probe, nodes: int, per_node: int) -> pl.Trainer:
     """layerwise/run/fit.py build_trainer's arguments, without loggers, checkpoints, guard, validation."""
     return pl.Trainer(
         accelerator="cpu", devices=per_node, num_nodes=nodes, strategy=strategy,
-        precision=cfg.hardware.precision, max_steps=MEASURED_STEP + 1, limit_val_batches=0, num_sanity_val_steps=0,
+        # fp8-mixed: Lightning's bf16-mixed; the dry run keeps the blocks' linears unconverted (bf16's memory)
+        precision=lightning_precision(cfg.hardware.precision), max_steps=MEASURED_STEP + 1, limit_val_batches=0, num_sanity_val_steps=0,
         check_val_every_n_epoch=None, val_check_interval=None, logger=False, callbacks=[probe],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, gradient_clip_val=cfg.trainer.gradient_clip_val or None,

@@ -182,8 +182,9 @@ class Workload:
 
     @property
     def piece(self) -> int:
-        """Elements of the activation piece a rank holds between blocks and a boundary carries."""
-        return activation_piece(self.layout, self.micro_batch_rows, self.shape)
+        """Elements of the activation piece a rank holds between blocks and a boundary carries (its
+        sequence shard under sequence parallelism)."""
+        return activation_piece(self.layout, self.micro_batch_rows, self.shape, self.sequence_parallel)
 
     @property
     def tensor_ranks(self) -> int:
@@ -192,19 +193,21 @@ class Workload:
     @property
     def message_elements(self) -> float:
         """Elements one rank sends (and posts a receive for) per boundary message: the activation
-        piece, ÷ t where each tensor rank sends its 1/t (scatter/gather: the receivers all-gather the
-        slices over NVLink; sequence parallelism: the stream between blocks is the rank's sequence
-        shard). In `message_bytes` each; on arrival it is gathered and cast back to the stream's dtype."""
-        return self.piece / (self.tensor_ranks if self.scatter_gather or self.sequence_parallel else 1)
+        piece (under sequence parallelism already the rank's sequence shard, 1/t of the stream), ÷ t
+        where each tensor rank sends its 1/t of a piece they all hold (scatter/gather: the receivers
+        all-gather the slices over NVLink). In `message_bytes` each; on arrival it is gathered and
+        cast back to the stream's dtype."""
+        return self.piece / (self.tensor_ranks if self.scatter_gather and not self.sequence_parallel else 1)
 
 
 OPTIMIZER_STATE = {"adamw": 2, "lamb": 2, "sgd": 1}  # fp32 tensors per parameter (SGD: momentum)
 
 
-def activation_piece(layout: Layout, rows: int, shape: GptShape) -> int:
+def activation_piece(layout: Layout, rows: int, shape: GptShape, sequence_parallel: bool = False) -> int:
     """Elements of the residual-stream piece one rank holds between blocks, which is what a stage
-    boundary carries (grids.local_activation_shape; the whole activation without a grid)."""
+    boundary carries (grids.local_activation_shape; the whole activation without a grid; the 1-D
+    grid's [rows, s/t, h] sequence shard with `sequence_parallel`)."""
     if not layout.tensor_grid:
         return rows * shape.length * shape.hidden
-    grid = grid_of(layout.tensor_grid, layout.tensor, 0)
+    grid = grid_of(layout.tensor_grid, layout.tensor, 0, sequence_parallel=sequence_parallel)
     return math.prod(local_activation_shape(grid, rows, shape.length, shape.hidden))

@@ -19,7 +19,7 @@ from strategies.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORW
                                  add_communication, add_gradient_reductions, build_plan, release_points)
 from strategies.schedule.generators import ZERO_BUBBLE
 from strategies.schedule.ir import POST_RECV_ACTIVATION, POST_RECV_GRADIENT, SEND_ARROW, posted_receive
-from cost.traffic import local_parameters
+from cost.traffic import local_parameters, padded_buckets
 from cost.inputs import BYTES, OPTIMIZER_STATE, Workload
 
 
@@ -42,15 +42,28 @@ def block_saved_bytes(workload: "Workload", tokens: float, flash: bool) -> float
     (heads × s per token; under GQA also K and V repeated per head, `_expanded_kv`), which
     selective recomputation (`recompute_attention`) reruns instead (strategies/recompute.py: the
     core keeps only q, k, v, counted here anyway). A 1-D grid keeps the residual stream whole on
-    every rank; 2-D/3-D grids split everything. (Dropout masks, 1 byte each, are left out.)"""
+    every rank (with sequence parallelism its 1/t: `stream_split`); 2-D/3-D grids split everything.
+    (Dropout masks, 1 byte each, are left out.)"""
     shape, ranks = workload.shape, workload.tensor_ranks
     h = shape.hidden
     scores = 0 if flash or workload.recompute_attention else workload.heads * shape.length + _expanded_kv(shape)
     if workload.layout.tensor_grid in ("2d", "3d"):
         return grid_block_saved_elements(workload, tokens, scores) * workload.activation_bytes
-    residual = len(shape.block.norms) * shape.norm_saves * h / (1 if workload.layout.tensor_grid == "1d" else ranks)
+    residual = len(shape.block.norms) * shape.norm_saves * h / stream_split(workload)
     split = (_attention_saved(shape) + _mlp_saved(shape) + scores) / ranks
     return ((residual + split) * tokens + shape.rotary_elements()) * workload.activation_bytes
+
+
+def stream_split(workload: "Workload") -> int:
+    """Parts the residual stream (the norm regions: norms' inputs, outputs and statistics) is split
+    into on a rank: none on a 1-D grid, whose ranks each keep it whole, but t with sequence
+    parallelism (Korthikanti et al. 2022 §4.2.2: each rank keeps its s/t positions, and the column
+    linears save the norm output's shard, gathering it again in the backward,
+    strategies/tensor_parallel/sequence.py `GatheredInput`); every grid rank on 2-D/3-D."""
+    grid = workload.layout.tensor_grid
+    if grid == "1d":
+        return workload.tensor_ranks if workload.sequence_parallel else 1
+    return workload.tensor_ranks
 
 
 def _expanded_kv(shape) -> int:
@@ -103,12 +116,12 @@ def block_extra_bytes(workload: "Workload", tokens: float) -> float:
     h = shape.hidden
     norm_statistics = len(shape.block.norms) * shape.norm_vectors  # LayerNorm: mean, 1/σ; RMSNorm: 1/rms
     log_sum_exp = 0 if workload.recompute_attention else workload.heads / ranks  # selective: rerun
-    statistics = tokens * (norm_statistics + log_sum_exp) * BYTES
+    statistics = tokens * (norm_statistics / stream_split(workload) + log_sum_exp) * BYTES
     if workload.activation_bytes >= BYTES:
         return statistics
     # each norm's fp32 tensors: its input (LayerNorm), also its normalised input (RMSNorm)
     fp32 = len(shape.block.norms) * (shape.norm_saves - 1)
-    residual = fp32 * h * tokens / (1 if workload.layout.tensor_grid == "1d" else ranks)
+    residual = fp32 * h * tokens / stream_split(workload)
     weights = shape.block.matmul_weights() / ranks
     return statistics + residual * (BYTES - workload.activation_bytes) + weights * workload.activation_bytes
 
@@ -119,9 +132,10 @@ def head_saved_bytes(workload: "Workload", tokens: float) -> float:
     output matrix under autocast, and the loss's softmax (log-probabilities, or the vocabulary-
     parallel softmax: fp32, split by vocabulary) — one per micro-batch in flight, not one per step."""
     shape, ranks = workload.shape, workload.tensor_ranks
-    whole = 1 if workload.layout.tensor_grid in (None, "1d") else ranks
+    whole = stream_split(workload)  # sequence parallelism: the final norm runs on the shard too
     fp32 = 1 if workload.layout.tensor_grid in ("2d", "3d") else shape.norm_saves - 1  # GptShape.norm_saves
-    norm = tokens * (shape.hidden / whole * (fp32 * BYTES + workload.activation_bytes) + shape.norm_vectors * BYTES)
+    norm = tokens * (shape.hidden / whole * (fp32 * BYTES + workload.activation_bytes) + shape.norm_vectors * BYTES
+                     / (whole if workload.sequence_parallel else 1))
     cast = shape.vocabulary * shape.hidden / ranks * workload.activation_bytes if workload.activation_bytes < BYTES else 0
     if workload.layout.tensor_grid in ("2d", "3d"):  # the head's GridLinear saves its gathered X and W
         cast = (tokens + shape.vocabulary) * shape.hidden / _gathered(workload) * workload.activation_bytes
@@ -339,6 +353,12 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     upper bound, its peak need not coincide with the stash's), or `pending_moments`' (at the first I;
     (in flight, pending) pairs at the later Is), each later pair priced as that moment's stash and
     outputs in flight.
+    Boundary buffers: an output is the fp32 stream's piece, kept for its backward (and on gloo beside
+    its send's own cast or slice); a posted receive and a held send are messages
+    (`boundary_message_bytes`: 16-bit, 1/t where scattered). Under the distributed optimizer
+    (`workload.distributed_optimizer`) the gradients are the stages' flat buckets, there at every
+    moment (the first backward and the forward's end included: nothing is created), and the
+    optimizer state and its step's temporaries are 1/d of the replicated optimizer's.
     `later`, `last_alive`, `posted` default to one group of `alive` micro-batches on one stage:
     alive − 1, alive, one receive per sent output; `sends_held` to none (`closed_form_held` gives
     the search's)."""
@@ -355,9 +375,21 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     two = largest + sorted(part.values())[-2] if len(stages) > 1 else 2 * largest
     full = (two - largest if len(stages) > 1 else largest) if layout.zero else 0
     gradients = sharded + full
+    # The distributed optimizer (strategies/distributed_optimizer.py): each stage's weights and
+    # gradients live in flat buckets padded to a multiple of d, made at setup and zeroed, never
+    # freed, each step (the gradients are there at every moment); the optimizer state is 1/d of it.
+    persistent = workload.distributed_optimizer and not layout.zero
+    if persistent:
+        sharded = gradients = sum(distributed_buckets(workload, part[stage] / BYTES) * BYTES for stage in stages)
+    state = sharded / (layout.data if persistent else 1)
     tokens = workload.micro_batch_rows * shape.length
     block = block_saved_bytes(workload, tokens, flash) + block_extra_bytes(workload, tokens)
-    piece = workload.piece * BYTES  # the residual stream crosses boundaries in fp32 (StageWork.activation_dtype)
+    piece = workload.piece * BYTES  # the stream's fp32 piece: an output kept for its backward, an input arrived
+    message = boundary_message_bytes(workload)  # a posted receive's buffer, a held send's tensor
+    # On gloo an output's send holds its own cast or slice until a later message proves it received
+    # (its backward's gradient, at the latest), beside the kept output; NCCL's completes once the
+    # peer has posted the receive, before the moments below (the dry run's emulation of both).
+    output = piece + (message if message != piece and workload.gloo else 0)
     kept = piece if workload.recompute else per_stage * block  # recompute: stage inputs
     loops, last = len(stages), total_stages - 1 in stages
     head = head_saved_bytes(workload, tokens) if last else 0.0
@@ -372,6 +404,8 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     start_copies = gloo_temporaries(workload, tokens, head=True) if temporaries and last else block_copies
     if layout.zero:
         growth = part[max(stages)] + working + block_copies
+    elif persistent:  # nothing to create: the backward accumulates into the buckets
+        growth = working + start_copies
     else:
         at_start, during, end = _first_backward_growth(workload, tokens, stages, total_stages, block, working,
                                                        gradient_buckets(workload))
@@ -379,20 +413,22 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     posted = sent_first if posted is None else posted
     per_pending = recorded_gradient_bytes(workload, tokens)
     pending_first, pairs = (pending, ((later, pending),)) if isinstance(pending, int) else pending
-    first_backward = alive * kept + last_alive * head + (sent_first + posted) * piece + growth + pending_first * per_pending
+    first_backward = (alive * kept + last_alive * head + sent_first * output + posted * message + growth
+                      + pending_first * per_pending)
     senders = (loops - last) * pipelined
 
     def later_moment(in_flight: int, waiting: int) -> tuple:  # (activations, buffers) beside every gradient
-        buffers = (2 * in_flight * senders / loops + sends_held[0] * pipelined) * piece  # outputs in flight, their
-        # gradient receives, the held sends and activation receives
+        buffers = in_flight * senders / loops * (output + message) + sends_held[0] * pipelined * message  # outputs
+        # in flight and their gradient receives, the held sends and activation receives
         return in_flight * kept + waiting * per_pending + later / loops * head + working, buffers
     later_activations, later_buffers = max((later_moment(*pair) for pair in pairs), key=sum, default=later_moment(later, 0))
-    every_send = sends_held[1] * pipelined * piece
+    every_send = sends_held[1] * pipelined * message
     # Only the one-stage strategies' own reductions copy (three_d's sum_over_groups, DDP's buckets);
     # ZeRO's gathered buffers are counted below, the pipeline stages' buckets are reduced in place.
     flat = largest if layout.data > 1 and not layout.zero and workload.gradients_through_forward else 0
-    forward = alive * kept + last_alive * head + working if workload.gradients_through_forward else 0
-    moments = {"start": (gradients, 0, 0), "first backward": (0, first_backward, 0), "forward": (gradients, forward, 0),
+    forward = alive * kept + last_alive * head + working if workload.gradients_through_forward or persistent else 0
+    moments = {"start": (gradients, 0, 0), "first backward": (gradients if persistent else 0, first_backward, 0),
+               "forward": (gradients, forward, 0),
                "later": (gradients, later_activations, later_buffers + block_copies),
                "reduction": (gradients, 0, every_send + flat),
                "optimizer": (gradients, 0, 0 if layout.zero else optimizer_temporaries(workload, stages, total_stages))}
@@ -400,9 +436,25 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
         return max(moments, key=lambda name: sum(moments[name]))
     kept_gradients, activations, buffers = max(moments.values(), key=sum)
     return {"parameters": sharded, "gradients": kept_gradients,
-            "optimizer": OPTIMIZER_STATE.get(workload.optimizer, 2) * sharded,
+            "optimizer": OPTIMIZER_STATE.get(workload.optimizer, 2) * state,
             "activations": activations,
             "buffers": buffers + (two if layout.zero else 0)}
+
+
+def distributed_buckets(workload: Workload, elements: float) -> int:
+    """Elements of a stage's flat buckets under the distributed optimizer: its `elements` padded to
+    a multiple of d per bucket of strategy.bucket_mb (cost.traffic.padded_buckets)."""
+    return padded_buckets(elements, workload.layout.data, workload.gradient_bucket_bytes // BYTES)
+
+
+def boundary_message_bytes(workload: Workload) -> float:
+    """Bytes of one boundary message's buffer (strategies/stages.py `StageWork.message`,
+    `_post_receive`): a posted receive's, in `message_bytes` (bf16/fp16 under
+    strategy.message_dtype=compute), of this rank's 1/t slice where messages are scattered
+    (`Workload.message_elements`); and a held send's tensor, that cast or slice copied out (its
+    source, an input gradient, is dropped), or the very fp32 tensor where neither applies: the same
+    bytes either way."""
+    return workload.message_elements * workload.message_bytes
 
 
 def gloo_temporaries(workload: Workload, tokens: float, head: bool = False) -> float:
@@ -433,7 +485,8 @@ OPTIMIZER_TEMPORARIES = {"adamw": 3, "lamb": 5, "sgd": 0}
 def optimizer_temporaries(workload: Workload, stages: list, total_stages: int) -> float:
     """Bytes the optimizer step holds beside every gradient: OPTIMIZER_TEMPORARIES of the largest
     parameter tensor of this grid position (a block's largest product, the token table on the first
-    stage, the head on the last), the optimizer stepping one tensor at a time."""
+    stage, the head on the last), the optimizer stepping one tensor at a time; under the distributed
+    optimizer one piece of this rank's slice of a bucket at a time, at most ⌈bucket / d⌉ elements."""
     layout, shape = workload.layout, workload.shape
     ranks = layout.tensor
     split = 1 if layout.tensor_grid in (None, "1d") else layout.edge
@@ -442,6 +495,10 @@ def optimizer_temporaries(workload: Workload, stages: list, total_stages: int) -
         largest = max(largest, shape.vocabulary * shape.hidden / split)
     if total_stages - 1 in stages:
         largest = max(largest, shape.hidden * shape.vocabulary / ranks)
+    if workload.distributed_optimizer and not layout.zero:  # it steps this rank's slice of each bucket
+        stage = max(stage_parameters(workload, stage, total_stages) for stage in stages)
+        bucket = min(stage, workload.gradient_bucket_bytes // BYTES or stage)
+        largest = min(largest, -(-bucket // layout.data))
     return OPTIMIZER_TEMPORARIES.get(workload.optimizer, 2) * largest * BYTES
 
 

@@ -96,12 +96,17 @@ def grid_seconds(workload: Workload, device: Device, stage: int, stages: int) ->
     layout = workload.layout
     if not layout.tensor_grid:
         return 0.0
+    # Sequence parallelism's all-gathers move the compute dtype (its reduce-scatters and every other
+    # collective `tensor_bytes`): traffic.py's fp32 count is scaled by tensor_bytes / 4 below.
+    gathers = min(workload.activation_bytes, workload.tensor_bytes) * BYTES / workload.tensor_bytes
+    sequence = workload.sequence_parallel, gathers
     traffic = Counter({k: v * workload.layers_per_stage for k, v in
                        block_traffic(layout.tensor_grid, layout.edge, workload.micro_batch_rows,
-                                     workload.shape).items()})
+                                     workload.shape, *sequence).items()})
     if stage == stages - 1:
-        traffic += head_traffic(layout.tensor_grid, layout.edge, workload.micro_batch_rows, workload.shape)
-    count = grid_collectives(layout.tensor_grid, workload.layers_per_stage, stage == stages - 1, workload.shape)
+        traffic += head_traffic(layout.tensor_grid, layout.edge, workload.micro_batch_rows, workload.shape, *sequence)
+    count = grid_collectives(layout.tensor_grid, workload.layers_per_stage, stage == stages - 1, workload.shape,
+                             workload.sequence_parallel)
     wire = workload.tensor_bytes / BYTES  # traffic.py counts fp32; a run's code may send fp16/bf16
     return collective_seconds(device, wire * sum(traffic.values()), workload.tensor_ranks, count)
 
@@ -371,10 +376,11 @@ def exposed_gather(gather: float, behind: float, hidden: float) -> float:
 
 def rank_traffic(workload: Workload, plan, pipeline_rank: int) -> Counter:
     """cost/traffic.py's bytes by kind for a rank at `pipeline_rank` of this workload."""
-    split = workload.piece / workload.message_elements  # t where each tensor rank sends its slice
+    split = round(workload.piece / workload.message_elements)  # t where each tensor rank sends its slice
     return step_traffic(plan, workload.layout, pipeline_rank, workload.shape, workload.layers_per_stage,
-                        workload.micro_batch_rows, workload.message_bytes, round(split), workload.scatter_gather,
-                        workload.distributed_optimizer)
+                        workload.micro_batch_rows, workload.message_bytes, split, split > 1,
+                        workload.distributed_optimizer, workload.sequence_parallel, workload.activation_bytes,
+                        workload.gradient_bucket_bytes // BYTES)
 
 
 def predict_step(workload: Workload, device: Device, plan) -> dict:

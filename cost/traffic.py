@@ -6,15 +6,21 @@ A composed layout (data × pipeline × tensor grid) moves, per rank and step:
             ÷ t where each tensor rank sends its slice (scatter/gather; sequence parallelism), and
             with scatter/gather each receive's all-gather of the t slices over the tensor group;
   tensor    per forward-and-backward of a block, the grid's collectives (docs/strategies/three_d.md):
-              1d  4 all-reduces of the micro-batch's activation (Megatron's f and g, twice);
+              1d  4 all-reduces of the micro-batch's activation (Megatron's f and g, twice); with
+                  sequence parallelism (strategies/tensor_parallel/sequence.py) 4 reduce-scatters
+                  (fp32 partial sums) and 6 all-gathers (the compute dtype: the 4 that replace the
+                  all-reduces and the backward's second gather of each norm output), and once per
+                  stage the partial gradients of the pieces the sequence shard leaves whole (norms,
+                  row-parallel biases, tables) all-reduced over t;
               2d  per linear, a gather of X along the row and of W along the column, and their
                   reduce-scatters in the backward: (q−1)/q²·(N_X + N_W) each;
               3d  per linear (q−1)/q³·(N_X + N_W + N_Y) gathered and as much reduce-scattered;
             plus the split LayerNorms' sums, the head's linear and the vocabulary-parallel loss;
             once per stage and step, the gradients of pieces the grid replicates, summed;
-  data      the stage's gradient all-reduced over n replicas, 2(n−1)/n·P, or under ZeRO each
-            gather and reduce-scatter of the padded flat shards, (n−1)/n·P each (the plan says
-            how many);
+  data      the stage's gradient all-reduced over n replicas, 2(n−1)/n·P; under the distributed
+            optimizer reduce-scattered and the weights all-gathered back, (n−1)/n of its buckets
+            padded to multiples of n each; or under ZeRO each gather and reduce-scatter of the
+            padded flat shards, (n−1)/n·P each (the plan says how many);
   loss      one fp32 broadcast over the pipeline.
 Counts come from the plan (how many sends, gathers, forwards per stage), sizes from the model's
 shape: nothing here runs a model. Volumes use parallel.comm.ring_factor, as the Communicator does.
@@ -60,8 +66,12 @@ def norm_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
     return Counter(all_reduce=2 * shape.norm_vectors * all_reduce(local_rows * shape.length, q))
 
 
-def block_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
-    """One block's forward and backward on one micro-batch of `rows` sequences."""
+def block_traffic(grid: str, q: int, rows: int, shape: GptShape, sequence_parallel: bool = False,
+                  gather_bytes: int = BYTES) -> Counter:
+    """One block's forward and backward on one micro-batch of `rows` sequences; `sequence_parallel`
+    (1-D only): `sequence_traffic`'s 2 norm regions, each all-gather `gather_bytes` per element."""
+    if grid == "1d" and sequence_parallel:
+        return sequence_traffic(2, 2, q, rows * shape.length * shape.hidden, gather_bytes)
     if grid == "1d":
         return Counter(all_reduce=4 * all_reduce(rows * shape.length * shape.hidden, q))
     traffic = Counter()
@@ -70,15 +80,33 @@ def block_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
     return traffic + norm_traffic(grid, q, rows, shape) + norm_traffic(grid, q, rows, shape)
 
 
-def grid_collectives(grid: str, blocks: int, head: bool, shape: GptShape = None) -> int:
+def sequence_traffic(gathered: int, reduced: int, t: int, activation: float, gather_bytes: int) -> Counter:
+    """Sequence parallelism's collectives of `gathered` norm outputs and `reduced` row-parallel
+    linears on one micro-batch's `activation` elements (strategies/tensor_parallel/sequence.py):
+    each norm output all-gathered in the forward (GatherSequence, cast to the compute dtype first),
+    its gradient reduce-scattered in fp32 in the backward, and gathered again in the backward for the
+    column linears' weight gradients (GatheredInput: they saved the shard); each row linear's partial
+    sums reduce-scattered in fp32 (ReduceScatterSequence) and its gradient all-gathered back in the
+    compute dtype. (t−1)/t of the activation each (parallel.comm.ring_factor)."""
+    moved = ring_factor("all_gather", t) * activation
+    return Counter(all_gather=(2 * gathered + reduced) * moved * gather_bytes,
+                   reduce_scatter=(gathered + reduced) * moved * BYTES)
+
+
+def grid_collectives(grid: str, blocks: int, head: bool, shape: GptShape = None,
+                     sequence_parallel: bool = False) -> int:
     """Collectives one micro-batch's forward and backward issue on a grid rank (each pays a latency):
     1-D: per block the attention's and the MLP's all-reduce, forward and backward (4); 2-D: per
     linear X and W gathered forward, dX and dW reduce-scattered backward (4), 3-D: also Y scattered
     forward and dY gathered backward (6); 2-D/3-D split norms sum mean and variance both ways (4 per
     norm, 2 norms). The head: its linear (1-D: the input gradient's all-reduce) and norm as above,
-    plus the vocabulary-parallel loss's 3 all-reduces and, on 2-D/3-D, the loss's sum over batch splits."""
+    plus the vocabulary-parallel loss's 3 all-reduces and, on 2-D/3-D, the loss's sum over batch splits.
+    1-D with `sequence_parallel`: per block 6 all-gathers and 4 reduce-scatters, the head 2 and 1
+    (`sequence_traffic`)."""
     if not grid:
         return 0
+    if grid == "1d" and sequence_parallel:
+        return blocks * 10 + ((2 + 1 + 3) if head else 0)
     shape = shape or GptShape(1, 1, 1, 1, 1)
     per_linear = {"1d": 0, "2d": 4, "3d": 6}[grid]
     norm = 0 if grid == "1d" else 2 * shape.norm_vectors
@@ -87,12 +115,18 @@ def grid_collectives(grid: str, blocks: int, head: bool, shape: GptShape = None)
     return blocks * block + (head_count if head else 0)
 
 
-def head_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
+def head_traffic(grid: str, q: int, rows: int, shape: GptShape, sequence_parallel: bool = False,
+                 gather_bytes: int = BYTES) -> Counter:
     """The head (norm, vocabulary-split linear) and the vocabulary-parallel loss on one micro-batch:
-    3 all-reduces of the rows' max, Σexp and target logit, and the loss's sum over batch splits."""
+    3 all-reduces of the rows' max, Σexp and target logit, and the loss's sum over batch splits;
+    with `sequence_parallel` its norm output gathered (`sequence_traffic`: one norm region, no row
+    linear) in place of its input gradient's all-reduce."""
     grid_object = grid_of(grid, tensor_ranks(grid, q), 0)
     logit_rows = rows // grid_object.logit_rows()[1] * shape.length
-    if grid == "1d":  # column-parallel head: its input's gradient is summed in the backward
+    if grid == "1d" and sequence_parallel:
+        traffic = sequence_traffic(1, 0, q, rows * shape.length * shape.hidden, gather_bytes)
+        batch_split = 1
+    elif grid == "1d":  # column-parallel head: its input's gradient is summed in the backward
         traffic = Counter(all_reduce=all_reduce(rows * shape.length * shape.hidden, q))
         batch_split = 1
     else:
@@ -103,10 +137,13 @@ def head_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
     return traffic
 
 
-def local_parameters(grid, q: int, shape: GptShape, embed: bool, blocks: int, head: bool) -> dict:
+def local_parameters(grid, q: int, shape: GptShape, embed: bool, blocks: int, head: bool,
+                     sequence_parallel: bool = False) -> dict:
     """Elements this grid position holds: {"all": every parameter, "replicated": those whose
     gradients are summed over the grid} (1-D replicates norms and row-parallel biases too, but its
-    copies see identical gradients, so nothing is summed)."""
+    copies see identical gradients, so nothing is summed — unless `sequence_parallel`: each copy
+    then sees its rank's positions only, and the norms', row-parallel biases' and tables' partial
+    gradients are summed over t, strategies/tensor_parallel/grids.py `Grid1D.replicated_over`)."""
     ranks = tensor_ranks(grid, q)
     split = 1 if grid in (None, "1d") else q  # 2-D/3-D split biases, norms and tables by q
     h = shape.hidden
@@ -118,6 +155,9 @@ def local_parameters(grid, q: int, shape: GptShape, embed: bool, blocks: int, he
     tables = shape.table_rows * h / split if embed else 0
     total = blocks * weights + vectors + tables + (h * shape.vocabulary / ranks if head else 0)
     replicated = 0 if grid in (None, "1d") else vectors + tables
+    if grid == "1d" and sequence_parallel:  # the column linears' biases are split, so not partial
+        rows_biases = sum(fan_out for _, fan_out, position, bias in shape.linears() if bias and position == "second")
+        replicated = blocks * (rows_biases + len(shape.block.norms) * norms) + (norms if head else 0) + tables
     return {"all": total, "replicated": replicated}
 
 
@@ -131,24 +171,28 @@ def model_parameters(shape: GptShape, layers: int) -> float:
 
 def replicated_group(layout: Layout) -> int:
     """Ranks holding copies of a piece a 2-D (a column: q) or 3-D grid (a union of two axes: q²)
-    replicates; 1-D replicas see identical gradients, so nothing is summed there."""
-    return layout.edge if layout.tensor_grid == "2d" else layout.edge ** 2
+    replicates; 1-D (the tensor group: t) only sums them under sequence parallelism."""
+    return layout.edge if layout.tensor_grid in ("1d", "2d") else layout.edge ** 2
 
 
 def step_traffic(plan, layout: Layout, pipeline_rank: int, shape: GptShape, layers_per_stage: int,
                  micro_batch_rows: int, message_bytes: int = BYTES, message_split: int = 1,
-                 gathered: bool = False, distributed_optimizer: bool = False) -> Counter:
+                 gathered: bool = False, distributed_optimizer: bool = False, sequence_parallel: bool = False,
+                 gather_bytes: int = BYTES, bucket_elements: int = 0) -> Counter:
     """Logical bytes by kind (parallel.comm.KINDS) one rank at `pipeline_rank` moves in one step. A
     boundary message carries `message_bytes` per element and 1/`message_split` of the rank's piece
     (cost.inputs.Workload.message_elements); `gathered`: each receive then all-gathers the slices
     over the tensor group (scatter/gather, Narayanan et al. 2021 §4.1; not under sequence
     parallelism, whose shard is the stream itself). `distributed_optimizer`: each stage reduction is
     a reduce-scatter of the fp32 gradients and the updated fp32 parameters are all-gathered, (n−1)/n
-    of the stage each, in place of the all-reduce's 2(n−1)/n."""
+    of the stage each, padded to a multiple of n per bucket of `bucket_elements` (`padded_buckets`),
+    in place of the all-reduce's 2(n−1)/n. `sequence_parallel` (1-D): the grid's collectives of
+    `sequence_traffic`, its all-gathers in `gather_bytes` per element (the compute dtype), and the
+    boundary piece is the rank's sequence shard (cost.inputs.activation_piece)."""
     row = [action for action in plan.ranks[pipeline_rank] if action is not None]
     traffic = Counter()
     sends = sum(action.kind in (SEND_ACTIVATION, SEND_GRADIENT) for action in row)
-    piece = activation_piece(layout, micro_batch_rows, shape)
+    piece = activation_piece(layout, micro_batch_rows, shape, sequence_parallel)
     traffic["send_recv"] += sends * piece / message_split * message_bytes
     if gathered:
         receives = sum(action.kind in (RECV_ACTIVATION, RECV_GRADIENT) for action in row)
@@ -156,27 +200,43 @@ def step_traffic(plan, layout: Layout, pipeline_rank: int, shape: GptShape, laye
     traffic["broadcast"] += BYTES if layout.pipeline > 1 else 0  # the loss, from the last stage
     for stage in sorted({action.stage for action in row if action.kind == FORWARD}):
         traffic += _stage_traffic(row, stage, plan.stages, layout, shape, layers_per_stage, micro_batch_rows,
-                                  distributed_optimizer)
+                                  distributed_optimizer, sequence_parallel, gather_bytes, bucket_elements)
     return traffic
 
 
-def _stage_traffic(row, stage: int, stages: int, layout: Layout, shape: GptShape,
-                   layers_per_stage: int, rows: int, distributed_optimizer: bool = False) -> Counter:
+def padded_buckets(elements: float, n: int, bucket_elements: int = 0) -> int:
+    """Elements of a stage's flat buckets under the distributed optimizer, each zero-padded to a
+    multiple of the n data ranks (strategies/distributed_optimizer.py `Bucket`): one bucket of the
+    whole stage where `bucket_elements` is 0 or holds it (exact), else full buckets of
+    `bucket_elements` and the rest (the real ones are cut at parameter boundaries: < n elements of
+    padding per bucket either way)."""
+    elements = int(elements)
+    if not bucket_elements or bucket_elements >= elements:
+        return -(-elements // n) * n
+    full, rest = divmod(elements, bucket_elements)
+    return full * (-(-bucket_elements // n) * n) + (-(-rest // n) * n)
+
+
+def _stage_traffic(row, stage: int, stages: int, layout: Layout, shape: GptShape, layers_per_stage: int, rows: int,
+                   distributed_optimizer: bool = False, sequence_parallel: bool = False, gather_bytes: int = BYTES,
+                   bucket_elements: int = 0) -> Counter:
     grid, q, n = layout.tensor_grid, layout.edge, layout.data
     forwards = sum(action.kind == FORWARD and action.stage == stage for action in row)
-    parameters = local_parameters(grid, q, shape, stage == 0, layers_per_stage, stage == stages - 1)
+    parameters = local_parameters(grid, q, shape, stage == 0, layers_per_stage, stage == stages - 1, sequence_parallel)
     traffic = Counter()
     if grid:
-        per_micro_batch = Counter({k: v * layers_per_stage for k, v in block_traffic(grid, q, rows, shape).items()})
+        block = block_traffic(grid, q, rows, shape, sequence_parallel, gather_bytes)
+        per_micro_batch = Counter({k: v * layers_per_stage for k, v in block.items()})
         if stage == stages - 1:
-            per_micro_batch += head_traffic(grid, q, rows, shape)
+            per_micro_batch += head_traffic(grid, q, rows, shape, sequence_parallel, gather_bytes)
         traffic += Counter({kind: forwards * volume for kind, volume in per_micro_batch.items()})
     if not layout.zero:
         reductions = sum(action.kind == REDUCE_GRADIENT and action.stage == stage for action in row)
         traffic["all_reduce"] += reductions * all_reduce(parameters["replicated"], replicated_group(layout))
         if distributed_optimizer:  # ZeRO-1: the gradient reduce-scattered, the parameters gathered back
-            traffic["reduce_scatter"] += reductions * all_gather(parameters["all"], n)
-            traffic["all_gather"] += reductions * all_gather(parameters["all"], n)
+            padded = padded_buckets(parameters["all"], n, bucket_elements) if n > 1 else 0
+            traffic["reduce_scatter"] += reductions * all_gather(padded, n)
+            traffic["all_gather"] += reductions * all_gather(padded, n)
         else:
             traffic["all_reduce"] += reductions * all_reduce(parameters["all"], n)
         return traffic

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 A100 = Device(3.12e14, 0.5, 8e10, 3e11, 2.5e10, 8)
 # A small search: gpt_small's 6 blocks on 2 DGX nodes (16 GPUs) with 200 MB devices, so memory bites.
 SMALL = ["mode=plan", "plan.search=true", "logger=none", "model=gpt_small", "hardware=dgx_a100_80g",
-         "hardware.nodes=2", "hardware.device_memory_bytes=2e8", "data.global_batch_size=32",
+         "hardware.nodes=2", "hardware.device_memory_bytes=1e8", "data.global_batch_size=32",
          "data.sequence_length=128", "plan.search_replan=2"]
 
 

@@ -88,6 +88,15 @@ def sum_over_groups(gradients_and_groups: list, communicator) -> None:
             offset += gradient.numel()
 
 
+def on_wire(flat: torch.Tensor, wire: torch.dtype, group) -> torch.Tensor:
+    """What a bucket's reduction moves: `flat` itself, or a copy cast to the narrower `wire` dtype
+    (strategy.reduction_dtype=compute) where the group has members to reduce with."""
+    narrower = flat.is_floating_point() and torch.finfo(wire).bits < torch.finfo(flat.dtype).bits
+    if not narrower or group is None or group.size == 1:  # never widened (bf16-true's gradients stay bf16)
+        return flat
+    return flat.to(wire)
+
+
 class Bucket:
     """One bucket of one stage: its parameters, this step's flat buffer, which are final, if posted."""
 
@@ -124,6 +133,10 @@ class GradientBuckets:
        and any bucket holding a parameter that got no gradient (zeros: every replica joins every
        all-reduce).
     5. `wait(size)` before the optimizer: wait for each all-reduce and divide by the replicas.
+    With a `wire` dtype narrower than the buffers (strategy.reduction_dtype=compute: bf16/fp16) each
+    bucket is cast to it when posted, reduced, and cast back into its fp32 buffer before the division:
+    half the bytes, one rounding of each addend and of each partial sum of the ring (a transient
+    2-byte copy of every bucket in flight).
     NCCL order: a data group's ranks (one per replica, at the same pipeline and tensor position) run
     the same plan row on the same stage shapes, so the same autograd graphs; autograd runs a graph's
     accumulators in one deterministic order, so every replica completes, and posts, its buckets in
@@ -133,8 +146,9 @@ class GradientBuckets:
     to pipelines).
     """
 
-    def __init__(self, capacity_bytes: int, communicator, group, overlap: bool):
+    def __init__(self, capacity_bytes: int, communicator, group, overlap: bool, wire: torch.dtype = torch.float32):
         self.capacity_bytes, self.communicator, self.group, self.overlap = capacity_bytes, communicator, group, overlap
+        self.wire = wire  # the dtype the all-reduce moves (strategy.reduction_dtype)
         self.layouts = {}  # stage -> [Bucket] in layout order
         self.bucket_of = {}  # id(parameter) -> its Bucket
         self.accumulations = Counter()  # stage -> accumulations into it this step
@@ -216,12 +230,15 @@ class GradientBuckets:
     def _post(self, bucket: Bucket) -> None:
         if not bucket.posted:
             bucket.posted = True
-            self.pending.append((self.communicator.all_reduce(bucket.flat, self.group, async_op=True), bucket.flat))
+            moved = on_wire(bucket.flat, self.wire, self.group)
+            self.pending.append((self.communicator.all_reduce(moved, self.group, async_op=True), bucket.flat, moved))
 
     def wait(self, replicas: int) -> None:
         """The all-reduces summed: divide for the mean (a group of one reduced nothing)."""
-        for work, flat in self.pending:
+        for work, flat, moved in self.pending:
             if work is not None:
                 work.wait()
+                if moved is not flat:
+                    flat.copy_(moved)  # back into the fp32 buffer, then the mean in fp32
                 flat.div_(replicas)
         self.pending = []

@@ -31,7 +31,7 @@ Optimizer state per rank: 1/d of the replicated optimizer's (docs/strategies/dis
 import torch
 from torch import nn
 
-from strategies.buckets import parameter_buckets
+from strategies.buckets import on_wire, parameter_buckets
 from strategies.schedule import FORWARD, REDUCE_GRADIENT
 from strategies.stages import stage_parameter_names
 
@@ -85,12 +85,18 @@ class Bucket:
         for parameter, offset in zip(self.parameters, self.offsets):
             parameter.grad = self.gradients[offset:offset + parameter.numel()].view_as(parameter)
 
-    def post_reduce_scatter(self, communicator, group):
-        """Sum the replicas' gradients into this rank's slice, in place (NCCL: output = input + r·S)."""
-        return communicator.reduce_scatter(self.gradients[self.shard], self.gradients, group, async_op=True)
+    def post_reduce_scatter(self, communicator, group, wire: torch.dtype = torch.float32):
+        """Sum the replicas' gradients into this rank's slice, in place (NCCL: output = input + r·S);
+        with a narrower `wire` (strategy.reduction_dtype=compute) of a bf16/fp16 copy of the buffer."""
+        self.moved = on_wire(self.gradients, wire, group)
+        return communicator.reduce_scatter(self.moved[self.shard], self.moved, group, async_op=True)
 
     def settle_gradients(self, replicas: int) -> None:
-        """The reduced slice averaged; each piece's `.grad` its part of it (the step zeroed them)."""
+        """The reduced slice (cast back into the fp32 buffer) averaged; each piece's `.grad` its part
+        of it (the step zeroed them)."""
+        moved, self.moved = getattr(self, "moved", None), None
+        if moved is not None and moved is not self.gradients:
+            self.gradients[self.shard].copy_(moved[self.shard])
         self.gradients[self.shard].div_(replicas)
         for _, _, piece, _, _ in self.pieces:
             offset = piece.storage_offset() - self.weights.storage_offset()
@@ -112,8 +118,10 @@ class DistributedOptimizer:
     each stage's first FORWARD waiting for its gathers; `zero_gradients`, `wait_for_reductions`,
     `post_gathers` and `settle` are called by the strategy around the step."""
 
-    def __init__(self, work, local_stages: list, capacity_bytes: int, communicator, group, rank: int):
+    def __init__(self, work, local_stages: list, capacity_bytes: int, communicator, group, rank: int,
+                 wire: torch.dtype = torch.float32):
         self.work, self.communicator, self.group = work, communicator, group
+        self.wire = wire  # the dtype the reduce-scatters move (strategy.reduction_dtype)
         model = work.model
         # A tied weight is one parameter under two names (and, with one pipeline rank, in the first
         # and the last stage: the check refuses ties across ranks): it is sharded once, under the
@@ -178,7 +186,7 @@ class DistributedOptimizer:
         """REDUCE_GRADIENT(c): the grid's replicated gradients summed, then c's reduce-scatters posted."""
         self.work.sum_replicated_gradients(action.stage)
         for bucket in self.buckets[action.stage]:
-            self.reductions.append((bucket, bucket.post_reduce_scatter(self.communicator, self.group)))
+            self.reductions.append((bucket, bucket.post_reduce_scatter(self.communicator, self.group, self.wire)))
 
     def wait_for_reductions(self) -> None:
         """Before the optimizer: the reduce-scatters summed; average, and hand each shard its gradient.
@@ -228,7 +236,8 @@ class DistributedOptimizerSeams:
         from strategies.buckets import bucket_bytes
         self.sharded = DistributedOptimizer(self.work, self.local_stages(), bucket_bytes(self.bucket_mb),
                                             self.layout.communicator, self.layout.group("data"),
-                                            self.layout.index("data"))
+                                            self.layout.index("data"),
+                                            getattr(self, "reduction_dtype", torch.float32))
         for optimizer in self.optimizers:
             self.sharded.adopt(optimizer)
 

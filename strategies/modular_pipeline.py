@@ -22,7 +22,7 @@ from strategies.base import OwnedStepStrategy
 from strategies.checks import divisors, grid_errors, nearest_multiples
 from strategies.distributed_optimizer import DistributedOptimizerSeams, distributed_optimizer_errors
 from strategies.buckets import bucket_bytes
-from strategies.precision import MESSAGE_DTYPES, activation_dtype, message_dtype
+from strategies.precision import MESSAGE_DTYPES, activation_dtype, message_dtype, reduction_dtype
 from strategies.recompute import attention_share_of, backward_factor, recompute_errors
 from strategies.compile import pipeline_eager_blocks
 from strategies.registry import StrategyEntry, consolidate_replicated
@@ -95,11 +95,14 @@ class ModularPipelineStrategy(DistributedOptimizerSeams, OwnedStepStrategy):
                  bucket_mb: float = 25.0, tensor_parallel: str = None, message_dtype: torch.dtype = None,
                  scatter_gather: bool = False, distributed_optimizer: bool = False,
                  overlap_reduction: bool = True, sequence_parallel: bool = False, tensor_overlap: bool = False,
+                 tensor_collective_dtype: str = "compute", reduction_dtype: torch.dtype = torch.float32,
                  **kwargs):
         super().__init__(degrees, **kwargs)
         # 1-D grid: the residual stream split along the sequence (its boundary piece [rows, s/t, h]),
         # the gathers and reduce-scatters chunked under the products (strategies/tensor_parallel/sequence.py)
-        self.sequence_options = {"sequence_parallel": sequence_parallel, "tensor_overlap": tensor_overlap}
+        self.sequence_options = {"sequence_parallel": sequence_parallel, "tensor_overlap": tensor_overlap,
+                                 "tensor_collective_dtype": tensor_collective_dtype}
+        self.reduction_dtype = reduction_dtype  # what the data-parallel gradient reduction moves
         self.distributed_optimizer = distributed_optimizer  # ZeRO-1 over the data ranks (DistributedOptimizerSeams)
         self.tensor_parallel = tensor_parallel  # None, or the grid each stage is split over
         self.form = None  # the tensor-parallel form of this rank's parts (parallelize_parts)
@@ -140,7 +143,8 @@ class ModularPipelineStrategy(DistributedOptimizerSeams, OwnedStepStrategy):
         return {"activation_dtype": self.activation_dtype, "scale_loss": self.scale_loss,
                 "activation_recompute": self.activation_recompute, "bucket_bytes": bucket_bytes(self.bucket_mb),
                 "overlap_reduction": self.overlap_reduction, "gradient_buckets": not self.distributed_optimizer,
-                "tensor_form": self.form, "message_dtype": self.message_dtype, "scatter": self.boundary_scatter()}
+                "tensor_form": self.form, "message_dtype": self.message_dtype, "scatter": self.boundary_scatter(),
+                "reduction_dtype": self.reduction_dtype}
 
     def boundary_scatter(self):
         """The tensor group a stage boundary's messages are scattered over (Narayanan et al. 2021
@@ -405,11 +409,18 @@ def check(cfg, world_size: int) -> list:
 
 
 def message_errors(cfg) -> list:
-    """strategy.message_dtype names a dtype choice. (Scattered 1-D messages split into t equal slices
-    of a [rows, length, hidden] tensor: grid_errors already asks model.hidden to be a multiple of t.)"""
+    """strategy.message_dtype and strategy.reduction_dtype name dtype choices. (Scattered 1-D messages
+    split into t equal slices of a [rows, length, hidden] tensor: grid_errors already asks
+    model.hidden to be a multiple of t.)"""
+    errors = []
+    reduction = cfg.strategy.get("reduction_dtype", "fp32")
+    if reduction not in MESSAGE_DTYPES:
+        errors.append(f"strategy.reduction_dtype={reduction}: need one of {', '.join(MESSAGE_DTYPES)}. Fix: "
+                      f"strategy.reduction_dtype=fp32 (the fp32 gradients reduced as they are) or compute "
+                      f"(bf16/fp16 on the wire under mixed precision).")
     if cfg.strategy.message_dtype in MESSAGE_DTYPES:
-        return []
-    return [f"strategy.message_dtype={cfg.strategy.message_dtype}: need one of {', '.join(MESSAGE_DTYPES)}. "
+        return errors
+    return errors + [f"strategy.message_dtype={cfg.strategy.message_dtype}: need one of {', '.join(MESSAGE_DTYPES)}. "
             f"Fix: strategy.message_dtype=compute (bf16/fp16 messages under mixed precision) or fp32."]
 
 
@@ -445,6 +456,8 @@ def pipeline_arguments(cfg) -> dict:
             "message_dtype": message_dtype(cfg.hardware.precision, cfg.strategy.message_dtype),
             "scatter_gather": cfg.strategy.scatter_gather,
             "sequence_parallel": cfg.strategy.sequence_parallel, "tensor_overlap": cfg.strategy.tensor_overlap,
+            "tensor_collective_dtype": cfg.strategy.tensor_collective_dtype,
+            "reduction_dtype": reduction_dtype(cfg.hardware.precision, cfg.strategy.get("reduction_dtype", "fp32")),
             "process_group_backend": cfg.hardware.process_group_backend,
             "tensor_parallel": tensor_parallel(cfg.strategy)}
 

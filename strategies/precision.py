@@ -40,6 +40,17 @@ def message_dtype(precision: str, message: str) -> torch.dtype:
 MESSAGE_DTYPES = ("compute", "fp32")
 
 
+def reduction_dtype(precision: str, reduction: str) -> torch.dtype:
+    """What the data-parallel gradient reduction moves (strategy.reduction_dtype): `compute` = the
+    compute dtype (bf16/fp16 under mixed precision: the fp32 gradients cast, reduced, cast back before
+    the division, as Megatron-LM's fp16 runs reduce their gradients), `fp32` = the master gradients
+    as they are (Megatron-LM under --bf16, whose accumulate_allreduce_grads_in_fp32 it forces on)."""
+    if reduction not in MESSAGE_DTYPES:
+        raise ValueError(f"strategy.reduction_dtype={reduction}: need one of {', '.join(MESSAGE_DTYPES)}. "
+                         f"Fix: strategy.reduction_dtype=fp32.")
+    return compute_dtype(precision) if reduction == "compute" else torch.float32
+
+
 class AgreedGradScaler(torch.amp.GradScaler):
     """fp16 loss scaling (Micikevicius et al. 2018, §3.2) whose skip decision every rank shares.
 

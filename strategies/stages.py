@@ -130,7 +130,8 @@ class StageWork:
                  peers: Peers, activation_dtype: torch.dtype = torch.float32, scale_loss=None,
                  activation_recompute: str = "none", bucket_bytes: int = 0, tensor_form=None,
                  message_dtype: torch.dtype = None, scatter: BoundaryScatter = None,
-                 overlap_reduction: bool = False, gradient_buckets: bool = True):
+                 overlap_reduction: bool = False, gradient_buckets: bool = True,
+                 reduction_dtype: torch.dtype = torch.float32):
         self.model = model
         self.tensor_form = tensor_form
         self.loss_function = tensor_form.loss if tensor_form is not None else model.loss
@@ -151,7 +152,7 @@ class StageWork:
         # None where another owner keeps the gradients in its own flat buffers and reduces them
         # (the distributed optimizer, strategies/distributed_optimizer.py)
         self.gradients = GradientBuckets(bucket_bytes, peers.communicator, peers.data_group,
-                                         overlap_reduction) if gradient_buckets else None
+                                         overlap_reduction, reduction_dtype) if gradient_buckets else None
         self.state = StepState()
         self.batch = None
         self.scattered = False  # this step's messages scattered (`_scatters`), set by `start`

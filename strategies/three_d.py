@@ -39,13 +39,16 @@ class TensorParallelStrategy(LayerwiseStrategy):
     """
 
     def __init__(self, degrees: Layout, tensor_grid: str, activation_recompute: str = "none",
-                 sequence_parallel: bool = False, tensor_overlap: bool = False, **kwargs):
+                 sequence_parallel: bool = False, tensor_overlap: bool = False,
+                 tensor_collective_dtype: str = "compute", **kwargs):
         super().__init__(degrees, **kwargs)
         self.tensor_grid = tensor_grid
         self.activation_recompute = activation_recompute
         # 1-D only: the residual stream split along the sequence, its collectives chunked under the products
         self.sequence_options = {"sequence_parallel": sequence_parallel, "tensor_overlap": tensor_overlap} \
             if sequence_parallel else {}
+        if tensor_grid == "1d":  # 2-D/3-D grids keep fp32 sums (schema.py tensor_collective_dtype)
+            self.sequence_options["tensor_collective_dtype"] = tensor_collective_dtype
         self.form = None
 
     @override
@@ -141,6 +144,7 @@ def build(cfg, world_size: int):
                                   activation_recompute=cfg.strategy.activation_recompute,
                                   sequence_parallel=cfg.strategy.sequence_parallel,
                                   tensor_overlap=cfg.strategy.tensor_overlap,
+                                  tensor_collective_dtype=cfg.strategy.tensor_collective_dtype,
                                   process_group_backend=cfg.hardware.process_group_backend)
 
 

@@ -79,6 +79,20 @@ BF16_LOSS_RTOL = 1e-2
 BF16_MESSAGE_UNIT = 2.0 ** -8
 BF16_MESSAGE_GRADIENT_RTOL = 4 * BF16_MESSAGE_UNIT
 BF16_MESSAGE_GRADIENT_SCALE_ATOL = 4 * BF16_MESSAGE_UNIT
+# bf16 tensor collectives and gradient reductions (strategy.tensor_collective_dtype=compute,
+# strategy.reduction_dtype=compute under bf16-mixed: test_tensor_collective_dtype) against `single`
+# under bf16-mixed, first-step gradients per element. A reduction in bf16 rounds its result to bf16
+# (≤ u = 2^-8 of it; each addend first, where it was fp32) where fp32 reduces exactly enough to round
+# once later. The 1-D grid's forward sums are products' outputs, which single rounds to bf16 anyway
+# (autocast): at t = 2 one bf16 addition of two bf16 partials rounds as single's fp32 product does.
+# Its backward sums (the column linears' input gradients, fp32 sums of bf16 products) and the data
+# reduction's gradients (fp32 sums over micro-batches) are rounded once more. Each value crosses one
+# such reduction before products or the update consume it (later reductions sum new values, each
+# rounded once: the count per value is 1), so per run ≤ 2u of the tensor's scale (autocast's + the
+# reduction's), ≤ 4u between two runs: the BF16_MESSAGE_* bound, one rounding per reduction in place
+# of one per message. A ring of t members rounds t − 1 partial sums: at t = 2 (every test here) one.
+BF16_COLLECTIVE_GRADIENT_RTOL = 4 * BF16_MESSAGE_UNIT
+BF16_COLLECTIVE_GRADIENT_SCALE_ATOL = 4 * BF16_MESSAGE_UNIT
 # A bf16 forward against an fp32 one (L2L's cross mixed precision vs a plain step): not two
 # roundings of one computation but ~10 matrix products whose inputs lose 16 bits each (2^-9 relative).
 BF16_VERSUS_FP32_LOSS_RTOL = 2e-2
@@ -386,7 +400,7 @@ def tolerance_excess(actual, expected, rtol: float, atol: float) -> float:
 
 # ----- bf16 stage-boundary messages against single under bf16-mixed (BF16_MESSAGE_*) ------------
 
-def bf16_message_excess(comparison) -> dict:
+def bf16_message_excess(comparison, rtol: float = None, scale_atol: float = None) -> dict:
     """A references.SgdComparison of two bf16-mixed runs under the BF16_MESSAGE_* tolerances:
     {kind: (worst |a − e| / tolerance, where, its max |a − e|, that over its max |e|)}; > 1 fails.
     Losses: BF16_LOSS_RTOL. Gradients: BF16_MESSAGE_GRADIENT_RTOL·|g| + BF16_MESSAGE_GRADIENT_SCALE_ATOL
@@ -395,11 +409,13 @@ def bf16_message_excess(comparison) -> dict:
     import torch
     actual, expected = comparison.actual, comparison.expected
     lr = expected.learning_rate
-    atol = sgd_parameter_atol(expected.trajectory, lr, BF16_MESSAGE_GRADIENT_SCALE_ATOL, BF16_MESSAGE_GRADIENT_RTOL)
+    rtol = BF16_MESSAGE_GRADIENT_RTOL if rtol is None else rtol  # another bf16 rounding's (BF16_COLLECTIVE_*)
+    scale_atol = BF16_MESSAGE_GRADIENT_SCALE_ATOL if scale_atol is None else scale_atol
+    atol = sgd_parameter_atol(expected.trajectory, lr, scale_atol, rtol)
     losses = (torch.tensor(actual.summary["losses"]), torch.tensor(expected.summary["losses"]))
     pairs = {"losses": {"losses": (*losses, BF16_LOSS_RTOL, 0.0)},
-             "gradients": {name: (comparison.actual_gradients[name], gradient, BF16_MESSAGE_GRADIENT_RTOL,
-                                  BF16_MESSAGE_GRADIENT_SCALE_ATOL * float(gradient.abs().max()))
+             "gradients": {name: (comparison.actual_gradients[name], gradient, rtol,
+                                  scale_atol * float(gradient.abs().max()))
                            for name, gradient in comparison.expected_gradients.items()},
              "parameters": {name: (actual.last[name], value, PARAMETER_RTOL, atol[name])
                             for name, value in expected.last.items()}}
@@ -412,9 +428,10 @@ def bf16_message_excess(comparison) -> dict:
     return worst
 
 
-def assert_same_with_bf16_messages(comparison, name: str = "") -> dict:
-    """Losses, first-step gradients and parameters within the BF16_MESSAGE_* tolerances."""
-    worst = bf16_message_excess(comparison)
+def assert_same_with_bf16_messages(comparison, name: str = "", rtol: float = None, scale_atol: float = None) -> dict:
+    """Losses, first-step gradients and parameters within the BF16_MESSAGE_* tolerances (or the
+    `rtol`/`scale_atol` given: BF16_COLLECTIVE_*)."""
+    worst = bf16_message_excess(comparison, rtol, scale_atol)
     print(f"{name} vs single (bf16-mixed, SGD): " + "; ".join(
         f"{kind} {ratio:.3g}× tolerance at {where} (max abs {absolute:.3g}, {relative:.3g} of its max)"
         for kind, (ratio, where, absolute, relative) in worst.items()))

@@ -194,6 +194,14 @@ class StagedStrategyConfig(MicroBatchedStrategyConfig):
     sequence_parallel: bool = False
     # Sequence-parallel gathers and scatters chunked and overlapped with the neighbouring products.
     tensor_overlap: bool = False
+    # 1-D grid: the all-reduces of partial sums (and, with sequence_parallel, the reduce-scatters) in
+    # `compute` = the compute dtype under mixed precision (bf16/fp16: half the bytes, one rounding per
+    # reduction), as Megatron-LM reduces its row-parallel outputs in the params dtype
+    # (megatron/core/tensor_parallel/mappings.py `_reduce`), or `fp32` (one rounding in all, as the
+    # unsharded product). 32-true: fp32 either way. The 2-D/3-D grids ignore it: their reduce-scatters
+    # sum partial products inside a SUMMA/3-D linear that no published run times against ours, and
+    # plan mode prices their sums at 4 bytes.
+    tensor_collective_dtype: str = "compute"  # compute | fp32
 
 
 @dataclass
@@ -204,6 +212,11 @@ class OverlappedReductionConfig(BucketedReductionConfig):
     # after the stage's last micro-batch), overlapped with the rest of the backward; off: at the
     # stage's REDUCE_GRADIENT action.
     overlap_reduction: bool = True
+    # The data-parallel gradient reduction (bucket all-reduce; reduce-scatter under the distributed
+    # optimizer) in `fp32` (the master gradients as they are: Megatron-LM's bf16 runs, whose
+    # accumulate_allreduce_grads_in_fp32 --bf16 forces on) or `compute` (cast to bf16/fp16, reduced,
+    # cast back before the division: half the bytes, as Megatron-LM's fp16 runs reduce them).
+    reduction_dtype: str = "fp32"  # fp32 | compute
 
 
 @dataclass
@@ -230,6 +243,7 @@ class TensorParallelStrategyConfig(StrategyConfig, ActivationRecomputeConfig):
     tensor_parallel: str = "3d"  # 1d (Megatron) | 2d (SUMMA) | 3d (Bian et al. 2021); fixed by the name
     sequence_parallel: bool = False  # 1-D only: as StagedStrategyConfig.sequence_parallel
     tensor_overlap: bool = False  # 1-D with sequence_parallel: chunked gathers/scatters under the products
+    tensor_collective_dtype: str = "compute"  # compute | fp32; 1-D only: as StagedStrategyConfig's
 
 
 @dataclass

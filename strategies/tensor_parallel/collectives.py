@@ -33,11 +33,25 @@ def sum_in_place(communicator, tensor: torch.Tensor, group) -> torch.Tensor:
     return tensor
 
 
-def sum_copy(communicator, tensor: torch.Tensor, group) -> torch.Tensor:
-    """Σ_group of a copy of `tensor`, added in fp32 (bf16 partial sums would round once per
-    member, the unsharded product rounds once), returned in `tensor`'s dtype."""
-    wide = tensor.to(torch.float64 if tensor.dtype == torch.float64 else torch.float32, copy=True)
+def sum_copy(communicator, tensor: torch.Tensor, group, wire: torch.dtype = torch.float32) -> torch.Tensor:
+    """Σ_group of a copy of `tensor`, added in `wire` (`wire_dtype`), returned in `tensor`'s dtype.
+    fp32 (strategy.tensor_collective_dtype=fp32): bf16 partial sums would round once per member, the
+    unsharded product rounds once; bf16/fp16 (=compute, Megatron-LM's): half the bytes, and each
+    all-reduce rounds the sum to the compute dtype (a ring of t adds t − 1 roundings)."""
+    wide = tensor.to(torch.float64 if tensor.dtype == torch.float64 else wire, copy=True)
     return sum_in_place(communicator, wide, group).to(tensor.dtype)
+
+
+def wire_dtype(tensor: torch.Tensor, narrow: bool) -> torch.dtype:
+    """The dtype a 1-D grid's partial sum crosses the wire in: under autocast with `narrow`
+    (strategy.tensor_collective_dtype=compute) the compute dtype, as Megatron-LM all-reduces its
+    row-parallel outputs in the params dtype (megatron/core/tensor_parallel/mappings.py `_reduce`:
+    torch.distributed.all_reduce(input_) on the bf16/fp16 activation); else fp32 (float64 stays).
+    Read in the forward, where autocast is on, and kept for the backward, where it is not."""
+    if tensor.dtype == torch.float64:
+        return torch.float64
+    device = tensor.device.type
+    return torch.get_autocast_dtype(device) if narrow and torch.is_autocast_enabled(device) else torch.float32
 
 
 class GatherMatmulScatter(torch.autograd.Function):
@@ -96,22 +110,23 @@ class GroupSum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(context, x, communicator, group, sum_forward: bool, sum_backward: bool):
+    def forward(context, x, communicator, group, sum_forward: bool, sum_backward: bool, narrow: bool = False):
         context.communicator, context.group, context.sum_backward = communicator, group, sum_backward
-        return sum_copy(communicator, x, group) if sum_forward else x.view_as(x)
+        context.wire = wire_dtype(x, narrow)  # autocast is off in the backward: read it here
+        return sum_copy(communicator, x, group, context.wire) if sum_forward else x.view_as(x)
 
     @staticmethod
     def backward(context, grad_y):
-        grad_x = sum_copy(context.communicator, grad_y, context.group) if context.sum_backward else grad_y
-        return grad_x, None, None, None, None
+        grad_x = sum_copy(context.communicator, grad_y, context.group, context.wire) if context.sum_backward else grad_y
+        return grad_x, None, None, None, None, None
 
 
-def copy_to_group(x, communicator, group):
-    return GroupSum.apply(x, communicator, group, False, True)
+def copy_to_group(x, communicator, group, narrow: bool = False):
+    return GroupSum.apply(x, communicator, group, False, True, narrow)
 
 
-def reduce_from_group(x, communicator, group):
-    return GroupSum.apply(x, communicator, group, True, False)
+def reduce_from_group(x, communicator, group, narrow: bool = False):
+    return GroupSum.apply(x, communicator, group, True, False, narrow)
 
 
 def sum_over_group(x, communicator, group):

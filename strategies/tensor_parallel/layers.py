@@ -51,13 +51,14 @@ class GridLinear(nn.Module):
 
 class MegatronLinear(nn.Module):
     """A 1-D tensor-parallel linear: this rank's slice of W (and b), the tensor group, and with
-    sequence parallelism the group's `sequence.SequenceRegion` (None: the activation is whole)."""
+    sequence parallelism the group's `sequence.SequenceRegion` (None: the activation is whole);
+    `narrow`: partial sums all-reduced in the compute dtype (strategy.tensor_collective_dtype=compute)."""
 
-    def __init__(self, weight, bias, layout, region=None):
+    def __init__(self, weight, bias, layout, region=None, narrow: bool = False):
         super().__init__()
         self.weight, self.bias = _parameter(weight), _parameter(bias)
         self.communicator, self.group = layout.communicator, layout.group("tensor")
-        self.region = region
+        self.region, self.narrow = region, narrow
 
 
 class ColumnParallelLinear(MegatronLinear):
@@ -80,11 +81,12 @@ class CopyToGroup:
     reads (GPT's qkv; Llama's q, k, v, or gate and up; the head): one all-reduce of the summed input
     gradients, not one per linear."""
 
-    def __init__(self, layout):
+    def __init__(self, layout, narrow: bool = False):
         self.communicator, self.group = layout.communicator, layout.group("tensor")
+        self.narrow = narrow  # the summed gradient all-reduced in the compute dtype (collectives.wire_dtype)
 
     def __call__(self, module, arguments, output):
-        return copy_to_group(output, self.communicator, self.group)
+        return copy_to_group(output, self.communicator, self.group, self.narrow)
 
 
 class RowParallelLinear(MegatronLinear):
@@ -94,7 +96,7 @@ class RowParallelLinear(MegatronLinear):
 
     def forward(self, x):
         if self.region is None:
-            y = reduce_from_group(F.linear(x, self.weight), self.communicator, self.group)
+            y = reduce_from_group(F.linear(x, self.weight), self.communicator, self.group, self.narrow)
         elif self.region.overlap:
             y = OverlappedRowProduct.apply(x, self.weight, self.region)
         else:

@@ -87,10 +87,12 @@ def cut(grid, style: Style, name: str, full: torch.Tensor) -> torch.Tensor:
     return grid.cut(style, name, full)
 
 
-def parallel_module(module: nn.Module, style: Style, grid, layout, shard=None, region=None) -> nn.Module:
+def parallel_module(module: nn.Module, style: Style, grid, layout, shard=None, region=None,
+                    narrow: bool = False) -> nn.Module:
     """The parallel form of one plain module, holding this rank's shards. `shard(path, leaf, full)`
     gives the shard of the parameter at `path` (default: cut from the materialised `full`).
-    `region`: the 1-D grid's sequence-parallel region (sequence.py), or None."""
+    `region`: the 1-D grid's sequence-parallel region (sequence.py), or None. `narrow`: the 1-D
+    grid's all-reduces in the compute dtype (collectives.wire_dtype)."""
     shard = shard or (lambda path, leaf, full: cut(grid, style, leaf, full))
     if style.kind == "embedding":
         position = getattr(module, "position", None)  # Llama has none: RoPE in every block
@@ -102,13 +104,13 @@ def parallel_module(module: nn.Module, style: Style, grid, layout, shard=None, r
     if style.kind == "norm":
         if grid.norm_family is None:  # 1-D: features whole, the plain LayerNorm / RMSNorm is right;
             # its output feeds column linears: Megatron's f, or the sequence gather that replaces it
-            module.register_forward_hook(CopyToGroup(layout) if region is None else GatherToSequence(region))
+            module.register_forward_hook(CopyToGroup(layout, narrow) if region is None else GatherToSequence(region))
             return module
         return ParallelNorm(weight, bias, module.eps, layout, grid.norm_family)
     if grid.name != "1d":
         return GridLinear(weight, bias, layout, grid.linear_specs(style.position))
     linear = ColumnParallelLinear if style.position == "first" else RowParallelLinear
-    return linear(weight, bias, layout, region)
+    return linear(weight, bias, layout, region, narrow)
 
 
 def shard_dropouts(block: nn.Module, region) -> None:
@@ -118,6 +120,9 @@ def shard_dropouts(block: nn.Module, region) -> None:
         if isinstance(child, nn.Dropout):
             parent, _, leaf = name.rpartition(".")
             setattr(block.get_submodule(parent) if parent else block, leaf, ShardDropout(child.p, region))
+
+
+TENSOR_COLLECTIVE_DTYPES = ("compute", "fp32")  # strategy.tensor_collective_dtype
 
 
 def gradient_groups(model: nn.Module, plan, grid, layout) -> Dict[str, Tuple]:
@@ -132,7 +137,8 @@ def gradient_groups(model: nn.Module, plan, grid, layout) -> Dict[str, Tuple]:
 
 @torch.no_grad()
 def parallelize(model: nn.Module, layout, device=None, parts=None, loss_over_data: bool = True,
-                sequence_parallel: bool = False, tensor_overlap: bool = False) -> TensorParallelForm:
+                sequence_parallel: bool = False, tensor_overlap: bool = False,
+                tensor_collective_dtype: str = "compute") -> TensorParallelForm:
     """Turn a plain GPT or Llama into its form on `layout.tensor_grid`, in place (torchtitan-style), part
     by part; parts still on meta are first materialised on `device` with their seeded values.
 
@@ -141,13 +147,19 @@ def parallelize(model: nn.Module, layout, device=None, parts=None, loss_over_dat
     summed over data); false: over this data rank's batch (a pipeline averages over data itself).
     `sequence_parallel` (1-D only): the residual stream split along the sequence between the parallel
     regions; `tensor_overlap`: its gathers and reduce-scatters chunked under the products (sequence.py).
+    `tensor_collective_dtype` (1-D only; the 2-D/3-D grids keep fp32 sums: schema.py says why):
+    compute = partial sums all-reduced / reduce-scattered in the compute dtype under mixed precision.
     """
     if model.embed is not None and model.head is not None and model.head.output.weight is model.embed.token.weight:
         raise ValueError("model.tie_embeddings=true is not supported by tensor parallelism")
     if tensor_overlap and not sequence_parallel:
         raise ValueError("tensor_overlap chunks the sequence-parallel gathers and reduce-scatters: it needs sequence_parallel")
     grid = grid_of(layout.tensor_grid, layout.degrees.tensor, layout.index("tensor"), sequence_parallel)
-    region = SequenceRegion(layout, overlap=tensor_overlap) if sequence_parallel else None
+    if tensor_collective_dtype not in TENSOR_COLLECTIVE_DTYPES:
+        raise ValueError(f"strategy.tensor_collective_dtype={tensor_collective_dtype}: need one of "
+                         f"{', '.join(TENSOR_COLLECTIVE_DTYPES)}. Fix: strategy.tensor_collective_dtype=compute.")
+    narrow = tensor_collective_dtype == "compute" and grid.name == "1d"
+    region = SequenceRegion(layout, overlap=tensor_overlap, narrow=narrow) if sequence_parallel else None
     parts = model.part_names() if parts is None else parts
     plan = plan_of_parts(parts, model)  # names found on meta: parts are materialised one by one below
     # A weights hook that reads shards (models/hf.py PartWeights.read_cut) fills each parameter's
@@ -164,7 +176,7 @@ def parallelize(model: nn.Module, layout, device=None, parts=None, loss_over_dat
                         f"{name}.{path}", full.shape, lambda t: cut(grid, style, leaf, t), device,
                         full.dtype))  # the master dtype, whatever the file's (bf16 checkpoints)
                 module = model.get_submodule(name)
-                replacement = parallel_module(module, style, grid, layout, shard, region)
+                replacement = parallel_module(module, style, grid, layout, shard, region, narrow)
                 if replacement is module and on_meta(module):  # kept whole (1-D norms): filled whole
                     model.weights(name, module.to_empty(device=device))
                 setattr(model.get_submodule(parent) if parent else model, child, replacement)
@@ -186,11 +198,12 @@ def _check_grid(layout, expected: str):
 
 
 def parallelize_1d(model, layout, device=None, sequence_parallel: bool = False,
-                   tensor_overlap: bool = False) -> TensorParallelForm:
+                   tensor_overlap: bool = False, tensor_collective_dtype: str = "compute") -> TensorParallelForm:
     """Megatron 1-D: column-parallel linears (qkv, fc_in; q, k, v, gate, up) and head, row-parallel
     proj and fc_out; optionally sequence-parallel between them (Korthikanti et al. 2022 §4.2.2)."""
     _check_grid(layout, "1d")
-    return parallelize(model, layout, device, sequence_parallel=sequence_parallel, tensor_overlap=tensor_overlap)
+    return parallelize(model, layout, device, sequence_parallel=sequence_parallel, tensor_overlap=tensor_overlap,
+                       tensor_collective_dtype=tensor_collective_dtype)
 
 
 def parallelize_2d(model, layout, device=None) -> TensorParallelForm:

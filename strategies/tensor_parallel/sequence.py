@@ -18,7 +18,9 @@ tensor group holds 1/t of the sequence, [rows, s/t, h], instead of a copy of the
 An all-reduce moves 2(t−1)/t of its tensor, an all-gather and a reduce-scatter (t−1)/t each: the
 bytes are those of the all-reduces replaced (megatron/core/tensor_parallel/mappings.py names the
 four functions), plus one all-gather per gathered norm output in the backward (the saved shard's).
-Partial sums are added in fp32, as `collectives.sum_copy` adds them.
+Partial sums are added in the compute dtype under mixed precision with `narrow`
+(strategy.tensor_collective_dtype=compute, as Megatron-LM reduce-scatters its bf16/fp16 activations),
+else in fp32, as `collectives.sum_copy` adds them (`collectives.wire_dtype`).
 
 With `chunks` > 1 (strategy.tensor_overlap) the gathers and reduce-scatters are split into chunks
 along the sequence and posted asynchronously, so the product of one chunk runs while the next
@@ -48,7 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from strategies.schedule.generators import ZERO_BUBBLE
-from strategies.tensor_parallel.collectives import compute_dtype, gather, scatter_sum
+from strategies.tensor_parallel.collectives import compute_dtype, gather, scatter_sum, wire_dtype
 
 
 class SequenceRegion:
@@ -56,10 +58,11 @@ class SequenceRegion:
     of the sequence, how many chunks an overlapped collective takes (1: none) and the gathers still
     in flight (a gathered tensor -> its `PendingGather`, until a column linear reads it)."""
 
-    def __init__(self, layout, overlap: bool = False):
+    def __init__(self, layout, overlap: bool = False, narrow: bool = False):
         self.communicator, self.group = layout.communicator, layout.group("tensor")
         self.rank, self.parts = layout.index("tensor"), self.group.size
         self.overlap = overlap
+        self.narrow = narrow  # reduce-scatters in the compute dtype under autocast (wire_dtype)
         self.pending = {}
         self.gathered = {}  # the latest gathered tensor -> its `GatheredInput` (the column linears' saved shard)
 
@@ -171,6 +174,7 @@ class GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(context, shard, region):
         context.region, context.dtype = region, shard.dtype
+        context.wire = wire_dtype(shard, region.narrow)  # autocast is off in the backward
         region.settle()
         shard = shard.to(compute_dtype(shard)).contiguous()
         chunks = region.chunks(shard.shape[1])
@@ -186,19 +190,20 @@ class GatherSequence(torch.autograd.Function):
     def backward(context, grad_full):
         region = context.region
         region.settle()
-        return _sum_scatter(region, grad_full).to(context.dtype), None
+        return _sum_scatter(region, grad_full, context.wire).to(context.dtype), None
 
 
 class ReduceScatterSequence(torch.autograd.Function):
     """Partial sums y[rows, s, h] -> Σ_group y, this rank's s/t rows (Megatron's
-    reduce_scatter_to_sequence_parallel_region), added in fp32 and returned in y's dtype; backward:
+    reduce_scatter_to_sequence_parallel_region), added in the wire dtype (fp32, or the compute dtype
+    with strategy.tensor_collective_dtype=compute) and returned in y's dtype; backward:
     the gradient all-gathered along the sequence."""
 
     @staticmethod
     def forward(context, partial, region):
         context.region = region
         region.settle()
-        return _sum_scatter(region, partial).to(partial.dtype)
+        return _sum_scatter(region, partial, wire_dtype(partial, region.narrow)).to(partial.dtype)
 
     @staticmethod
     def backward(context, grad_shard):
@@ -207,8 +212,9 @@ class ReduceScatterSequence(torch.autograd.Function):
         return gather(region.communicator, grad_shard.contiguous(), region.group, dim=1), None
 
 
-def _sum_scatter(region: SequenceRegion, full: torch.Tensor) -> torch.Tensor:
-    wide = full if full.dtype == torch.float64 else full.float()
+def _sum_scatter(region: SequenceRegion, full: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """Σ_group of `full`, this rank's rows, added in `wire` (collectives.wire_dtype)."""
+    wide = full if full.dtype == torch.float64 else full.to(wire)
     return scatter_sum(region.communicator, wide, region.group, dim=1)
 
 
@@ -266,9 +272,10 @@ class OverlappedRowProduct(torch.autograd.Function):
         weight_c = weight.to(dtype)
         chunks = region.chunks(x.shape[1] // region.parts)
         rows, pieces, works = _chunked(x.to(dtype), region.parts, chunks), [], []
+        wire = wire_dtype(x, region.narrow)
         for chunk in range(chunks):
             partial = F.linear(rows[:, :, chunk], weight_c)  # [rows, t, n, out]
-            front = partial.float().movedim(1, 0).contiguous()  # [t, rows, n, out]: member r's chunk first
+            front = partial.to(wire).movedim(1, 0).contiguous()  # [t, rows, n, out]: member r's chunk first
             front = front.view(-1, *front.shape[2:])
             piece = front.new_empty((front.shape[0] // region.parts,) + tuple(front.shape[1:]))
             works.append(region.communicator.reduce_scatter(piece, front, region.group, async_op=True))
@@ -340,6 +347,11 @@ def sequence_errors(cfg, mode, tensor: int) -> list:
     strategy.tensor_overlap needs sequence_parallel. Each error names the field and the fix."""
     strategy, errors = cfg.strategy, []
     sequence, overlap = strategy.get("sequence_parallel", False), strategy.get("tensor_overlap", False)
+    wire = strategy.get("tensor_collective_dtype", "compute")
+    if wire not in ("compute", "fp32"):
+        errors.append(f"strategy.tensor_collective_dtype={wire}: need compute (the 1-D grid's partial sums "
+                      f"reduced in bf16/fp16 under mixed precision, as Megatron-LM) or fp32. "
+                      f"Fix: strategy.tensor_collective_dtype=compute.")
     if overlap and not sequence:
         errors.append("strategy.tensor_overlap=true chunks the sequence-parallel all-gathers and reduce-scatters "
                       "under the neighbouring products, which needs them. Fix: strategy.sequence_parallel=true, or "

@@ -5,7 +5,6 @@ source counts them, and every row is within ±10% of its published figure except
 with their reason."""
 
 import math
-from dataclasses import replace
 
 import pytest
 from omegaconf import OmegaConf
@@ -20,7 +19,13 @@ FITTED_EFFICIENCY = 0.64  # fit_efficiency on the tuned rows (benchmarks/plan_vs
 NEWER_CODE = ("the same per-pipeline work as N21's row of that size (the same layout, batch per pipeline "
               "and micro-batch), published 8-9% faster a year later; the one large-product rate was fitted on "
               "N21's rows, so it prices K22's code as N21's (test_k22s_misses_are_n21s_layouts_run_faster)")
-KNOWN_MISSES = {"K22 530B": NEWER_CODE, "K22 1T": NEWER_CODE,
+# Megatron-LM under --bf16 reduces its gradients in fp32 (megatron/training/arguments.py sets
+# accumulate_allreduce_grads_in_fp32 unless --grad-reduce-in-bf16), as our default
+# strategy.reduction_dtype=fp32 does: priced so, these two rows' reduce-scatters cost what the old
+# MEGATRON_ONLY term (16-bit gradients on every row) halved, and they fall out (+7.0% -> -12.6%, -8.4% -> -11.1%)
+BF16_GRADIENTS = ("under-predicted with the fp32 gradient reduce-scatter Megatron-LM's --bf16 runs do; within "
+                  "±10% only if those gradients were reduced in 16 bits (strategy.reduction_dtype=compute)")
+KNOWN_MISSES = {"K22 530B": NEWER_CODE, "K22 1T": NEWER_CODE, "M24 32B": BF16_GRADIENTS, "M24 314B": BF16_GRADIENTS,
                 "K22 1T selective": "K22 1T's layout with selective recomputation, off as much as that full "
                                     "row (-13% both): " + NEWER_CODE}
 
@@ -64,9 +69,11 @@ def test_the_table_is_plan_modes_closed_form(base, runs):
     row = published.predict(base, run)
     cfg, world = published.published_config(run, base.plan.efficiency)
     workload = workload_of(cfg, world)
-    assert (workload.tensor_bytes, workload.reduction_bytes) == (4, 4)  # ours: fp32 partial sums and gradients
-    step = closed_form_step(replace(workload, tensor_bytes=2, reduction_bytes=2), device_of(cfg, world),
-                            "interleaved_one_f_one_b", 48)
+    # an fp16 run: 16-bit partial sums (the default) and gradients (its command's strategy.reduction_dtype=compute)
+    assert (workload.tensor_bytes, workload.reduction_bytes) == (2, 2)
+    assert "strategy.tensor_collective_dtype=compute" in row["command"] and "strategy.reduction_dtype=compute" in row["command"]
+    assert published.MEGATRON_ONLY == {}  # nothing of Megatron's is priced outside our switches
+    step = closed_form_step(workload, device_of(cfg, world), "interleaved_one_f_one_b", 48)
     assert row["step_time_s"] == step["step_seconds"]
     assert row["predicted_tflops_per_gpu"] == pytest.approx(published.counted_flops(run) / (step["step_seconds"] * run.gpus) / 1e12)
     assert cfg.strategy.layers_per_stage == 5 and cfg.strategy.name == "interleaved_1f1b"  # run_table_1.sh: v = 2
@@ -107,7 +114,7 @@ def test_every_published_row_is_within_ten_percent_but_the_listed_misses(base, r
     stats = published.summary(rows)
     assert stats["tune"]["worst"] <= published.TOLERANCE
     assert [stats[source]["rows"] for source in ("N21", "M24", "K22")] == [10, 9, 8]
-    assert stats["M24"]["within"] == 9 and stats["K22"]["within"] == 5
+    assert stats["M24"]["within"] == 7 and stats["K22"]["within"] == 5
 
 
 def test_an_h100_row_computes_at_the_a100_fit_times_its_measured_matmul_efficiency(base, runs):

@@ -26,11 +26,12 @@ def planned(*overrides):
 
 
 def test_the_defaults_are_megatrons_and_each_switch_turns_its_field_off():
-    """Defaults: 16-bit messages, scatter/gather, the reduction under the backward; fp32 tensor
-    collectives and gradients whatever the switches (our grids add fp32 partial sums, our gradients
-    are the fp32 master weights'); the switches off give the workload of a strategy without them."""
+    """Defaults: 16-bit messages, scatter/gather, the reduction under the backward, 16-bit tensor
+    collectives (strategy.tensor_collective_dtype=compute), fp32 gradient reductions
+    (strategy.reduction_dtype=fp32: Megatron-LM's under --bf16); the switches off give the workload
+    of a strategy without them."""
     _, workload, _ = planned()
-    assert (workload.message_bytes, workload.tensor_bytes, workload.reduction_bytes) == (2, 4, 4)
+    assert (workload.message_bytes, workload.tensor_bytes, workload.reduction_bytes) == (2, 2, 4)
     assert workload.scatter_gather and workload.reduction_overlaps_backward
     assert not (workload.sequence_parallel or workload.tensor_overlap or workload.distributed_optimizer
                 or workload.recompute_attention or workload.attention_scores)
@@ -39,6 +40,25 @@ def test_the_defaults_are_megatrons_and_each_switch_turns_its_field_off():
     assert off.message_bytes == 4 and not off.scatter_gather and not off.reduction_overlaps_backward
     _, fp32, _ = planned("hardware.precision=32-true")
     assert fp32.message_bytes == 4  # the compute dtype is fp32 there
+
+
+def test_tensor_collective_and_reduction_dtypes_map_to_their_bytes():
+    """tensor_bytes: 2 under bf16-mixed with tensor_collective_dtype=compute on the 1-D grid, else 4
+    (fp32 sums; 32-true; the 2-D grid, which keeps fp32 sums); reduction_bytes: 2 with
+    reduction_dtype=compute under 16-bit precision, 4 otherwise. A stage's data reduction costs its
+    bytes: half the wire seconds in 16 bits (the latency apart)."""
+    cases = {(): (2, 4), ("strategy.tensor_collective_dtype=fp32",): (4, 4),
+             ("strategy.reduction_dtype=compute",): (2, 2),
+             ("hardware.precision=32-true", "strategy.reduction_dtype=compute"): (4, 4),
+             ("strategy.tensor_parallel=2d",): (4, 4)}
+    for overrides, expected in cases.items():
+        workload = planned(*overrides)[1]
+        assert (workload.tensor_bytes, workload.reduction_bytes) == expected, overrides
+    _, fp32, device = planned()
+    _, narrow, _ = planned("strategy.reduction_dtype=compute")
+    latency = device.collective_latency_s
+    assert reduction_seconds(narrow, device, 0, 2) - latency == pytest.approx(
+        (reduction_seconds(fp32, device, 0, 2) - latency) / 2, rel=1e-9)
 
 
 def test_sequence_parallelism_distributed_optimizer_and_selective_recomputation_map_to_their_fields():

@@ -93,9 +93,12 @@ def communication_of(strategy, precision: str, layout, flash_attention: bool = T
     - message_bytes: a stage-boundary message in the compute dtype under strategy.message_dtype=compute
       (bf16/fp16 under mixed precision: 2), else the residual stream's own (fp32 under autocast;
       the narrow dtype under -true) — strategies/stages.py `StageWork.message`;
-    - tensor_bytes, reduction_bytes: 4. Our tensor grids add their partial sums in fp32
-      (strategies/tensor_parallel/collectives.py `sum_copy`), and the data-parallel reduction moves
-      the fp32 gradients of the fp32 master weights, whatever the precision;
+    - tensor_bytes: the 1-D grid's partial sums in the compute dtype under mixed precision with
+      strategy.tensor_collective_dtype=compute (2: strategies/tensor_parallel/collectives.py
+      `wire_dtype`), else 4 (fp32 sums; the 2-D/3-D grids always);
+    - reduction_bytes: the data-parallel reduction in the compute dtype with
+      strategy.reduction_dtype=compute (2 under bf16/fp16: strategies/buckets.py `on_wire`), else
+      4 (the fp32 gradients of the fp32 master weights);
     - scatter_gather: strategy.scatter_gather on a 1-D grid between pipeline stages, not under
       sequence parallelism (there the boundary already carries the rank's 1/t sequence shard);
     - reduction_overlaps_backward: strategy.overlap_reduction (buckets posted under the backward);
@@ -108,7 +111,12 @@ def communication_of(strategy, precision: str, layout, flash_attention: bool = T
     sequence_parallel = bool(strategy.get("sequence_parallel", False)) and one_d
     stream = activation_dtype(precision)
     wire = compute_dtype(precision) if strategy.get("message_dtype", "fp32") == "compute" else stream
-    return {"message_bytes": wire.itemsize, "tensor_bytes": BYTES, "reduction_bytes": BYTES,
+    mixed = precision.endswith("mixed")  # autocast: the only case the 1-D grid's sums narrow
+    narrow_sums = one_d and mixed and strategy.get("tensor_collective_dtype", "fp32") == "compute"
+    narrow_gradients = strategy.get("reduction_dtype", "fp32") == "compute"
+    return {"message_bytes": wire.itemsize,
+            "tensor_bytes": compute_dtype(precision).itemsize if narrow_sums else BYTES,
+            "reduction_bytes": compute_dtype(precision).itemsize if narrow_gradients else BYTES,
             "scatter_gather": bool(strategy.get("scatter_gather", False)) and one_d and layout.pipeline > 1
             and not sequence_parallel,
             "reduction_overlaps_backward": bool(strategy.get("overlap_reduction", False)),

@@ -11,8 +11,8 @@ software did: recomputation, sequence parallelism, the reduction's overlap, the 
 optimizer, tensor overlap, materialised attention scores), composed and validated as train.py does
 it (`published_config`) and priced by plan mode's workload of that configuration
 (layerwise/planning/inputs.py `workload_of`). What Megatron-LM does that no switch of ours does is
-named, with why, in MEGATRON_ONLY and priced on top (16-bit tensor collectives and gradient
-reductions), nothing else. The step is the search's closed form (cost/step_time.py
+named, with why, in MEGATRON_ONLY and priced on top: nothing now (16-bit tensor collectives and
+fp16 gradient reductions became strategy.tensor_collective_dtype and strategy.reduction_dtype). The step is the search's closed form (cost/step_time.py
 `closed_form_step`, held within 1% of plan mode's simulator), or plan mode's simulated plan itself
 with `simulate`. The predicted step is turned into TFLOP/s per GPU the way the row's source counts
 FLOPs (`counted_flops`), so the two figures compare directly.
@@ -149,8 +149,11 @@ def overrides_of(run: PublishedRun, efficiency: float = None) -> list:
             f"strategy.pipeline_degree={run.pipeline_parallel}",
             f"strategy.layers_per_stage={run.layers // (run.pipeline_parallel * run.virtual_stages)}",
             f"strategy.micro_batches={run.micro_batches}"]
-    if run.tensor_parallel > 1:
-        line += ["strategy.tensor_parallel=1d", f"strategy.tensor_grid={run.tensor_parallel}"]
+    if run.tensor_parallel > 1:  # partial sums in the params dtype, as Megatron's mappings.py `_reduce`
+        line += ["strategy.tensor_parallel=1d", f"strategy.tensor_grid={run.tensor_parallel}",
+                 "strategy.tensor_collective_dtype=compute"]
+    if run.precision.startswith("16"):  # fp16 gradients reduced in fp16 (under --bf16 Megatron forces
+        line.append("strategy.reduction_dtype=compute")  # accumulate_allreduce_grads_in_fp32: our fp32 default)
     if run.recompute != "none":
         line.append(f"strategy.activation_recompute={run.recompute}")
     if run.sequence_parallel and run.tensor_parallel > 1:
@@ -173,18 +176,11 @@ def command_of(run: PublishedRun, efficiency: float = None) -> str:
 
 
 # What Megatron-LM does that our strategies do not, each priced on top of the configuration's own
-# workload (layerwise/planning/inputs.py `communication_of`), with why it is not a switch of ours.
-MEGATRON_ONLY = {
-    "tensor collectives in 16 bits": (
-        lambda workload: replace(workload, tensor_bytes=2),
-        "Megatron all-reduces (or gathers and reduce-scatters) the fp16/bf16 partial sums of its 1-D "
-        "grid; ours adds them in fp32 (strategies/tensor_parallel/collectives.py sum_copy: one "
-        "rounding, as inside the unsharded product)"),
-    "gradients reduced in 16 bits": (
-        lambda workload: replace(workload, reduction_bytes=2),
-        "Megatron reduces the fp16/bf16 gradients (--fp16/--bf16 without "
-        "--accumulate-allreduce-grads-in-fp32); ours reduces the fp32 gradients of the fp32 master weights"),
-}
+# workload (layerwise/planning/inputs.py `communication_of`), with why it is not a switch of ours:
+# name -> (workload -> workload, reason). Empty: the last two terms, 16-bit tensor collectives and
+# fp16 gradient reductions, are our switches strategy.tensor_collective_dtype=compute (the default)
+# and strategy.reduction_dtype=compute (each fp16 row's command sets it).
+MEGATRON_ONLY = {}
 
 
 def published_config(run: PublishedRun, efficiency: float = None, checked: bool = False):
@@ -226,7 +222,8 @@ def priced_workload(cfg, world: int, megatron_only=tuple(MEGATRON_ONLY)):
 ABLATIONS = {
     "roofline products and memory-bound operators": lambda w, d: (w, replace(d, memory_bandwidth=0.0)),
     "16-bit messages (strategy.message_dtype)": lambda w, d: (replace(w, message_bytes=4), d),
-    "16-bit tensor collectives and gradients (Megatron's only)": lambda w, d: (replace(w, tensor_bytes=4, reduction_bytes=4), d),
+    "16-bit tensor collectives (strategy.tensor_collective_dtype)": lambda w, d: (replace(w, tensor_bytes=4), d),
+    "16-bit gradient reductions (strategy.reduction_dtype)": lambda w, d: (replace(w, reduction_bytes=4), d),
     "scatter/gather messages": lambda w, d: (replace(w, scatter_gather=False), d),
     "reduction overlapped with the backward": lambda w, d: (replace(w, reduction_overlaps_backward=False), d),
     "distributed optimizer (reduce-scatter)": lambda w, d: (replace(w, distributed_optimizer=False), d),

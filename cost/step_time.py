@@ -96,10 +96,10 @@ def grid_seconds(workload: Workload, device: Device, stage: int, stages: int) ->
     layout = workload.layout
     if not layout.tensor_grid:
         return 0.0
-    # Sequence parallelism's all-gathers move the compute dtype (its reduce-scatters and every other
-    # collective `tensor_bytes`): traffic.py's fp32 count is scaled by tensor_bytes / 4 below.
-    gathers = min(workload.activation_bytes, workload.tensor_bytes) * BYTES / workload.tensor_bytes
-    sequence = workload.sequence_parallel, gathers
+    # A 1-D grid's sums move `tensor_bytes` per element, sequence parallelism's gathers the compute
+    # dtype (or less: a published run's); 2-D/3-D grids' collectives stay fp32 (cost/traffic.py).
+    gathers, sums = min(workload.activation_bytes, workload.tensor_bytes), workload.tensor_bytes
+    sequence = workload.sequence_parallel, gathers, sums
     traffic = Counter({k: v * workload.layers_per_stage for k, v in
                        block_traffic(layout.tensor_grid, layout.edge, workload.micro_batch_rows,
                                      workload.shape, *sequence).items()})
@@ -107,8 +107,7 @@ def grid_seconds(workload: Workload, device: Device, stage: int, stages: int) ->
         traffic += head_traffic(layout.tensor_grid, layout.edge, workload.micro_batch_rows, workload.shape, *sequence)
     count = grid_collectives(layout.tensor_grid, workload.layers_per_stage, stage == stages - 1, workload.shape,
                              workload.sequence_parallel)
-    wire = workload.tensor_bytes / BYTES  # traffic.py counts fp32; a run's code may send fp16/bf16
-    return collective_seconds(device, wire * sum(traffic.values()), workload.tensor_ranks, count)
+    return collective_seconds(device, sum(traffic.values()), workload.tensor_ranks, count)
 
 
 def stage_seconds(workload: Workload, device: Device, stage: int, stages: int) -> tuple:
@@ -380,7 +379,7 @@ def rank_traffic(workload: Workload, plan, pipeline_rank: int) -> Counter:
     return step_traffic(plan, workload.layout, pipeline_rank, workload.shape, workload.layers_per_stage,
                         workload.micro_batch_rows, workload.message_bytes, split, split > 1,
                         workload.distributed_optimizer, workload.sequence_parallel, workload.activation_bytes,
-                        workload.gradient_bucket_bytes // BYTES)
+                        workload.gradient_bucket_bytes // BYTES, workload.tensor_bytes, workload.reduction_bytes)
 
 
 def predict_step(workload: Workload, device: Device, plan) -> dict:

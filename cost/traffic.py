@@ -67,30 +67,34 @@ def norm_traffic(grid: str, q: int, rows: int, shape: GptShape) -> Counter:
 
 
 def block_traffic(grid: str, q: int, rows: int, shape: GptShape, sequence_parallel: bool = False,
-                  gather_bytes: int = BYTES) -> Counter:
+                  gather_bytes: int = BYTES, sum_bytes: int = BYTES) -> Counter:
     """One block's forward and backward on one micro-batch of `rows` sequences; `sequence_parallel`
-    (1-D only): `sequence_traffic`'s 2 norm regions, each all-gather `gather_bytes` per element."""
+    (1-D only): `sequence_traffic`'s 2 norm regions, each all-gather `gather_bytes` per element. A
+    1-D grid's sums (all-reduces, reduce-scatters) move `sum_bytes` per element
+    (strategy.tensor_collective_dtype); 2-D/3-D grids' stay fp32."""
     if grid == "1d" and sequence_parallel:
-        return sequence_traffic(2, 2, q, rows * shape.length * shape.hidden, gather_bytes)
+        return sequence_traffic(2, 2, q, rows * shape.length * shape.hidden, gather_bytes, sum_bytes)
     if grid == "1d":
-        return Counter(all_reduce=4 * all_reduce(rows * shape.length * shape.hidden, q))
+        return Counter(all_reduce=4 * all_reduce(rows * shape.length * shape.hidden, q) * sum_bytes / BYTES)
     traffic = Counter()
     for fan_in, fan_out, _, _ in shape.linears():
         traffic += linear_traffic(grid, q, rows, shape, fan_in, fan_out)
     return traffic + norm_traffic(grid, q, rows, shape) + norm_traffic(grid, q, rows, shape)
 
 
-def sequence_traffic(gathered: int, reduced: int, t: int, activation: float, gather_bytes: int) -> Counter:
+def sequence_traffic(gathered: int, reduced: int, t: int, activation: float, gather_bytes: int,
+                     sum_bytes: int = BYTES) -> Counter:
     """Sequence parallelism's collectives of `gathered` norm outputs and `reduced` row-parallel
     linears on one micro-batch's `activation` elements (strategies/tensor_parallel/sequence.py):
-    each norm output all-gathered in the forward (GatherSequence, cast to the compute dtype first),
-    its gradient reduce-scattered in fp32 in the backward, and gathered again in the backward for the
+    each norm output all-gathered in the forward (GatherSequence, cast to the compute dtype first:
+    `gather_bytes`), its gradient reduce-scattered in the backward (`sum_bytes`: fp32, or the compute
+    dtype with strategy.tensor_collective_dtype=compute), and gathered again in the backward for the
     column linears' weight gradients (GatheredInput: they saved the shard); each row linear's partial
-    sums reduce-scattered in fp32 (ReduceScatterSequence) and its gradient all-gathered back in the
-    compute dtype. (t−1)/t of the activation each (parallel.comm.ring_factor)."""
+    sums reduce-scattered (ReduceScatterSequence, `sum_bytes`) and its gradient all-gathered back in
+    the compute dtype. (t−1)/t of the activation each (parallel.comm.ring_factor)."""
     moved = ring_factor("all_gather", t) * activation
     return Counter(all_gather=(2 * gathered + reduced) * moved * gather_bytes,
-                   reduce_scatter=(gathered + reduced) * moved * BYTES)
+                   reduce_scatter=(gathered + reduced) * moved * sum_bytes)
 
 
 def grid_collectives(grid: str, blocks: int, head: bool, shape: GptShape = None,
@@ -116,7 +120,7 @@ def grid_collectives(grid: str, blocks: int, head: bool, shape: GptShape = None,
 
 
 def head_traffic(grid: str, q: int, rows: int, shape: GptShape, sequence_parallel: bool = False,
-                 gather_bytes: int = BYTES) -> Counter:
+                 gather_bytes: int = BYTES, sum_bytes: int = BYTES) -> Counter:
     """The head (norm, vocabulary-split linear) and the vocabulary-parallel loss on one micro-batch:
     3 all-reduces of the rows' max, Σexp and target logit, and the loss's sum over batch splits;
     with `sequence_parallel` its norm output gathered (`sequence_traffic`: one norm region, no row
@@ -124,10 +128,10 @@ def head_traffic(grid: str, q: int, rows: int, shape: GptShape, sequence_paralle
     grid_object = grid_of(grid, tensor_ranks(grid, q), 0)
     logit_rows = rows // grid_object.logit_rows()[1] * shape.length
     if grid == "1d" and sequence_parallel:
-        traffic = sequence_traffic(1, 0, q, rows * shape.length * shape.hidden, gather_bytes)
+        traffic = sequence_traffic(1, 0, q, rows * shape.length * shape.hidden, gather_bytes, sum_bytes)
         batch_split = 1
     elif grid == "1d":  # column-parallel head: its input's gradient is summed in the backward
-        traffic = Counter(all_reduce=all_reduce(rows * shape.length * shape.hidden, q))
+        traffic = Counter(all_reduce=all_reduce(rows * shape.length * shape.hidden, q) * sum_bytes / BYTES)
         batch_split = 1
     else:
         traffic = linear_traffic(grid, q, rows, shape, shape.hidden, shape.vocabulary)
@@ -178,7 +182,8 @@ def replicated_group(layout: Layout) -> int:
 def step_traffic(plan, layout: Layout, pipeline_rank: int, shape: GptShape, layers_per_stage: int,
                  micro_batch_rows: int, message_bytes: int = BYTES, message_split: int = 1,
                  gathered: bool = False, distributed_optimizer: bool = False, sequence_parallel: bool = False,
-                 gather_bytes: int = BYTES, bucket_elements: int = 0) -> Counter:
+                 gather_bytes: int = BYTES, bucket_elements: int = 0, sum_bytes: int = BYTES,
+                 reduction_bytes: int = BYTES) -> Counter:
     """Logical bytes by kind (parallel.comm.KINDS) one rank at `pipeline_rank` moves in one step. A
     boundary message carries `message_bytes` per element and 1/`message_split` of the rank's piece
     (cost.inputs.Workload.message_elements); `gathered`: each receive then all-gathers the slices
@@ -188,7 +193,10 @@ def step_traffic(plan, layout: Layout, pipeline_rank: int, shape: GptShape, laye
     of the stage each, padded to a multiple of n per bucket of `bucket_elements` (`padded_buckets`),
     in place of the all-reduce's 2(n−1)/n. `sequence_parallel` (1-D): the grid's collectives of
     `sequence_traffic`, its all-gathers in `gather_bytes` per element (the compute dtype), and the
-    boundary piece is the rank's sequence shard (cost.inputs.activation_piece)."""
+    boundary piece is the rank's sequence shard (cost.inputs.activation_piece). `sum_bytes`: a 1-D
+    grid's sums of activations per element (`block_traffic`); `reduction_bytes`: the data-parallel
+    gradient's (its all-reduce, or the distributed optimizer's reduce-scatter; the weights it
+    gathers back stay fp32). The loss's scalars and the partial gradients summed over a grid stay fp32."""
     row = [action for action in plan.ranks[pipeline_rank] if action is not None]
     traffic = Counter()
     sends = sum(action.kind in (SEND_ACTIVATION, SEND_GRADIENT) for action in row)
@@ -200,7 +208,8 @@ def step_traffic(plan, layout: Layout, pipeline_rank: int, shape: GptShape, laye
     traffic["broadcast"] += BYTES if layout.pipeline > 1 else 0  # the loss, from the last stage
     for stage in sorted({action.stage for action in row if action.kind == FORWARD}):
         traffic += _stage_traffic(row, stage, plan.stages, layout, shape, layers_per_stage, micro_batch_rows,
-                                  distributed_optimizer, sequence_parallel, gather_bytes, bucket_elements)
+                                  distributed_optimizer, sequence_parallel, gather_bytes, bucket_elements, sum_bytes,
+                                  reduction_bytes)
     return traffic
 
 
@@ -219,26 +228,26 @@ def padded_buckets(elements: float, n: int, bucket_elements: int = 0) -> int:
 
 def _stage_traffic(row, stage: int, stages: int, layout: Layout, shape: GptShape, layers_per_stage: int, rows: int,
                    distributed_optimizer: bool = False, sequence_parallel: bool = False, gather_bytes: int = BYTES,
-                   bucket_elements: int = 0) -> Counter:
+                   bucket_elements: int = 0, sum_bytes: int = BYTES, reduction_bytes: int = BYTES) -> Counter:
     grid, q, n = layout.tensor_grid, layout.edge, layout.data
     forwards = sum(action.kind == FORWARD and action.stage == stage for action in row)
     parameters = local_parameters(grid, q, shape, stage == 0, layers_per_stage, stage == stages - 1, sequence_parallel)
     traffic = Counter()
     if grid:
-        block = block_traffic(grid, q, rows, shape, sequence_parallel, gather_bytes)
+        block = block_traffic(grid, q, rows, shape, sequence_parallel, gather_bytes, sum_bytes)
         per_micro_batch = Counter({k: v * layers_per_stage for k, v in block.items()})
         if stage == stages - 1:
-            per_micro_batch += head_traffic(grid, q, rows, shape, sequence_parallel, gather_bytes)
+            per_micro_batch += head_traffic(grid, q, rows, shape, sequence_parallel, gather_bytes, sum_bytes)
         traffic += Counter({kind: forwards * volume for kind, volume in per_micro_batch.items()})
     if not layout.zero:
         reductions = sum(action.kind == REDUCE_GRADIENT and action.stage == stage for action in row)
         traffic["all_reduce"] += reductions * all_reduce(parameters["replicated"], replicated_group(layout))
         if distributed_optimizer:  # ZeRO-1: the gradient reduce-scattered, the parameters gathered back
             padded = padded_buckets(parameters["all"], n, bucket_elements) if n > 1 else 0
-            traffic["reduce_scatter"] += reductions * all_gather(padded, n)
+            traffic["reduce_scatter"] += reductions * all_gather(padded, n) * reduction_bytes / BYTES
             traffic["all_gather"] += reductions * all_gather(padded, n)
         else:
-            traffic["all_reduce"] += reductions * all_reduce(parameters["all"], n)
+            traffic["all_reduce"] += reductions * all_reduce(parameters["all"], n) * reduction_bytes / BYTES
         return traffic
     return traffic + _zero_traffic(row, stage, stages, layout, shape, layers_per_stage)
 

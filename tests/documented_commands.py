@@ -458,6 +458,11 @@ HOW: Dict[str, How] = {
     "python train.py strategy=l2l strategy.constant_memory=true": How("capped", trained(), why=TRAINS_FOR_MINUTES),
     "python train.py strategy=three_d strategy.tensor_grid=2 hardware.devices_per_node=8":
         How("check", valid, why=more_ranks(8, "tests/test_three_d.py")),
+    "python train.py strategy=tp_1d strategy.tensor_grid=2 strategy.sequence_parallel=true strategy.tensor_overlap=true":
+        How("capped", trained(), why=TRAINS_FOR_MINUTES),
+    "python train.py strategy=modular_pipeline strategy.tensor_parallel=1d strategy.sequence_parallel=true "
+    "hardware.devices_per_node=4":
+        How("check", valid, why=more_ranks(4, "tests/test_sequence_parallel.py")),
     "python train.py strategy=tp_2d strategy.tensor_grid=2 hardware.devices_per_node=4":
         How("check", valid, why=more_ranks(4, "tests/test_three_d.py")),
     "python train.py strategy=tp_1d strategy.tensor_grid=8 hardware.devices_per_node=8 model.heads=8":

@@ -350,3 +350,33 @@ def compare_under_sgd(case: str, tmp_path, tmp_path_factory) -> SgdComparison:
     comparison = SgdComparison(SgdRun(tmp_path, *overrides), expected)
     assert comparison.actual.summary["world_size"] == world, comparison.actual.summary["layout"]
     return comparison
+
+
+def bf16_adamw_against_single(tmp_path_factory, overrides, rounding: float) -> dict:
+    """3 AdamW steps of `overrides` under bf16-mixed against single's traced update: losses within
+    BF16_LOSS_RTOL, parameters within adam_tolerance for gradients that differ by `rounding` of their
+    scale (the bf16 rounding a switch adds, in place of fp32's ADAM_ROUNDING). Returns the summary."""
+    import torch
+
+    from layerwise.preflight import validate
+    from layerwise.run.fit import train
+    from tests.tolerances import BF16_LOSS_RTOL, OptimizerTrace, assert_same_parameters
+    common = [*QUICK, "model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batches=0",
+              "trainer.val_check_interval=3", "trainer.max_steps=3", "hardware.precision=bf16-mixed"]
+    expected_directory, actual_directory = tmp_path_factory.mktemp("single_adamw"), tmp_path_factory.mktemp("adamw")
+    runs = []
+    for directory, extra, trace in ((expected_directory, ["strategy=single"], True), (actual_directory, overrides, False)):
+        cfg = compose_config(*common, *extra)
+        with (tracing_optimizer(directory) if trace else contextmanager(lambda: (yield))()):
+            summary = train(cfg, directory, validate(cfg))
+        assert summary["status"] == "completed", summary.get("error")
+        runs.append(summary)
+    expected, actual = runs
+    print(f"AdamW losses, worst relative difference: "
+          f"{max(abs(a - e) / abs(e) for a, e in zip(actual['losses'], expected['losses'])):.3g}")
+    torch.testing.assert_close(torch.tensor(actual["losses"]), torch.tensor(expected["losses"]),
+                               rtol=BF16_LOSS_RTOL, atol=0)
+    assert_same_parameters(consolidated_parameters(actual_directory, "modular_pipeline"),
+                           consolidated_parameters(expected_directory, "single"),
+                           OptimizerTrace.load(expected_directory), rounding=rounding)
+    return actual

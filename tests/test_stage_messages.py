@@ -23,9 +23,8 @@ from strategies.schedule import (POST_RECV_ACTIVATION, RECV_ACTIVATION, RECV_GRA
                                  Action)
 from strategies.stages import BoundaryScatter, Peers, StageWork
 from tests.ranks import QUICK, compose_config
-from tests.references import SgdComparison, SgdRun, consolidated_parameters, sgd_reference, tracing_optimizer
-from tests.tolerances import (BF16_LOSS_RTOL, BF16_MESSAGE_GRADIENT_SCALE_ATOL, EXACT_RTOL, OptimizerTrace,
-                              assert_same_parameters, assert_same_with_bf16_messages)
+from tests.references import SgdComparison, SgdRun, bf16_adamw_against_single, sgd_reference
+from tests.tolerances import BF16_MESSAGE_GRADIENT_SCALE_ATOL, EXACT_RTOL, assert_same_with_bf16_messages
 
 BF16 = "hardware.precision=bf16-mixed"
 # The grid's partial sums in fp32: the BF16_MESSAGE_* bound was derived for one more bf16 rounding
@@ -111,25 +110,8 @@ def test_bf16_messages_equal_single_under_adamw(tmp_path_factory):
     """3 AdamW steps: losses within BF16_LOSS_RTOL; parameters within the update rule's bound
     (tolerances.adam_tolerance) for gradients that differ by the bf16 messages' rounding
     (BF16_MESSAGE_GRADIENT_SCALE_ATOL of their scale, in place of fp32's ADAM_ROUNDING)."""
-    common = [*QUICK, "model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batches=0",
-              "trainer.val_check_interval=3", "trainer.max_steps=3", BF16]
-    expected_directory, actual_directory = tmp_path_factory.mktemp("single_adamw"), tmp_path_factory.mktemp("adamw")
-    with tracing_optimizer(expected_directory):
-        expected = train_config(compose_config(*common, "strategy=single"), expected_directory)
-    actual = train_config(compose_config(*common, *GRID), actual_directory)
-    print(f"AdamW losses, worst relative difference: "
-          f"{max(abs(a - e) / abs(e) for a, e in zip(actual['losses'], expected['losses'])):.3g}")
-    torch.testing.assert_close(torch.tensor(actual["losses"]), torch.tensor(expected["losses"]),
-                               rtol=BF16_LOSS_RTOL, atol=0)
-    assert_same_parameters(consolidated_parameters(actual_directory, "modular_pipeline"),
-                           consolidated_parameters(expected_directory, "single"),
-                           OptimizerTrace.load(expected_directory), rounding=BF16_MESSAGE_GRADIENT_SCALE_ATOL)
+    bf16_adamw_against_single(tmp_path_factory, GRID, rounding=BF16_MESSAGE_GRADIENT_SCALE_ATOL)
 
-
-def train_config(cfg, directory) -> dict:
-    summary = train(cfg, directory, validate(cfg))
-    assert summary["status"] == "completed", summary.get("error")
-    return summary
 
 
 # ----- the paths themselves: fp32 is today's, buffers shrink ----------------------------------------

@@ -16,12 +16,9 @@ import torch
 from parallel.comm import Group
 from strategies.buckets import on_wire
 from strategies.tensor_parallel.collectives import wire_dtype
-from layerwise.preflight import validate
-from layerwise.run.fit import train
-from tests.ranks import QUICK, compose_config
-from tests.references import SgdComparison, SgdRun, consolidated_parameters, sgd_reference, tracing_optimizer
-from tests.tolerances import (BF16_COLLECTIVE_GRADIENT_RTOL, BF16_COLLECTIVE_GRADIENT_SCALE_ATOL, BF16_LOSS_RTOL,
-                              EXACT_RTOL, OptimizerTrace, assert_same_parameters, assert_same_with_bf16_messages)
+from tests.references import SgdComparison, SgdRun, bf16_adamw_against_single, sgd_reference
+from tests.tolerances import (BF16_COLLECTIVE_GRADIENT_RTOL, BF16_COLLECTIVE_GRADIENT_SCALE_ATOL, EXACT_RTOL,
+                              assert_same_with_bf16_messages)
 
 BF16 = "hardware.precision=bf16-mixed"
 TP = ["strategy=tp_1d", "strategy.tensor_grid=2", "hardware.devices_per_node=2"]
@@ -99,30 +96,12 @@ def test_bf16_gradient_reduction_equals_single_and_halves_its_bytes(reduction_ru
 def test_both_in_bf16_equal_single_under_adamw(tmp_path_factory):
     """pp1 × 1-D t2 × dp2 with both switches on, 3 AdamW steps against single's traced update:
     losses within BF16_LOSS_RTOL, parameters within adam_tolerance at the gradients' bf16 bound."""
-    common = [*QUICK, "model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batches=0",
-              "trainer.val_check_interval=3", "trainer.max_steps=3", BF16]
-    expected_directory, actual_directory = tmp_path_factory.mktemp("single_adamw"), tmp_path_factory.mktemp("adamw")
-    with tracing_optimizer(expected_directory):
-        expected = train_config(compose_config(*common, "strategy=single"), expected_directory)
-    actual = train_config(compose_config(*common, "strategy=modular_pipeline", "strategy.pipeline_degree=1",
-                                         "strategy.tensor_parallel=1d", "strategy.tensor_grid=2",
-                                         "strategy.data_degree=2", "hardware.devices_per_node=4",
-                                         "strategy.tensor_collective_dtype=compute",
-                                         "strategy.reduction_dtype=compute"), actual_directory)
-    print(f"AdamW losses, worst relative difference: "
-          f"{max(abs(a - e) / abs(e) for a, e in zip(actual['losses'], expected['losses'])):.3g}; "
-          f"all_reduce {actual['comm_bytes_per_step']['all_reduce']:.0f} B/step")
-    torch.testing.assert_close(torch.tensor(actual["losses"]), torch.tensor(expected["losses"]),
-                               rtol=BF16_LOSS_RTOL, atol=0)
-    assert_same_parameters(consolidated_parameters(actual_directory, "modular_pipeline"),
-                           consolidated_parameters(expected_directory, "single"),
-                           OptimizerTrace.load(expected_directory), rounding=BF16_COLLECTIVE_GRADIENT_SCALE_ATOL)
+    actual = bf16_adamw_against_single(tmp_path_factory, [
+        "strategy=modular_pipeline", "strategy.pipeline_degree=1", "strategy.tensor_parallel=1d", "strategy.tensor_grid=2",
+        "strategy.data_degree=2", "hardware.devices_per_node=4", "strategy.tensor_collective_dtype=compute",
+        "strategy.reduction_dtype=compute"], rounding=BF16_COLLECTIVE_GRADIENT_SCALE_ATOL)
+    print(f"all_reduce {actual['comm_bytes_per_step']['all_reduce']:.0f} B/step")
 
-
-def train_config(cfg, directory) -> dict:
-    summary = train(cfg, directory, validate(cfg))
-    assert summary["status"] == "completed", summary.get("error")
-    return summary
 
 
 def test_thirty_two_true_moves_fp32_either_way():

@@ -49,11 +49,14 @@ def rotary_frequencies(head_dim: int, theta: float, scaling=None) -> torch.Tenso
                        torch.where(wavelength < original / high, inverse, mixed))
 
 
-def rotary_angles(length: int, frequencies: torch.Tensor, dtype, device) -> tuple:
-    """(cos, sin) of position·frequency_i, [s, 1, d/2]: computed once per forward, shared by q and k
+def rotary_angles(length: int, frequencies: torch.Tensor, dtype, device, positions=None) -> tuple:
+    """(cos, sin) of position·frequency_i, [s, 1, d/2] (or [b, s, 1, d/2] for per-row `positions`
+    [b, s], packed documents restarting at 0): computed once per forward, shared by q and k
     (autograd then keeps one pair per block, not one per use)."""
-    angles = torch.outer(torch.arange(length, dtype=torch.float64, device=device), frequencies.to(device))
-    return angles.cos().to(dtype).unsqueeze(1), angles.sin().to(dtype).unsqueeze(1)
+    if positions is None:
+        positions = torch.arange(length, dtype=torch.float64, device=device)
+    angles = positions.to(torch.float64).unsqueeze(-1) * frequencies.to(device)
+    return angles.cos().to(dtype).unsqueeze(-2), angles.sin().to(dtype).unsqueeze(-2)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -90,6 +93,7 @@ class GroupedQueryAttention(nn.Module):
         self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
         self.core_attention = CoreAttention(causal=True)
         self.proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        self.documents = None  # a Documents while a packed micro-batch runs: RoPE takes its positions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length = x.shape[:2]
@@ -97,7 +101,8 @@ class GroupedQueryAttention(nn.Module):
                              for linear, heads in ((self.q, self.heads), (self.k, self.kv_heads),
                                                    (self.v, self.kv_heads)))
         cos, sin = rotary_angles(length, rotary_frequencies(self.head_dim, self.rope_theta, self.rope_scaling),
-                                 query.dtype, x.device)
+                                 query.dtype, x.device,
+                                 None if self.documents is None else self.documents.positions)
         # [b, s, n, d] -> [b, n, s, d], the layout scaled_dot_product_attention expects
         query, key, value = (apply_rotary(query, cos, sin).transpose(1, 2),
                              apply_rotary(key, cos, sin).transpose(1, 2), value.transpose(1, 2))

@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.documents import Documents, packed_attention
+
 INIT_STD = 0.02  # GPT-2 / BERT initial standard deviation of every weight matrix
 IGNORE_INDEX = -100  # targets equal to this are not scored (padding, unmasked BERT positions)
 
@@ -144,6 +146,7 @@ class Embedding(nn.Module):
         self.token = nn.Embedding(vocab_size, hidden)
         self.position = nn.Embedding(sequence_length, hidden)
         self.dropout = nn.Dropout(dropout)
+        self.documents = None  # a Documents while a packed micro-batch runs (LanguageModel.set_documents)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]
@@ -152,7 +155,8 @@ class Embedding(nn.Module):
                 f"data.sequence_length: sequences of {length} tokens exceed the model's "
                 f"{self.position.num_embeddings} positions; raise model.max_sequence_length"
             )
-        positions = torch.arange(length, device=tokens.device)
+        # Packed documents (models/documents.py): each document's positions restart at 0
+        positions = torch.arange(length, device=tokens.device) if self.documents is None else self.documents.positions
         return self.dropout(self.token(tokens) + self.position(positions))
 
 
@@ -163,14 +167,18 @@ class CoreAttention(nn.Module):
     Its own (parameter-free) module so that a strategy can treat it on its own: selective activation
     recomputation (Korthikanti et al. 2022 §5; strategies/recompute.py) reruns just this in the
     backward rather than keeping its tensors. Grouped-query attention when k and v hold fewer heads
-    than q, read off the shapes: a tensor-parallel rank holds a share of both.
+    than q, read off the shapes: a tensor-parallel rank holds a share of both. With `documents` set
+    (packed rows, models/documents.py) a token attends only to earlier tokens of its own document.
     """
 
     def __init__(self, causal: bool):
         super().__init__()
         self.causal = causal
+        self.documents = None  # a Documents while a packed micro-batch runs (LanguageModel.set_documents)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if self.documents is not None:
+            return packed_attention(query, key, value, self.documents)
         return F.scaled_dot_product_attention(query, key, value, is_causal=self.causal,
                                               enable_gqa=key.shape[1] != query.shape[1])
 
@@ -359,6 +367,16 @@ class LanguageModel(nn.Module):
 
     def make_head(self, hidden: int, vocab_size: int) -> nn.Module:
         raise NotImplementedError
+
+    def set_documents(self, documents) -> None:
+        """Packed rows (models/documents.py): from now on the embedding's positions, RoPE and the core
+        attention of every block this model holds read `documents` (a Documents for the micro-batch
+        about to run, or None for plain causal rows). A context on the model, not an argument, so
+        that every strategy's `blocks[name](hidden)` call stays as it is; a strategy sets it before
+        each micro-batch's forward (and so cannot recompute a block after the next one is set)."""
+        for module in self.modules():
+            if hasattr(module, "documents"):
+                module.documents = documents
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)

@@ -86,3 +86,14 @@ def packed_attention(query, key, value, documents: Documents) -> torch.Tensor:
     if query.device.type == "cuda":
         return flex_attention(query, key, value, documents)
     return exact_attention(query, key, value, documents)
+
+
+def batch_documents(batch: dict, index: int = None):
+    """The Documents of a packed batch (keys "documents", "positions": data.packing), of its
+    micro-batch `index` when the batch's values are tuples of chunks; None for a plain batch."""
+    if "documents" not in batch:
+        return None
+    ids, positions = batch["documents"], batch["positions"]
+    if index is not None:
+        ids, positions = ids[index], positions[index]
+    return Documents(ids=ids, positions=positions)

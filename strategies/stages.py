@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from models.documents import batch_documents
 from strategies.buckets import GradientBuckets, sum_over_groups
 from strategies.recompute import apply_activation_recompute
 from strategies.split_backward import input_gradient
@@ -181,6 +182,10 @@ class StageWork:
     # ----- compute
     def forward(self, action: Action) -> None:
         stage, micro_batch = action.stage, action.micro_batch
+        # packed rows (data.packing): the micro-batch's documents, read by the embedding and attention
+        documents = batch_documents(self.batch, micro_batch)
+        if documents is not None:
+            self.model.set_documents(documents)
         hidden = self._stage_input(stage, micro_batch)
         for name in stage_blocks(stage, self.layers_per_stage):
             hidden = self.model.blocks[name](hidden)

@@ -76,3 +76,61 @@ def test_flex_block_mask_equals_the_exact_mask_forward_on_cpu():
     difference = (exact - flex).abs().max().item()
     print(f"flex vs exact mask: {difference:.2e}")
     assert difference <= LOGIT_ATOL
+
+
+# ----- the run: batches, the config check, single against a pipeline under SGD
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    """A tokenizer and a .jsonl of 600 short documents (1-3 source lines, ~5-40 tokens): several per
+    32-token row, so the masks and restarted positions change the losses."""
+    import json
+    pytest.importorskip("tokenizers")
+    from tests.test_text_data import STDLIB, train_tokenizer
+    tokenizer = train_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+    root = tmp_path_factory.mktemp("documents")
+    lines = [line for line in (STDLIB / "textwrap.py").read_text().splitlines() if line.strip()]
+    documents = ["\n".join(lines[i : i + 1 + i % 3]) for i in range(0, min(len(lines), 1200), 2)]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in documents))
+    return ["data=text", f"data.path={root}", f"data.tokenizer={tokenizer}",
+            f"data.cache_dir={tmp_path_factory.mktemp('cache')}", "data.validation_fraction=0.1"]
+
+
+def test_packed_batches_carry_documents_and_keep_every_target(short_documents):
+    from layerwise.run.data import configured_corpus, language_model_batch
+    from tests.ranks import compose_config
+    corpus = configured_corpus(compose_config(*short_documents))
+    options = dict(split="train", index=0, global_batch_size=4, sequence_length=32, seed=0, objective="causal")
+    plain, packed = language_model_batch(corpus, **options), language_model_batch(corpus, packing=True, **options)
+    assert torch.equal(plain["tokens"], packed["tokens"]) and torch.equal(plain["targets"], packed["targets"])
+    expected = documents_of(packed["tokens"], corpus.eos_id)
+    assert torch.equal(packed["documents"], expected.ids) and torch.equal(packed["positions"], expected.positions)
+    assert (packed["documents"][:, -1] >= 1).sum() >= 2  # most rows hold more than one document
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["strategy=three_d"], "not supported by strategy=three_d"),
+    (["strategy=single", "strategy.activation_recompute=full"], "strategy.activation_recompute=none"),
+    (["strategy=single", "data=stdlib"], "data=text"),
+])
+def test_packing_is_refused_where_it_is_not_covered(overrides, words):
+    from layerwise.config.validate import packing_errors
+    from tests.ranks import compose_config
+    cfg = compose_config("data.packing=true", *overrides)
+    errors = packing_errors(cfg)
+    assert any(words in error and "data.packing" in error for error in errors), errors
+
+
+def test_packed_training_single_equals_a_pipeline_under_sgd(short_documents, tmp_path_factory):
+    """Two SGD steps with packing: `single` against modular_pipeline p=2 (m=4 micro-batches, each
+    setting its own documents) agree on losses, first-step gradients and parameters; and packing
+    changes the losses (the masks are in use)."""
+    from tests.references import SgdComparison, SgdRun
+    packed = [*short_documents, "data.packing=true"]
+    single = SgdRun(tmp_path_factory.mktemp("single"), "strategy=single", *packed, initial=True)
+    pipeline = SgdRun(tmp_path_factory.mktemp("pipeline"), "strategy=modular_pipeline",
+                      "strategy.pipeline_degree=2", *packed)
+    SgdComparison(pipeline, single).check()
+    unpacked = SgdRun(tmp_path_factory.mktemp("unpacked"), "strategy=single", *short_documents)
+    print("losses packed", single.summary["losses"], "unpacked", unpacked.summary["losses"])
+    assert abs(single.summary["losses"][0] - unpacked.summary["losses"][0]) > 1e-4

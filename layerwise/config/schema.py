@@ -55,6 +55,9 @@ class DataConfig:
     validation_fraction: float = 0.05  # share of files held out for validation
     global_batch_size: int = 16  # sequences per optimizer step, the same under every strategy
     sequence_length: int = 64  # tokens per sequence
+    # Packed documents (docs/packing.md): attention block-causal per EOS-ended document, positions restarting at
+    # each; data.corpus=text (its documents end in the tokenizer's EOS), causal models, single/ddp/pipelines
+    packing: bool = False
 
 
 @dataclass

@@ -385,13 +385,38 @@ def profile_errors(trainer_config) -> list:
             f"{last}), so they would never be profiled. Fix: trainer.profile_steps=[{min(2, last)}]."]
 
 
+PACKING_STRATEGIES = ("single", "ddp", "modular_pipeline", "gpipe", "one_f_one_b", "interleaved_1f1b")
+
+
+def packing_errors(cfg) -> list:
+    """data.packing (docs/packing.md): the documents reach the blocks through a per-micro-batch context
+    (LanguageModel.set_documents) that the strategies above set and test; recomputation would rerun a
+    block after the next micro-batch's documents are set, and a masked (BERT) model has no EOS rows."""
+    if not cfg.data.get("packing", False):
+        return []
+    errors = []
+    if cfg.strategy.name not in PACKING_STRATEGIES:
+        errors.append(f"data.packing=true is not supported by strategy={cfg.strategy.name} (the packed documents "
+                      f"reach the blocks of {', '.join(PACKING_STRATEGIES)} only). Fix: one of those strategies, "
+                      f"or data.packing=false.")
+    if cfg.strategy.get("activation_recompute", "none") != "none":
+        errors.append(f"data.packing=true with strategy.activation_recompute={cfg.strategy.activation_recompute}: "
+                      f"a recomputed block would read a later micro-batch's documents. "
+                      f"Fix: strategy.activation_recompute=none, or data.packing=false.")
+    if cfg.model.architecture == "bert" or cfg.data.corpus != "text":
+        errors.append(f"data.packing=true needs EOS-ended documents and a causal model (data.corpus="
+                      f"{cfg.data.corpus}, model.architecture={cfg.model.architecture}). Fix: data=text with "
+                      f"model=gpt or llama, or data.packing=false.")
+    return errors
+
+
 def check_strategy(cfg, world: int) -> list:
     if cfg.strategy.name not in REGISTRY:
         return []
     entry = strategy_entry(cfg.strategy.name)
     errors = (entry.check(cfg, world) + gradient_clipping_errors(cfg.strategy.name, cfg.trainer.gradient_clip_val)
               + fp16_errors(cfg.strategy.name, cfg.hardware.precision) + float8_errors(cfg) + dynamic_depth_errors(cfg)
-              + profile_errors(cfg.trainer))
+              + profile_errors(cfg.trainer) + packing_errors(cfg))
     if errors:
         return errors
     data_degree, micro = layout_of(cfg, world).data, micro_batches(cfg.strategy)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from models.documents import documents_of
 from layerwise.run.text import readable, skipped_words, token_dtype, tokenized
 
 BYTE_VOCABULARY = 256
@@ -44,6 +45,7 @@ class Corpus:
     validation: torch.Tensor
     vocab_size: int
     name: str
+    eos_id: Optional[int] = None  # the id ending every document (data=text); None: no document boundaries known
 
 
 # ----------------------------------------------------------------------------- loading
@@ -133,7 +135,7 @@ def _load_text(path, tokenizer, validation_fraction: float, cache_dir, say, enco
     meta = json.loads((directory / "meta.json").read_text())
     dtype = np.dtype(meta["dtype"]).type
     splits = [_memmap_tokens(directory / name, dtype) for name in TOKEN_BIN_FILES]
-    return Corpus(splits[0], splits[1], meta["vocab_size"], f"text:{path}")
+    return Corpus(splits[0], splits[1], meta["vocab_size"], f"text:{path}", eos_id=meta.get("eos_id"))
 
 
 def _files_under(root: Path, wanted, skip=()) -> List[Path]:
@@ -225,8 +227,15 @@ def model_vocab_size(corpus: Corpus, objective: str) -> int:
 
 def language_model_batch(corpus: Corpus, *, split: str, index: int, global_batch_size: int,
                          sequence_length: int, seed: int, objective: str, data_rank: int = 0,
-                         data_degree: int = 1) -> dict:
+                         data_degree: int = 1, packing: bool = False) -> dict:
     """This data rank's rows of global batch `index`: {"tokens", "targets"}, LongTensor[B/n, s].
+
+    With `packing` (data.packing) also "documents" and "positions", LongTensor[B/n, s]: each token's
+    document number in its row and its position in that document (models/documents.py documents_of,
+    the EOS closing its document). The window is the same as without packing, so its first and last
+    documents may be cut; every target is kept, the one after an EOS too (the EOS predicts the next
+    document's first token, as in torchtitan): every row keeps s scored targets, so micro-batch means
+    still average to the global mean under every strategy.
 
     The global batch depends on (seed, split, index, B, s, objective) only; rank r of n gets rows
     [r·B/n, (r+1)·B/n). So the n slices concatenated are exactly the data_degree=1 batch.
@@ -255,7 +264,20 @@ def language_model_batch(corpus: Corpus, *, split: str, index: int, global_batch
 
     rows = global_batch_size // data_degree
     mine = slice(data_rank * rows, (data_rank + 1) * rows)
-    return {"tokens": batch_tokens[mine].contiguous(), "targets": targets[mine].contiguous()}
+    batch = {"tokens": batch_tokens[mine].contiguous(), "targets": targets[mine].contiguous()}
+    if packing:
+        batch.update(_packed(corpus, objective, batch["tokens"]))
+    return batch
+
+
+def _packed(corpus: Corpus, objective: str, tokens: torch.Tensor) -> dict:
+    """{"documents", "positions"} of EOS-joined rows (data.packing)."""
+    if corpus.eos_id is None or objective != "causal":
+        raise DataError(f"data.packing: corpus {corpus.name} marks no document ends (or the objective "
+                        f"{objective!r} is not causal). Fix: data=text with a tokenizer that names an EOS, "
+                        "a causal model, or data.packing=false")
+    documents = documents_of(tokens, corpus.eos_id)
+    return {"documents": documents.ids, "positions": documents.positions}
 
 
 def _check_objective(objective: str) -> None:
@@ -324,11 +346,11 @@ class TrainBatches(IterableDataset):
 
     def __init__(self, corpus: Corpus, *, global_batch_size: int, sequence_length: int,
                  seed: int, objective: str, data_rank: int = 0, data_degree: int = 1,
-                 start_step: int = 0):
+                 start_step: int = 0, packing: bool = False):
         self.corpus = corpus
         self.options = dict(global_batch_size=global_batch_size, sequence_length=sequence_length,
                             seed=seed, objective=objective, data_rank=data_rank,
-                            data_degree=data_degree)
+                            data_degree=data_degree, packing=packing)
         self.start_step = start_step
         # Fail at construction, before any process starts training, not at the first step.
         language_model_batch(corpus, split="train", index=0, **self.options)
@@ -345,12 +367,12 @@ class ValidationBatches(Dataset):
 
     def __init__(self, corpus: Corpus, *, batches: int, global_batch_size: int,
                  sequence_length: int, seed: int, objective: str, data_rank: int = 0,
-                 data_degree: int = 1):
+                 data_degree: int = 1, packing: bool = False):
         self.corpus = corpus
         self.batches = batches
         self.options = dict(global_batch_size=global_batch_size, sequence_length=sequence_length,
                             seed=seed, objective=objective, data_rank=data_rank,
-                            data_degree=data_degree)
+                            data_degree=data_degree, packing=packing)
         language_model_batch(corpus, split="validation", index=0, **self.options)
 
     def __len__(self) -> int:

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from layerwise.run import data as data_lib
 from layerwise.run.optim import add_parameters, build_optimizer, build_scheduler
 from models import build_model, layer_drop_mask
+from models.documents import batch_documents
 
 
 def objective_of(model_config) -> str:
@@ -74,10 +75,18 @@ class LanguageModelTask(pl.LightningModule):
                                  **model_arguments(cfg.model, vocab_size, cfg.seed))
 
     def training_step(self, batch, batch_index):
+        self._documents(batch)
         return self.model.loss(self.model(batch["tokens"]), batch["targets"])
 
     def validation_step(self, batch, batch_index):
+        self._documents(batch)
         return self.model.loss(self.model(batch["tokens"]), batch["targets"])
+
+    def _documents(self, batch) -> None:
+        """Packed rows (data.packing): the model reads the batch's documents (models/documents.py)."""
+        documents = batch_documents(batch)
+        if documents is not None:
+            self.model.set_documents(documents)
 
     def on_train_batch_start(self, batch, batch_index):
         rank, _ = self.trainer.strategy.data_parallel()
@@ -140,7 +149,8 @@ class LanguageModelData(pl.LightningDataModule):
         rank, degree = self.trainer.strategy.data_parallel()
         return dict(global_batch_size=self.cfg.data.global_batch_size,
                     sequence_length=self.cfg.data.sequence_length, seed=self.cfg.seed,
-                    objective=self.objective, data_rank=rank, data_degree=degree)
+                    objective=self.objective, data_rank=rank, data_degree=degree,
+                    packing=bool(self.cfg.data.get("packing", False)))
 
     def train_dataloader(self):
         # Built after checkpoint restore, so a resumed run continues with the next global batch.

@@ -126,8 +126,9 @@ class GradientBuckets:
        gradients (a fused backward B, or a split backward's W); in its last of the step (the m-th),
        each parameter whose gradient autograd has accumulated is final (the post-accumulate hook; a
        W reports its weights itself, strategies/split_backward.py `PendingWeightGradient.run`); with
-       `overlap`, a bucket whose parameters are all final posts its asynchronous all-reduce at once,
-       under the rest of that backward and the earlier stages'.
+       `overlap`, a bucket whose parameters are all final posts its asynchronous all-reduce at once
+       if every earlier bucket of the layout is posted (else when they are: `_post_final`), under the
+       rest of that backward and the earlier stages'.
     4. `post_rest(stage)` (the plan's REDUCE_GRADIENT(c), after the stage's last backward) posts every
        bucket not yet posted, in layout order: all of them without `overlap`; with it, the late ones
        and any bucket holding a parameter that got no gradient (zeros: every replica joins every
@@ -138,12 +139,11 @@ class GradientBuckets:
     half the bytes, one rounding of each addend and of each partial sum of the ring (a transient
     2-byte copy of every bucket in flight).
     NCCL order: a data group's ranks (one per replica, at the same pipeline and tensor position) run
-    the same plan row on the same stage shapes, so the same autograd graphs; autograd runs a graph's
-    accumulators in one deterministic order, so every replica completes, and posts, its buckets in
-    the same order, and REDUCE_GRADIENT posts the rest in layout order at the same plan position. A
-    model whose graph depended on the data (a parameter used on one replica, not another) would
-    break this; none of ours does (layer_drop's masks are per step, not per replica, and not offered
-    to pipelines).
+    the same plan row on the same stage shapes; every bucket is posted in layout order (3) and
+    REDUCE_GRADIENT posts the rest in layout order at the same plan position, so every replica issues
+    the same sequence whatever order its gradients are finished in. A model whose graph depended on
+    the data (a parameter used on one replica, not another) would break this; none of ours does
+    (layer_drop's masks are per step, not per replica, and not offered to pipelines).
     """
 
     def __init__(self, capacity_bytes: int, communicator, group, overlap: bool, wire: torch.dtype = torch.float32):
@@ -213,12 +213,27 @@ class GradientBuckets:
 
     def accumulated(self, parameter: torch.Tensor) -> None:
         """`parameter`'s gradient was accumulated (its hook, or a W): during its stage's last
-        accumulation it is final, and its bucket is posted once all of the bucket is."""
+        accumulation it is final; buckets are posted in layout order as soon as they and every
+        bucket before them are final (`_post_final`)."""
         bucket = self.bucket_of.get(id(parameter))
         if bucket is None or bucket.stage not in self.finishing or bucket.late or not self.overlap:
             return
         bucket.final.add(id(parameter))
         if len(bucket.final) == len(bucket.parameters):
+            self._post_final(bucket.stage)
+
+    def _post_final(self, stage: int) -> None:
+        """Post the stage's buckets in layout order, up to the first one not final yet (late ones
+        wait for `post_rest` and are skipped here). Every replica then issues the same sequence of
+        all-reduces whatever order its gradients finish in — a split backward's W accumulates its
+        weights group by group in an order taken from sets of autograd nodes, which differs between
+        processes (measured: gloo's "Received data size doesn't match expected size. 1040 vs 32" on a
+        ZB-H1 run of 2 replicas); DDP's reducer launches its buckets in order for the same reason."""
+        for bucket in self.layouts[stage]:
+            if bucket.late or bucket.posted:
+                continue
+            if len(bucket.final) < len(bucket.parameters):
+                return
             self._post(bucket)
 
     def post_rest(self, stage: int) -> None:

@@ -28,15 +28,16 @@ def test_edges_of_the_paper_grids():
 
 
 def test_one_d_on_64_gpus_is_the_hand_formula(cfg):
-    """Megatron: 4 all-reduces of T·h per block and 1 for the head's input, 2(P−1)/P each, fp32,
-    plus the vocabulary-parallel loss's 3 per-token all-reduces; all between 16 nodes, the ring's 4
+    """Megatron: 4 all-reduces of T·h per block and 1 for the head's input, 2(P−1)/P each, in the
+    compute dtype (2 bytes: strategy.tensor_collective_dtype=compute, Megatron's own), plus the
+    vocabulary-parallel loss's 3 per-token all-reduces in fp32; all between 16 nodes, the ring's 4
     members per node crossing on 4 GPUs' share of the network at once (NCCL's ring per NIC: 4 × 6.25
     = 25 GB/s, below NVLink's 32); compute = F + 2F, F = T·(24h² + 4sh)·L + 2ThV over P GPUs at peak
     × efficiency."""
     h, layers, s, batch, vocabulary, P = 4096, 4, 512, 32, 256, 64
     tokens = batch * s
     ring = 2 * (P - 1) / P
-    expected_bytes = ring * 4 * ((4 * layers + 1) * tokens * h + 3 * tokens)
+    expected_bytes = ring * (2 * (4 * layers + 1) * tokens * h + 4 * 3 * tokens)
     row = three_d.plan_point(cfg, "1d", P, batch)
     assert row["GB_per_GPU_per_step"] * 1e9 == pytest.approx(expected_bytes, rel=1e-9)
     assert row["communication_s"] == pytest.approx(expected_bytes / (4 * 6.25e9), rel=1e-9)

@@ -156,12 +156,12 @@ def planned_stash(architecture, t, sequence_parallel):
     return LAYERS * (block_saved_bytes(workload, tokens, True) + block_extra_bytes(workload, tokens))
 
 
-@pytest.mark.parametrize("architecture, t", [("gpt", 2), ("llama", 4)])
+@pytest.mark.parametrize("architecture, t", [("llama", 2)])
 def test_sequence_parallel_saves_the_stash_plan_mode_prices(architecture, t):
     """Per block and token the rank keeps 1/t of the norm regions (GPT: 4h + 4, the norms' inputs,
-    outputs and statistics; Llama: 2·(3h + 1)): measured saving = plan mode's, exactly (GPT t=2
-    266,240 B, Llama t=4 592,896 B; GPT t=4 399,360 B and Llama t=2 395,264 B as well, left out for
-    the suite's time)."""
+    outputs and statistics; Llama: 2·(3h + 1)): measured saving = plan mode's, exactly (Llama t=2
+    395,264 B; GPT t=2 266,240 B, t=4 399,360 B and Llama t=4 592,896 B as well, left out for the
+    suite's time: tests/test_sequence_parallel.py measures the stash of each against its formula)."""
     plain = run_on_ranks(block_stash_on_rank, t, architecture, t, False)
     sharded = run_on_ranks(block_stash_on_rank, t, architecture, t, True)
     predicted = planned_stash(architecture, t, False) - planned_stash(architecture, t, True)

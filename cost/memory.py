@@ -318,12 +318,6 @@ def memory(workload: Workload, plan, pipeline_rank: int, flash: bool = True, tem
                         pending, moment)
 
 
-def peak_moment(workload: Workload, plan, pipeline_rank: int, flash: bool = True) -> str:
-    """Which moment of `stage_memory` ("start", "first backward", "forward", "later", "reduction",
-    "optimizer") is the peak of `memory(workload, plan, pipeline_rank, flash)`."""
-    return memory(workload, plan, pipeline_rank, flash, moment=True)
-
-
 def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int, flash: bool = True,
                  later: int = None, last_alive: int = None, posted: int = None, sends_held: tuple = (0, 0),
                  temporaries: bool = True, pending: int = 0, moment: bool = False) -> dict:

@@ -31,10 +31,7 @@ def message_dtype(precision: str, message: str) -> torch.dtype:
     Under 16-mixed the gradient message is the loss-scaled gradient: one that overflows fp16 arrives
     as inf, reaches the receiving stage's gradients, and AgreedGradScaler skips the step everywhere
     (the receiving stage's fp16 products would overflow on it in any case)."""
-    if message not in MESSAGE_DTYPES:
-        raise ValueError(f"strategy.message_dtype={message}: need one of {', '.join(MESSAGE_DTYPES)}. "
-                         f"Fix: strategy.message_dtype=compute.")
-    return compute_dtype(precision) if message == "compute" else activation_dtype(precision)
+    return _chosen(precision, "message_dtype", message, "compute", activation_dtype(precision))
 
 
 MESSAGE_DTYPES = ("compute", "fp32")
@@ -45,10 +42,15 @@ def reduction_dtype(precision: str, reduction: str) -> torch.dtype:
     compute dtype (bf16/fp16 under mixed precision: the fp32 gradients cast, reduced, cast back before
     the division, as Megatron-LM's fp16 runs reduce their gradients), `fp32` = the master gradients
     as they are (Megatron-LM under --bf16, whose accumulate_allreduce_grads_in_fp32 it forces on)."""
-    if reduction not in MESSAGE_DTYPES:
-        raise ValueError(f"strategy.reduction_dtype={reduction}: need one of {', '.join(MESSAGE_DTYPES)}. "
-                         f"Fix: strategy.reduction_dtype=fp32.")
-    return compute_dtype(precision) if reduction == "compute" else torch.float32
+    return _chosen(precision, "reduction_dtype", reduction, "fp32", torch.float32)
+
+
+def _chosen(precision: str, field: str, choice: str, default: str, wide: torch.dtype) -> torch.dtype:
+    """`strategy.<field>`: "compute" = the precision's compute dtype, "fp32" = `wide`."""
+    if choice not in MESSAGE_DTYPES:
+        raise ValueError(f"strategy.{field}={choice}: need one of {', '.join(MESSAGE_DTYPES)}. "
+                         f"Fix: strategy.{field}={default}.")
+    return compute_dtype(precision) if choice == "compute" else wide
 
 
 class AgreedGradScaler(torch.amp.GradScaler):

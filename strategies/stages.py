@@ -367,11 +367,11 @@ class StageWork:
         """Whether boundary messages are scattered over `scatter.group` and gathered on arrival:
         where each grid position's piece is the whole activation (the 1-D grid: Megatron keeps the
         residual stream whole, so the group's ranks hold copies of it). A piece the grid already
-        splits (2-D, 3-D, or split along the sequence) is sent as it is: nothing to scatter."""
+        splits (2-D, 3-D, or split along the sequence) is sent as it is: nothing to scatter. The grid
+        says which (`replicated_piece`, strategies/tensor_parallel/grids.py); no grid: a whole copy."""
         if self.scatter is None or self.scatter.group.size == 1:
             return False
-        rows, length = self.batch["tokens"][0].shape
-        return tuple(self.boundary_shape(rows, length)) == (rows, length, self.model.hidden)
+        return self.tensor_form is None or self.tensor_form.grid.replicated_piece
 
     # ----- data parallel
     def _accumulating(self, stage: int):

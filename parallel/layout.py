@@ -1,10 +1,16 @@
 """ParallelLayout: the degrees of one run and every process group, built once, in one order.
 
-A rank's coordinates are (data, pipeline, tensor) with the tensor index fastest:
-    rank = tensor + tensor_size · (pipeline + pipeline_degree · data)
-so a tensor-parallel group is a block of neighbouring ranks (one node), pipeline neighbours are
-next, and data-parallel replicas are furthest apart. Every rank creates every group in the same
-order (torch.distributed.new_group is collective over the world) and keeps the ones it belongs to.
+A rank's coordinates are (data, pipeline, context, tensor) with the tensor index fastest:
+    rank = tensor + tensor_size · (context + context_degree · (pipeline + pipeline_degree · data))
+so a tensor-parallel group is a block of neighbouring ranks (one node), a sequence's context
+shards next, pipeline neighbours after them, and data-parallel replicas are furthest apart. Every
+rank creates every group in the same order (torch.distributed.new_group is collective over the
+world) and keeps the ones it belongs to.
+
+Groups across several axes: `data_context` (the ranks that hold the same parameters once the
+tensor and pipeline splits are fixed: data replicas and context shards reduce gradients together,
+as Megatron-core's data-parallel-with-context group), and, with experts split over e data ranks,
+`expert` (e consecutive data indices) and `expert_data` (the data ranks holding the same experts).
 
 Groups finer than the tensor axis (a tensor-parallel grid's rows, columns, ...) arrive as data:
 `families` maps a family's name to its member lists of local tensor indices within one tensor
@@ -20,27 +26,51 @@ import torch.distributed as dist
 from parallel.comm import Communicator, Group
 from parallel.dims import AXES, Layout
 
-RANK_ORDER = ("tensor", "pipeline", "data")  # fastest-varying first: summary.json `layout.order`
+RANK_ORDER = ("tensor", "context", "pipeline", "data")  # fastest-varying first: summary.json `layout.order`
+# (name, the coordinates its members differ in): groups spanning more than one axis, built after the axes
+JOINT_GROUPS = (("data_context", ("data", "context")), ("expert", ("expert",)), ("expert_data", ("expert_data",)))
 
 
 def coordinates(rank: int, degrees: Layout) -> Dict[str, int]:
-    """This rank's index along each axis."""
-    tensor, rest = rank % degrees.tensor, rank // degrees.tensor
-    pipeline, data = rest % degrees.pipeline, rest // degrees.pipeline
-    return {"data": data, "pipeline": pipeline, "tensor": tensor}
+    """This rank's index along each axis, and its data index split as (expert_data, expert)."""
+    coords = {}
+    for axis in RANK_ORDER[:-1]:
+        size = getattr(degrees, axis)
+        coords[axis], rank = rank % size, rank // size
+    coords["data"] = rank
+    coords["expert"], coords["expert_data"] = rank % degrees.expert, rank // degrees.expert
+    return coords
 
 
 def rank_of(coords: Dict[str, int], degrees: Layout) -> int:
-    return coords["tensor"] + degrees.tensor * (coords["pipeline"] + degrees.pipeline * coords["data"])
+    data = coords["data"] if "expert" not in coords else coords["expert"] + degrees.expert * coords["expert_data"]
+    rank = data
+    for axis in reversed(RANK_ORDER[:-1]):
+        rank = rank * getattr(degrees, axis) + coords[axis]
+    return rank
 
 
-def group_members(axis: str, degrees: Layout) -> Tuple[Tuple[int, ...], ...]:
-    """All groups along `axis`: ranks that differ only in that coordinate, in a fixed order."""
-    others = [a for a in AXES if a != axis]
+def _sizes(degrees: Layout) -> Dict[str, int]:
+    sizes = {axis: getattr(degrees, axis) for axis in AXES if axis != "data"}
+    sizes.update(expert=degrees.expert, expert_data=degrees.data // degrees.expert)
+    return sizes
+
+
+def group_members(axes, degrees: Layout) -> Tuple[Tuple[int, ...], ...]:
+    """All groups along `axes` (one axis name or several): ranks that differ only in those
+    coordinates, in a fixed order; the data axis is addressed whole or as (expert, expert_data)."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    sizes = _sizes(degrees)
+    split_data = not ("data" in axes)
+    coordinate_names = (["expert_data", "expert"] if split_data else ["data"]) + [a for a in AXES if a != "data"]
+    sizes["data"] = degrees.data
+    others = [a for a in coordinate_names if a not in axes]
     groups = []
-    for fixed in itertools.product(*(range(getattr(degrees, a)) for a in others)):
+    for fixed in itertools.product(*(range(sizes[a]) for a in others)):
         coords = dict(zip(others, fixed))
-        groups.append(tuple(rank_of({**coords, axis: i}, degrees) for i in range(getattr(degrees, axis))))
+        members = [rank_of({**coords, **dict(zip(axes, moving))}, degrees)
+                   for moving in itertools.product(*(range(sizes[a]) for a in axes))]
+        groups.append(tuple(members))
     return tuple(groups)
 
 
@@ -76,6 +106,8 @@ class ParallelLayout:
         self.groups: Dict[str, Group] = {}
         for axis in AXES:
             self.groups[axis] = self._build_axis(axis)
+        for name, axes in JOINT_GROUPS:  # after the axes; a joint group equal to one already built is reused
+            self.groups[name] = self._build_joint(name, axes)
         for family, local_member_lists in (families or {}).items():  # after the axes, same order
             self.groups[family] = self._build_family(family, local_member_lists)
         for axis in host_axes:  # last, in the given order, on every rank
@@ -84,6 +116,16 @@ class ParallelLayout:
 
     def _build_axis(self, axis: str) -> Group:
         return self._create_groups(axis, group_members(axis, self.degrees))
+
+    def _build_joint(self, name: str, axes) -> Group:
+        """A group across `axes`; where its member lists are an axis's (context 1: data_context is
+        data), that axis's process groups serve it: the same decision on every rank, no new communicator."""
+        members = group_members(axes, self.degrees)
+        for axis in AXES:
+            if set(members) == set(group_members(axis, self.degrees)) and self.groups[axis] is not None:
+                built = self.groups[axis]
+                return Group(name, built.ranks, built.process_group)
+        return self._create_groups(name, members)
 
     def _create_groups(self, name: str, member_lists, backend: Optional[str] = None) -> Group:
         """Create every group of a family on every rank, in order; return this rank's.

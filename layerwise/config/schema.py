@@ -31,6 +31,18 @@ class ModelConfig:
     rope_theta: float = 10000.0  # RoPE base θ (Llama 3: 500000)
     rope_scaling: Optional[Dict[str, float]] = None  # Llama 3.1 long-context frequency scaling
     qkv_bias: bool = False  # biases on q/k/v (Qwen2)
+    qk_norm: bool = False  # RMSNorm on each head's q and k before RoPE (Qwen3)
+    # mixture of experts (models/moe.py; llama only): experts > 0 makes the blocks in moe_layers MoE blocks
+    experts: int = 0  # E routed experts per MoE block; 0 = dense
+    experts_per_token: int = 2  # k: experts each token is routed to
+    shared_experts: int = 0  # experts every token passes through (DeepSeek, Qwen2-MoE)
+    moe_ffn_hidden: Optional[int] = None  # one expert's SwiGLU width; null = ffn_hidden
+    moe_layers: Optional[List[int]] = None  # indices of the MoE blocks; null = every block
+    router: str = "softmax_topk"  # softmax_topk (Mixtral, Qwen3-MoE) | sigmoid_bias (DeepSeek-V3)
+    router_normalize: bool = True  # renormalise the k chosen weights to sum to 1
+    aux_loss_coefficient: float = 0.01  # load-balancing loss weight α; 0 = off
+    bias_update_rate: float = 0.001  # sigmoid_bias: u, each step bias_i += u·sign(mean load - load_i)
+    capacity_factor: Optional[float] = None  # null = dropless; else tokens per expert ≤ cf·tokens·k/E
     # model=hf: a Hugging Face model directory (config.json + *.safetensors); its config.json sets the
     # fields above (layerwise/run/rules.py fill_hf_model) and its weights replace the seeded init
     path: Optional[str] = None
@@ -128,6 +140,21 @@ class StrategyConfig:
 
 
 @dataclass
+class ContextParallelConfig:
+    """Mixin of the strategies that can split each sequence over ranks (strategies/context_parallel.py)."""
+
+    context_parallel: int = 1  # c: ranks each sequence is split over (head and tail chunks each)
+    context_parallel_comm: str = "ring"  # ring (K/V passed around, overlapped) | all_gather
+
+
+@dataclass
+class ExpertParallelConfig:
+    """Mixin of the strategies that can split a MoE block's experts over data ranks (strategies/expert_parallel.py)."""
+
+    expert_parallel: int = 1  # e: data-parallel ranks each MoE block's experts are split over
+
+
+@dataclass
 class ActivationRecomputeConfig:
     """Mixin of the strategies that keep block activations between forward and backward."""
 
@@ -159,7 +186,8 @@ class PlainStrategyConfig(StrategyConfig, ActivationRecomputeConfig, DynamicDept
 
 
 @dataclass
-class DataParallelStrategyConfig(PlainStrategyConfig, BucketedReductionConfig):
+class DataParallelStrategyConfig(PlainStrategyConfig, BucketedReductionConfig, ContextParallelConfig,
+                                 ExpertParallelConfig):
     """`ddp`: replicas whose gradients DDP all-reduces in buckets (its bucket_cap_mb)."""
 
 
@@ -223,7 +251,8 @@ class OverlappedReductionConfig(BucketedReductionConfig):
 
 
 @dataclass
-class PipelineStrategyConfig(StagedStrategyConfig, ActivationRecomputeConfig, OverlappedReductionConfig):
+class PipelineStrategyConfig(StagedStrategyConfig, ActivationRecomputeConfig, OverlappedReductionConfig,
+                             ContextParallelConfig, ExpertParallelConfig):
     """modular_pipeline, gpipe, one_f_one_b, interleaved_1f1b: stage replicas all-reduce their gradients."""
 
     # ZeRO-1 (Megatron's distributed optimizer): gradients reduce-scattered over the data ranks,
@@ -232,13 +261,14 @@ class PipelineStrategyConfig(StagedStrategyConfig, ActivationRecomputeConfig, Ov
 
 
 @dataclass
-class ZeroLayeredStrategyConfig(StagedStrategyConfig, ActivationRecomputeConfig):
+class ZeroLayeredStrategyConfig(StagedStrategyConfig, ActivationRecomputeConfig, ContextParallelConfig,
+                                ExpertParallelConfig):
     """zero_layered, zero_depth_first: gradients are reduce-scattered per flat shard, already one
     collective per (stage, kind), so no bucket size."""
 
 
 @dataclass
-class TensorParallelStrategyConfig(StrategyConfig, ActivationRecomputeConfig):
+class TensorParallelStrategyConfig(StrategyConfig, ActivationRecomputeConfig, ContextParallelConfig):
     """Tensor parallelism on a grid of edge q (1-D: q ranks, 2-D: q², 3-D: q³) × data replicas."""
 
     data_degree: Optional[int] = None  # data-parallel replicas; null = world / tensor ranks

@@ -213,7 +213,8 @@ def _fit_rank(rank: int, cfg, run_directory: Path, world_size: int) -> dict:
     objective = objective_of(cfg.model)
     task = LanguageModelTask(cfg, data_lib.model_vocab_size(corpus, objective))
     entry = strategy_entry(cfg.strategy.name)
-    layout = {**layout_of(cfg, world_size).as_dict(), "order": list(RANK_ORDER)}  # tensor innermost
+    degrees = layout_of(cfg, world_size).as_dict()
+    layout = {**degrees, "order": [axis for axis in RANK_ORDER if axis in degrees]}  # tensor innermost
     evidence = RunEvidence(run_directory, cfg, world_size, layout,
                            progress_lines=not show_bar(cfg) and cfg.trainer.progress != "none",
                            flags=slurm_step_flags(),

@@ -22,6 +22,8 @@ A composed layout (data × pipeline × tensor grid) moves, per rank and step:
             padded to multiples of n each; or under ZeRO each gather and reduce-scatter of the
             padded flat shards, (n−1)/n·P each (the plan says how many);
   loss      one fp32 broadcast over the pipeline.
+  context   per layer and micro-batch, the keys and values of a sequence's c shards: passed around
+            the ring (send/recv) or all-gathered and their gradients reduce-scattered (`context_traffic`).
 Counts come from the plan (how many sends, gathers, forwards per stage), sizes from the model's
 shape: nothing here runs a model. Volumes use parallel.comm.ring_factor, as the Communicator does.
 """
@@ -168,6 +170,57 @@ def local_parameters(grid, q: int, shape: GptShape, embed: bool, blocks: int, he
 def model_parameters(shape: GptShape, layers: int) -> float:
     """The whole model's parameter count (every block, the tables and the head): the one count."""
     return local_parameters(None, 1, shape, True, layers, True)["all"]
+
+
+# ----- context parallelism: the keys and values of a sequence's shards exchanged every layer
+
+CONTEXT_EXCHANGES = ("ring", "all_gather")
+
+
+def context_block(rows: int, length: int, kv_heads: int, head_dim: int, context: int) -> float:
+    """Elements of one key (or value) block a context rank holds: b · (s/c) · kv_heads · head_dim (its
+    head and tail chunks together; with GQA only the kv heads, and under a 1-D tensor grid the
+    kv_heads/t this rank computes)."""
+    return rows * length / context * kv_heads * head_dim
+
+
+def context_traffic(comm: str, context: int, rows: int, length: int, kv_heads: int, head_dim: int,
+                    element_bytes: int = BYTES, backward: bool = True) -> Counter:
+    """Logical bytes by kind one context rank moves in ONE layer's attention on one micro-batch of
+    `rows` sequences of `length` tokens (the whole sequence, before the split over c = `context`
+    ranks), forward and (`backward`) backward, each element `element_bytes` (the dtype K/V and their
+    gradients travel in: the compute dtype). Counted as parallel.comm counts: a send N, an all-gather
+    or reduce-scatter of a full tensor of N elements on g ranks (g−1)/g·N (receives are not counted).
+    With B = `context_block` (one K or one V block of b·(s/c)·kv·d elements):
+      ring        forward: c−1 hops, each sending the K and V blocks it holds to the next rank: 2(c−1)·B;
+                  backward: the K/V blocks go round again (c−1 hops, 2(c−1)·B), and the dK/dV
+                  accumulators travel with them one hop further, back to their owner (c hops, 2c·B):
+                  2(3c−2)·B per layer in all;
+      all_gather  forward: K and V all-gathered over the c ranks (full tensors of c·B each):
+                  2·(c−1)/c·c·B = 2(c−1)·B of all_gather; backward: dK and dV reduce-scattered back
+                  to their owners, as much again of reduce_scatter.
+    c = 1 moves nothing. Multiply by the layers and the micro-batches a rank runs for a step
+    (`context_step_traffic`)."""
+    if comm not in CONTEXT_EXCHANGES:
+        raise ValueError(f"strategy.context_parallel_comm: {comm!r} is not one of {CONTEXT_EXCHANGES}")
+    block = context_block(rows, length, kv_heads, head_dim, context) * element_bytes
+    if context <= 1:
+        return Counter()
+    if comm == "ring":
+        hops = (context - 1) + ((context - 1) + context if backward else 0)
+        return Counter(send_recv=2 * hops * block)
+    full = context * block  # K (or V) of the whole sequence
+    traffic = Counter(all_gather=2 * ring_factor("all_gather", context) * full)
+    if backward:
+        traffic["reduce_scatter"] = 2 * ring_factor("reduce_scatter", context) * full
+    return traffic
+
+
+def context_step_traffic(comm: str, context: int, rows: int, length: int, kv_heads: int, head_dim: int,
+                         layers: int, micro_batches: int, element_bytes: int = BYTES) -> Counter:
+    """`context_traffic` of every layer a rank holds (`layers`) on each of its `micro_batches`."""
+    per_layer = context_traffic(comm, context, rows, length, kv_heads, head_dim, element_bytes)
+    return Counter({kind: volume * layers * micro_batches for kind, volume in per_layer.items()})
 
 
 # ----- a whole step of one rank

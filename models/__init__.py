@@ -36,7 +36,7 @@ def describe_block(architecture: str, **shape) -> BlockDescription:
 
 def block_of(model_config) -> BlockDescription:
     """The block of a model config group (`cfg.model`) as data."""
-    fields = ("hidden", "heads", "mlp_ratio", "kv_heads", "ffn_hidden", "qkv_bias")
+    fields = ("hidden", "heads", "mlp_ratio", "kv_heads", "ffn_hidden", "qkv_bias", "head_dim", "qk_norm")
     return describe_block(model_config.architecture,
                           **{name: model_config.get(name) for name in fields if model_config.get(name) is not None})
 

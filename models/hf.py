@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out: a `config.json` + `*.safetensors` directory <-> our models.
 
     from models.hf import load_pretrained, save_pretrained
-    model = load_pretrained("my-llama/")          # LlamaForCausalLM, Mistral, Qwen2 or GPT-2
+    model = load_pretrained("my-llama/")          # Llama, Mistral, Qwen2, Qwen3 or GPT-2
     save_pretrained(model, "out/")                # transformers.AutoModelForCausalLM loads it
 
 Import is exact, part by part: `config.json` becomes our architecture and shape (`hf_shape`), every
@@ -24,8 +24,9 @@ from safetensors.torch import save_file
 
 from models.transformer import LanguageModel
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-                 "Qwen2ForCausalLM": "llama", "GPT2LMHeadModel": "gpt"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
+                 "Qwen3ForCausalLM": "llama", "GPT2LMHeadModel": "gpt"}
+QK_NORM = ("qwen3", "qwen3_moe")  # model_type of the families with q_norm/k_norm (transformers' Qwen3Attention)
 SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size ("5GB")
 INDEX = "model.safetensors.index.json"
 READ_ELEMENTS = 2**22  # at most this many elements of a weight read at once (16 MiB in fp32)
@@ -41,7 +42,8 @@ NAMES = {
                                 ("attention.v", "self_attn.v_proj"), ("attention.proj", "self_attn.o_proj"),
                                 ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"),
                                 ("mlp.fc_out", "mlp.down_proj"), ("norm_attention", "input_layernorm"),
-                                ("norm_mlp", "post_attention_layernorm"))
+                                ("norm_mlp", "post_attention_layernorm"),
+                                ("attention.q_norm", "self_attn.q_norm"), ("attention.k_norm", "self_attn.k_norm"))
            for kind in ("weight", "bias")},
     },
     "gpt": {
@@ -159,12 +161,11 @@ def _sliding_window(config: dict, sequence_length: int) -> None:
 
 def _llama_shape(config: dict, sequence_length: int) -> dict:
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // heads
     checks = (("hidden_act", config.get("hidden_act", "silu"), "silu", "layerwise's SwiGLU uses SiLU"),
               ("attention_bias", config.get("attention_bias", False), False,
                "Llama's attention_bias also puts a bias on o_proj, which layerwise's Llama has not"),
               ("mlp_bias", config.get("mlp_bias", False), False, "layerwise's SwiGLU has no biases"),
-              ("head_dim", config.get("head_dim") or hidden // heads, hidden // heads,
-               "layerwise's heads are hidden_size / num_attention_heads wide"),
               ("attention_dropout", config.get("attention_dropout", 0.0), 0.0,
                "layerwise's Llama has no attention dropout"))
     for field, value, wanted, why in checks:
@@ -175,7 +176,8 @@ def _llama_shape(config: dict, sequence_length: int) -> dict:
     return dict(architecture="llama", layers=config["num_hidden_layers"], hidden=hidden, heads=heads,
                 kv_heads=config.get("num_key_value_heads") or heads, ffn_hidden=config["intermediate_size"],
                 norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-                qkv_bias=config.get("model_type") == "qwen2",
+                qkv_bias=config.get("model_type") == "qwen2", qk_norm=config.get("model_type") in QK_NORM,
+                head_dim=None if head_dim == hidden // heads else head_dim,
                 tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
@@ -401,9 +403,11 @@ def hf_config(architecture: str, vocab_size: int, max_sequence_length: int, laye
               heads: int, mlp_ratio: int = 4, tie_embeddings: bool = False, kv_heads: int = None,
               ffn_hidden: int = None, norm_eps: float = 1e-5, rope_theta: float = 10000.0,
               rope_scaling=None, qkv_bias: bool = False, dtype: str = "float32", special_tokens: dict = None,
-              **_) -> dict:
+              head_dim: int = None, qk_norm: bool = False, **_) -> dict:
     """The config.json transformers needs for our model's shape: GPT -> GPT2LMHeadModel; Llama ->
-    LlamaForCausalLM, or Qwen2ForCausalLM with q/k/v biases. `special_tokens` ({"bos", "eos", "pad"}:
+    LlamaForCausalLM, Qwen2ForCausalLM with q/k/v biases, Qwen3ForCausalLM with q/k norms (`head_dim`
+    written whatever it is: transformers' classes default it differently, Qwen3's to 128).
+    `special_tokens` ({"bos", "eos", "pad"}:
     ids or None) are written as bos_token_id, eos_token_id, pad_token_id, null included: a missing
     key lets transformers fall back to its class's defaults (Llama 1 and 2, GPT-2 50256), so
     generate() would stop on a token the run never used as EOS."""
@@ -417,19 +421,26 @@ def hf_config(architecture: str, vocab_size: int, max_sequence_length: int, laye
     if architecture != "llama":
         raise ValueError(f"model.architecture: {architecture} has no Hugging Face equivalent here "
                          f"(export gpt or llama)")
+    if qkv_bias and qk_norm:
+        raise ValueError("model.qkv_bias and model.qk_norm together have no Hugging Face class (Qwen2 has "
+                         "the biases, Qwen3 the norms). Fix: export a model with one of them")
     rope = {"rope_type": "llama3", **rope_scaling} if rope_scaling else {"rope_type": "default"}
-    config = dict(architectures=["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"],
-                  model_type="qwen2" if qkv_bias else "llama", vocab_size=vocab_size,
+    family = "qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"
+    config = dict(architectures=[{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                  "llama": "LlamaForCausalLM"}[family]],
+                  model_type=family, vocab_size=vocab_size,
                   max_position_embeddings=max_sequence_length, hidden_size=hidden,
                   intermediate_size=ffn_hidden or mlp_ratio * hidden, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads or heads, head_dim=hidden // heads,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads or heads, head_dim=head_dim or hidden // heads,
                   hidden_act="silu", rms_norm_eps=norm_eps, rope_theta=rope_theta,
                   rope_parameters={**rope, "rope_theta": rope_theta},
                   tie_word_embeddings=tie_embeddings, attention_dropout=0.0, dtype=dtype, **special)
-    if not qkv_bias:
+    if family == "llama":
         config.update(attention_bias=False, mlp_bias=False)
     else:
         config.update(use_sliding_window=False, sliding_window=None)
+    if family == "qwen3":
+        config.update(attention_bias=False)
     return config
 
 
@@ -441,7 +452,8 @@ def model_config(model: LanguageModel) -> dict:
                   tie_embeddings=model.tie_embeddings)
     if architecture == "llama":
         fields.update(kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden, norm_eps=model.norm_eps,
-                      rope_theta=model.rope_theta, rope_scaling=model.rope_scaling, qkv_bias=model.qkv_bias)
+                      rope_theta=model.rope_theta, rope_scaling=model.rope_scaling, qkv_bias=model.qkv_bias,
+                      head_dim=model.head_dim, qk_norm=model.qk_norm)
     return fields
 
 

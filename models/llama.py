@@ -1,6 +1,7 @@
 """Llama: a causal decoder with RMSNorm, rotary positions, SwiGLU and grouped-query attention.
 
-Llama 2/3 (Touvron et al. 2023; Dubey et al. 2024, §3.1), and with `qkv_bias` Qwen2. The parts
+Llama 2/3 (Touvron et al. 2023; Dubey et al. 2024, §3.1), with `qkv_bias` Qwen2, with `qk_norm`
+(and usually `head_dim` ≠ hidden/heads) Qwen3 (Yang et al. 2025, §2: QK-Norm replaces QKV-bias). The parts
 protocol is the GPT's (`embed`, `blocks` "0".."L-1", `head`); module names follow it where the
 role is the same (`norm_attention`, `attention.proj`, `norm_mlp`, `mlp.fc_out`, `head.norm`,
 `head.output`), so pipelines, ZeRO, FSDP and the tensor-parallel plan find them. Q, K, V and the
@@ -17,10 +18,12 @@ from models.transformer import BlockDescription, CoreAttention, LanguageModel, L
 
 
 def describe_llama_block(hidden: int, heads: int, kv_heads: int = None, ffn_hidden: int = None,
-                         mlp_ratio: int = 4, qkv_bias: bool = False, **_) -> BlockDescription:
-    """The Llama block (`LlamaBlock`) as data: q/k/v column linears (k, v kv_heads·d wide), the
-    output projection and SwiGLU's down row linears, gate/up column linears."""
-    kv, ffn, d = kv_heads or heads, ffn_hidden or mlp_ratio * hidden, hidden // heads
+                         mlp_ratio: int = 4, qkv_bias: bool = False, head_dim: int = None,
+                         qk_norm: bool = False, **_) -> BlockDescription:
+    """The Llama block (`LlamaBlock`) as data: q/k/v column linears (k, v kv_heads·d wide, d =
+    head_dim, default hidden/heads), the output projection and SwiGLU's down row linears, gate/up
+    column linears; `qk_norm`: two RMSNorm weights of d each (Qwen3's q_norm, k_norm)."""
+    kv, ffn, d = kv_heads or heads, ffn_hidden or mlp_ratio * hidden, head_dim or hidden // heads
     return BlockDescription(
         norms=("norm_attention", "norm_mlp"), norm="rms",
         linears=(LinearShape("attention.q", hidden, heads * d, "column", bias=qkv_bias),
@@ -30,7 +33,8 @@ def describe_llama_block(hidden: int, heads: int, kv_heads: int = None, ffn_hidd
                  LinearShape("mlp.gate", hidden, ffn, "column", bias=False),
                  LinearShape("mlp.up", hidden, ffn, "column", bias=False),
                  LinearShape("mlp.fc_out", ffn, hidden, "row", bias=False)),
-        hidden=hidden, heads=heads, kv_heads=kv, mlp_width=ffn, gated=True, rotary=True)
+        hidden=hidden, heads=heads, kv_heads=kv, mlp_width=ffn, gated=True, rotary=True,
+        head_dim=d, qk_norm=qk_norm)
 
 
 def rotary_frequencies(head_dim: int, theta: float, scaling=None) -> torch.Tensor:
@@ -71,7 +75,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class GroupedQueryAttention(nn.Module):
     """Causal attention with `kv_heads` key/value heads shared by groups of heads/kv_heads queries.
 
-    q = rope(q(x)), k = rope(k(x)), v = v(x) split into heads; y = core_attention(q, k, v) =
+    q = rope(q(x)), k = rope(k(x)), v = v(x) split into heads of `head_dim` (default hidden/heads);
+    with `qk_norm` (Qwen3) q = rope(rmsnorm_d(q(x))), k = rope(rmsnorm_d(k(x))): one RMSNorm over each
+    head's d features, its d weights shared by all heads (transformers' Qwen3Attention q_norm,
+    k_norm); y = core_attention(q, k, v) =
     softmax(q kᵀ/√d) v with each kv head serving its group (scaled_dot_product_attention's
     enable_gqa: K/V not repeated);
     out = proj(merge(y)). `heads`/`kv_heads` are the heads this module holds: tensor parallelism
@@ -81,18 +88,21 @@ class GroupedQueryAttention(nn.Module):
     causal = True
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, rope_theta: float, rope_scaling,
-                 qkv_bias: bool):
+                 qkv_bias: bool, head_dim: int = None, qk_norm: bool = False, norm_eps: float = 1e-6):
         super().__init__()
-        if hidden % heads or heads % kv_heads:
-            raise ValueError(f"model.heads/kv_heads: hidden {hidden} must split into heads {heads}, "
-                             f"and heads into kv_heads {kv_heads} groups")
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        if (head_dim is None and hidden % heads) or heads % kv_heads:
+            raise ValueError(f"model.heads/kv_heads: hidden {hidden} must split into heads {heads} "
+                             f"(or set model.head_dim), and heads into kv_heads {kv_heads} groups")
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim or hidden // heads
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.q = nn.Linear(hidden, heads * self.head_dim, bias=qkv_bias)
         self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
         self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
         self.core_attention = CoreAttention(causal=True)
         self.proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        if qk_norm:  # before RoPE, per head: the norm sees one head's d features whatever the shard
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=norm_eps)
         self.documents = None  # a Documents while a packed micro-batch runs: RoPE takes its positions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,6 +110,8 @@ class GroupedQueryAttention(nn.Module):
         query, key, value = (linear(x).view(batch, length, heads, self.head_dim)
                              for linear, heads in ((self.q, self.heads), (self.k, self.kv_heads),
                                                    (self.v, self.kv_heads)))
+        if hasattr(self, "q_norm"):
+            query, key = self.q_norm(query), self.k_norm(key)
         cos, sin = rotary_angles(length, rotary_frequencies(self.head_dim, self.rope_theta, self.rope_scaling),
                                  query.dtype, x.device,
                                  None if self.documents is None else self.documents.positions)
@@ -127,10 +139,12 @@ class LlamaBlock(nn.Module):
     """x = x + attention(rmsnorm(x)); x = x + swiglu(rmsnorm(x)). No dropout (Llama has none)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, ffn_hidden: int, norm_eps: float,
-                 rope_theta: float, rope_scaling=None, qkv_bias: bool = False):
+                 rope_theta: float, rope_scaling=None, qkv_bias: bool = False, head_dim: int = None,
+                 qk_norm: bool = False):
         super().__init__()
         self.norm_attention = nn.RMSNorm(hidden, eps=norm_eps)
-        self.attention = GroupedQueryAttention(hidden, heads, kv_heads, rope_theta, rope_scaling, qkv_bias)
+        self.attention = GroupedQueryAttention(hidden, heads, kv_heads, rope_theta, rope_scaling, qkv_bias,
+                                               head_dim, qk_norm, norm_eps)
         self.norm_mlp = nn.RMSNorm(hidden, eps=norm_eps)
         self.mlp = SwiGLU(hidden, ffn_hidden)
 
@@ -168,14 +182,17 @@ class Llama(LanguageModel):
     Trained like the GPT (targets = tokens shifted left by one). `kv_heads` < `heads` is
     grouped-query attention (Ainslie et al. 2023); `ffn_hidden` the SwiGLU width; `rope_scaling`
     Llama 3.1's frequency rescaling ({factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings}) or None.
+    original_max_position_embeddings}) or None; `head_dim` each head's width (default hidden/heads;
+    Qwen3: 128 whatever the width); `qk_norm` Qwen3's per-head RMSNorm of q and k.
     """
 
     causal = True
 
     def __init__(self, *, kv_heads: int = None, ffn_hidden: int = None, norm_eps: float = 1e-5,
-                 rope_theta: float = 10000.0, rope_scaling=None, qkv_bias: bool = False, **kwargs):
+                 rope_theta: float = 10000.0, rope_scaling=None, qkv_bias: bool = False,
+                 head_dim: int = None, qk_norm: bool = False, **kwargs):
         heads, hidden = kwargs["heads"], kwargs["hidden"]
+        self.head_dim, self.qk_norm = head_dim or hidden // heads, bool(qk_norm)
         self.kv_heads = kv_heads or heads
         self.ffn_hidden = ffn_hidden or kwargs.get("mlp_ratio", 4) * hidden
         self.norm_eps, self.rope_theta, self.qkv_bias = norm_eps, rope_theta, qkv_bias
@@ -184,7 +201,7 @@ class Llama(LanguageModel):
 
     def make_block(self) -> nn.Module:
         return LlamaBlock(self.hidden, self.heads, self.kv_heads, self.ffn_hidden, self.norm_eps,
-                          self.rope_theta, self.rope_scaling, self.qkv_bias)
+                          self.rope_theta, self.rope_scaling, self.qkv_bias, self.head_dim, self.qk_norm)
 
     def make_embed(self) -> nn.Module:
         return TokenEmbedding(self.vocab_size, self.hidden)

@@ -31,6 +31,15 @@ def derived_seed(seed: int, name) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+class SeededParameters(nn.Module):
+    """A module whose own Parameters (not Linear/Embedding/norm children) `initialize` cannot draw:
+    it draws them itself in `initialize_seeded(seed, name, residual_std)` (models/moe.py Experts:
+    one generator per expert, so a rank holding some experts gets the full model's values)."""
+
+    def initialize_seeded(self, seed: int, name, residual_std: float) -> None:
+        raise NotImplementedError
+
+
 @torch.no_grad()
 def initialize(module: nn.Module, *, seed: int, name, residual_std: float = INIT_STD) -> None:
     """Overwrite every parameter of `module` from a generator seeded with (seed, name).
@@ -49,6 +58,8 @@ def initialize(module: nn.Module, *, seed: int, name, residual_std: float = INIT
             std = residual_std if is_residual_output else INIT_STD
             _normal(child.weight, std, generator)
             _fill(getattr(child, "bias", None), 0.0)
+        elif isinstance(child, SeededParameters):  # its own generators: the shared one's draws stay as they were
+            child.initialize_seeded(seed, name, residual_std)
 
 
 def _normal(parameter: nn.Parameter, std: float, generator: torch.Generator) -> None:
@@ -93,7 +104,9 @@ class BlockDescription:
 
     The tensor-parallel plan (strategies/tensor_parallel), the FLOP count and the parameter count
     derive from it, so each architecture is a description, not a code path. `mlp_width` is the
-    activation's width (ffn); `gated`: SwiGLU (two column linears feed it) or GELU.
+    activation's width (ffn); `gated`: SwiGLU (two column linears feed it) or GELU. `head_dim`: each
+    head's width (0: hidden/heads; Qwen3 sets it apart); `qk_norm`: RMSNorm weights of head_dim on q
+    and k (Qwen3), two more vectors per block.
     """
 
     norms: tuple
@@ -105,19 +118,38 @@ class BlockDescription:
     mlp_width: int
     gated: bool
     rotary: bool
+    # mixture of experts (models/moe.py): E experts of width expert_width (each a SwiGLU: 3·h·width
+    # weights), k per token, shared ones every token uses (their linears, like the router's, are in
+    # `linears`); 0 experts: a dense block
+    experts: int = 0
+    experts_per_token: int = 0
+    shared_experts: int = 0
+    expert_width: int = 0
+    head_dim: int = 0
+    qk_norm: bool = False
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def __post_init__(self):
+        if not self.head_dim:  # frozen: the derived default is set once, here
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
 
     def matmul_weights(self) -> int:
-        """Weights that take part in a matrix product, per block."""
-        return sum(linear.fan_in * linear.fan_out for linear in self.linears)
+        """Weights that take part in a matrix product, per block (an MoE block: all its experts)."""
+        return sum(linear.fan_in * linear.fan_out for linear in self.linears) + self.experts * self.expert_weights()
+
+    def active_matmul_weights(self) -> int:
+        """The matrix-product weights one token uses: the linears (attention, router, shared experts)
+        and its k routed experts. Equal to matmul_weights for a dense block."""
+        return (sum(linear.fan_in * linear.fan_out for linear in self.linears)
+                + self.experts_per_token * self.expert_weights())
+
+    def expert_weights(self) -> int:
+        """One routed expert's weights: gate and up h×width, down width×h."""
+        return 3 * self.hidden * self.expert_width
 
     def parameters(self) -> int:
         norm_width = 2 if self.norm == "layer" else 1
         return (self.matmul_weights() + sum(linear.fan_out for linear in self.linears if linear.bias)
-                + len(self.norms) * norm_width * self.hidden)
+                + len(self.norms) * norm_width * self.hidden + (2 * self.head_dim if self.qk_norm else 0))
 
 
 def describe_gpt_block(hidden: int, heads: int, mlp_ratio: int = 4, **_) -> BlockDescription:
@@ -461,4 +493,6 @@ def model_flops_per_token(layers: int, hidden: int, sequence_length: int, vocab_
     """
     per_block = block.matmul_weights() if block is not None else (4 + 2 * mlp_ratio) * hidden**2
     matmul_weights = layers * per_block + hidden * vocab_size
-    return 6 * matmul_weights + 12 * layers * hidden * sequence_length
+    # QKᵀ and AV are heads·d wide: hidden, unless the block sets head_dim apart (Qwen3)
+    width = block.heads * block.head_dim if block is not None else hidden
+    return 6 * matmul_weights + 12 * layers * width * sequence_length

@@ -76,7 +76,10 @@ def unsupported_model_errors(cfg) -> list:
     """What tensor-grid shards need: an untied GPT or Llama, and an optimizer without whole-tensor rules."""
     errors = []
     for field, value, wanted in (("model.architecture", cfg.model.architecture, ("gpt", "llama")),
-                                 ("model.tie_embeddings", cfg.model.tie_embeddings, (False,))):
+                                 ("model.tie_embeddings", cfg.model.tie_embeddings, (False,)),
+                                 # Qwen3's q/k norms act on a rank's heads: their weights' gradients would
+                                 # need a sum over the tensor group, which the plan does not give them yet
+                                 ("model.qk_norm", cfg.model.get("qk_norm", False), (False,))):
         if value not in wanted:
             errors.append(f"{field}={value}: {cfg.strategy.name} supports only {' or '.join(map(str, wanted))} "
                           f"so far. Fix: {field}={wanted[0]}.")

@@ -32,6 +32,7 @@ class ModelConfig:
     rope_scaling: Optional[Dict[str, float]] = None  # Llama 3.1 long-context frequency scaling
     qkv_bias: bool = False  # biases on q/k/v (Qwen2)
     qk_norm: bool = False  # RMSNorm on each head's q and k before RoPE (Qwen3)
+    head_dim: Optional[int] = None  # each attention head's width; null = hidden / heads (Qwen3: 128 at any width)
     # mixture of experts (models/moe.py; llama only): experts > 0 makes the blocks in moe_layers MoE blocks
     experts: int = 0  # E routed experts per MoE block; 0 = dense
     experts_per_token: int = 2  # k: experts each token is routed to
@@ -400,6 +401,9 @@ class PlanConfig:
     efficiency: float = 0.5  # achieved / peak FLOP/s of the matrix products (assumed until calibrated)
     flash_attention: bool = True  # attention keeps no s × s scores (GPU kernels); false: the math kernel
     allocator_margin: float = 0.1  # device memory the allocator's fragmentation and caches take beyond tensors
+    # mixtures of experts: the busiest expert's routed tokens over the mean, assumed (cost/experts.py; 1.25:
+    # Switch Transformer's capacity factor, Fedus et al. 2022 §2.1); scales the busiest rank's expert work and all-to-all
+    expert_load_imbalance: float = 1.25
     # plan.search=true: rank every valid layout for this model, hardware and batch (layerwise/planning/search.py);
     # the strategy group's own fields are then ignored
     search: bool = False

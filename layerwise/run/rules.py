@@ -52,7 +52,8 @@ def local_launch_problems(cfg, gpus: int) -> list:
 
 
 HF_FIELDS = ("architecture", "layers", "hidden", "heads", "mlp_ratio", "kv_heads", "ffn_hidden", "norm_eps",
-             "rope_theta", "rope_scaling", "qkv_bias", "tie_embeddings", "max_sequence_length", "vocab_size")
+             "rope_theta", "rope_scaling", "qkv_bias", "tie_embeddings", "max_sequence_length", "vocab_size",
+             "head_dim", "qk_norm")
 
 
 def fill_hf_model(cfg) -> list:

@@ -19,7 +19,7 @@ def objective_of(model_config) -> str:
     return "masked" if model_config.architecture == "bert" else "causal"
 
 
-LLAMA_FIELDS = ("kv_heads", "ffn_hidden", "norm_eps", "rope_theta", "rope_scaling", "qkv_bias")
+LLAMA_FIELDS = ("kv_heads", "ffn_hidden", "norm_eps", "rope_theta", "rope_scaling", "qkv_bias", "head_dim", "qk_norm")
 
 
 def model_arguments(model_config, vocab_size: int, seed: int) -> dict:

@@ -169,7 +169,8 @@ def export_hf(run_directory, out, checkpoint: str = "last") -> dict:
         del state  # the next part replaces it
     fields = {name: cfg.model.get(name) for name in ("layers", "hidden", "heads", "mlp_ratio", "tie_embeddings",
                                                      "kv_heads", "ffn_hidden", "norm_eps", "rope_theta",
-                                                     "rope_scaling", "qkv_bias", "max_sequence_length")}
+                                                     "rope_scaling", "qkv_bias", "max_sequence_length",
+                                                     "head_dim", "qk_norm")}
     fields["rope_scaling"] = OmegaConf.to_container(cfg.model.rope_scaling) if cfg.model.get("rope_scaling") else None
     config = hf_config(cfg.model.architecture, vocab_size=shapes["embed.token.weight"][0],
                        special_tokens=special_tokens(cfg),

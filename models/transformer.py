@@ -207,8 +207,13 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.causal = causal
         self.documents = None  # a Documents while a packed micro-batch runs (LanguageModel.set_documents)
+        # A callable (query, key, value, documents) -> output computing this attention over a sequence
+        # split across ranks (strategies/context_parallel.py installs it); None: the attention is local.
+        self.context = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if self.context is not None:
+            return self.context(query, key, value, self.documents)
         if self.documents is not None:
             return packed_attention(query, key, value, self.documents)
         return F.scaled_dot_product_attention(query, key, value, is_causal=self.causal,

@@ -1,0 +1,168 @@
+"""Context parallelism's attention (strategies/context_parallel.py) at the model level, on forked gloo
+ranks: for c = 2 and 4 and each exchange (ring, all_gather), GPT and Llama with grouped-query
+attention (kv_heads < heads), plain and packed rows, the sharded forward's logits (gathered) and the
+first backward's parameter gradients (the mean over the context ranks, as the data_context reduction
+makes it) equal the one-process model's; the bytes counted equal cost/traffic.py `context_traffic`
+kind by kind; the NCCL point-to-point order check passes (and catches a ring issued send-first on
+every rank); the ring skips exactly the key chunks wholly in the future; the head-tail shards balance
+the causal work (max/mean = 1.0 for c = 2, 4, 8, against 1.33/1.60/1.78 for a contiguous split).
+
+Tolerances (fp32): the sharded model computes the same products with the softmax's sums split into
+blocks and merged (online softmax) or over gathered keys, and the per-token parts unchanged, so each
+logit differs by round-off only: a few ulp of its magnitude (~1) per layer. LOGIT_ATOL = 1e-5, as
+tests/test_packing.py's same-products comparison, far below a wrong mask or position (≥ 1e-2). The
+gradients use tests/tolerances.py's first-step gradient tolerances (GRADIENT_RTOL per element plus
+GRADIENT_SCALE_ATOL of the tensor's largest |g|: reductions in another order carry round-off of the
+tensor's scale), without the recovery term since .grad is compared directly.
+Ids: c2/c4 = context ranks, gpt / llama_gqa (4 heads, 2 kv heads), packed = documents joined by EOS.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cost.traffic import context_traffic
+from models import build_model
+from models.documents import documents_of
+from parallel.comm import KINDS, IssuedOperation, first_order_mismatch
+from parallel.dims import Layout
+from parallel.layout import ParallelLayout
+from strategies.context_parallel import (BlockCounts, apply_context_parallel, causal_pairs, context_parallel_batch,
+                                         load_balance, shard_indices, shard_sequence)
+from tests.ranks import run_on_ranks
+from tests.tolerances import EXACT_RTOL, GRADIENT_RTOL, GRADIENT_SCALE_ATOL
+
+LOGIT_ATOL = 1e-5
+VOCAB, LENGTH, ROWS, LAYERS, HIDDEN, HEADS, EOS = 32, 48, 2, 2, 32, 4, 0
+MODELS = {"gpt": dict(architecture="gpt"), "llama_gqa": dict(architecture="llama", kv_heads=2)}
+CASES = [f"{model}{packed}" for model in MODELS for packed in ("", "_packed")]
+
+
+def build(case: str):
+    shape = dict(MODELS[case.removesuffix("_packed")])
+    return build_model(shape.pop("architecture"), vocab_size=VOCAB, sequence_length=LENGTH, layers=LAYERS,
+                       hidden=HIDDEN, heads=HEADS, seed=3, **shape)
+
+
+def batch(case: str):
+    """(tokens, targets, documents): ROWS rows of LENGTH tokens; packed rows hold documents of uneven
+    lengths whose boundaries fall inside chunks and across them (EOS = 0 ends each)."""
+    generator = torch.Generator().manual_seed(11)
+    tokens = torch.randint(1, VOCAB, (ROWS, LENGTH + 1), generator=generator)
+    documents = None
+    if case.endswith("_packed"):
+        for row, ends in enumerate(((6, 7, 20, 31, 44), (2, 25, 40))):
+            tokens[row, list(ends)] = EOS
+        documents = documents_of(tokens[:, :-1], EOS)
+    return tokens[:, :-1], tokens[:, 1:], documents
+
+
+def reference(case: str) -> dict:
+    """The one-process model's logits and first-backward gradients."""
+    model = build(case)
+    tokens, targets, documents = batch(case)
+    model.set_documents(documents)
+    logits = model(tokens)
+    model.loss(logits, targets).backward()
+    return dict(logits=logits.detach(), grads={name: p.grad.clone() for name, p in model.named_parameters()})
+
+
+def cases_on_rank(rank: int, c: int, comm: str) -> dict:
+    dist.init_process_group("gloo")
+    layout = ParallelLayout(Layout(context=c), rank=rank)
+    communicator = layout.communicator
+    communicator.record_point_to_point()
+    results = {}
+    for case in CASES:
+        model = build(case)
+        attention = apply_context_parallel(model, layout.group("context"), communicator, comm)
+        tokens, targets, documents = batch(case)
+        communicator.reset()
+        attention.blocks = BlockCounts()
+        local_tokens, local_targets = context_parallel_batch(model, tokens, targets, documents,
+                                                             layout.index("context"), c)
+        logits = model(local_tokens)
+        model.loss(logits, local_targets).backward()
+        # numpy arrays travel to the test by value (a tensor would by a shared-memory handle that dies with the rank)
+        results[case] = dict(logits=logits.detach().numpy(), bytes=communicator.snapshot(),
+                             grads={name: p.grad.numpy() for name, p in model.named_parameters()},
+                             blocks=(attention.blocks.computed, attention.blocks.skipped),
+                             checked=communicator.check_point_to_point_order())
+    return results
+
+
+def expected_bytes(case: str, c: int, comm: str) -> dict:
+    model = build(case)
+    kv_heads = getattr(model, "kv_heads", HEADS)
+    per_layer = context_traffic(comm, c, ROWS, LENGTH, kv_heads, HIDDEN // HEADS, element_bytes=4)
+    return {kind: LAYERS * per_layer.get(kind, 0.0) for kind in KINDS}
+
+
+@pytest.mark.parametrize("comm", ["ring", "all_gather"])
+@pytest.mark.parametrize("c", [2, 4])
+def test_sharded_model_equals_one_process(c, comm):
+    by_rank = run_on_ranks(cases_on_rank, c, c, comm)
+    for case in CASES:
+        expected = reference(case)
+        logits = torch.empty_like(expected["logits"])
+        for rank, results in enumerate(by_rank):
+            logits[:, shard_indices(LENGTH, rank, c)] = torch.from_numpy(results[case]["logits"])
+        logit_error = (logits - expected["logits"]).abs().max().item()
+        worst = 0.0
+        for name, full in expected["grads"].items():
+            mean = sum(torch.from_numpy(results[case]["grads"][name]) for results in by_rank) / c  # data_context mean
+            bound = GRADIENT_RTOL * full.abs() + GRADIENT_SCALE_ATOL * full.abs().max()
+            worst = max(worst, ((mean - full).abs() / bound).max().item())
+        print(f"c{c} {comm} {case}: |logit error| {logit_error:.1e}, gradients {worst:.3f} of the tolerance, "
+              f"bytes {by_rank[0][case]['bytes']}, blocks {[r[case]['blocks'] for r in by_rank]}")
+        assert logit_error <= LOGIT_ATOL, case
+        assert worst <= 1.0, case
+        predicted = expected_bytes(case, c, comm)
+        for rank, results in enumerate(by_rank):
+            for kind in KINDS:
+                assert results[case]["bytes"][kind] == pytest.approx(predicted[kind], rel=EXACT_RTOL, abs=0), (
+                    case, rank, kind)
+            # every layer's ring issues (c−1) K/V sends forward; backward c−1 more and c accumulators,
+            # a receive for each: 2·(3c−2) operations per layer, all checked
+            assert results[case]["checked"] == (2 * LAYERS * (3 * c - 2) if comm == "ring" else 0)
+            if comm == "ring":  # per layer, 4c (query chunk, key chunk) pairs: 2c+1 computed, 2c−1 skipped
+                assert results[case]["blocks"] == (LAYERS * (2 * c + 1), LAYERS * (2 * c - 1)), (case, rank)
+
+
+def test_a_ring_issued_send_first_on_every_rank_is_caught():
+    """The ring's order (send-first on even ranks, receive-first on odd) passes the NCCL check; the
+    same messages issued send-first everywhere wait in a cycle (c ≥ 3) or mismatch (c = 2)."""
+    def issued(c: int, alternate: bool) -> list:
+        ranks = []
+        for rank in range(c):
+            send = IssuedOperation("send", (rank + 1) % c, 100, "torch.float32", 7001)
+            receive = IssuedOperation("receive", (rank - 1) % c, 100, "torch.float32", 7001)
+            ranks.append([send, receive] if rank % 2 == 0 or not alternate else [receive, send])
+        return ranks
+    for c in (2, 3, 4, 8):
+        assert first_order_mismatch(issued(c, alternate=True)) is None, c
+        problem = first_order_mismatch(issued(c, alternate=False))
+        print(f"c{c} send-first everywhere: {problem[:90]}")
+        assert problem is not None and ("cycle" in problem or "mismatch" in problem)
+
+
+def test_head_tail_shards_balance_the_causal_work():
+    figures = {}
+    for c in (2, 4, 8):
+        length = 16 * 2 * c
+        figures[c] = (load_balance(length, c), load_balance(length, c, balanced=False))
+        assert sum(causal_pairs(length, i, c) for i in range(c)) == length * (length + 1) // 2
+    print("max/mean head-tail vs contiguous:", {c: (round(a, 3), round(b, 3)) for c, (a, b) in figures.items()})
+    assert all(balanced <= 1.05 for balanced, _ in figures.values())
+    assert all(contiguous > 1.3 for _, contiguous in figures.values())
+
+
+def test_shards_cover_the_row_and_refuse_uneven_lengths():
+    c, length = 4, 16
+    pieces = [shard_indices(length, i, c) for i in range(c)]
+    assert pieces[0].tolist() == [0, 1, 14, 15] and pieces[3].tolist() == [6, 7, 8, 9]
+    assert sorted(torch.cat(pieces).tolist()) == list(range(length))
+    tokens = torch.arange(2 * length).view(2, length)
+    assert shard_sequence(tokens, 1, c).tolist() == [[2, 3, 12, 13], [18, 19, 28, 29]]
+    with pytest.raises(ValueError, match=r"data.sequence_length=18 .*Fix: data.sequence_length a multiple of 8"):
+        shard_indices(18, 0, c)

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.moe import MoeSettings
 from models.transformer import BlockDescription, CoreAttention, LanguageModel, LinearShape
 
 
@@ -196,10 +197,19 @@ class Llama(LanguageModel):
         self.kv_heads = kv_heads or heads
         self.ffn_hidden = ffn_hidden or kwargs.get("mlp_ratio", 4) * hidden
         self.norm_eps, self.rope_theta, self.qkv_bias = norm_eps, rope_theta, qkv_bias
+        # mixture of experts (models/moe.py): experts, experts_per_token, moe_layers, router, ...
+        self.moe = MoeSettings.pop_from(kwargs)
         self.rope_scaling = dict(rope_scaling) if rope_scaling else None
         super().__init__(**kwargs)
 
-    def make_block(self) -> nn.Module:
+    def make_block(self, index: int = None) -> nn.Module:
+        """Block `index`: its SwiGLU is an MoE (models/moe.py) where `moe` says block `index` is one."""
+        block = self.make_dense_block()
+        if self.moe.is_moe(index):
+            block.mlp = self.moe.build(self.hidden, self.ffn_hidden, lambda width: SwiGLU(self.hidden, width))
+        return block
+
+    def make_dense_block(self) -> nn.Module:
         return LlamaBlock(self.hidden, self.heads, self.kv_heads, self.ffn_hidden, self.norm_eps,
                           self.rope_theta, self.rope_scaling, self.qkv_bias, self.head_dim, self.qk_norm)
 

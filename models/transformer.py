@@ -372,8 +372,8 @@ class LanguageModel(nn.Module):
             self.weights(part, module)
             return module
         if part.startswith("blocks."):
-            return seeded_module(self.make_block, device, seed=self.seed,
-                                 name=int(part.removeprefix("blocks.")),
+            index = int(part.removeprefix("blocks."))  # the block knows its index (model.moe_layers)
+            return seeded_module(lambda: self.make_block(index), device, seed=self.seed, name=index,
                                  residual_std=residual_init_std(self.layers))
         makers = {"embed": self.make_embed, "head": lambda: self.make_head(self.hidden, self.vocab_size)}
         if part not in makers:
@@ -396,7 +396,8 @@ class LanguageModel(nn.Module):
         if self.tie_embeddings and self.embed is not None and self.head is not None:
             self.head.output.weight = self.embed.token.weight
 
-    def make_block(self) -> nn.Module:
+    def make_block(self, index: int = None) -> nn.Module:
+        """Block `index` (every GPT/BERT block is alike; Llama's MoE blocks are those in moe_layers)."""
         return Block(self.hidden, self.heads, self.mlp_ratio, self.dropout, self.causal)
 
     def make_embed(self) -> nn.Module:
@@ -414,6 +415,14 @@ class LanguageModel(nn.Module):
         for module in self.modules():
             if hasattr(module, "documents"):
                 module.documents = documents
+
+    def set_loss_scale(self, scale: float) -> None:
+        """The share the micro-batch about to run has in the step's loss (1/m for m micro-batches;
+        1 for a whole batch): the MoE blocks' auxiliary loss enters the gradient with it
+        (models/moe.py). A context on the model like `set_documents`, set where micro-batches run."""
+        for module in self.modules():
+            if hasattr(module, "loss_scale"):
+                module.loss_scale = scale
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -444,18 +453,19 @@ class LanguageModel(nn.Module):
         depth, added = len(self.blocks), []
         for offset in range(count):
             source = self.blocks[str(offset % depth)]
-            block = self.make_block_like(source)
+            block = self.make_block_like(source, offset % depth)
             block.load_state_dict(source.state_dict())
             self.blocks[str(depth + offset)] = block
             added += list(block.parameters())
         self.layers = len(self.blocks)
         return added
 
-    def make_block_like(self, source: nn.Module) -> nn.Module:
-        """A new block with `source`'s device, dtype and training mode (values: the caller's)."""
+    def make_block_like(self, source: nn.Module, index: int = None) -> nn.Module:
+        """A new block with `source`'s device, dtype and training mode (values: the caller's), of the
+        kind of block `index` (source's: dense or MoE)."""
         parameter = next(source.parameters())
         with torch.device("meta"):
-            block = self.make_block()
+            block = self.make_block(index)
         return block.to_empty(device=parameter.device).to(parameter.dtype).train(source.training)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -487,7 +497,7 @@ def parameter_count(model: nn.Module) -> int:
 
 
 def model_flops_per_token(layers: int, hidden: int, sequence_length: int, vocab_size: int,
-                          mlp_ratio: int = 4, block: BlockDescription = None) -> int:
+                          mlp_ratio: int = 4, block: BlockDescription = None, blocks: list = None) -> int:
     """Training FLOPs per token: 6·N for the matrix multiplies plus 12·L·h·s for attention.
 
     N counts the weights that take part in a matmul: the block's linears (GPT: (4 + 2·mlp_ratio)·h²;
@@ -496,8 +506,11 @@ def model_flops_per_token(layers: int, hidden: int, sequence_length: int, vocab_
     2022, appendix B): QKᵀ and AV, forward and backward, without discounting the causal mask
     (grouped-query attention shares K/V, not these products).
     """
-    per_block = block.matmul_weights() if block is not None else (4 + 2 * mlp_ratio) * hidden**2
-    matmul_weights = layers * per_block + hidden * vocab_size
+    # a mixture of experts counts the weights a token uses (MFU of active parameters): `blocks`, one
+    # description per layer (models.blocks_of), where MoE and dense blocks mix
+    per_block = block.active_matmul_weights() if block is not None else (4 + 2 * mlp_ratio) * hidden**2
+    stacked = sum(each.active_matmul_weights() for each in blocks) if blocks is not None else layers * per_block
+    matmul_weights = stacked + hidden * vocab_size
     # QKᵀ and AV are heads·d wide: hidden, unless the block sets head_dim apart (Qwen3)
     width = block.heads * block.head_dim if block is not None else hidden
     return 6 * matmul_weights + 12 * layers * width * sequence_length

@@ -69,6 +69,7 @@ class Fsdp2Strategy(RunHooks, ModelParallelStrategy):
         for index, (tokens, targets) in enumerate(pieces):
             last = index == self.micro_batches - 1
             model.set_requires_gradient_sync(self.sync_every_micro_batch or last)
+            model.set_loss_scale(1.0 / self.micro_batches)  # its share of the step's loss (MoE aux loss)
             with self.precision_plugin.train_step_context():  # autocast under bf16-mixed
                 loss = model.loss(model(tokens), targets) / self.micro_batches
             self.precision_plugin.pre_backward(loss, self.lightning_module).backward()

@@ -83,6 +83,21 @@ class RunHooks:
             return 0, 1
         return self.layout.index("data"), self.layout.degrees.data
 
+    def sum_over_data(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the ranks that hold the same layers and see other tokens: the layout's
+        "data_context" group (data replicas × context shards; the "data" group without context
+        parallelism), through the counted communicator; `tensor` itself without a layout or where the
+        group is this rank alone. The MoE blocks' step loads reach DeepSeek-V3's bias update here
+        (models/moe.py update_expert_biases)."""
+        if self.layout is None:
+            return tensor
+        group = self.layout.group("data_context")
+        if group is None or group.size == 1:
+            return tensor
+        summed = tensor.clone()
+        self.layout.communicator.all_reduce(summed, group)
+        return summed
+
     def compute_resident_tensors(self) -> list:
         """Parameters, their gradients and the optimizer state: what a replicated model keeps."""
         parameters = list(self.lightning_module.parameters())

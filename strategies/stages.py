@@ -187,6 +187,7 @@ class StageWork:
         if documents is not None:
             self.model.set_documents(documents)
         hidden = self._stage_input(stage, micro_batch)
+        self.model.set_loss_scale(1.0 / self.micro_batches)  # its share of the step's loss (MoE aux loss)
         for name in stage_blocks(stage, self.layers_per_stage):
             hidden = self.model.blocks[name](hidden)
         if stage == self.stages - 1:

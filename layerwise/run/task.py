@@ -5,6 +5,8 @@ that own the step (pipelines, ZeRO, offload) call into `task.model` themselves a
 `training_step` unused; `single` and `ddp` use it as it is.
 """
 
+from dataclasses import fields
+
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
@@ -12,6 +14,7 @@ from torch.utils.data import DataLoader
 from layerwise.run import data as data_lib
 from layerwise.run.optim import add_parameters, build_optimizer, build_scheduler
 from models import build_model, layer_drop_mask
+from models.moe import MoeSettings, start_step, update_expert_biases
 from models.documents import batch_documents
 
 
@@ -22,6 +25,10 @@ def objective_of(model_config) -> str:
 LLAMA_FIELDS = ("kv_heads", "ffn_hidden", "norm_eps", "rope_theta", "rope_scaling", "qkv_bias", "head_dim", "qk_norm")
 
 
+# mixture of experts (models/moe.py MoeSettings: the model config's names), llama only
+MOE_FIELDS = tuple(field.name for field in fields(MoeSettings))
+
+
 def model_arguments(model_config, vocab_size: int, seed: int) -> dict:
     """Keyword arguments of `models.build_model` from the model config group."""
     arguments = dict(vocab_size=vocab_size, sequence_length=model_config.max_sequence_length,
@@ -30,7 +37,7 @@ def model_arguments(model_config, vocab_size: int, seed: int) -> dict:
                      dropout=model_config.dropout, tie_embeddings=model_config.tie_embeddings,
                      seed=seed)
     if model_config.architecture == "llama":
-        arguments.update({name: model_config.get(name) for name in LLAMA_FIELDS})
+        arguments.update({name: model_config.get(name) for name in LLAMA_FIELDS + MOE_FIELDS})
     return arguments
 
 
@@ -75,6 +82,7 @@ class LanguageModelTask(pl.LightningModule):
                                  **model_arguments(cfg.model, vocab_size, cfg.seed))
 
     def training_step(self, batch, batch_index):
+        self.model.set_loss_scale(1.0)  # one forward: this rank's whole share of the step (MoE aux loss)
         self._documents(batch)
         return self.model.loss(self.model(batch["tokens"]), batch["targets"])
 
@@ -93,6 +101,7 @@ class LanguageModelTask(pl.LightningModule):
         # Integers only: tuple hashes of ints are stable across processes (strings are salted).
         torch.manual_seed(hash((int(self.cfg.seed), int(self.global_step), rank)) % 2**63)
         self.vary_depth(int(self.global_step))
+        start_step(self.model)  # MoE loads, drops and aux loss: recorded afresh each step (models/moe.py)
 
     def vary_depth(self, step: int) -> None:
         """This step's depth (progressive stacking: grown at each `grow_at` step reached), then
@@ -123,6 +132,12 @@ class LanguageModelTask(pl.LightningModule):
         # training_step runs the whole schedule (backward included) zeroes them itself, before.
         if not self.trainer.strategy.owns_step:
             optimizer.zero_grad()
+
+    def optimizer_step(self, epoch, batch_index, optimizer, optimizer_closure=None):
+        super().optimizer_step(epoch, batch_index, optimizer, optimizer_closure)
+        # DeepSeek-V3's sigmoid_bias update after each optimizer step, from the step's loads summed
+        # over the data ranks (models/moe.py); before the callbacks' step end, so checkpoints hold it
+        update_expert_biases(self.model, self.trainer.strategy.sum_over_data)
 
     def configure_model(self):
         # After the layout exists, before the strategy's setup and the optimizers: the strategy

@@ -70,7 +70,6 @@ the full-row mean's gradient. Ignored targets (BERT's −100) would give shards 
 that; context parallelism is for causal models (strategies/context_layout.py refuses bert).
 """
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -269,11 +268,12 @@ class _RingAttention(torch.autograd.Function):
                 if step < keys.degree - 1:
                     ring.wait(works)
                     blocks = incoming
-            output = torch.cat([merged for merged, _ in running], dim=3)
+            output = torch.cat([merged for merged, _ in running], dim=3).to(dtype)
             lse = torch.cat([merged_lse for _, merged_lse in running], dim=3)
+        # What a flash kernel keeps: q, k, v, the output in the compute dtype and the fp32 log-sum-exp
         ctx.save_for_backward(query, key, value, output, lse)
         ctx.attention, ctx.keys = attention, keys
-        return output.flatten(1, 2).to(dtype)
+        return output.flatten(1, 2)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -283,7 +283,7 @@ class _RingAttention(torch.autograd.Function):
         with torch.autocast(query.device.type, enabled=False):
             q = _grouped(query.float(), key.shape[1])
             grad = grad_output.float().reshape(output.shape)
-            delta = (grad * output).sum(-1)
+            delta = (grad * output.float()).sum(-1)
             grad_query = torch.zeros_like(q)
             blocks = torch.stack((key, value))
             pending = None  # (incoming accumulator, works) posted after the previous step
@@ -361,7 +361,8 @@ class ContextParallelAttention:
         return 1 if self.group is None else self.group.size
 
     def ring(self, index: int) -> _Ring:
-        return _Ring(self.group, self.communicator, index)
+        """The ring of this rank (None on one context rank: nothing is exchanged)."""
+        return None if self.degree == 1 else _Ring(self.group, self.communicator, index)
 
     def __call__(self, query, key, value, documents=None):
         keys = self.keys
@@ -369,9 +370,9 @@ class ContextParallelAttention:
             raise RuntimeError("context parallel attention without a batch: call "
                                "strategies.context_parallel.context_parallel_batch before the forward")
         if (query.shape[0], query.shape[2]) != tuple(keys.shards[0].ids.shape):
-            raise RuntimeError(f"context parallel attention: local q of {query.shape[2]} tokens × {query.shape[0]} rows, "
-                               f"but the batch cut by context_parallel_batch holds {keys.shards[0].ids.shape[1]} × "
-                               f"{keys.shards[0].ids.shape[0]}")
+            raise RuntimeError(f"context parallel attention: local q of {query.shape[2]} tokens × {query.shape[0]} "
+                               f"rows, but the batch cut by context_parallel_batch holds "
+                               f"{keys.shards[0].ids.shape[1]} × {keys.shards[0].ids.shape[0]}")
         if self.comm == "ring":
             return _RingAttention.apply(query, key, value, self, keys)
         return self.gathered(query, key, value, keys)
@@ -407,9 +408,9 @@ class ContextParallelAttention:
                     continue
                 cut = slice(key_half * size, (key_half + 1) * size)
                 mask = block_mask(queries, keys.chunk(source, key_half))
-                dq, dk, dv = block_backward(q[:, :, :, rows], blocks[0][:, :, cut].float(), blocks[1][:, :, cut].float(),
-                                            mask, q.shape[-1] ** -0.5, grad[:, :, :, rows], lse[:, :, :, rows],
-                                            delta[:, :, :, rows])
+                dq, dk, dv = block_backward(q[:, :, :, rows], blocks[0][:, :, cut].float(),
+                                            blocks[1][:, :, cut].float(), mask, q.shape[-1] ** -0.5,
+                                            grad[:, :, :, rows], lse[:, :, :, rows], delta[:, :, :, rows])
                 grad_query[:, :, :, rows] += dq
                 contribution[0][:, :, cut] += dk
                 contribution[1][:, :, cut] += dv
@@ -418,7 +419,8 @@ class ContextParallelAttention:
     # ----- all-gather
     def gathered(self, query, key, value, keys: KeySide):
         """Local queries against the whole row's gathered K/V, masked by the documents rule."""
-        gathered = _GatherKeysValues.apply(torch.stack((key, value)), self)  # [c, 2, b, kv, n, d]
+        blocks = torch.stack((key, value))  # [2, b, kv, n, d] -> gathered [c, 2, b, kv, n, d]
+        gathered = blocks.unsqueeze(0) if self.degree == 1 else _GatherKeysValues.apply(blocks, self)
         everyone = gathered.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [2, b, kv, c·n, d], rank-major keys
         all_keys = Documents(ids=torch.cat([shard.ids for shard in keys.shards], dim=1),
                              positions=torch.cat([shard.positions for shard in keys.shards], dim=1))
@@ -430,7 +432,8 @@ class ContextParallelAttention:
 # ----------------------------------------------------------------------------- the entry points
 
 
-def apply_context_parallel(model, group: Group, communicator: Communicator, comm: str = "ring") -> ContextParallelAttention:
+def apply_context_parallel(model, group: Group, communicator: Communicator,
+                           comm: str = "ring") -> ContextParallelAttention:
     """Install one ContextParallelAttention (exchange `comm`: ring | all_gather) over `group` on every
     CoreAttention the model holds (a pipeline rank: its own blocks); returns it. The model keeps its
     parameters, names and state dict; its forward now expects `context_parallel_batch`'s local tokens."""

@@ -2,7 +2,7 @@
 ranks: for c = 2 and 4 and each exchange (ring, all_gather), GPT and Llama with grouped-query
 attention (kv_heads < heads), plain and packed rows, the sharded forward's logits (gathered) and the
 first backward's parameter gradients (the mean over the context ranks, as the data_context reduction
-makes it) equal the one-process model's; the bytes counted equal cost/traffic.py `context_traffic`
+makes it) and the mean of the ranks' losses equal the one-process model's; the bytes counted equal cost/traffic.py `context_traffic`
 kind by kind; the NCCL point-to-point order check passes (and catches a ring issued send-first on
 every rank); the ring skips exactly the key chunks wholly in the future; the head-tail shards balance
 the causal work (max/mean = 1.0 for c = 2, 4, 8, against 1.33/1.60/1.78 for a contiguous split).
@@ -31,7 +31,7 @@ from strategies.context_parallel import (TAG_GRADIENTS, TAG_KEYS_VALUES, BlockCo
                                          causal_pairs, context_parallel_batch, load_balance, shard_indices,
                                          shard_sequence)
 from tests.ranks import run_on_ranks
-from tests.tolerances import EXACT_RTOL, GRADIENT_RTOL, GRADIENT_SCALE_ATOL
+from tests.tolerances import EXACT_RTOL, GRADIENT_RTOL, GRADIENT_SCALE_ATOL, LOSS_RTOL
 
 LOGIT_ATOL = 1e-5
 # bf16 autocast, c = 1: the ring computes each block in fp32 from bf16 q, k, v and rounds its output
@@ -71,8 +71,10 @@ def reference(case: str) -> dict:
     tokens, targets, documents = batch(case)
     model.set_documents(documents)
     logits = model(tokens)
-    model.loss(logits, targets).backward()
-    return dict(logits=logits.detach(), grads={name: p.grad.clone() for name, p in model.named_parameters()})
+    loss = model.loss(logits, targets)
+    loss.backward()
+    return dict(logits=logits.detach(), loss=loss.item(),
+                grads={name: p.grad.clone() for name, p in model.named_parameters()})
 
 
 def cases_on_rank(rank: int, c: int, comm: str) -> dict:
@@ -90,9 +92,10 @@ def cases_on_rank(rank: int, c: int, comm: str) -> dict:
         local_tokens, local_targets = context_parallel_batch(model, tokens, targets, documents,
                                                              layout.index("context"), c)
         logits = model(local_tokens)
-        model.loss(logits, local_targets).backward()
+        loss = model.loss(logits, local_targets)
+        loss.backward()
         # numpy arrays travel to the test by value (a tensor would by a shared-memory handle that dies with the rank)
-        results[case] = dict(logits=logits.detach().numpy(), bytes=communicator.snapshot(),
+        results[case] = dict(logits=logits.detach().numpy(), loss=loss.item(), bytes=communicator.snapshot(),
                              grads={name: p.grad.numpy() for name, p in model.named_parameters()},
                              blocks=(attention.blocks.computed, attention.blocks.skipped),
                              checked=communicator.check_point_to_point_order())
@@ -124,6 +127,8 @@ def test_sharded_model_equals_one_process(c, comm):
         print(f"c{c} {comm} {case}: |logit error| {logit_error:.1e}, gradients {worst:.3f} of the tolerance, "
               f"bytes {by_rank[0][case]['bytes']}, blocks {[r[case]['blocks'] for r in by_rank]}")
         assert logit_error <= LOGIT_ATOL, case
+        # each rank's mean over its s/c targets; their mean is the rows' mean (equal counts per shard)
+        assert sum(results[case]["loss"] for results in by_rank) / c == pytest.approx(expected["loss"], rel=LOSS_RTOL)
         assert worst <= 1.0, case
         predicted = expected_bytes(case, c, comm)
         for rank, results in enumerate(by_rank):

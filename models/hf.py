@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out: a `config.json` + `*.safetensors` directory <-> our models.
 
     from models.hf import load_pretrained, save_pretrained
-    model = load_pretrained("my-llama/")          # Llama, Mistral, Qwen2, Qwen3 or GPT-2
+    model = load_pretrained("my-llama/")          # Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or GPT-2
     save_pretrained(model, "out/")                # transformers.AutoModelForCausalLM loads it
 
 Import is exact, part by part: `config.json` becomes our architecture and shape (`hf_shape`), every
@@ -9,7 +9,9 @@ field that changes the computation honoured or refused by name; the weights fill
 the safetensors files (one file, or shards named by `model.safetensors.index.json`) when the part
 is materialised (`PartWeights`, the `weights` hook of `LanguageModel.build_part`), so a process
 reads only the tensors of the parts it owns. Names follow `NAMES`: GPT-2's Conv1D weights are
-stored [in, out] and transposed; a tied output projection reads the token embedding.
+stored [in, out] and transposed; a tied output projection reads the token embedding. Mixtral's and
+Qwen3-MoE's experts and routers are models/hf_moe.py's (one file per concern: the per-expert names,
+the stacking, rank-local expert reads).
 """
 
 import json
@@ -22,10 +24,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from models.hf_moe import MOE_ARCHITECTURES, fill_moe, model_moe_fields, moe_config, moe_family, moe_shape, moe_tensors
 from models.transformer import LanguageModel
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
-                 "Qwen3ForCausalLM": "llama", "GPT2LMHeadModel": "gpt"}
+                 "Qwen3ForCausalLM": "llama", "GPT2LMHeadModel": "gpt",
+                 **{name: "llama" for name in MOE_ARCHITECTURES}}
 QK_NORM = ("qwen3", "qwen3_moe")  # model_type of the families with q_norm/k_norm (transformers' Qwen3Attention)
 SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size ("5GB")
 INDEX = "model.safetensors.index.json"
@@ -151,7 +155,7 @@ def _sliding_window(config: dict, sequence_length: int) -> None:
     """Mistral's/Qwen2's sliding-window attention changes the result only when the window is
     shorter than the sequences: refused then, ignored otherwise (full causal attention is equal)."""
     window = config.get("sliding_window")
-    used = config.get("model_type") == "mistral" or config.get("use_sliding_window", False) or \
+    used = config.get("model_type") in ("mistral", "mixtral") or config.get("use_sliding_window", False) or \
         "sliding_attention" in (config.get("layer_types") or ())
     if used and window is not None and window < sequence_length:
         _refuse("sliding_window", window, f"layerwise attends over the whole sequence; with sequences of "
@@ -213,6 +217,8 @@ def hf_shape(config: dict, sequence_length: int = None) -> dict:
         maximum = config.get("max_position_embeddings", 2048)
         shape = _llama_shape(config, sequence_length or maximum)
         shape["max_sequence_length"] = maximum
+        if architectures[0] in MOE_ARCHITECTURES:
+            shape.update(moe_shape(config))
     shape["vocab_size"] = config["vocab_size"]
     return shape
 
@@ -306,7 +312,14 @@ class PartWeights:
 
     def __init__(self, path, architecture: str, tied: bool):
         self.path, self.architecture, self.tied = str(path), architecture, tied
-        self._files = None
+        self._files = self._family = None
+
+    @property
+    def family(self) -> str:
+        """config.json's model_type (mixtral, qwen3_moe: how its experts are named), read once."""
+        if self._family is None:
+            self._family = read_config(self.path).get("model_type")
+        return self._family
 
     @property
     def files(self) -> SafetensorsFiles:
@@ -319,7 +332,12 @@ class PartWeights:
 
     @torch.no_grad()
     def __call__(self, part: str, module: torch.nn.Module) -> None:
+        # An MoE block's router and experts (only those it holds: an expert-parallel rank's own)
+        filled = fill_moe(self.files, self.family, part, module) if hasattr(getattr(module, "mlp", None), "experts") \
+            else set()
         for local, parameter in module.named_parameters():
+            if local in filled:
+                continue
             name, transposed = hf_name(self.architecture, f"{part}.{local}", self.tied)
             if parameter.dim() == 1:
                 parameter.copy_(self.files.get(name))
@@ -403,10 +421,12 @@ def hf_config(architecture: str, vocab_size: int, max_sequence_length: int, laye
               heads: int, mlp_ratio: int = 4, tie_embeddings: bool = False, kv_heads: int = None,
               ffn_hidden: int = None, norm_eps: float = 1e-5, rope_theta: float = 10000.0,
               rope_scaling=None, qkv_bias: bool = False, dtype: str = "float32", special_tokens: dict = None,
-              head_dim: int = None, qk_norm: bool = False, **_) -> dict:
+              head_dim: int = None, qk_norm: bool = False, experts: int = 0, **moe) -> dict:
     """The config.json transformers needs for our model's shape: GPT -> GPT2LMHeadModel; Llama ->
     LlamaForCausalLM, Qwen2ForCausalLM with q/k/v biases, Qwen3ForCausalLM with q/k norms (`head_dim`
-    written whatever it is: transformers' classes default it differently, Qwen3's to 128).
+    written whatever it is: transformers' classes default it differently, Qwen3's to 128); with
+    `experts` (and `moe`'s model.* MoE fields) MixtralForCausalLM or, with q/k norms,
+    Qwen3MoeForCausalLM (models/hf_moe.py).
     `special_tokens` ({"bos", "eos", "pad"}:
     ids or None) are written as bos_token_id, eos_token_id, pad_token_id, null included: a missing
     key lets transformers fall back to its class's defaults (Llama 1 and 2, GPT-2 50256), so
@@ -441,6 +461,10 @@ def hf_config(architecture: str, vocab_size: int, max_sequence_length: int, laye
         config.update(use_sliding_window=False, sliding_window=None)
     if family == "qwen3":
         config.update(attention_bias=False)
+    if experts:
+        config = moe_config(config, moe_family(qk_norm=qk_norm, qkv_bias=qkv_bias, experts=experts, ffn_hidden=ffn_hidden,
+                                               **moe), layers=layers, experts=experts,
+                            ffn_hidden=ffn_hidden or mlp_ratio * hidden, **moe)
     return config
 
 
@@ -453,15 +477,21 @@ def model_config(model: LanguageModel) -> dict:
     if architecture == "llama":
         fields.update(kv_heads=model.kv_heads, ffn_hidden=model.ffn_hidden, norm_eps=model.norm_eps,
                       rope_theta=model.rope_theta, rope_scaling=model.rope_scaling, qkv_bias=model.qkv_bias,
-                      head_dim=model.head_dim, qk_norm=model.qk_norm)
+                      head_dim=model.head_dim, qk_norm=model.qk_norm, **model_moe_fields(model))
     return fields
 
 
-def hf_tensors(architecture: str, named_tensors, tied: bool):
+def hf_tensors(architecture: str, named_tensors, tied: bool, moe: str = None):
     """(Hugging Face name, contiguous tensor) for our (name, tensor) pairs; a tied output projection
-    is left out (transformers ties it to the embedding on load, as its own save does)."""
+    is left out (transformers ties it to the embedding on load, as its own save does). `moe`
+    (hf_moe.moe_family's "mixtral" | "qwen3_moe"): an MoE block's tensors are that family's, each
+    stacked expert tensor one per expert."""
     for name, tensor in named_tensors:
         if tied and name == "head.output.weight":
+            continue
+        pairs = moe_tensors(moe, name, tensor) if moe else None
+        if pairs is not None:
+            yield from pairs
             continue
         theirs, transposed = hf_name(architecture, name)
         yield theirs, (tensor.t() if transposed else tensor).detach().contiguous()
@@ -557,7 +587,8 @@ def save_pretrained(model: LanguageModel, path, shard_bytes: int = SHARD_BYTES, 
     config = hf_config(**fields, dtype=dtype, special_tokens=special_tokens)
     written = [write_config(path, config), write_generation_config(path, config)]
     writer = ShardWriter(path, shard_bytes)
-    for name, tensor in hf_tensors(fields["architecture"], model.state_dict().items(), model.tie_embeddings):
+    moe = moe_family(**fields) if fields.get("experts") else None
+    for name, tensor in hf_tensors(fields["architecture"], model.state_dict().items(), model.tie_embeddings, moe):
         writer.add(name, tensor)
     writer.close()
     follow_umask(written + writer.written)

@@ -32,12 +32,24 @@ DENSE = {
     "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(BASE, head_dim=8, tie_word_embeddings=True,
                                                            rope_theta=1e6)),
 }
-CASES = dict(DENSE)
+MOE = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(BASE, num_local_experts=4, num_experts_per_tok=2)),
+    # block 0 dense (mlp_only_layers: intermediate_size 48), block 1 sparse (4 experts of 24); q/k norms
+    "qwen3_moe_mlp_only_0": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
+        mlp_only_layers=[0], head_dim=16)),
+    # top-k weights not renormalised (norm_topk_prob false, the Qwen3MoeConfig default), tied embeddings
+    "qwen3_moe_unnormalised_tied": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        BASE, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=False,
+        tie_word_embeddings=True)),
+}
+CASES = dict(DENSE, **MOE)
 
 
 def hf_model(case: str, path, **changes):
     """A random transformers model of `case` saved in `path`; norm weights drawn away from 1 so that
-    a mapping that dropped one would show."""
+    a mapping that dropped one would show; routers drawn N(0, 0.3) (Qwen3-MoE's start at zero, where
+    every expert ties and top-k picks by index: a swapped router row would not show)."""
     config_class, model_class, fields = CASES[case]
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(getattr(transformers, config_class)(**dict(fields, **changes))).eval()
@@ -45,6 +57,8 @@ def hf_model(case: str, path, **changes):
         for name, value in model.named_parameters():
             if value.dim() == 1:
                 value.normal_(1.0, 0.2)
+            elif name.endswith("mlp.gate.weight") and "experts" not in name:
+                value.normal_(0.0, 0.3)
     model.save_pretrained(path)
     return model
 
@@ -82,3 +96,195 @@ def test_import_then_export_is_bit_identical_and_loads_in_transformers(case, tmp
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     difference, scale = logits_difference(reloaded.eval(), load_pretrained(tmp_path / "out").eval())
     assert difference <= LOGITS_RTOL * scale
+
+
+def test_mapping_bugs_are_seen(tmp_path):
+    """The tolerance is sharp: one expert's gate and up swapped, or the top-k weights left
+    unnormalised, moves the logits by ≥ 1e3 × LOGITS_RTOL of their scale."""
+    reference = hf_model("mixtral", tmp_path)
+    for bug in ("swap_gate_up", "unnormalised"):
+        ours = load_pretrained(tmp_path).eval()
+        mlp = ours.blocks["1"].mlp
+        with torch.no_grad():
+            if bug == "swap_gate_up":
+                mlp.experts.gate[1], mlp.experts.up[1] = mlp.experts.up[1].clone(), mlp.experts.gate[1].clone()
+            else:
+                mlp.normalize = False
+        difference, scale = logits_difference(reference, ours)
+        assert difference > 1e3 * LOGITS_RTOL * scale, bug
+
+
+# ----- configuration: what is mapped, what is refused by name
+
+
+def test_config_fields_become_the_moe_fields(tmp_path):
+    from models.hf import hf_shape, read_config
+    hf_model("qwen3_moe_mlp_only_0", tmp_path / "qwen", decoder_sparse_step=1, router_aux_loss_coef=0.02)
+    shape = hf_shape(read_config(tmp_path / "qwen"))
+    assert {key: shape[key] for key in ("experts", "experts_per_token", "moe_ffn_hidden", "moe_layers",
+                                        "router_normalize", "aux_loss_coefficient", "qk_norm", "head_dim",
+                                        "ffn_hidden")} == dict(
+        experts=4, experts_per_token=2, moe_ffn_hidden=24, moe_layers=[1], router_normalize=True,
+        aux_loss_coefficient=0.02, qk_norm=True, head_dim=16, ffn_hidden=48)
+    hf_model("mixtral", tmp_path / "mixtral")
+    shape = hf_shape(read_config(tmp_path / "mixtral"))
+    assert (shape["experts"], shape["moe_layers"], shape["moe_ffn_hidden"], shape["router_normalize"],
+            shape["qk_norm"]) == (4, None, None, True, False)
+
+
+def test_router_jitter_is_refused_by_name(tmp_path):
+    from models.hf import hf_shape, read_config
+    config_class, model_class, fields = CASES["mixtral"]
+    getattr(transformers, config_class)(**fields, router_jitter_noise=0.1, architectures=[model_class]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"config.json field router_jitter_noise=0.1 is not supported"):
+        hf_shape(read_config(tmp_path))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(router="sigmoid_bias"), "model.router=sigmoid_bias"),
+    (dict(shared_experts=1), "model.shared_experts > 0"),
+    (dict(router_normalize=False), "model.router_normalize=false without qk_norm"),
+    (dict(moe_layers=[1]), r"model.moe_layers=\[1\] without qk_norm"),
+])
+def test_export_refuses_what_no_transformers_class_computes(changes, message, tmp_path):
+    from models import build_model
+    model = build_model("llama", vocab_size=VOCAB, sequence_length=64, layers=2, hidden=32, heads=4, kv_heads=2,
+                        ffn_hidden=48, experts=4, experts_per_token=2, **changes)
+    with pytest.raises(ValueError, match=message):
+        save_pretrained(model, tmp_path)
+
+
+def test_a_layerwise_moe_model_exports_to_the_class_that_computes_it(tmp_path):
+    """A model built by layerwise (seeded, not imported): with q/k norms and a dense first block it is
+    a Qwen3MoeForCausalLM, which gives the logits layerwise gives."""
+    from models import build_model
+    model = build_model("llama", vocab_size=VOCAB, sequence_length=64, layers=2, hidden=32, heads=4, kv_heads=2,
+                        ffn_hidden=48, experts=4, experts_per_token=2, moe_ffn_hidden=24, moe_layers=[1],
+                        qk_norm=True, head_dim=16, router_normalize=False).eval()
+    save_pretrained(model, tmp_path)
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(reloaded).__name__ == "Qwen3MoeForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    difference, scale = logits_difference(reloaded.eval(), model)
+    assert difference <= LOGITS_RTOL * scale
+
+
+# ----- rank-local expert loading: an expert-parallel rank reads its experts' tensors and no other's
+
+
+class CountingFiles:
+    """A SafetensorsFiles that records the name and bytes of every tensor read from the files."""
+
+    def __new__(cls, path):
+        from models.hf import SafetensorsFiles
+
+        class Counting(SafetensorsFiles):
+            def read(self, name, rows=None, columns=None):
+                value = super().read(name, rows, columns)
+                self.reads.append((name, value.numel() * value.element_size()))
+                return value
+        files = Counting(path)
+        files.reads = []
+        return files
+
+
+@pytest.mark.parametrize("case, family", [("mixtral", "mixtral"), ("qwen3_moe_mlp_only_0", "qwen3_moe")])
+def test_an_expert_parallel_rank_reads_only_its_experts(case, family, tmp_path):
+    """e = 2 over E = 4: rank 1 holds experts 2 and 3 of block 1; filling its MoE reads the router and
+    3 × 2 expert matrices (gate, up, down of experts 2 and 3), never experts 0 and 1, and holds
+    exactly the whole model's experts 2 and 3."""
+    from models.hf_moe import expert_name, fill_moe
+    from models.moe import MoE
+    hf_model(case, tmp_path)
+    whole = load_pretrained(tmp_path).blocks["1"].mlp
+    block = torch.nn.Module()
+    block.mlp = MoE(32, whole.experts.width, 4, 2, first=2, local_experts=2)
+    files = CountingFiles(tmp_path)
+    filled = fill_moe(files, family, "blocks.1", block)
+    names = [name for name, _ in files.reads]
+    experts = {expert_name(family, 1, which, e) for which in ("gate", "up", "down") for e in (2, 3)}
+    assert set(names) - experts == {("model.layers.1.block_sparse_moe.gate.weight" if family == "mixtral"
+                                     else "model.layers.1.mlp.gate.weight")}
+    assert len(names) == 7 and experts <= set(names)
+    width = whole.experts.width
+    assert sum(size for name, size in files.reads if name in experts) == 2 * 3 * 32 * width * 4  # fp32 bytes
+    assert filled == {"mlp.router.weight", "mlp.experts.gate", "mlp.experts.up", "mlp.experts.down"}
+    for which in ("gate", "up", "down"):
+        assert torch.equal(getattr(block.mlp.experts, which), getattr(whole.experts, which)[2:4])
+    assert torch.equal(block.mlp.router.weight, whole.router.weight)
+
+
+def test_read_experts_across_shards_stacks_them_transposed(tmp_path):
+    """read_experts over an index of several shards: expert e's [out, in] matrices, stacked [count, in, out]."""
+    from models.hf import SafetensorsFiles
+    from models.hf_moe import expert_name, read_experts
+    hf_model("mixtral", tmp_path / "in")
+    save_pretrained(load_pretrained(tmp_path / "in"), tmp_path / "out", shard_bytes=20_000)
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    files, original = SafetensorsFiles(tmp_path / "out"), load_file(tmp_path / "in" / "model.safetensors")
+    got = read_experts(files, "mixtral", 0, first=1, count=3)
+    for which in ("gate", "up", "down"):
+        assert torch.equal(got[which], torch.stack([original[expert_name("mixtral", 0, which, e)].t() for e in (1, 2, 3)]))
+
+
+# ----- model=hf model.path=DIR in a run: a tiny Mixtral trains, its initial validation loss is
+# transformers', and the trained model exported with `--format hf` is a Mixtral transformers loads
+
+RUN_MIXTRAL = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1, num_local_experts=4,
+                   num_experts_per_tok=2)
+
+
+def test_a_mixtral_trains_from_its_checkpoint_and_exports_to_transformers(tmp_path):
+    from layerwise.tools.export import export_hf
+    from tests.test_hf import hf_run, transformers_validation_loss
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(**RUN_MIXTRAL)).save_pretrained(tmp_path / "in")
+    (tmp_path / "run").mkdir()
+    cfg, summary = hf_run(tmp_path / "run", tmp_path / "in", "strategy=single", "trainer.max_steps=2",
+                          "trainer.checkpoint_every_n_steps=2")
+    assert (cfg.model.experts, cfg.model.experts_per_token, cfg.model.moe_layers) == (4, 2, None)
+    expected = transformers_validation_loss(cfg, tmp_path / "in")
+    assert abs(summary["initial_val_loss"] - expected) <= 1e-5 * expected
+    assert summary["losses"][-1] < summary["losses"][0]
+    export_hf(tmp_path / "run", tmp_path / "out")
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert type(reloaded).__name__ == "MixtralForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    trained = load_file(tmp_path / "out" / "model.safetensors")
+    name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    assert not torch.equal(trained[name], load_file(tmp_path / "in" / "model.safetensors")[name])  # trained
+    batch = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected, got = reloaded.eval()(batch).logits, load_pretrained(tmp_path / "out").eval()(batch)
+    assert (got - expected).abs().max() <= LOGITS_RTOL * expected.abs().max()
+
+
+RUN_QWEN3 = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=64, initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def hf_qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_qwen3")
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**RUN_QWEN3)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("overrides", [["strategy=single"], ["strategy=modular_pipeline"]], ids=["single", "pp2"])
+def test_initial_validation_loss_of_an_imported_qwen3_is_transformers(overrides, hf_qwen3, tmp_path):
+    from tests.test_hf import hf_run, transformers_validation_loss
+    cfg, summary = hf_run(tmp_path, hf_qwen3, "trainer.max_steps=1", *overrides)
+    assert (cfg.model.qk_norm, cfg.model.head_dim, cfg.model.hidden, cfg.model.heads) == (True, 16, 32, 4)
+    expected = transformers_validation_loss(cfg, hf_qwen3)
+    assert abs(summary["initial_val_loss"] - expected) <= 1e-5 * expected
+
+
+def test_tensor_grids_refuse_qk_norm_by_name(hf_qwen3):
+    from layerwise.preflight import validate
+    from layerwise.config.errors import ConfigError
+    from tests.ranks import QUICK, compose_config
+    cfg = compose_config(*QUICK, "model=hf", f"model.path={hf_qwen3}", "strategy=tp_1d", "strategy.tensor_grid=2")
+    with pytest.raises(ConfigError, match=r"model.qk_norm=True: tp_1d supports only False so far. Fix: model.qk_norm=False"):
+        validate(cfg)

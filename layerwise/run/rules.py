@@ -53,7 +53,8 @@ def local_launch_problems(cfg, gpus: int) -> list:
 
 HF_FIELDS = ("architecture", "layers", "hidden", "heads", "mlp_ratio", "kv_heads", "ffn_hidden", "norm_eps",
              "rope_theta", "rope_scaling", "qkv_bias", "tie_embeddings", "max_sequence_length", "vocab_size",
-             "head_dim", "qk_norm")
+             "head_dim", "qk_norm", "experts", "experts_per_token", "shared_experts", "moe_ffn_hidden", "moe_layers",
+             "router", "router_normalize", "aux_loss_coefficient", "capacity_factor")  # MoE: models/hf_moe.py
 
 
 def fill_hf_model(cfg) -> list:

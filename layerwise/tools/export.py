@@ -86,17 +86,22 @@ def _load_distributed_checkpoint(path: Path) -> dict:
 
 
 def _merge_positions(path: Path, consolidate) -> dict:
-    """One pipeline position at a time: its ranks' files (the data replicas too when they hold
-    ZeRO shards, else data replica 0's tensor block), merged by the strategy's consolidate."""
+    """One pipeline position at a time: its ranks' files (the data replicas and context shards too
+    when they hold ZeRO shards, else data replica 0's context shard 0's tensor block; rank = t + T·(k +
+    C·(p + P·d)), parallel/layout.py), merged by the strategy's consolidate."""
     layout = json.loads((path / "layout.json").read_text())
     data, pipeline, tensor = layout["data"], layout["pipeline"], layout.get("tensor", 1)
+    context = layout.get("context", 1)
     merged = {}
     for position in range(pipeline):
-        first = _load_rank(path, tensor * position)
-        replicas = data if any(name.startswith(PREFIX + "zero_shards.") for name in first) else 1
-        ranks = [t + tensor * (position + pipeline * d) for d in range(replicas) for t in range(tensor)]
-        states = [first if rank == tensor * position else _load_rank(path, rank) for rank in ranks]
-        merged.update(consolidate(states, {**layout, "data": replicas, "pipeline": 1}))
+        first_rank = tensor * context * position
+        first = _load_rank(path, first_rank)
+        sharded = any(name.startswith(PREFIX + "zero_shards.") for name in first)
+        replicas, contexts = (data, context) if sharded else (1, 1)
+        ranks = [t + tensor * (k + context * (position + pipeline * d))
+                 for d in range(replicas) for k in range(contexts) for t in range(tensor)]
+        states = [first if rank == first_rank else _load_rank(path, rank) for rank in ranks]
+        merged.update(consolidate(states, {**layout, "data": replicas, "context": contexts, "pipeline": 1}))
         del first, states  # the next position's files replace these
     return merged
 
@@ -151,6 +156,10 @@ def special_tokens(cfg) -> dict:
     return found
 
 
+MOE_FIELDS = ("experts", "experts_per_token", "shared_experts", "moe_ffn_hidden", "moe_layers", "router",
+              "router_normalize", "aux_loss_coefficient", "capacity_factor")
+
+
 def export_hf(run_directory, out, checkpoint: str = "last") -> dict:
     """Write `out` as a Hugging Face model directory that transformers.AutoModelForCausalLM loads,
     reading the checkpoint one part at a time: config.json (with the run's BOS/EOS/pad ids:
@@ -160,18 +169,23 @@ def export_hf(run_directory, out, checkpoint: str = "last") -> dict:
     import shutil
 
     from models.hf import ShardWriter, hf_config, hf_tensors, write_config, write_generation_config
+    from models.hf_moe import moe_family
     cfg = run_config(run_directory)
-    shapes, writer = {}, ShardWriter(out)
-    for state in part_states(run_directory, checkpoint, cfg.model.layers):
-        for name, tensor in hf_tensors(cfg.model.architecture, state.items(), bool(cfg.model.tie_embeddings)):
-            writer.add(name, tensor)
-        shapes.update({name: value.shape for name, value in state.items()})
-        del state  # the next part replaces it
     fields = {name: cfg.model.get(name) for name in ("layers", "hidden", "heads", "mlp_ratio", "tie_embeddings",
                                                      "kv_heads", "ffn_hidden", "norm_eps", "rope_theta",
                                                      "rope_scaling", "qkv_bias", "max_sequence_length",
-                                                     "head_dim", "qk_norm")}
+                                                     "head_dim", "qk_norm", *MOE_FIELDS)}
     fields["rope_scaling"] = OmegaConf.to_container(cfg.model.rope_scaling) if cfg.model.get("rope_scaling") else None
+    fields["moe_layers"] = list(cfg.model.moe_layers) if cfg.model.get("moe_layers") is not None else None
+    # Mixtral or Qwen3-MoE (models/hf_moe.py), refused by name before a byte is written
+    moe = moe_family(**{name: value for name, value in fields.items() if value is not None}) \
+        if fields.get("experts") else None
+    shapes, writer = {}, ShardWriter(out)
+    for state in part_states(run_directory, checkpoint, cfg.model.layers):
+        for name, tensor in hf_tensors(cfg.model.architecture, state.items(), bool(cfg.model.tie_embeddings), moe):
+            writer.add(name, tensor)
+        shapes.update({name: value.shape for name, value in state.items()})
+        del state  # the next part replaces it
     config = hf_config(cfg.model.architecture, vocab_size=shapes["embed.token.weight"][0],
                        special_tokens=special_tokens(cfg),
                        **{name: value for name, value in fields.items() if value is not None})

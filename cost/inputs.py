@@ -179,6 +179,9 @@ class Workload:
     # only the core attention (Q·Kᵀ, softmax, dropout, scores·V) is recomputed, its forward rerun in
     # the backward; the rest is saved.
     recompute_attention: bool = False
+    # Mixtures of experts (cost/experts.py): the busiest expert's routed tokens over the mean
+    # (plan.expert_load_imbalance); 1: perfectly balanced. The degree e is layout.expert.
+    expert_imbalance: float = 1.0
 
     @property
     def piece(self) -> int:

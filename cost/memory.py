@@ -21,6 +21,7 @@ from strategies.schedule.generators import ZERO_BUBBLE
 from strategies.schedule.ir import POST_RECV_ACTIVATION, POST_RECV_GRADIENT, SEND_ARROW, posted_receive
 from cost.traffic import local_parameters, padded_buckets
 from cost.inputs import BYTES, OPTIMIZER_STATE, Workload
+from cost.experts import extra_saved_elements, local_expert_elements, zero_extra_shard
 
 
 def stage_parameters(workload: "Workload", stage: int, stages: int) -> float:
@@ -28,7 +29,7 @@ def stage_parameters(workload: "Workload", stage: int, stages: int) -> float:
     first, the head on the last (traffic.local_parameters)."""
     layout = workload.layout
     return local_parameters(layout.tensor_grid, layout.edge, workload.shape, stage == 0, workload.layers_per_stage,
-                            stage == stages - 1)["all"]
+                            stage == stages - 1)["all"] + workload.layers_per_stage * local_expert_elements(workload)  # + E/e experts
 
 
 def block_saved_bytes(workload: "Workload", tokens: float, flash: bool) -> float:
@@ -50,7 +51,7 @@ def block_saved_bytes(workload: "Workload", tokens: float, flash: bool) -> float
     if workload.layout.tensor_grid in ("2d", "3d"):
         return grid_block_saved_elements(workload, tokens, scores) * workload.activation_bytes
     residual = len(shape.block.norms) * shape.norm_saves * h / stream_split(workload)
-    split = (_attention_saved(shape) + _mlp_saved(shape) + scores) / ranks
+    split = (_attention_saved(shape) + _mlp_saved(shape) + extra_saved_elements(workload) + scores) / ranks
     return ((residual + split) * tokens + shape.rotary_elements()) * workload.activation_bytes
 
 
@@ -362,6 +363,7 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     part = {stage: stage_parameters(workload, stage, total_stages) * BYTES for stage in stages}
     held, largest = sum(part.values()), max(part.values())
     sharded = held / layout.data if layout.zero else held
+    sharded += zero_extra_shard(workload, len(stages) * per_stage) * BYTES  # MoE experts: over d/e (cost/experts.py)
     # ZeRO (strategies/zero_layered.py): a stage's weights are gathered whole for each run, the next
     # run's gather posted one ahead (two stages; the same one twice when a rank holds one), and its
     # backward installs a whole flat gradient at once, in flight until the next stage's reduce-

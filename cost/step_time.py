@@ -32,6 +32,7 @@ from strategies.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORW
                                  SEND_ACTIVATION, SEND_GRADIENT, simulate)
 from strategies.schedule.zero import GATHER_FOR, GATHERS, REDUCE_SCATTER, compute_runs
 from cost.inputs import BYTES
+from cost.experts import block_exchange_seconds, computed_weights, exchange_bytes, experts_product_seconds
 from cost.traffic import all_gather, all_reduce, block_traffic, grid_collectives, head_traffic, step_traffic
 
 
@@ -45,7 +46,7 @@ def forward_flops(workload: Workload, stage: int, stages: int) -> float:
     token for the blocks' matrix products, 4·s·h per token for attention, plus the head's on the last."""
     shape = workload.shape
     h, tokens = shape.hidden, workload.micro_batch_rows * shape.length
-    block = tokens * (2 * shape.block.matmul_weights() + 4 * shape.length * h)
+    block = tokens * (2 * computed_weights(workload) + 4 * shape.length * h)
     head = 2 * tokens * h * shape.vocabulary if stage == stages - 1 else 0
     return (workload.layers_per_stage * block + head) / workload.tensor_ranks
 
@@ -128,6 +129,10 @@ def stage_seconds(workload: Workload, device: Device, stage: int, stages: int) -
     forward, backward = blocks + head + loss_forward, factor * blocks + 2.0 * head + loss_backward
     if workload.recompute_attention and not workload.recompute:
         backward += workload.layers_per_stage * core_attention_seconds(workload, device)
+    # an MoE block's all-to-alls (cost/experts.py): dispatch and combine each way, again when recomputed
+    exchange_forward, exchange_backward = block_exchange_seconds(workload, device)
+    forward += workload.layers_per_stage * exchange_forward
+    backward += workload.layers_per_stage * exchange_backward
     forward_sends, backward_sends = communication, communication * (factor - 1.0)
     if workload.tensor_overlap:  # Megatron-Core's userbuffers: each collective hides behind a product
         return max(forward, forward_sends), max(backward, backward_sends)
@@ -160,6 +165,7 @@ def products_seconds(workload: Workload, device: Device, stage: int, stages: int
                          fan_out // (t if place == "first" else 1), peak=device.linear_peak)
                 for fan_in, fan_out, place, _ in shape.linears())
     block += attention_products_seconds(workload, device)
+    block += experts_product_seconds(workload, device, roofline)  # an MoE block's routed experts (cost/experts.py)
     head = roofline(workload, device, tokens, h, shape.vocabulary // t) if stage == stages - 1 else 0.0
     return workload.layers_per_stage * block, head
 
@@ -388,6 +394,8 @@ def predict_step(workload: Workload, device: Device, plan) -> dict:
     (cost/traffic.py)."""
     step = simulated_step(workload, device, plan)
     traffic = [rank_traffic(workload, plan, rank) for rank in range(plan.pipeline_degree)]
+    for rank, counted in enumerate(traffic):  # an MoE block's all-to-alls (cost/experts.py)
+        counted["all_to_all"] += exchange_bytes(workload, plan, rank)
     return {**step, "bytes_by_rank": [{kind: traffic_rank[kind] for kind in KINDS} for traffic_rank in traffic]}
 
 

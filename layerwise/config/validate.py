@@ -83,6 +83,7 @@ RANGES = {
     "hardware.gather_overlap": ("ratio", 0.6),
     "calibrate.repeats": ("count", 5),
     "plan.efficiency": ("fraction", 0.5), "plan.allocator_margin": ("probability", 0.1),
+    "plan.expert_load_imbalance": ("count", 1.25),  # the busiest expert over the mean: never below 1
     "plan.search_top": ("count", 10), "plan.search_replan": ("non_negative", 3),
     "plan.search_max_tensor_ranks": ("non_negative", 8),
     "optimizer.lr": ("positive", "3e-4"), "optimizer.weight_decay": ("non_negative", 0.1),

@@ -65,6 +65,7 @@ def one_stage_pipeline(cfg, grid: str, edge: int, data_degree=None, activation_r
         "overlap_reduction": cfg.strategy.get("overlap_reduction", False),
         "message_dtype": cfg.strategy.get("message_dtype", "fp32"),  # (one stage: nothing crosses a boundary)
         "scatter_gather": cfg.strategy.get("scatter_gather", False),
+        "expert_parallel": cfg.strategy.get("expert_parallel", 1),
         "distributed_optimizer": cfg.strategy.get("distributed_optimizer", False)})
     return planned
 
@@ -81,6 +82,7 @@ def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
                     cfg.data.global_batch_size // (layout.data * cfg.strategy.micro_batches),
                     cfg.optimizer.name, cfg.strategy.activation_recompute == "full",
                     compute_bytes(cfg), through_forward, cfg.hardware.process_group_backend == "gloo",
+                    expert_imbalance=cfg.plan.expert_load_imbalance,
                     **communication_of(cfg.strategy, cfg.hardware.precision, layout, cfg.plan.flash_attention))
 
 

@@ -2,6 +2,7 @@
 (planning/pipefisher.py) and L2L's relay in closed form."""
 
 from cost.inputs import Workload
+from layerwise.planning.experts import experts_plan
 from cost.memory import memory
 from cost.relay import relay_host_memory, relay_memory, relay_step
 from cost.step_time import predict_step
@@ -54,4 +55,6 @@ def plan_result(cfg, world_size: int, with_timeline: bool = False):
               "bubble_fraction": step["bubble_fraction"], "exposed_data_s": step["exposed_data_seconds"],
               "comm_bytes_per_step_by_pipeline_rank": step["bytes_by_rank"],
               "roles": [_role(label, ranks, breakdown, margin, device) for label, ranks, breakdown in roles(per_rank, schedule.placement[-1])]}
+    if workload.shape.block.experts:  # a mixture of experts (layerwise/planning/experts.py)
+        result["experts"] = experts_plan(cfg, workload, device)
     return (result, step["timeline"]) if with_timeline else result

@@ -3,6 +3,7 @@ the header every plan.json starts with (the point, the step, tokens/s, MFU)."""
 
 from cost.inputs import Device, Workload
 from cost.step_time import model_flops_utilization
+from models import blocks_of
 from models.transformer import model_flops_per_token
 
 
@@ -33,7 +34,8 @@ def _result_header(cfg, world_size: int, workload: Workload, device: Device, ste
     where they mean the same thing, units in the name: docs/evidence.md)."""
     tokens = cfg.data.global_batch_size * cfg.data.sequence_length
     flops = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
-                                  workload.shape.vocabulary, cfg.model.mlp_ratio, workload.shape.block) * tokens
+                                  workload.shape.vocabulary, cfg.model.mlp_ratio, workload.shape.block,
+                                  blocks_of(cfg.model)) * tokens  # MoE: active weights, dense blocks apart
     return {"strategy": cfg.strategy.name, "model": cfg.model.name, "hardware": cfg.hardware.name,
             "world_size": world_size, "layout": workload.layout.__dict__, "step_time_s": step_seconds,
             "tokens_per_s": tokens / step_seconds, "mfu": model_flops_utilization(flops, step_seconds, device.flops_per_second, world_size),

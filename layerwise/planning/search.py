@@ -35,6 +35,8 @@ from omegaconf import OmegaConf
 from layerwise.config.schema import PipelineStrategyConfig, ZeroLayeredStrategyConfig
 from layerwise.planning.inputs import communication_of, compute_bytes, device_of, efficiency_of, shape_of
 from layerwise.planning.result import plan_result
+from layerwise.planning.experts import expert_degrees
+from models import blocks_of
 from models.transformer import model_flops_per_token
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
 from cost.inputs import Workload
@@ -63,6 +65,8 @@ TWO_STAGES_PER_RANK = ("zbv",)  # the V: layers_per_stage = layers / 2p
 # plan_search.csv's first columns: a point under the strategy group's own field names
 COLUMNS = ("family", "pipeline_degree", "tensor_parallel", "tensor_grid", "layers_per_stage", "micro_batches",
            "activation_recompute", "data_degree", "sequence_parallel", "distributed_optimizer")
+
+COLUMNS += ("expert_parallel",)  # e: the data ranks each MoE block's experts are split over (1: dense, or none)
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,10 @@ class Point:
         """q, as strategy.tensor_grid names it."""
         return self.layout.edge
 
+    @property
+    def expert_parallel(self) -> int:
+        return self.layout.expert
+
     def row(self) -> dict:
         return {name: getattr(self, name) for name in COLUMNS}
 
@@ -128,6 +136,8 @@ class Point:
                   "activation_recompute": self.activation_recompute, "tensor_parallel": self.tensor_parallel,
                   "tensor_grid": self.tensor_grid if self.tensor_parallel != "none" else 2,
                   "sequence_parallel": self.sequence_parallel}
+        if self.expert_parallel > 1:  # (without it the schema's default: dense sweep lines stay as they were)
+            fields["expert_parallel"] = self.expert_parallel
         if not self.layout.zero:  # ZeRO's families shard everything already: no such field
             fields["distributed_optimizer"] = self.distributed_optimizer
         return fields
@@ -142,6 +152,7 @@ class Point:
         grid = f"{self.tensor_parallel} q{self.tensor_grid}" if self.tensor_parallel != "none" else "-"
         recompute = {"full": " recompute", "selective": " selective"}.get(self.activation_recompute, "")
         switches = (" sp" if self.sequence_parallel else "") + (" dist-opt" if self.distributed_optimizer else "")
+        switches += f" e{self.expert_parallel}" if self.expert_parallel > 1 else ""
         return (f"{self.family} d{self.data_degree} p{self.pipeline_degree} {grid}{switches} k{self.layers_per_stage} "
                 f"m{self.micro_batches}{recompute}")
 
@@ -213,7 +224,7 @@ def layouts(cfg, world: int):
                         for recompute in recomputations(cfg, schedule):
                             point = switches.chosen(Point.of(family, pipeline, mode, q, per_stage, micro, recompute, data))
                             if point is not None:
-                                yield point
+                                yield from switches.experts(point)
 
 
 def recomputations(cfg, schedule: str) -> tuple:
@@ -255,9 +266,19 @@ class Switches:
         from layerwise.config.validate import check_strategy
         key = (self.config_key, point.family, point.tensor_parallel, point.tensor_grid, point.data_degree > 1,
                point.activation_recompute, point.sequence_parallel, point.distributed_optimizer)
+        key += (point.expert_parallel > 1,)
         if key not in _ACCEPTED:
             _ACCEPTED[key] = not check_strategy(point_config(self.cfg, point), self.world)
         return _ACCEPTED[key]
+
+    def experts(self, point: Point):
+        """The point at every expert-parallel degree e its strategy's check accepts (e dividing its data
+        degree and the experts, layerwise/planning/experts.py `expert_degrees`; asked once per family,
+        grid and switches with e > 1, as `accepts` asks). A dense model: the point as it is."""
+        for degree in expert_degrees(self.cfg.model, point.data_degree):
+            candidate = with_expert(point, degree)
+            if degree == 1 or self.accepts(candidate):
+                yield candidate
 
     def chosen(self, point: Point):
         """The point with each switch its strategy accepts; None where it refuses the point's
@@ -303,7 +324,8 @@ class Evaluator:
         self.shape, self.device = shape_of(cfg), device_of(cfg)
         self.tokens = cfg.data.global_batch_size * cfg.data.sequence_length
         self.model_flops = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
-                                                 self.shape.vocabulary, cfg.model.mlp_ratio, self.shape.block) * self.tokens
+                                                 self.shape.vocabulary, cfg.model.mlp_ratio, self.shape.block,
+                                                 blocks_of(cfg.model)) * self.tokens
         self.activation_bytes = compute_bytes(cfg)
         self.workloads = {}
 
@@ -319,6 +341,7 @@ class Evaluator:
         return Workload(self.shape, self.cfg.model.layers, self.cfg.model.heads, point.layout, point.layers_per_stage,
                         rows, self.cfg.optimizer.name, point.activation_recompute == "full", self.activation_bytes,
                         gloo=self.cfg.hardware.process_group_backend == "gloo",
+                        expert_imbalance=self.cfg.plan.expert_load_imbalance,
                         **communication_of(point.switches(), self.cfg.hardware.precision, point.layout,
                                            self.cfg.plan.flash_attention))
 
@@ -466,7 +489,13 @@ def write_csv(rows: list, path: Path) -> None:
 
 
 def point_of(row: dict) -> Point:
-    return Point.of(**{name: row[name] for name in COLUMNS})
+    point = Point.of(**{name: row[name] for name in COLUMNS if name != "expert_parallel"})
+    return with_expert(point, int(row.get("expert_parallel", 1)))
+
+
+def with_expert(point: Point, degree: int) -> Point:
+    """`point` with its MoE blocks' experts split over `degree` of its data ranks."""
+    return dataclasses.replace(point, layout=dataclasses.replace(point.layout, expert=degree))
 
 
 def top_table(rows: list) -> str:

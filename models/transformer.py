@@ -311,6 +311,23 @@ def build_block(*, hidden: int, heads: int, mlp_ratio: int, dropout: float, caus
                          seed=seed, name=index, residual_std=residual_init_std(layers))
 
 
+def keep_local_experts(block: nn.Module, shard) -> nn.Module:
+    """`block` (on meta, just built) with each MoE layer's experts cut to shard = (index, parts):
+    experts [index·E/parts, (index+1)·E/parts) only, `first` saying where they start. Their seeded
+    values equal the whole model's (each expert draws from its own generator: models/moe.py
+    Experts.initialize_seeded), so a rank never builds the experts it does not own."""
+    if shard is None:
+        return block
+    index, parts = shard
+    for module in block.modules():
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, SeededParameters) and hasattr(experts, "total"):
+            local = experts.total // parts
+            module.experts = type(experts)(experts.hidden, experts.width, local, first=index * local,
+                                           total=experts.total)
+    return block
+
+
 def on_meta(module: nn.Module) -> bool:
     """Whether any parameter or buffer of `module` is still shapes only."""
     tensors = list(module.parameters()) + list(module.buffers())
@@ -330,6 +347,9 @@ class LanguageModel(nn.Module):
     """
 
     causal: bool = True
+    # (index, parts): this process holds experts [index·E/parts, (index+1)·E/parts) of every MoE
+    # block and builds no other (expert parallelism, strategies/expert_parallel.py); None: all of them
+    expert_shard = None
 
     def __init__(self, *, vocab_size: int, sequence_length: int, layers: int, hidden: int,
                  heads: int, mlp_ratio: int = 4, dropout: float = 0.0,
@@ -373,8 +393,8 @@ class LanguageModel(nn.Module):
             return module
         if part.startswith("blocks."):
             index = int(part.removeprefix("blocks."))  # the block knows its index (model.moe_layers)
-            return seeded_module(lambda: self.make_block(index), device, seed=self.seed, name=index,
-                                 residual_std=residual_init_std(self.layers))
+            return seeded_module(lambda: keep_local_experts(self.make_block(index), self.expert_shard), device,
+                                 seed=self.seed, name=index, residual_std=residual_init_std(self.layers))
         makers = {"embed": self.make_embed, "head": lambda: self.make_head(self.hidden, self.vocab_size)}
         if part not in makers:
             raise ValueError(f"unknown part {part!r}: embed, blocks.<index> or head")

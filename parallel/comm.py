@@ -2,7 +2,8 @@
 
 Logical volume (docs/evidence.md, `comm_bytes_per_step`): per process, for a full tensor of N elements on a group of
 g ranks, all-reduce moves 2(g-1)/g·N, all-gather and reduce-scatter (g-1)/g·N, broadcast and
-send/recv N. We count these, not the wire bytes: gloo on CPU may implement a reduce-scatter as an
+send/recv N, all-to-all the elements this process sends to the *other* ranks (variable splits: the
+rows it keeps for itself never leave it; cost/traffic.py `expert_dispatch_traffic`). We count these, not the wire bytes: gloo on CPU may implement a reduce-scatter as an
 all-reduce, which changes what crosses the wire but not the algorithm's volume.
 
 Strict point-to-point mode (`record_point_to_point`, switched on by trainer.check_point_to_point_order
@@ -17,12 +18,19 @@ and `check_point_to_point_order` checks what NCCL needs (docs/architecture.md, "
    issue order across all its peers, so no cycle of ranks may each wait for the next
    (parallel/rendezvous.py). A run that passes this also runs on a communicator per pair (torch
    without device_id), whose streams order less.
+3. Collectives (all-reduce, all-gather, reduce-scatter, broadcast, all-to-all) on one group run on
+   its one communicator, which NCCL matches by issue order: every member must issue the group's
+   collectives in the same sequence, with the same kind, dtype and size (an all-to-all: what rank a
+   sends to b is what b expects from a). gloo matches these too, but a mismatch in a group whose
+   messages happen to have equal sizes runs here and mixes or deadlocks on GPUs. Each rank records
+   its collectives per group (`IssuedCollective`) and the check compares the members' sequences.
 
 Flight record (`recorder`, a parallel.flight.FlightRecorder, set by the run's watchdog): every
 operation issued here is recorded, and every wait on it (a synchronous call, or `wait()` on the
 returned handle) is the rank's current wait while it blocks (docs/faults.md, "When it hangs").
 """
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -33,7 +41,7 @@ import torch.distributed as dist
 from parallel import compat
 from parallel.rendezvous import waiting_cycle
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "broadcast", "host_device")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "broadcast", "host_device", "all_to_all")
 
 
 def ring_factor(kind: str, group_size: int) -> float:
@@ -74,6 +82,23 @@ class IssuedOperation(NamedTuple):
         return f"{self.kind} {direction} rank {self.peer}: {self.elements} × {self.dtype}, tag {self.tag}"
 
 
+class IssuedCollective(NamedTuple):
+    """One collective as a rank issued it on a group (rule 3 of the module docstring). `sends` and
+    `receives` are the elements toward / from each member in group order (all-to-all only)."""
+
+    group: str
+    ranks: tuple
+    kind: str
+    elements: int
+    dtype: str
+    sends: tuple = ()
+    receives: tuple = ()
+
+    def __str__(self) -> str:
+        sizes = f", sends {list(self.sends)}, receives {list(self.receives)}" if self.kind == "all_to_all" else ""
+        return f"{self.kind} on {self.group} {list(self.ranks)}: {self.elements} × {self.dtype}{sizes}"
+
+
 class PointToPointOrderError(RuntimeError):
     """Two ranks issued their point-to-point operations in orders NCCL would mismatch or deadlock on."""
 
@@ -90,6 +115,7 @@ class Communicator:
         self.bytes_by_group = defaultdict(float)
         self.calls_by_kind = defaultdict(int)
         self.issued = None  # [IssuedOperation] toward every peer, in issue order, while recording
+        self.collectives = None  # [IssuedCollective] on every group, in issue order, while recording
         self.recorder = None  # a FlightRecorder while a run's watchdog watches this rank
 
     def count(self, kind: str, group_name: str, elements: int, element_size: int, group_size: int):
@@ -136,6 +162,24 @@ class Communicator:
         return self._recorded("reduce_scatter", group, full, async_op, lambda: compat.reduce_scatter_single(
             shard, full, op=op, group=group.process_group, async_op=async_op))
 
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, output_splits, input_splits, group: Group,
+                   async_op=False):
+        """Send `input_splits[i]` rows of `tensor` (dim 0, in order) to the group's i-th member and
+        receive `output_splits[i]` rows from it into `output`, in member order (variable splits:
+        torch.distributed.all_to_all_single). Counted: the elements sent to the other members."""
+        output_splits, input_splits = [int(n) for n in output_splits], [int(n) for n in input_splits]
+        if group.size == 1:
+            output.copy_(tensor)
+            return None
+        row = math.prod(tensor.shape[1:])  # elements per row (a member may send or get no rows)
+        me = group.ranks.index(dist.get_rank())
+        self.count("all_to_all", group.name, (sum(input_splits) - input_splits[me]) * row, tensor.element_size(),
+                   group.size)
+        sizes = (tuple(n * row for n in input_splits), tuple(n * row for n in output_splits))
+        return self._recorded("all_to_all", group, tensor, async_op, lambda: dist.all_to_all_single(
+            output, tensor, output_split_sizes=output_splits, input_split_sizes=input_splits,
+            group=group.process_group, async_op=async_op), sizes=sizes)
+
     def broadcast(self, tensor: torch.Tensor, source: int, group: Group, async_op=False):
         """Broadcast from global rank `source` to the group."""
         if group.size == 1:
@@ -163,9 +207,13 @@ class Communicator:
         return self._recorded_point_to_point("receive", group, source, tensor, work)
 
     # ----- flight record
-    def _recorded(self, kind: str, group: Group, tensor: torch.Tensor, async_op: bool, call):
+    def _recorded(self, kind: str, group: Group, tensor: torch.Tensor, async_op: bool, call, sizes=((), ())):
         """Run `call` (the collective) recorded: a synchronous call is a wait; an asynchronous
-        one returns a handle whose wait is."""
+        one returns a handle whose wait is. In strict mode it is also kept for rule 3 (`sizes`: an
+        all-to-all's elements toward and from each member)."""
+        if self.collectives is not None:
+            self.collectives.append(IssuedCollective(group.name, tuple(group.ranks), kind, tensor.numel(),
+                                                     str(tensor.dtype), *sizes))
         if self.recorder is None:
             return call()
         operation = self.recorder.issue(kind, group.name, group.ranks,
@@ -188,6 +236,8 @@ class Communicator:
         on a shared communicator the order across peers matters)."""
         if self.issued is None:
             self.issued = []
+        if self.collectives is None:  # rule 3: the groups' collectives too
+            self.collectives = []
 
     def _record(self, kind: str, peer: int, tensor: torch.Tensor, tag: int) -> None:
         if self.issued is not None:
@@ -205,8 +255,10 @@ class Communicator:
         """
         if self.issued is None:
             return 0
-        mine = list(self.issued)
+        mine = (list(self.issued), list(self.collectives or ()))
         self.issued.clear()
+        if self.collectives is not None:
+            self.collectives.clear()
         everyone = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
@@ -216,10 +268,11 @@ class Communicator:
                 world = tuple(range(dist.get_world_size()))
                 with self.recorder.waiting(self.recorder.issue("all_gather_object", "world", world)):
                     dist.all_gather_object(everyone, mine)
-        problem = first_order_mismatch(everyone)
+        problem = (first_order_mismatch([issued for issued, _ in everyone])
+                   or first_collective_mismatch([collectives for _, collectives in everyone]))
         if problem is not None:
             raise PointToPointOrderError(problem)
-        return len(mine)
+        return len(mine[0])
 
     def host_device(self, tensor: torch.Tensor, group_name: str = "host"):
         """Count one host<->device copy of `tensor` (L2L's transfers)."""
@@ -245,6 +298,47 @@ def first_order_mismatch(issued_by_rank: list) -> Optional[str]:
                 if problem is not None:
                     return problem
     return _cycle_across_peers(issued_by_rank)
+
+
+def first_collective_mismatch(collectives_by_rank: list) -> Optional[str]:
+    """Rule 3 of the module docstring, or None: `collectives_by_rank[r]` is the IssuedCollectives
+    rank r issued, in issue order. Per group (its name and members), the members' sequences must be
+    equally long and agree at every position in kind, dtype and size; at an all-to-all, what member
+    a sends to b must be what b receives from a."""
+    by_group = defaultdict(dict)  # (name, ranks) -> {rank: [IssuedCollective]}
+    for rank, issued in enumerate(collectives_by_rank):
+        for collective in issued:
+            by_group[(collective.group, collective.ranks)].setdefault(rank, []).append(collective)
+    for (name, ranks), sequences in sorted(by_group.items()):
+        members = [rank for rank in ranks if rank < len(collectives_by_rank)]
+        for index in range(max(len(sequences.get(rank, [])) for rank in members)):
+            at = {rank: (sequences.get(rank, []) + [None] * (index + 1))[index] for rank in members}
+            problem = _collective_mismatch(name, ranks, index, at)
+            if problem is not None:
+                return problem
+    return None
+
+
+def _collective_mismatch(name: str, ranks: tuple, index: int, at: dict) -> Optional[str]:
+    """The members' `index`-th collectives on one group (`at`: rank -> IssuedCollective or None)."""
+    first_rank = min(at)
+    first = at[first_rank]
+    for rank, collective in at.items():
+        same = (first is not None and collective is not None and collective.kind == first.kind
+                and collective.dtype == first.dtype and (first.kind == "all_to_all" or collective.elements == first.elements))
+        if not same:
+            return (f"collective order mismatch on group {name} {list(ranks)} at collective #{index}: rank {first_rank} "
+                    f"issued {first or 'nothing'}, rank {rank} issued {collective or 'nothing'}. NCCL runs a group's "
+                    f"collectives in issue order on its one communicator, so every member must issue the same "
+                    f"sequence; this run would mix messages or deadlock on GPUs.")
+    if first.kind == "all_to_all":
+        for a, sender in at.items():
+            for b, receiver in at.items():
+                i, j = ranks.index(a), ranks.index(b)
+                if sender.sends[j] != receiver.receives[i]:
+                    return (f"all-to-all sizes disagree on group {name} {list(ranks)} at collective #{index}: rank {a} "
+                            f"sends {sender.sends[j]} elements to rank {b}, which expects {receiver.receives[i]}.")
+    return None
 
 
 def _by_peer(issued: list) -> dict:

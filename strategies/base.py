@@ -18,6 +18,7 @@ from parallel.comm import Group
 from parallel.dims import Layout
 from parallel.layout import ParallelLayout
 from strategies.checkpoint.per_rank import PerRankCheckpoints
+from strategies.expert_parallel import expert_parameter_ids
 from strategies.hooks import RunHooks
 from strategies.precision import AgreedGradScaler
 from strategies.checkpoint.portable import PortableCheckpoints
@@ -103,11 +104,13 @@ class LayerwiseStrategy(RunHooks, PortableCheckpoints, PerRankCheckpoints, DDPSt
     def synchronise_replicas(self, module: torch.nn.Module, group_name: str = "data") -> None:
         """Make data-parallel replicas bit-identical (DDP would broadcast; we build from the seed,
         and this broadcast guards against any rank-dependent initialisation). The module must be
-        where `group_name`'s backend can reach it: on the device for "data" (NCCL)."""
+        where `group_name`'s backend can reach it: on the device for "data" (NCCL). Split experts
+        (strategy.expert_parallel) are copies only over `expert_data`: broadcast there."""
         group = self.layout.group(group_name)
-        source = group.ranks[0]
+        experts = expert_parameter_ids(module) if self.layout.degrees.expert > 1 else set()
         for tensor in list(module.parameters()) + list(module.buffers()):
-            self.layout.communicator.broadcast(tensor.data, source, group)
+            over = self.layout.group("expert_data") if id(tensor) in experts else group
+            self.layout.communicator.broadcast(tensor.data, over.ranks[0], over)
         self.layout.communicator.reset()  # set-up traffic is not a training step's
 
 

@@ -100,10 +100,11 @@ def on_wire(flat: torch.Tensor, wire: torch.dtype, group) -> torch.Tensor:
 class Bucket:
     """One bucket of one stage: its parameters, this step's flat buffer, which are final, if posted."""
 
-    __slots__ = ("stage", "parameters", "late", "flat", "final", "posted")
+    __slots__ = ("stage", "parameters", "late", "flat", "final", "posted", "group")
 
-    def __init__(self, stage: int, parameters: list, late: bool):
+    def __init__(self, stage: int, parameters: list, late: bool, group=None):
         self.stage, self.parameters, self.late = stage, parameters, late
+        self.group = group  # the group its all-reduce sums over
         self.flat, self.final, self.posted = None, set(), False
 
 
@@ -134,6 +135,9 @@ class GradientBuckets:
        and any bucket holding a parameter that got no gradient (zeros: every replica joins every
        all-reduce).
     5. `wait(size)` before the optimizer: wait for each all-reduce and divide by the replicas.
+    Expert parallelism (strategies/expert_parallel.py): the `experts` of `lay_out` (the MoE blocks'
+    split experts) never share a bucket with the others and are summed over `expert_group` (the ranks
+    holding the same experts) instead of `group`; `wait` divides them by the same data degree.
     With a `wire` dtype narrower than the buffers (strategy.reduction_dtype=compute: bf16/fp16) each
     bucket is cast to it when posted, reduced, and cast back into its fp32 buffer before the division:
     half the bytes, one rounding of each addend and of each partial sum of the ring (a transient
@@ -146,8 +150,10 @@ class GradientBuckets:
     (layer_drop's masks are per step, not per replica, and not offered to pipelines).
     """
 
-    def __init__(self, capacity_bytes: int, communicator, group, overlap: bool, wire: torch.dtype = torch.float32):
+    def __init__(self, capacity_bytes: int, communicator, group, overlap: bool, wire: torch.dtype = torch.float32,
+                 expert_group=None):
         self.capacity_bytes, self.communicator, self.group, self.overlap = capacity_bytes, communicator, group, overlap
+        self.expert_group = expert_group  # where split experts' gradients are summed (None: `group`)
         self.wire = wire  # the dtype the all-reduce moves (strategy.reduction_dtype)
         self.layouts = {}  # stage -> [Bucket] in layout order
         self.bucket_of = {}  # id(parameter) -> its Bucket
@@ -158,11 +164,15 @@ class GradientBuckets:
     def laid_out(self, stage: int) -> bool:
         return stage in self.layouts
 
-    def lay_out(self, stage: int, parameters: list, late: set) -> None:
+    def lay_out(self, stage: int, parameters: list, late: set, experts: set = frozenset()) -> None:
         """Cut `parameters` (reverse order) into buckets; `late`: ids of parameters posted only by
-        `post_rest`, after their tensor-group sum."""
-        buckets = parameter_buckets(parameters, self.capacity_bytes, apart=lambda parameter: id(parameter) in late)
-        self.layouts[stage] = [Bucket(stage, bucket, id(bucket[0]) in late) for bucket in buckets]
+        `post_rest`, after their tensor-group sum; `experts`: ids of split experts (summed over
+        `expert_group`)."""
+        buckets = parameter_buckets(parameters, self.capacity_bytes,
+                                    apart=lambda parameter: (id(parameter) in late, id(parameter) in experts))
+        self.layouts[stage] = [Bucket(stage, bucket, id(bucket[0]) in late,
+                                      self.expert_group if id(bucket[0]) in experts and self.expert_group else self.group)
+                               for bucket in buckets]
         for bucket in self.layouts[stage]:
             for parameter in bucket.parameters:
                 self.bucket_of[id(parameter)] = bucket
@@ -245,15 +255,19 @@ class GradientBuckets:
     def _post(self, bucket: Bucket) -> None:
         if not bucket.posted:
             bucket.posted = True
-            moved = on_wire(bucket.flat, self.wire, self.group)
-            self.pending.append((self.communicator.all_reduce(moved, self.group, async_op=True), bucket.flat, moved))
+            group = bucket.group or self.group
+            moved = on_wire(bucket.flat, self.wire, group)
+            self.pending.append((self.communicator.all_reduce(moved, group, async_op=True), bucket.flat, moved))
 
     def wait(self, replicas: int) -> None:
-        """The all-reduces summed: divide for the mean (a group of one reduced nothing)."""
+        """The all-reduces summed: divide for the mean. A bucket whose group is this rank alone reduced
+        nothing, but a split expert's (expert_data of one rank) already sums every replica's tokens:
+        it is divided by the replicas too."""
         for work, flat, moved in self.pending:
             if work is not None:
                 work.wait()
                 if moved is not flat:
                     flat.copy_(moved)  # back into the fp32 buffer, then the mean in fp32
+            if replicas != 1:
                 flat.div_(replicas)
         self.pending = []

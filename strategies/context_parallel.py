@@ -39,8 +39,15 @@ ring (`strategy.context_parallel_comm=ring`; Liu et al. 2023, "Ring Attention"; 
     TransformerEngine's scheme).
 all_gather (`strategy.context_parallel_comm=all_gather`; Llama 3's choice, Dubey et al. 2024 §3.3.2;
     Megatron-core's `all_gather`): K/V (one stacked buffer) all-gathered over the context group, the
-    local queries attend to the whole row's keys with the mask; in the backward the dK/dV of the
-    whole row are reduce-scattered back to their owners.
+    local queries attend to the whole row's keys by the same blocks as the ring's (the same skips,
+    the same merge); in the backward the dK/dV of every rank's block are reduce-scattered back to
+    their owners.
+
+Memory per layer kept for the backward (what a flash kernel keeps): q, the local k and v, the output
+in the compute dtype and the fp32 log-sum-exp [b, heads, s/c]; the all_gather exchange keeps the
+gathered K/V [c, 2, b, kv_heads, s/c, d] in place of the local k, v (c times as large; re-gathering
+in the backward, as TransformerEngine does, would trade that for a second all-gather). No s × s mask
+or score matrix is kept: the masks are recomputed from the documents per block.
 
 Bytes per layer and per micro-batch of b rows, one rank, with B = 2·b·kv_heads·(s/c)·d·e the
 stacked K/V block of one rank (e bytes per element: the compute dtype; cost/traffic.py
@@ -56,13 +63,13 @@ receive-first on odd ranks, so a communicator that runs a rank's operations one 
 completes them (each sender's partner posts its receive first); all ranks issue the same sequence of
 exchanges: forward KV_1..KV_{c−1}; backward KV_1, dKV_0, KV_2, dKV_1, …, dKV_{c−1}.
 
-The exact path here computes every block in fp32 with explicit matrix products (the ring) or
-scaled_dot_product_attention with a boolean mask (all_gather), on any device. On a GPU the ring's
-blocks would run a flash kernel that returns the log-sum-exp (aten._scaled_dot_product_flash_attention
-/ _efficient_attention_forward and their backwards) and the ring's send and receive would be one
-batched group (ncclGroupStart/End, torch.distributed.batch_isend_irecv) so both directions move at
-once; the all_gather path would use FlexAttention's block mask over the gathered keys. Neither has
-run on a GPU here.
+The exact path here computes every block in fp32 with explicit matrix products (scores of one
+(s/2c) × (s/2c) block at a time), on any device. On a GPU the blocks would run a flash kernel that
+returns the log-sum-exp (aten._scaled_dot_product_flash_attention / _efficient_attention_forward and
+their backwards, given the final output and lse: exactly `block_backward`), or FlexAttention's block
+mask for packed rows, and the ring's send and receive would be one batched group
+(ncclGroupStart/End, torch.distributed.batch_isend_irecv) so both directions move at once. None of
+that has run on a GPU here.
 
 The loss: each rank scores its s/c tokens of every row and takes their mean. Every shard holds the
 same number of scored targets, so with gradients averaged over the `data_context` group the result is
@@ -73,7 +80,6 @@ that; context parallelism is for causal models (strategies/context_layout.py ref
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from models.documents import Documents
 from models.transformer import CoreAttention
@@ -129,6 +135,17 @@ def load_balance(length: int, degree: int, balanced: bool = True) -> float:
     """max/mean over the context ranks of `causal_pairs` (1.0: perfectly even)."""
     pairs = [causal_pairs(length, index, degree, balanced) for index in range(degree)]
     return max(pairs) / (sum(pairs) / degree)
+
+
+def saved_bytes(comm: str, degree: int, rows: int, length: int, heads: int, kv_heads: int, head_dim: int,
+                element_bytes: int) -> int:
+    """Bytes one context rank's attention keeps for the backward per layer and micro-batch of `rows`
+    rows of `length` tokens (module docstring, "Memory"): q and the output [b, heads, s/c, d] in the
+    compute dtype, the fp32 log-sum-exp [b, heads, s/c], and K/V [2, b, kv_heads, s/c, d]: the local
+    block (ring) or all c blocks (all_gather)."""
+    local = length // degree
+    blocks = 2 * rows * kv_heads * local * head_dim * (degree if comm == "all_gather" else 1)
+    return (2 * rows * heads * local * head_dim + blocks) * element_bytes + rows * heads * local * 4
 
 
 # ----------------------------------------------------------------------------- the key side
@@ -249,27 +266,47 @@ def _grouped(query, kv_heads):
     return query.reshape(batch, kv_heads, heads // kv_heads, length, width)
 
 
+def _ring_steps(ring, blocks, degree: int):
+    """(step, the K/V block [2, b, kv, n, d] of rank index−step) for step 0..c−1, passed around the ring:
+    the next block's transfer is posted before a block is handed out (computed on) and waited after."""
+    for step in range(degree):
+        last = step == degree - 1
+        if not last:
+            incoming, works = ring.exchange(blocks, TAG_KEYS_VALUES)
+        yield step, blocks
+        if not last:
+            ring.wait(works)
+            blocks = incoming
+
+
+def _gathered_steps(gathered, index: int, degree: int):
+    """(step, the K/V block of rank index−step) out of the gathered [c, 2, b, kv, n, d]: the ring's order."""
+    for step in range(degree):
+        yield step, gathered[(index - step) % degree]
+
+
+def _attend(attention, q, keys, steps) -> tuple:
+    """The merged fp32 (output [b, kv, g, n, d], lse [b, kv, g, n]) of the grouped queries q against
+    every block `steps` hands out (online softmax per query chunk, head and tail)."""
+    running = [(None, None), (None, None)]
+    for step, blocks in steps:
+        for half in (0, 1):
+            for block_output, block_lse in attention.blocks_of(q, blocks, keys, step, half):
+                running[half] = merge(*running[half], block_output, block_lse)
+    return (torch.cat([merged for merged, _ in running], dim=3),
+            torch.cat([merged_lse for _, merged_lse in running], dim=3))
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention's forward and backward (module docstring), exact in fp32."""
 
     @staticmethod
     def forward(ctx, query, key, value, attention, keys):
-        ring, dtype = attention.ring(keys.index), query.dtype
         with torch.autocast(query.device.type, enabled=False):
             q = _grouped(query.float(), key.shape[1])
             blocks = torch.stack((key, value))  # one message: K and V of this rank, kv heads only
-            running = [(None, None), (None, None)]  # per query chunk (head, tail): the merged (o, lse)
-            for step in range(keys.degree):
-                if step < keys.degree - 1:
-                    incoming, works = ring.exchange(blocks, TAG_KEYS_VALUES)  # the next block on its way
-                for half in (0, 1):
-                    for block_output, block_lse in attention.blocks_of(q, blocks, keys, step, half):
-                        running[half] = merge(*running[half], block_output, block_lse)
-                if step < keys.degree - 1:
-                    ring.wait(works)
-                    blocks = incoming
-            output = torch.cat([merged for merged, _ in running], dim=3).to(dtype)
-            lse = torch.cat([merged_lse for _, merged_lse in running], dim=3)
+            output, lse = _attend(attention, q, keys, _ring_steps(attention.ring(keys.index), blocks, keys.degree))
+            output = output.to(query.dtype)
         # What a flash kernel keeps: q, k, v, the output in the compute dtype and the fp32 log-sum-exp
         ctx.save_for_backward(query, key, value, output, lse)
         ctx.attention, ctx.keys = attention, keys
@@ -285,20 +322,14 @@ class _RingAttention(torch.autograd.Function):
             grad = grad_output.float().reshape(output.shape)
             delta = (grad * output.float()).sum(-1)
             grad_query = torch.zeros_like(q)
-            blocks = torch.stack((key, value))
             pending = None  # (incoming accumulator, works) posted after the previous step
-            for step in range(degree):
-                if step < degree - 1:
-                    incoming, works = ring.exchange(blocks, TAG_KEYS_VALUES)
+            for step, blocks in _ring_steps(ring, torch.stack((key, value)), degree):
                 accumulator = attention.block_gradients(q, blocks, keys, step, grad, lse, delta, grad_query)
                 if pending is not None:  # rank i−step's accumulator from i−1, every earlier rank's share in
                     ring.wait(pending[1])
                     accumulator += pending[0].float()
                 if degree > 1:  # on to i+1; after the last step that is the block's owner
                     pending = ring.exchange(accumulator.to(key.dtype), TAG_GRADIENTS)
-                if step < degree - 1:
-                    ring.wait(works)
-                    blocks = incoming
             if degree > 1:  # after c hops: this rank's own dK/dV, every rank's share summed
                 ring.wait(pending[1])
                 accumulator = pending[0]
@@ -307,25 +338,46 @@ class _RingAttention(torch.autograd.Function):
                 None, None)
 
 
-# ----------------------------------------------------------------------------- all-gather
-
-
-class _GatherKeysValues(torch.autograd.Function):
-    """K/V [2, b, kv, n, d] all-gathered to [c, 2, b, kv, n, d]; the backward reduce-scatters dK/dV."""
-
-    @staticmethod
-    def forward(ctx, blocks, attention):
-        gathered = blocks.new_empty((attention.group.size, *blocks.shape))
-        attention.communicator.all_gather(gathered.view(-1), blocks.contiguous().view(-1), attention.group)
-        ctx.attention = attention
-        return gathered
+class _GatheredAttention(torch.autograd.Function):
+    """All-gather attention (module docstring): K/V [2, b, kv, n, d] all-gathered to [c, 2, b, kv, n, d]
+    and kept for the backward, the same blocks as the ring's computed from it; the backward's dK/dV of
+    every rank's block reduce-scattered to their owners."""
 
     @staticmethod
-    def backward(ctx, grad):
-        attention = ctx.attention
-        shard = grad.new_empty(grad.shape[1:])
-        attention.communicator.reduce_scatter(shard.view(-1), grad.contiguous().view(-1), attention.group)
-        return shard, None
+    def forward(ctx, query, key, value, attention, keys):
+        blocks = torch.stack((key, value))
+        gathered = blocks.unsqueeze(0)
+        if keys.degree > 1:
+            gathered = blocks.new_empty((keys.degree, *blocks.shape))
+            attention.communicator.all_gather(gathered.view(-1), blocks.view(-1), attention.group)
+        with torch.autocast(query.device.type, enabled=False):
+            q = _grouped(query.float(), key.shape[1])
+            output, lse = _attend(attention, q, keys, _gathered_steps(gathered, keys.index, keys.degree))
+            output = output.to(query.dtype)
+        ctx.save_for_backward(query, gathered, output, lse)
+        ctx.attention, ctx.keys = attention, keys
+        return output.flatten(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, gathered, output, lse = ctx.saved_tensors
+        attention, keys = ctx.attention, ctx.keys
+        with torch.autocast(query.device.type, enabled=False):
+            q = _grouped(query.float(), gathered.shape[3])
+            grad = grad_output.float().reshape(output.shape)
+            delta = (grad * output.float()).sum(-1)
+            grad_query = torch.zeros_like(q)
+            grad_gathered = torch.zeros(gathered.shape, dtype=torch.float32, device=gathered.device)
+            for step, blocks in _gathered_steps(gathered, keys.index, keys.degree):
+                source = (keys.index - step) % keys.degree
+                grad_gathered[source] = attention.block_gradients(q, blocks, keys, step, grad, lse, delta, grad_query)
+            grad_gathered = grad_gathered.to(gathered.dtype)
+            mine = grad_gathered[0]
+            if keys.degree > 1:
+                mine = grad_gathered.new_empty(gathered.shape[1:])
+                attention.communicator.reduce_scatter(mine.view(-1), grad_gathered.view(-1), attention.group)
+            grad_key, grad_value = mine.unbind(0)
+        return grad_query.flatten(1, 2).to(query.dtype), grad_key, grad_value, None, None
 
 
 # ----------------------------------------------------------------------------- the hook
@@ -333,7 +385,7 @@ class _GatherKeysValues(torch.autograd.Function):
 
 @dataclass
 class BlockCounts:
-    """(query chunk, key chunk) blocks the ring computed and skipped (key chunk wholly in the future)."""
+    """(query chunk, key chunk) blocks computed and skipped (key chunk wholly in the future), forwards."""
 
     computed: int = 0
     skipped: int = 0
@@ -373,9 +425,8 @@ class ContextParallelAttention:
             raise RuntimeError(f"context parallel attention: local q of {query.shape[2]} tokens × {query.shape[0]} "
                                f"rows, but the batch cut by context_parallel_batch holds "
                                f"{keys.shards[0].ids.shape[1]} × {keys.shards[0].ids.shape[0]}")
-        if self.comm == "ring":
-            return _RingAttention.apply(query, key, value, self, keys)
-        return self.gathered(query, key, value, keys)
+        exchange = _RingAttention if self.comm == "ring" else _GatheredAttention
+        return exchange.apply(query, key, value, self, keys)
 
     # ----- ring blocks
     def blocks_of(self, q, blocks, keys: KeySide, step: int, half: int):
@@ -415,18 +466,6 @@ class ContextParallelAttention:
                 contribution[0][:, :, cut] += dk
                 contribution[1][:, :, cut] += dv
         return contribution
-
-    # ----- all-gather
-    def gathered(self, query, key, value, keys: KeySide):
-        """Local queries against the whole row's gathered K/V, masked by the documents rule."""
-        blocks = torch.stack((key, value))  # [2, b, kv, n, d] -> gathered [c, 2, b, kv, n, d]
-        gathered = blocks.unsqueeze(0) if self.degree == 1 else _GatherKeysValues.apply(blocks, self)
-        everyone = gathered.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)  # [2, b, kv, c·n, d], rank-major keys
-        all_keys = Documents(ids=torch.cat([shard.ids for shard in keys.shards], dim=1),
-                             positions=torch.cat([shard.positions for shard in keys.shards], dim=1))
-        mask = block_mask(keys.shards[keys.index], all_keys)[:, 0]  # [b, 1, n, c·n]
-        return F.scaled_dot_product_attention(query, everyone[0], everyone[1], attn_mask=mask,
-                                              enable_gqa=key.shape[1] != query.shape[1])
 
 
 # ----------------------------------------------------------------------------- the entry points

@@ -1,11 +1,13 @@
 """Context parallelism's attention (strategies/context_parallel.py) at the model level, on forked gloo
-ranks: for c = 2 and 4 and each exchange (ring, all_gather), GPT and Llama with grouped-query
-attention (kv_heads < heads), plain and packed rows, the sharded forward's logits (gathered) and the
-first backward's parameter gradients (the mean over the context ranks, as the data_context reduction
-makes it) and the mean of the ranks' losses equal the one-process model's; the bytes counted equal cost/traffic.py `context_traffic`
-kind by kind; the NCCL point-to-point order check passes (and catches a ring issued send-first on
-every rank); the ring skips exactly the key chunks wholly in the future; the head-tail shards balance
-the causal work (max/mean = 1.0 for c = 2, 4, 8, against 1.33/1.60/1.78 for a contiguous split).
+ranks: for c = 2, 3 (ring) and 4 and each exchange (ring, all_gather), GPT and Llama with
+grouped-query attention (kv_heads < heads), plain and packed rows, the sharded forward's logits
+(gathered), the first backward's parameter gradients (the mean over the context ranks, as the
+data_context reduction makes it) and the mean of the ranks' losses equal the one-process model's;
+the bytes counted equal cost/traffic.py `context_traffic` kind by kind; the NCCL point-to-point order
+check passes (and catches a ring issued send-first on every rank); both exchanges skip exactly the
+key chunks wholly in the future and keep for the backward what `saved_bytes` says (no s × s
+tensor); the head-tail shards balance the causal work (max/mean = 1.0 for c = 2, 4, 8, against
+1.49/1.74/1.87 for a contiguous split).
 
 Tolerances (fp32): the sharded model computes the same products with the softmax's sums split into
 blocks and merged (online softmax) or over gathered keys, and the per-token parts unchanged, so each
@@ -22,13 +24,13 @@ import torch
 import torch.distributed as dist
 
 from cost.traffic import context_traffic
-from models import build_model
+from models import CoreAttention, build_model
 from models.documents import documents_of
 from parallel.comm import KINDS, Communicator, Group, IssuedOperation, first_order_mismatch
 from parallel.dims import Layout
 from parallel.layout import ParallelLayout
 from strategies.context_parallel import (TAG_GRADIENTS, TAG_KEYS_VALUES, BlockCounts, _Ring, apply_context_parallel,
-                                         causal_pairs, context_parallel_batch, load_balance, shard_indices,
+                                         causal_pairs, context_parallel_batch, load_balance, saved_bytes, shard_indices,
                                          shard_sequence)
 from tests.ranks import run_on_ranks
 from tests.tolerances import EXACT_RTOL, GRADIENT_RTOL, GRADIENT_SCALE_ATOL, LOSS_RTOL
@@ -77,6 +79,24 @@ def reference(case: str) -> dict:
                 grads={name: p.grad.clone() for name, p in model.named_parameters()})
 
 
+def measure_saved(model, attention) -> list:
+    """Install a wrapper on the model's core attentions that records the bytes each context-parallel
+    attention call saves for its backward (one entry per layer); returns the list it fills."""
+    saved = []
+
+    def measured(query, key, value, documents):
+        def pack(tensor):
+            saved[-1] += tensor.numel() * tensor.element_size()
+            return tensor
+        saved.append(0)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            return attention(query, key, value, documents)
+    for module in model.modules():
+        if isinstance(module, CoreAttention):
+            module.context = measured
+    return saved
+
+
 def cases_on_rank(rank: int, c: int, comm: str) -> dict:
     dist.init_process_group("gloo")
     layout = ParallelLayout(Layout(context=c), rank=rank)
@@ -86,6 +106,7 @@ def cases_on_rank(rank: int, c: int, comm: str) -> dict:
     for case in CASES:
         model = build(case)
         attention = apply_context_parallel(model, layout.group("context"), communicator, comm)
+        saved = measure_saved(model, attention)
         tokens, targets, documents = batch(case)
         communicator.reset()
         attention.blocks = BlockCounts()
@@ -96,16 +117,18 @@ def cases_on_rank(rank: int, c: int, comm: str) -> dict:
         loss.backward()
         # numpy arrays travel to the test by value (a tensor would by a shared-memory handle that dies with the rank)
         results[case] = dict(logits=logits.detach().numpy(), loss=loss.item(), bytes=communicator.snapshot(),
-                             grads={name: p.grad.numpy() for name, p in model.named_parameters()},
+                             saved=saved, grads={name: p.grad.numpy() for name, p in model.named_parameters()},
                              blocks=(attention.blocks.computed, attention.blocks.skipped),
                              checked=communicator.check_point_to_point_order())
     return results
 
 
+def kv_heads(case: str) -> int:
+    return MODELS[case.removesuffix("_packed")].get("kv_heads", HEADS)
+
+
 def expected_bytes(case: str, c: int, comm: str) -> dict:
-    model = build(case)
-    kv_heads = getattr(model, "kv_heads", HEADS)
-    per_layer = context_traffic(comm, c, ROWS, LENGTH, kv_heads, HIDDEN // HEADS, element_bytes=4)
+    per_layer = context_traffic(comm, c, ROWS, LENGTH, kv_heads(case), HIDDEN // HEADS, element_bytes=4)
     return {kind: LAYERS * per_layer.get(kind, 0.0) for kind in KINDS}
 
 
@@ -138,8 +161,10 @@ def test_sharded_model_equals_one_process(c, comm):
             # every layer's ring issues (c−1) K/V sends forward; backward c−1 more and c accumulators,
             # a receive for each: 2·(3c−2) operations per layer, all checked
             assert results[case]["checked"] == (2 * LAYERS * (3 * c - 2) if comm == "ring" else 0)
-            if comm == "ring":  # per layer, 4c (query chunk, key chunk) pairs: 2c+1 computed, 2c−1 skipped
-                assert results[case]["blocks"] == (LAYERS * (2 * c + 1), LAYERS * (2 * c - 1)), (case, rank)
+            saved = saved_bytes(comm, c, ROWS, LENGTH, HEADS, kv_heads(case), HIDDEN // HEADS, 4)
+            assert results[case]["saved"] == [saved] * LAYERS, (case, rank)
+            # per layer, 4c (query chunk, key chunk) pairs: 2c+1 computed, 2c−1 skipped (both exchanges)
+            assert results[case]["blocks"] == (LAYERS * (2 * c + 1), LAYERS * (2 * c - 1)), (case, rank)
 
 
 def interleaved_on_rank(rank: int, c: int) -> dict:

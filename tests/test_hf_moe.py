@@ -260,6 +260,19 @@ def test_a_mixtral_trains_from_its_checkpoint_and_exports_to_transformers(tmp_pa
     assert (got - expected).abs().max() <= LOGITS_RTOL * expected.abs().max()
 
 
+def test_initial_validation_loss_of_an_imported_mixtral_under_expert_parallelism_is_transformers(tmp_path):
+    """ddp with e = 2: each rank builds and reads experts 2i, 2i + 1 of every block only (its blocks are
+    cut on meta before the weights hook fills them: fill_moe reads experts [first, first + count))."""
+    from tests.test_hf import hf_run, transformers_validation_loss
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(**RUN_MIXTRAL)).save_pretrained(tmp_path / "in")
+    (tmp_path / "run").mkdir()
+    cfg, summary = hf_run(tmp_path / "run", tmp_path / "in", "strategy=ddp", "strategy.expert_parallel=2",
+                          "trainer.max_steps=1")
+    expected = transformers_validation_loss(cfg, tmp_path / "in")
+    assert abs(summary["initial_val_loss"] - expected) <= 1e-5 * expected
+
+
 RUN_QWEN3 = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64, initializer_range=0.1)
 

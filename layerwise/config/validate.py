@@ -27,6 +27,7 @@ from strategies.schedule.generators import SCHEDULES
 CHOICES = {
     "mode": ("fit", "check", "plan", "calibrate", "reproduce"),
     "model.architecture": ("gpt", "bert", "llama"),
+    "model.router": ("softmax_topk", "sigmoid_bias"),  # models/moe.py ROUTERS
     "data.corpus": ("stdlib", "text_files", "token_bin", "text"),
     "hardware.accelerator": ("cpu", "gpu"),
     "hardware.process_group_backend": ("gloo", "nccl"),
@@ -60,6 +61,10 @@ RANGES = {
     "model.layers": ("count", 2), "model.hidden": ("count", 64), "model.heads": ("count", 4),
     "model.mlp_ratio": ("count", 4), "model.max_sequence_length": ("count", 256),
     "model.dropout": ("probability", 0.1),
+    "model.experts": ("non_negative", 8), "model.experts_per_token": ("count", 2),
+    "model.shared_experts": ("non_negative", 1), "model.moe_ffn_hidden": ("count", 256),
+    "model.aux_loss_coefficient": ("non_negative", 0.01), "model.bias_update_rate": ("non_negative", 0.001),
+    "model.capacity_factor": ("positive", 1.25),
     "data.global_batch_size": ("count", 16), "data.sequence_length": ("count", 64),
     "data.vocab_size": ("count", 50304), "data.max_bytes": ("count", 16777216),
     "data.validation_fraction": ("share", 0.05),
@@ -197,12 +202,47 @@ def check_model(cfg) -> list:
         errors.append(f"model.kv_heads / model.ffn_hidden are llama settings; model.architecture="
                       f"{model.architecture} ignores them. Fix: model.kv_heads=null model.ffn_hidden=null, "
                       f"or model.architecture=llama.")
+    errors += moe_errors(cfg)
     if data.sequence_length > model.max_sequence_length:
         errors.append(sequence_length_problem(cfg))
     if model.planning_only and cfg.mode == "fit":
         errors.append(f"model={model.name} is a planning-only shape ({model.layers} layers × "
                       f"{model.hidden} wide): it cannot be trained on this machine. Fix: "
                       f"mode=check, or a trainable model such as model=gpt_small.")
+    return errors
+
+
+def moe_errors(cfg) -> list:
+    """The mixture-of-experts fields (models/moe.py) against each other and the model: Llama blocks
+    only, k ≤ E, MoE layer indices inside the model, and no fp16 loss scaling (the aux loss's gradient
+    is attached with α·loss_scale and would miss the scaler's factor)."""
+    model, errors = cfg.model, []
+    experts, layers = model.get("experts") or 0, model.layers
+    if experts <= 0:
+        if model.get("moe_layers") is not None:
+            errors.append(f"model.moe_layers={list(model.moe_layers)} is set but model.experts=0 (a dense "
+                          f"model): it would be ignored. Fix: model.moe_layers=null, or model.experts=8.")
+        return errors
+    if model.architecture != "llama":
+        errors.append(f"model.experts={experts}: mixture-of-experts blocks replace Llama's SwiGLU, and "
+                      f"model.architecture={model.architecture} has none. Fix: model.architecture=llama "
+                      f"(e.g. model=moe_tiny), or model.experts=0.")
+    k = model.experts_per_token
+    if k > experts:
+        errors.append(f"model.experts_per_token={k} exceeds model.experts={experts} (each token picks k "
+                      f"distinct experts). Fix: model.experts_per_token={min(2, experts)}.")
+    outside = [index for index in (model.get("moe_layers") or []) if not 0 <= index < layers]
+    if outside:
+        errors.append(f"model.moe_layers holds {outside}, outside the model's blocks [0, {layers}). "
+                      f"Fix: model.moe_layers={[index for index in model.moe_layers if 0 <= index < layers]} "
+                      f"(or null: every block).")
+    if model.get("moe_layers") is not None and len(set(model.moe_layers)) != len(model.moe_layers):
+        errors.append(f"model.moe_layers={list(model.moe_layers)} names a block twice. "
+                      f"Fix: model.moe_layers={sorted(set(model.moe_layers))}.")
+    if cfg.hardware.precision in ("16-mixed", "16"):
+        errors.append(f"hardware.precision={cfg.hardware.precision} with model.experts={experts}: fp16 loss "
+                      f"scaling would not reach the auxiliary loss's gradient (models/moe.py attaches it "
+                      f"unscaled). Fix: hardware.precision=bf16-mixed (or 32-true).")
     return errors
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from cost.step_time import model_flops_utilization
+from layerwise.run import experts as expert_evidence
 from layerwise.run.console import Eta
 from parallel.comm import KINDS
 from parallel.flight import synchronizing
@@ -184,6 +185,10 @@ class RunEvidence(pl.Callback):
         # (`per_rank_values`; the straggler check reads each rank's compute time there)
         self.per_rank = {}
         self.row_columns = {}  # column -> callable: this rank's value for the step's row (rank 0 writes it)
+        # a mixture of experts: its columns (layerwise/run/experts.py), only then
+        self.expert_loads = (expert_evidence.ExpertLoads(cfg, world_size, layout, run_directory)
+                             if expert_evidence.has_experts(cfg) else None)
+        self.columns = COLUMNS + (expert_evidence.COLUMNS if self.expert_loads is not None else [])
         self.recorder = None  # a FlightRecorder while the run's watchdog watches (layerwise/run/hangs.py)
         self._exchange = None  # this step's StepExchange
         self._device, self._is_global_zero = None, False  # set at fit start
@@ -314,6 +319,11 @@ class RunEvidence(pl.Callback):
                "memory_measured": int(peak is not None), "val_loss": None,
                "allocator_measured": allocator is not None,
                **{column: value() for column, value in self.row_columns.items()}}
+        if self.expert_loads is not None:  # every rank: one all-reduce of the step's expert loads
+            values, loads = self.expert_loads.gather(module.model, trainer.strategy.root_device)
+            row.update(values)
+            if trainer.is_global_zero:
+                self.expert_loads.append(trainer.global_step, loads)
         self._partial = row, [step_time, peak or 0.0, allocator or 0.0, calls] + [comm[k] for k in KINDS]
         self._steps_run_here += 1
         self._eta.step()
@@ -392,6 +402,8 @@ class RunEvidence(pl.Callback):
         if trainer.is_global_zero:  # the charts and the summary, to W&B / TensorBoard (layerwise/tools/report.py)
             from layerwise.run.charts import log_run_evidence, write_plan_charts
             images += write_plan_charts(self.cfg, self.world_size, self.run_directory, charts)
+            if self.expert_loads is not None and charts:  # expert_load.png (layerwise/run/experts.py)
+                images += expert_evidence.write_expert_load_chart(self.run_directory)
             log_run_evidence(trainer.loggers, images, summary)
 
     def on_exception(self, trainer, module, exception):
@@ -410,7 +422,7 @@ class RunEvidence(pl.Callback):
         path = self.run_directory / "metrics.csv"
         new = not path.exists()
         with path.open("a", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+            writer = csv.DictWriter(handle, fieldnames=self.columns)
             if new:
                 writer.writeheader()
             writer.writerows(rows)
@@ -436,7 +448,7 @@ class RunEvidence(pl.Callback):
             rows = {int(r["step"]): r for r in csv.DictReader(handle) if r.get("step") and int(r["step"]) <= step}
         temporary = path.with_name(path.name + ".tmp")
         with temporary.open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
+            writer = csv.DictWriter(handle, fieldnames=self.columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows[s] for s in sorted(rows))
         os.replace(temporary, path)
@@ -493,6 +505,12 @@ class RunEvidence(pl.Callback):
         for recorded in ("compile", "profile"):  # trainer.compile's counts, trainer.profile_steps' files
             if self.history.get(recorded):  # (layerwise/run/compiled.py, layerwise/run/profile.py)
                 summary[recorded] = self.history[recorded]
+        if self.expert_loads is not None and rows:  # a mixture of experts (layerwise/run/experts.py)
+            summary["experts"] = {"expert_load_ratio_median": median("expert_load_ratio"),
+                                  "expert_load_ratio_max": max((r["expert_load_ratio"] for r in rows
+                                                                if r.get("expert_load_ratio") is not None), default=None),
+                                  "aux_loss_final": rows[-1].get("aux_loss"),
+                                  "dropped_tokens": sum(r.get("dropped_tokens") or 0 for r in rows)}
         summary.update(extra)
         write_json_atomically(self.run_directory / "summary.json", summary)
         return summary

@@ -234,9 +234,11 @@ class DistributedOptimizerSeams:
         if not self.distributed_optimizer:
             return
         from strategies.buckets import bucket_bytes
+        from strategies.context_layout import replica_index
+        # sliced over the ranks holding the same parameters: data replicas × context shards (data alone without CP)
         self.sharded = DistributedOptimizer(self.work, self.local_stages(), bucket_bytes(self.bucket_mb),
-                                            self.layout.communicator, self.layout.group("data"),
-                                            self.layout.index("data"),
+                                            self.layout.communicator, self.layout.group("data_context"),
+                                            replica_index(self.layout),
                                             getattr(self, "reduction_dtype", torch.float32))
         for optimizer in self.optimizers:
             self.sharded.adopt(optimizer)

@@ -33,7 +33,9 @@ class RunHooks:
        whether the compute-memory meter watches it; a technique collects its costly evidence (a
        pipeline's gathered timeline) only on timed steps, and keeps apart what the meter slowed;
     8. `loss_ready(output)`: every training_step returns its output through it, so the run's
-       evidence (`listen_to_step_loss`) sees the step's loss before Lightning's backward.
+       evidence (`listen_to_step_loss`) sees the step's loss before Lightning's backward;
+    9. `context_batch(model, batch)`: the rows this rank computes (identity; this rank's chunks of
+       them under context parallelism), called by the task before each forward.
     """
 
     layout = None
@@ -82,6 +84,12 @@ class RunHooks:
         if self.layout is None:
             return 0, 1
         return self.layout.index("data"), self.layout.degrees.data
+
+    def context_batch(self, model, batch: dict) -> dict:
+        """The batch as this rank computes it, called by the task before each step's forward: the whole
+        rows here; under context parallelism this rank's head and tail chunks of them, with the model's
+        positions set (strategies/context_layout.py ContextParallelHooks)."""
+        return batch
 
     def sum_over_data(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over the ranks that hold the same layers and see other tokens: the layout's

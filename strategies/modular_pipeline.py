@@ -21,10 +21,13 @@ from parallel.timing import EventClock
 from strategies.base import OwnedStepStrategy
 from strategies.checks import divisors, grid_errors, nearest_multiples
 from strategies.distributed_optimizer import DistributedOptimizerSeams, distributed_optimizer_errors
+from strategies.expert_parallel import (ExpertParallelHooks, apply_expert_parallel, expert_errors, expert_parallel_of,
+                                        install_dispatchers)
 from strategies.buckets import bucket_bytes
 from strategies.precision import MESSAGE_DTYPES, activation_dtype, message_dtype, reduction_dtype
 from strategies.recompute import attention_share_of, backward_factor, recompute_errors
 from strategies.compile import pipeline_eager_blocks
+from strategies.context_layout import ContextParallelHooks, context_errors, context_of, eager_unless_context
 from strategies.registry import StrategyEntry, consolidate_replicated
 from strategies.schedule.generators import ZERO_BUBBLE
 from strategies.schedule import (FORWARD, POST_RECV_ACTIVATION, RECV_ACTIVATION, SEND_ACTIVATION, Plan,
@@ -68,7 +71,7 @@ def forward_only(plan: Plan) -> Plan:
     return Plan(rows, plan.stages, plan.micro_batches, plan.placement, plan.name + " (forward)")
 
 
-class ModularPipelineStrategy(DistributedOptimizerSeams, OwnedStepStrategy):
+class ModularPipelineStrategy(ContextParallelHooks, DistributedOptimizerSeams, ExpertParallelHooks, OwnedStepStrategy):
     """Pipeline × data parallelism running a plan from strategies/schedule.
 
     1. setup: keep this rank's stages (looping: stage c on rank c mod p), embedding with stage 0,
@@ -85,6 +88,11 @@ class ModularPipelineStrategy(DistributedOptimizerSeams, OwnedStepStrategy):
     position's piece of the activation to the same position of the next stage; a piece every tensor
     rank holds whole (1-D) goes as 1/t slices, all-gathered on arrival (`scatter_gather`). Messages
     travel in `message_dtype` (the compute dtype under mixed precision: StageWork).
+    With `context_degree` c > 1 (strategy.context_parallel) each stage's rank is one of c holding a
+    sequence's head and tail chunks: StageWork cuts every micro-batch to them (ContextCut), the
+    boundaries carry [rows, s/c, h], the blocks' attention exchanges keys and values over the context
+    group, and the gradient reduction (buckets, or the distributed optimizer's slices) runs over the
+    d·c ranks of data_context (strategies/context_layout.py).
     Children (ZeRO-layered, PipeFisher) override only the seams: how the plans are completed, how
     stage work is made, which plan a step runs, which handlers run which kinds, and the step's context.
     """
@@ -96,8 +104,9 @@ class ModularPipelineStrategy(DistributedOptimizerSeams, OwnedStepStrategy):
                  scatter_gather: bool = False, distributed_optimizer: bool = False,
                  overlap_reduction: bool = True, sequence_parallel: bool = False, tensor_overlap: bool = False,
                  tensor_collective_dtype: str = "compute", reduction_dtype: torch.dtype = torch.float32,
-                 **kwargs):
+                 context_comm: str = "ring", **kwargs):
         super().__init__(degrees, **kwargs)
+        self.context_degree, self.context_comm = degrees.context, context_comm  # ContextParallelHooks
         # 1-D grid: the residual stream split along the sequence (its boundary piece [rows, s/t, h]),
         # the gathers and reduce-scatters chunked under the products (strategies/tensor_parallel/sequence.py)
         self.sequence_options = {"sequence_parallel": sequence_parallel, "tensor_overlap": tensor_overlap,
@@ -144,7 +153,7 @@ class ModularPipelineStrategy(DistributedOptimizerSeams, OwnedStepStrategy):
                 "activation_recompute": self.activation_recompute, "bucket_bytes": bucket_bytes(self.bucket_mb),
                 "overlap_reduction": self.overlap_reduction, "gradient_buckets": not self.distributed_optimizer,
                 "tensor_form": self.form, "message_dtype": self.message_dtype, "scatter": self.boundary_scatter(),
-                "reduction_dtype": self.reduction_dtype}
+                "reduction_dtype": self.reduction_dtype, "context": self.context_cut()}
 
     def boundary_scatter(self):
         """The tensor group a stage boundary's messages are scattered over (Narayanan et al. 2021
@@ -181,11 +190,15 @@ class ModularPipelineStrategy(DistributedOptimizerSeams, OwnedStepStrategy):
     def materialise_model(self, model) -> None:
         """Drop the other ranks' stages while they are shapes only, materialise the rest directly
         on the device (NCCL broadcasts only device tensors), part by part cut to this rank's
-        tensor-grid shards if any, then make the replicas bit-identical."""
+        tensor-grid shards if any, then make the replicas bit-identical. With strategy.expert_parallel
+        only this rank's experts are built, and each MoE layer exchanges tokens over the expert group."""
+        apply_expert_parallel(model, self.layout)
         keep_local_stages(model, self.local_stages(), self.plan.stages, self.layers_per_stage)
         self.parallelize_parts(model, model.part_names())
         model.materialise(self.root_device)
-        self.synchronise_replicas(model)
+        self.synchronise_replicas(model, "data_context")  # context shards hold the same parameters too
+        install_dispatchers(model, self.layout)
+        self.install_context_parallel(model)
 
     def parallelize_parts(self, model, parts: list) -> None:
         """Cut `parts` (materialised one at a time) to this rank's tensor-grid shards; the form's
@@ -202,8 +215,11 @@ class ModularPipelineStrategy(DistributedOptimizerSeams, OwnedStepStrategy):
     def setup(self, trainer) -> None:
         model = self.lightning_module.model  # this rank's stages only, on its device (materialise_model)
         pipeline = self.layout.group("pipeline")
+        # gradients are reduced over the ranks holding the same parameters: data replicas × context shards
+        # split experts (strategy.expert_parallel) over the ranks holding the same ones
+        experts = self.layout.group("expert_data") if self.layout.degrees.expert > 1 else None
         peers = Peers([pipeline.ranks[r] for r in self.plan.placement], pipeline,
-                      self.layout.group("data"), self.layout.communicator)
+                      self.layout.group("data_context"), self.layout.communicator, experts)
         self.work = self.make_stage_work(model, self.local_stages(), peers)
         self._connect_neighbours(pipeline)
         super().setup(trainer)  # Lightning's setup: the optimizer sees what make_stage_work left
@@ -355,11 +371,15 @@ def tensor_degree(strategy_config) -> int:
 
 
 def degrees(cfg, world_size: int, zero: bool = False) -> Layout:
-    """Pipeline × the stage's tensor grid (none: one rank) × data, the rest of the world."""
+    """Pipeline × context (strategy.context_parallel) × the stage's tensor grid (none: one rank) ×
+    data, the rest of the world."""
     mode, pipeline = tensor_parallel(cfg.strategy), cfg.strategy.pipeline_degree
+    context = max(1, context_of(cfg.strategy)[0])
     layout = Layout(pipeline=pipeline, tensor_grid=mode if mode in DIMENSION else None,  # unknown: check refuses it
-                    edge=cfg.strategy.tensor_grid, zero=zero)
-    return replace(layout, data=max(1, world_size // (pipeline * layout.tensor)))
+                    edge=cfg.strategy.tensor_grid, zero=zero, context=context)
+    data = max(1, world_size // (pipeline * context * layout.tensor))
+    expert = expert_parallel_of(cfg.strategy)
+    return replace(layout, data=data, expert=expert if data % expert == 0 else 1)
 
 
 def check(cfg, world_size: int) -> list:
@@ -376,10 +396,15 @@ def check(cfg, world_size: int) -> list:
                 f"{world_size} (hardware.nodes × hardware.devices_per_node); world = data × pipeline × tensor. "
                 f"Fix: strategy.pipeline_degree in {[d for d in divisors(world_size) if world_size % (d * tensor) == 0]}"
                 f", or hardware.devices_per_node={split} or {2 * split}."]
-    data = world_size // split
+    errors += context_errors(cfg, world_size, split, refused=context_refusals(strategy, mode), tensor=tensor)
+    if errors:
+        return errors
+    context = context_of(strategy)[0]
+    data = world_size // (split * context)
     if strategy.data_degree not in (None, data):
+        by_context = f" × context {context}" if context > 1 else ""
         errors.append(f"strategy.data_degree={strategy.data_degree} but world {world_size} / (pipeline "
-                      f"{strategy.pipeline_degree} × tensor {tensor_degree(strategy)}) = {data}. Fix: "
+                      f"{strategy.pipeline_degree} × tensor {tensor_degree(strategy)}{by_context}) = {data}. Fix: "
                       f"strategy.data_degree={data} or null.")
     if mode is not None:
         errors += grid_errors(cfg, mode, strategy.tensor_grid, batch_splits=data * strategy.micro_batches,
@@ -405,7 +430,41 @@ def check(cfg, world_size: int) -> list:
                       f"would rerun twice. Fix: strategy.activation_recompute=none or selective, or "
                       f"strategy.schedule=one_f_one_b.")
     errors += distributed_optimizer_errors(cfg)
+    if "expert_parallel" in strategy:
+        errors += expert_errors(cfg, data, expert_refusals(strategy, mode))
     return errors or schedule_errors(cfg)
+
+
+def expert_refusals(strategy_config, mode) -> dict:
+    """{why: fix} of the pipeline combinations with strategy.expert_parallel > 1 that are not built."""
+    refused = {}
+    if mode is not None:
+        refused[f"with strategy.tensor_parallel={mode}: the grids cut the blocks' linears, not the experts' "
+                f"stacked weights, and the token exchange would run per grid position (not built)"] = \
+            "strategy.tensor_parallel=none"
+    if strategy_config.get("distributed_optimizer"):
+        refused["with strategy.distributed_optimizer=true: its flat buckets are reduce-scattered over the data "
+                "ranks, and split experts would need buckets of their own over expert_data (not built)"] = \
+            "strategy.distributed_optimizer=false"
+    return refused
+
+
+def context_refusals(strategy_config, mode) -> dict:
+    """{why: fix} of the pipeline combinations with strategy.context_parallel > 1 that are not built."""
+    refused = {}
+    if mode in ("2d", "3d"):
+        refused[f"with strategy.tensor_parallel={mode}: the 2-D/3-D grids split each block's activations over "
+                f"rows of the grid, and the key/value exchange would have to run inside their SUMMA/3-D attention "
+                f"(not built)"] = "strategy.tensor_parallel=1d or none"
+    if strategy_config.get("activation_recompute", "none") == "full" and strategy_config.micro_batches > 1:
+        refused["with strategy.activation_recompute=full and several micro-batches: a block recomputed in its "
+                "backward would read the positions and key side of the micro-batch whose forward ran last (as "
+                "data.packing's rule)"] = "strategy.activation_recompute=none, or strategy.micro_batches=1"
+    if strategy_config.schedule in ZERO_BUBBLE:
+        refused[f"with strategy.schedule={strategy_config.schedule}: the split backward runs the attention's "
+                f"input gradient (I) apart from the weights' (W); that the key/value gradients returned around the "
+                f"context group stay in step under I/W has no equality test yet"] = "strategy.schedule=one_f_one_b"
+    return refused
 
 
 def message_errors(cfg) -> list:
@@ -459,21 +518,24 @@ def pipeline_arguments(cfg) -> dict:
             "tensor_collective_dtype": cfg.strategy.tensor_collective_dtype,
             "reduction_dtype": reduction_dtype(cfg.hardware.precision, cfg.strategy.get("reduction_dtype", "fp32")),
             "process_group_backend": cfg.hardware.process_group_backend,
-            "tensor_parallel": tensor_parallel(cfg.strategy)}
+            "tensor_parallel": tensor_parallel(cfg.strategy),
+            "context_comm": context_of(cfg.strategy)[1]}
 
 
 def consolidate(rank_state_dicts: list, layout: dict) -> dict:
-    """Stages are disjoint across pipeline ranks; with a tensor grid, each pipeline rank's block of
-    tensor ranks (data replica 0: ranks T·p … T·p + T − 1) is merged into whole tensors first."""
-    tensor = layout.get("tensor", 1)
+    """Stages are disjoint across pipeline ranks; context shards and data replicas hold copies; with a
+    tensor grid, each pipeline rank's block of tensor ranks (data replica 0, context shard 0: ranks
+    T·C·p … T·C·p + T − 1, parallel/layout.py's rank order) is merged into whole tensors first."""
+    tensor, context = layout.get("tensor", 1), layout.get("context", 1)
     if tensor == 1:
         return consolidate_replicated(rank_state_dicts, layout)
     merged = {}
     for pipeline_rank in range(layout["pipeline"]):
-        block = rank_state_dicts[tensor * pipeline_rank:tensor * (pipeline_rank + 1)]
+        first = tensor * context * pipeline_rank
+        block = rank_state_dicts[first:first + tensor]
         merged.update(consolidate_tensor_grid(block, layout))
     return merged
 
 
 PIPELINE = StrategyEntry(check=check_recomputing, degrees=degrees, build=build, consolidate=consolidate,
-                         planned_as="pipeline", eager_blocks=pipeline_eager_blocks)
+                         planned_as="pipeline", eager_blocks=eager_unless_context(pipeline_eager_blocks))

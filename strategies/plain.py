@@ -16,6 +16,7 @@ from parallel.dims import Layout
 from parallel.layout import ParallelLayout
 from strategies.hooks import RunHooks
 from strategies.checkpoint.portable import PortableCheckpoints
+from strategies.context_layout import ContextParallelHooks, context_errors, context_of, eager_unless_context
 from strategies.recompute import apply_activation_recompute, recompute_errors
 from strategies.compile import compiles
 from strategies.registry import StrategyEntry
@@ -48,8 +49,10 @@ class SingleStrategy(WholeModelHooks, PortableCheckpoints, SingleDeviceStrategy)
 
 
 def _counted_all_reduce_hook(layout: ParallelLayout, bucket):
-    """DDP communication hook: average a gradient bucket over the data group, counted."""
-    group = layout.group("data")
+    """DDP communication hook: average a gradient bucket over the data_context group (the data
+    replicas × a sequence's context shards, which hold the same parameters; the data group itself
+    without context parallelism), counted."""
+    group = layout.group("data_context")
     tensor = bucket.buffer().div_(group.size)
     work = layout.communicator.all_reduce(tensor, group, async_op=True)
     if work is None:  # one replica: nothing to reduce, but DDP still waits on a future
@@ -59,26 +62,38 @@ def _counted_all_reduce_hook(layout: ParallelLayout, bucket):
     return work.get_future().then(lambda future: future.value()[0])
 
 
-class CountedDDPStrategy(WholeModelHooks, PortableCheckpoints, DDPStrategy):
+class CountedDDPStrategy(ContextParallelHooks, WholeModelHooks, PortableCheckpoints, DDPStrategy):
     """Data parallel: replicas on every rank, slices of the global batch, averaged gradients.
 
     1. every rank builds the same weights from the seed (DDP also broadcasts rank 0's);
-    2. each rank takes its contiguous slice of the global batch;
+    2. each rank takes its contiguous slice of the global batch (by its data index);
     3. backward all-reduces gradient buckets (through our counter) and divides by n;
     4. every rank applies the same optimizer step.
+    With `context_degree` c > 1 (strategy.context_parallel) the world is d = n/c replicas × c context
+    shards: the c ranks of a replica read the same rows and each keeps its head and tail chunks
+    (`context_batch`), their attention exchanges keys and values (strategies/context_parallel.py), and
+    step 3 averages over the d·c ranks of the data_context group (strategies/context_layout.py).
     """
 
     strategy_name = "ddp"
 
-    def __init__(self, timeout_seconds: float = 300.0, activation_recompute: str = "none", **kwargs):
+    def __init__(self, timeout_seconds: float = 300.0, activation_recompute: str = "none",
+                 context_degree: int = 1, context_comm: str = "ring", **kwargs):
         super().__init__(timeout=timedelta(seconds=timeout_seconds), **kwargs)
         self.activation_recompute = activation_recompute
+        self.context_degree, self.context_comm = context_degree, context_comm
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # creates the process group
         if self.layout is None:  # setup_environment runs again for validate/test: stay idempotent
-            self.layout = ParallelLayout(Layout(data=self.world_size), rank=self.global_rank)
+            degrees = Layout(data=self.world_size // self.context_degree, context=self.context_degree)
+            self.layout = ParallelLayout(degrees, rank=self.global_rank)
+
+    @override
+    def materialise_model(self, model) -> None:
+        super().materialise_model(model)
+        self.install_context_parallel(model)
 
     @override
     def configure_ddp(self) -> None:
@@ -98,6 +113,17 @@ def check(cfg, world_size: int) -> list:
     return recompute_errors(cfg.strategy)
 
 
+def degrees_ddp(cfg, world_size: int) -> Layout:
+    """d = world / c replicas × c context shards of each sequence (strategy.context_parallel)."""
+    context = context_of(cfg.strategy)[0]
+    return Layout(data=max(1, world_size // max(1, context)), context=max(1, context))
+
+
+def check_ddp(cfg, world_size: int) -> list:
+    """strategy.activation_recompute's, and strategy.context_parallel's (context_layout.context_errors)."""
+    return check(cfg, world_size) + context_errors(cfg, world_size, other_ranks=1)
+
+
 def one_process_device(accelerator: str) -> str:
     """The device of a one-process strategy: Lightning's CUDA accelerator calls
     torch.cuda.set_device(root_device), which refuses "cuda" without an index; the process sees
@@ -111,8 +137,10 @@ def build_single(cfg, world_size: int) -> SingleStrategy:
 
 
 def build_ddp(cfg, world_size: int) -> "CountedDDPStrategy":
+    context, exchange = context_of(cfg.strategy)
     return CountedDDPStrategy(process_group_backend=cfg.hardware.process_group_backend,
                               activation_recompute=cfg.strategy.activation_recompute,
+                              context_degree=context, context_comm=exchange,
                               bucket_cap_mb=cfg.strategy.bucket_mb,
                               # a LayerDrop step leaves the dropped blocks without gradients
                               find_unused_parameters=cfg.strategy.layer_drop > 0)
@@ -120,5 +148,5 @@ def build_ddp(cfg, world_size: int) -> "CountedDDPStrategy":
 
 SINGLE = StrategyEntry(check=check, degrees=degrees, build=build_single, one_process=True,
                        clips_gradients=True, planned_as="whole_model", eager_blocks=compiles)
-DDP = StrategyEntry(check=check, degrees=degrees, build=build_ddp, clips_gradients=True, planned_as="whole_model",
-                    eager_blocks=compiles)
+DDP = StrategyEntry(check=check_ddp, degrees=degrees_ddp, build=build_ddp, clips_gradients=True,
+                    planned_as="whole_model", eager_blocks=eager_unless_context(compiles))

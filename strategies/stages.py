@@ -17,6 +17,7 @@ from torch import nn
 
 from models.documents import batch_documents
 from strategies.buckets import GradientBuckets, sum_over_groups
+from strategies.expert_parallel import expert_parameter_ids
 from strategies.recompute import apply_activation_recompute
 from strategies.split_backward import input_gradient
 from strategies.tensor_parallel.grids import local_activation_shape
@@ -68,6 +69,7 @@ class Peers:
     pipeline_group: object
     data_group: object
     communicator: object
+    expert_data_group: object = None  # where split experts' gradients are summed (strategies/expert_parallel.py)
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,11 @@ class StageWork:
                  activation_recompute: str = "none", bucket_bytes: int = 0, tensor_form=None,
                  message_dtype: torch.dtype = None, scatter: BoundaryScatter = None,
                  overlap_reduction: bool = False, gradient_buckets: bool = True,
-                 reduction_dtype: torch.dtype = torch.float32):
+                 reduction_dtype: torch.dtype = torch.float32, context=None):
         self.model = model
+        # Context parallelism (strategies/context_layout.py ContextCut): each micro-batch's rows cut to
+        # this rank's head and tail chunks, the model's positions set for them; None: whole rows.
+        self.context = context
         self.tensor_form = tensor_form
         self.loss_function = tensor_form.loss if tensor_form is not None else model.loss
         self.stages = stages
@@ -153,7 +158,8 @@ class StageWork:
         # None where another owner keeps the gradients in its own flat buffers and reduces them
         # (the distributed optimizer, strategies/distributed_optimizer.py)
         self.gradients = GradientBuckets(bucket_bytes, peers.communicator, peers.data_group,
-                                         overlap_reduction, reduction_dtype) if gradient_buckets else None
+                                         overlap_reduction, reduction_dtype,
+                                         expert_group=peers.expert_data_group) if gradient_buckets else None
         self.state = StepState()
         self.batch = None
         self.scattered = False  # this step's messages scattered (`_scatters`), set by `start`
@@ -182,23 +188,37 @@ class StageWork:
     # ----- compute
     def forward(self, action: Action) -> None:
         stage, micro_batch = action.stage, action.micro_batch
-        # packed rows (data.packing): the micro-batch's documents, read by the embedding and attention
-        documents = batch_documents(self.batch, micro_batch)
-        if documents is not None:
-            self.model.set_documents(documents)
-        hidden = self._stage_input(stage, micro_batch)
+        rows = self._rows(micro_batch)
+        hidden = self._stage_input(stage, micro_batch, rows["tokens"])
         self.model.set_loss_scale(1.0 / self.micro_batches)  # its share of the step's loss (MoE aux loss)
         for name in stage_blocks(stage, self.layers_per_stage):
             hidden = self.model.blocks[name](hidden)
         if stage == self.stages - 1:
-            loss = self.loss_function(self.model.head(hidden), self.batch["targets"][micro_batch])
+            loss = self.loss_function(self.model.head(hidden), rows["targets"])
             hidden = loss / self.micro_batches  # mean over micro-batches = mean over the batch
             self.state.loss = hidden.detach() + (0 if self.state.loss is None else self.state.loss)
         self.state.outputs[(stage, micro_batch)] = hidden
 
-    def _stage_input(self, stage: int, micro_batch: int) -> torch.Tensor:
+    def _rows(self, micro_batch: int) -> dict:
+        """Micro-batch `micro_batch` as this rank computes it, the model told what it reads (before
+        every forward of any stage: schedules interleave micro-batches): under context parallelism its
+        head and tail chunks, their positions set; packed rows (data.packing): their documents."""
+        rows = {key: value[micro_batch] for key, value in self.batch.items()}
+        if self.context is not None:
+            rows = self.context(self.model, rows)
+        documents = batch_documents(rows)
+        if documents is not None:
+            self.model.set_documents(documents)
+        return rows
+
+    def rows_shape(self) -> tuple:
+        """(rows, positions) of one micro-batch as this rank holds it: s/c positions under context parallelism."""
+        rows, length = self.batch["tokens"][0].shape
+        return rows, length if self.context is None else self.context.length(length)
+
+    def _stage_input(self, stage: int, micro_batch: int, tokens: torch.Tensor) -> torch.Tensor:
         if stage == 0:
-            embedded = self.model.embed(self.batch["tokens"][micro_batch])
+            embedded = self.model.embed(tokens)
             if self.training:  # a split backward's I stops at it (popped by B or I)
                 self.state.inputs[(stage, micro_batch)] = embedded
             return embedded
@@ -341,7 +361,7 @@ class StageWork:
         if self.scattered:
             whole = torch.empty(message.numel() * self.scatter.group.size, dtype=message.dtype, device=message.device)
             self.peers.communicator.all_gather(whole, message, self.scatter.group)
-            message = whole.view(self.boundary_shape(*self.batch["tokens"][0].shape))
+            message = whole.view(self.boundary_shape(*self.rows_shape()))
         return message.to(self.activation_dtype)  # no cast: the very buffer, as before
 
     def _post_receive(self, action: Action):
@@ -350,7 +370,7 @@ class StageWork:
         sender = Action(SEND_GRADIENT if gradient else SEND_ACTIVATION, action.peer_stage,
                         action.micro_batch, action.stage)
         tokens = self.batch["tokens"][0]
-        shape = self.boundary_shape(*tokens.shape)
+        shape = self.boundary_shape(*self.rows_shape())
         if self.scattered:  # this rank's slice only
             shape = (self._slice_elements(math.prod(shape)),)
         tensor = torch.empty(shape, dtype=self.message_dtype, device=tokens.device)
@@ -397,7 +417,8 @@ class StageWork:
                  if id(self.model.get_parameter(name)) not in earlier]
         groups = {} if self.tensor_form is None else self.tensor_form.gradient_groups
         late = {id(self.model.get_parameter(name)) for name in names if groups.get(name)}
-        self.gradients.lay_out(stage, [self.model.get_parameter(name) for name in names][::-1], late)
+        self.gradients.lay_out(stage, [self.model.get_parameter(name) for name in names][::-1], late,
+                               expert_parameter_ids(self.model))
 
     def reduce_gradient(self, action: Action) -> None:
         """After stage c's last backward: the replicated pieces summed over the tensor grid, then

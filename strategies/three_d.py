@@ -17,6 +17,7 @@ from strategies.buckets import sum_over_groups
 from strategies.checks import grid_errors
 from strategies.recompute import apply_activation_recompute, recompute_errors
 from strategies.compile import TENSOR_GRID, always_eager
+from strategies.context_layout import ContextParallelHooks, context_errors, context_of
 from strategies.registry import StrategyEntry
 from strategies.tensor_parallel import consolidate as consolidate_form
 from strategies.tensor_parallel import parallelize_1d, parallelize_2d, parallelize_3d
@@ -27,7 +28,7 @@ PARALLELIZE = {"1d": parallelize_1d, "2d": parallelize_2d, "3d": parallelize_3d}
 MODES = {"three_d": "3d", "tp_1d": "1d", "tp_2d": "2d"}
 
 
-class TensorParallelStrategy(LayerwiseStrategy):
+class TensorParallelStrategy(ContextParallelHooks, LayerwiseStrategy):
     """Tensor-parallel training on a 1-D, 2-D or 3-D grid, times data replicas.
 
     1. `setup_environment`: the layout with the grid's group families;
@@ -36,12 +37,17 @@ class TensorParallelStrategy(LayerwiseStrategy):
     3. `training_step`: parallel forward, vocabulary-parallel loss (a live tensor; Lightning
        runs the backward, whose collectives are in the layers);
     4. `optimizer_step`: closure, sum replicated and data-parallel gradients, step.
+    With context parallelism (1-D only, `degrees.context` c > 1) each tensor block is one of c holding
+    a sequence's head and tail chunks (`context_batch`), its attention exchanges keys and values over
+    the context group on this rank's heads, and the loss's count and the gradient sums run over the
+    data_context group (strategies/context_layout.py).
     """
 
     def __init__(self, degrees: Layout, tensor_grid: str, activation_recompute: str = "none",
                  sequence_parallel: bool = False, tensor_overlap: bool = False,
-                 tensor_collective_dtype: str = "compute", **kwargs):
+                 tensor_collective_dtype: str = "compute", context_comm: str = "ring", **kwargs):
         super().__init__(degrees, **kwargs)
+        self.context_degree, self.context_comm = degrees.context, context_comm  # ContextParallelHooks'
         self.tensor_grid = tensor_grid
         self.activation_recompute = activation_recompute
         # 1-D only: the residual stream split along the sequence, its collectives chunked under the products
@@ -60,13 +66,16 @@ class TensorParallelStrategy(LayerwiseStrategy):
         """Before the optimizers are built over the model's parameters: this rank's shards only,
         on its device, then broadcast over the data group (NCCL moves only device tensors)."""
         self.form = PARALLELIZE[self.tensor_grid](model, self.layout, self.root_device, **self.sequence_options)
-        self.synchronise_replicas(model)
+        self.synchronise_replicas(model, "data_context")  # context shards hold the same parameters too
+        self.install_context_parallel(model)
         # Every rank recomputes its blocks in the same backward order, so the collectives inside a
         # recomputed block are issued in the same order on every rank of its groups.
         apply_activation_recompute(model, self.activation_recompute)
 
     def _loss(self, batch):
-        return self.form.loss(self.lightning_module.model(batch["tokens"]), batch["targets"])
+        model = self.lightning_module.model
+        batch = self.context_batch(model, batch)  # this rank's chunks under context parallelism
+        return self.form.loss(model(batch["tokens"]), batch["targets"])
 
     @override
     def training_step(self, *args, **kwargs):
@@ -89,8 +98,9 @@ class TensorParallelStrategy(LayerwiseStrategy):
                                                     closure=closure_then_synchronise, **kwargs)
 
     def synchronise_gradients(self) -> None:
-        """Sum each gradient over the groups holding copies of its parameter, then over data."""
-        data = self.layout.group("data")
+        """Sum each gradient over the groups holding copies of its parameter, then over data (× context:
+        the loss is already normalised over the data_context group's whole batch)."""
+        data = self.layout.group("data_context")
         sum_over_groups([(parameter.grad, self.form.gradient_groups.get(name, ()) + (data,))
                          for name, parameter in self.lightning_module.model.named_parameters()],
                         self.layout.communicator)
@@ -107,10 +117,11 @@ def _tensor_degree(cfg) -> int:
 
 
 def degrees(cfg, world_size: int) -> Layout:
-    """One tensor grid × data (strategy.data_degree, or the rest of the world)."""
-    tensor = _tensor_degree(cfg)
-    return Layout(data=cfg.strategy.data_degree or max(1, world_size // tensor), tensor_grid=_mode(cfg),
-                  edge=cfg.strategy.tensor_grid)
+    """One tensor grid × context (strategy.context_parallel) × data (strategy.data_degree, or the rest
+    of the world)."""
+    tensor, context = _tensor_degree(cfg), max(1, context_of(cfg.strategy)[0])
+    return Layout(data=cfg.strategy.data_degree or max(1, world_size // (tensor * context)), tensor_grid=_mode(cfg),
+                  edge=cfg.strategy.tensor_grid, context=context)
 
 
 def check(cfg, world_size: int) -> list:
@@ -119,7 +130,15 @@ def check(cfg, world_size: int) -> list:
     if mode not in DIMENSION or q < 1:
         return [f"strategy.tensor_parallel={mode!r}, strategy.tensor_grid={q}: need a mode in "
                 f"1d, 2d, 3d and q >= 1. Fix: strategy.tensor_parallel=3d strategy.tensor_grid=2."]
-    errors = _check_world(cfg, world_size, _tensor_degree(cfg), mode) + recompute_errors(cfg.strategy)
+    context = context_of(cfg.strategy)[0]
+    refused = {} if mode == "1d" else {
+        f"with strategy={cfg.strategy.name} ({mode}): the {mode} grid splits each block's activations over "
+        f"rows of the grid, and the key/value exchange would have to run inside its attention (not built)":
+        "strategy=tp_1d"}
+    errors = context_errors(cfg, world_size, _tensor_degree(cfg), refused=refused, tensor=_tensor_degree(cfg))
+    if errors:
+        return errors
+    errors = _check_world(cfg, world_size, _tensor_degree(cfg) * context, mode) + recompute_errors(cfg.strategy)
     errors += sequence_errors(cfg, mode, _tensor_degree(cfg))
     data = degrees(cfg, world_size).data
     return errors + grid_errors(cfg, mode, q, batch_splits=data if not errors else 1,
@@ -141,6 +160,7 @@ def _check_world(cfg, world_size: int, tensor: int, mode: str) -> list:
 
 def build(cfg, world_size: int):
     return TensorParallelStrategy(degrees(cfg, world_size), _mode(cfg),
+                                  context_comm=context_of(cfg.strategy)[1],
                                   activation_recompute=cfg.strategy.activation_recompute,
                                   sequence_parallel=cfg.strategy.sequence_parallel,
                                   tensor_overlap=cfg.strategy.tensor_overlap,

@@ -25,6 +25,7 @@ from strategies.schedule.zero import (GATHER_BACKWARD, GATHER_FORWARD, GATHER_WE
 from strategies.buckets import sum_over_groups
 from strategies.checks import divisors
 from strategies.compile import pipeline_eager_blocks
+from strategies.context_layout import eager_unless_context, replica_index
 from strategies.registry import StrategyEntry
 from strategies.sharding import FlatShard, ShardContainer, unshard
 from strategies.stages import Peers, StageWork, keep_local_stages, stage_parameter_names, stage_part_names
@@ -202,17 +203,22 @@ class ZeroLayeredStrategy(ModularPipelineStrategy):
         rank's flat shards; cutting replaces the stage's parameters, so the full stage is freed."""
         local_stages = self.local_stages()
         keep_local_stages(model, local_stages, self.plan.stages, self.layers_per_stage)
-        data = self.layout.group("data")
+        # Shards over data_context (the data ranks alone without CP): a sequence's c context shards hold
+        # the same parameters, so they share the sharding as torchtitan's FSDP mesh (dp_shard × cp) and
+        # Megatron-core's distributed optimizer (data-parallel group with context) do; replicating the
+        # d shards on each context rank would keep c copies of each and need a second reduction.
+        data = self.layout.group("data_context")
         for stage in local_stages:
             parts = stage_part_names(stage, self.plan.stages, self.layers_per_stage)
             self.parallelize_parts(model, parts)  # a tensor grid's shards first; ZeRO shards those over data
             model.materialise(self.root_device, parts)
             self.convert_to_fp8(model)  # fp8-mixed: before cutting, while the linears hold Parameters
             for part in parts:
-                self.synchronise_replicas(model.get_submodule(part))
+                self.synchronise_replicas(model.get_submodule(part), "data_context")
             self.shards.update(shard_stages(model, [stage], self.plan.stages, self.layers_per_stage,
-                                            self.layout.index("data"), data.size))
+                                            replica_index(self.layout), data.size))
         model.zero_shards = ShardContainer(self.shards)  # the optimizer's only parameters
+        self.install_context_parallel(model)
 
     @override
     def make_stage_work(self, model, local_stages: list, peers: Peers) -> ShardedStageWork:
@@ -261,12 +267,15 @@ def build(cfg, world_size: int):
 
 
 def consolidate(rank_state_dicts: list, layout: dict) -> dict:
-    """The full model from per-rank shards: concatenate each flat group over the data ranks of every
-    (pipeline, tensor) position, then merge stages and tensor-grid shards as the pipeline does."""
+    """The full model from per-rank shards: concatenate each flat group over the data × context ranks
+    (data-major: the shards' order, `replica_index`) of every (pipeline, tensor) position, then merge
+    stages and tensor-grid shards as the pipeline does."""
     data, pipeline, tensor = layout["data"], layout["pipeline"], layout.get("tensor", 1)
-    unsharded = [unshard_over_data([rank_state_dicts[t + tensor * (p + pipeline * d)] for d in range(data)])
+    context = layout.get("context", 1)
+    unsharded = [unshard_over_data([rank_state_dicts[t + tensor * (k + context * (p + pipeline * d))]
+                                    for d in range(data) for k in range(context)])
                  for p in range(pipeline) for t in range(tensor)]  # in rank order of data replica 0
-    return modular_pipeline.consolidate(unsharded, layout)
+    return modular_pipeline.consolidate(unsharded, {**layout, "context": 1})
 
 
 def unshard_over_data(states: list) -> dict:
@@ -280,4 +289,4 @@ def unshard_over_data(states: list) -> dict:
 
 
 ZERO_LAYERED = StrategyEntry(check=check, degrees=degrees, build=build, consolidate=consolidate,
-                             planned_as="pipeline", eager_blocks=pipeline_eager_blocks)
+                             planned_as="pipeline", eager_blocks=eager_unless_context(pipeline_eager_blocks))

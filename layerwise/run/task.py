@@ -83,18 +83,22 @@ class LanguageModelTask(pl.LightningModule):
 
     def training_step(self, batch, batch_index):
         self.model.set_loss_scale(1.0)  # one forward: this rank's whole share of the step (MoE aux loss)
-        self._documents(batch)
+        batch = self._rows(batch)
         return self.model.loss(self.model(batch["tokens"]), batch["targets"])
 
     def validation_step(self, batch, batch_index):
-        self._documents(batch)
+        batch = self._rows(batch)
         return self.model.loss(self.model(batch["tokens"]), batch["targets"])
 
-    def _documents(self, batch) -> None:
-        """Packed rows (data.packing): the model reads the batch's documents (models/documents.py)."""
+    def _rows(self, batch) -> dict:
+        """The rows this rank computes (the strategy's `context_batch`: under context parallelism its
+        head and tail chunks, positions set on the model); packed rows (data.packing): the model reads
+        the batch's documents (models/documents.py)."""
+        batch = self.trainer.strategy.context_batch(self.model, batch)
         documents = batch_documents(batch)
         if documents is not None:
             self.model.set_documents(documents)
+        return batch
 
     def on_train_batch_start(self, batch, batch_index):
         rank, _ = self.trainer.strategy.data_parallel()

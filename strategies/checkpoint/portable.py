@@ -313,7 +313,9 @@ def local_pieces(model, layout) -> dict:
             where = placement(name, parameter.shape, grid)
             pieces[name] = [Piece(name, where.shape, rectangles(where, 0, parameter.numel()))]
     if getattr(model, "zero_shards", None) is not None:
-        pieces.update(_zero_pieces(model.zero_shards, layout.index("data"), grid))
+        # the shard's index over data × context (strategies/zero_layered.py shards over data_context)
+        replica = layout.group("data_context").ranks.index(layout.rank)
+        pieces.update(_zero_pieces(model.zero_shards, replica, grid))
     return pieces
 
 

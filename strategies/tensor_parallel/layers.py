@@ -146,12 +146,19 @@ class ParallelEmbedding(nn.Module):
         self.dropout = nn.Dropout(dropout) if region is None else ShardDropout(dropout, region)
         self.rows = rows  # (index, parts) of this data rank's sequences
         self.region = region
+        # Per-token positions [b, s] set by LanguageModel.set_documents (the embedding it replaces reads
+        # them too): packed rows' restarted ones, or a context-parallel rank's chunks' global positions
+        # (strategies/context_parallel.py); None: 0..s−1 of every row.
+        self.documents = None
 
     def forward(self, tokens):
         tokens = tokens.chunk(self.rows[1], dim=0)[self.rows[0]]
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        if self.documents is None:
+            positions, along = torch.arange(tokens.shape[1], device=tokens.device), 0
+        else:
+            positions, along = self.documents.positions.chunk(self.rows[1], dim=0)[self.rows[0]], 1
         if self.region is not None:
-            tokens, positions = self.region.shard(tokens), self.region.shard(positions, dim=0)
+            tokens, positions = self.region.shard(tokens), self.region.shard(positions, dim=along)
         if self.position is None:
             return self.dropout(self.token(tokens))
         return self.dropout(self.token(tokens) + self.position(positions))

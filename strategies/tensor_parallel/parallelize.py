@@ -186,7 +186,8 @@ def parallelize(model: nn.Module, layout, device=None, parts=None, loss_over_dat
                                                    attention.kv_heads // grid.head_parts)
             if region is not None:
                 shard_dropouts(model.get_submodule(part), region)
-    data = layout.group("data") if loss_over_data else None
+    # the ranks whose rows or chunks make up the batch: data replicas × context shards (data alone without CP)
+    data = layout.group("data_context") if loss_over_data else None
     return TensorParallelForm(model, VocabularyParallelLoss(layout, grid, data),
                               gradient_groups(model, plan, grid, layout), grid)
 

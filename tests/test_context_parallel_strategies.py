@@ -1,0 +1,92 @@
+"""Context parallelism (strategy.context_parallel = c) in the strategies equals `single`.
+
+Each case trains on forked gloo ranks with the strict point-to-point order check on (tests/ranks.py
+QUICK) and is compared with the one-process reference under plain SGD (references.SgdComparison:
+losses of every step, the first step's gradients recovered from the weights, the parameters after 3
+steps) and, for the cases AdamW lists, under AdamW (losses, parameters within the traced update's
+bound). The c ranks of a sequence read the same rows, keep their head and tail chunks and exchange
+keys and values (strategies/context_parallel.py); the gradients are averaged over data × context
+(strategies/context_layout.py). Ids: c{c} context ranks (ring unless `ag`: all_gather), dp{d} data
+replicas, pp{p} pipeline ranks, p{t} 1-D tensor ranks, sp sequence parallelism.
+"""
+
+import pytest
+
+from layerwise.config.errors import ConfigError
+from layerwise.preflight import validate
+from layerwise.run.fit import train
+from tests.ranks import QUICK, compose_config
+from tests.references import (LLAMA, LLAMA_REFERENCE, SgdComparison, SgdRun, consolidated_parameters, sgd_reference,
+                              tracing_optimizer)
+from tests.tolerances import OptimizerTrace, assert_same_losses, assert_same_parameters
+
+ALL_GATHER = "strategy.context_parallel_comm=all_gather"
+# (overrides, world size, reference overrides). QUICK's rows are 32 positions: 2c chunks of 8 (c = 2)
+# or 4 (c = 4) tokens per rank and head/tail.
+CASES = {
+    "ddp_c2": (["strategy=ddp", "strategy.context_parallel=2"], 2, ()),
+    "ddp_c4_ag": (["strategy=ddp", "strategy.context_parallel=4", ALL_GATHER, "hardware.devices_per_node=4"], 4, ()),
+    "ddp_c2_ag_dp2": (["strategy=ddp", "strategy.context_parallel=2", ALL_GATHER, "hardware.devices_per_node=4"],
+                      4, ()),
+    "ddp_c4": (["strategy=ddp", "strategy.context_parallel=4", "hardware.devices_per_node=4"], 4, ()),
+    # 8 ranks: data 2 × pipeline 2 × context 2, the distributed optimizer's slices over data × context
+    "modular_pipeline_pp2_c2_dp2_distopt": (["strategy=modular_pipeline", "strategy.pipeline_degree=2",
+                                             "strategy.context_parallel=2", "strategy.distributed_optimizer=true",
+                                             "hardware.devices_per_node=8"], 8, ()),
+    # ZeRO-3 shards over the data_context group (2 × 2), one stage per rank pair
+    "zero_layered_c2_dp2_ag": (["strategy=zero_layered", "strategy.context_parallel=2", ALL_GATHER,
+                                "hardware.devices_per_node=4"], 4, ()),
+    "tp_1d_p2_c2_sp": (["strategy=tp_1d", "strategy.tensor_grid=2", "strategy.context_parallel=2",
+                        "strategy.sequence_parallel=true", "hardware.devices_per_node=4"], 4, ()),
+    # Llama with GQA (4 query heads sharing 2 kv heads: only the kv heads travel), RoPE at the chunks' positions
+    "llama_ddp_c2_dp2": (["strategy=ddp", "strategy.context_parallel=2", "hardware.devices_per_node=4", *LLAMA],
+                         4, LLAMA_REFERENCE),
+    "llama_one_f_one_b_pp2_c2": (["strategy=one_f_one_b", "strategy.context_parallel=2",
+                                  "hardware.devices_per_node=4", *LLAMA], 4, LLAMA_REFERENCE),
+}
+ADAMW = ["ddp_c4_ag", "modular_pipeline_pp2_c2_dp2_distopt", "llama_ddp_c2_dp2"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_context_parallel_equals_single_under_sgd(case, tmp_path, tmp_path_factory):
+    overrides, world, reference = CASES[case]
+    comparison = SgdComparison(SgdRun(tmp_path, *overrides), sgd_reference(tmp_path_factory, *reference))
+    summary = comparison.actual.summary
+    assert summary["world_size"] == world and summary["layout"]["context"] == context_of(overrides), summary["layout"]
+    comparison.check()
+
+
+def context_of(overrides) -> int:
+    return next(int(o.split("=")[1]) for o in overrides if o.startswith("strategy.context_parallel="))
+
+
+STEPS = 3
+ADAMW_MODEL = ["model.layers=4", "data.global_batch_size=16", "trainer.limit_val_batches=0",
+               f"trainer.val_check_interval={STEPS}", f"trainer.max_steps={STEPS}"]
+
+
+@pytest.fixture(scope="module")
+def adamw_references(tmp_path_factory):
+    """`reference(llama)`: the one-process AdamW run (traced) of the GPT or of llama_tiny, made once."""
+    cache = {}
+
+    def reference(llama: bool):
+        if llama not in cache:
+            directory = tmp_path_factory.mktemp("single_adamw")
+            cfg = compose_config(*QUICK, *ADAMW_MODEL, "strategy=single", *(LLAMA if llama else ()))
+            with tracing_optimizer(directory):
+                summary = train(cfg, directory, validate(cfg))
+            cache[llama] = summary, consolidated_parameters(directory, "single"), OptimizerTrace.load(directory)
+        return cache[llama]
+    return reference
+
+
+@pytest.mark.parametrize("case", ADAMW)
+def test_context_parallel_equals_single_under_adamw(case, adamw_references, tmp_path):
+    overrides, world, reference = CASES[case]
+    expected, expected_parameters, trace = adamw_references(bool(reference))
+    cfg = compose_config(*QUICK, *ADAMW_MODEL, *overrides)
+    summary = train(cfg, tmp_path, validate(cfg))
+    assert summary["status"] == "completed" and summary["world_size"] == world, summary.get("error")
+    assert_same_losses(summary["losses"], expected["losses"])
+    assert_same_parameters(consolidated_parameters(tmp_path, cfg.strategy.name), expected_parameters, trace)

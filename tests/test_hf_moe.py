@@ -273,6 +273,36 @@ def test_initial_validation_loss_of_an_imported_mixtral_under_expert_parallelism
     assert abs(summary["initial_val_loss"] - expected) <= 1e-5 * expected
 
 
+def test_the_hf_export_of_an_expert_parallel_run_equals_the_one_of_a_single_run(tmp_path):
+    """One SGD step of the imported Mixtral under `single` and under ddp with e = 2, each exported with
+    --format hf: every tensor, each expert's three included (rank 1's experts 2 and 3 gathered back
+    into place), equal within the first-step gradient tolerance of tests/tolerances.py. With
+    p1 = p0 − lr·g, two correct runs differ by lr·Δg, |Δg| ≤ GRADIENT_RTOL·|g| + GRADIENT_SCALE_ATOL·max|g|
+    per tensor, plus one fp32 rounding of p1 on each side (GRADIENT_RECOVERY_EPS·|p0|). An expert
+    written in another's place differs by the weights' own scale (~0.1)."""
+    from layerwise.tools.export import export_hf
+    from tests.test_hf import hf_run
+    from tests.tolerances import GRADIENT_RECOVERY_EPS, GRADIENT_RTOL, GRADIENT_SCALE_ATOL
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(**RUN_MIXTRAL)).save_pretrained(tmp_path / "in")
+    exported = {}
+    for name, overrides in (("single", ["strategy=single"]), ("ep", ["strategy=ddp", "strategy.expert_parallel=2"])):
+        (tmp_path / name).mkdir()
+        cfg, _ = hf_run(tmp_path / name, tmp_path / "in", *overrides, "optimizer.name=sgd", "trainer.max_steps=1",
+                        "trainer.checkpoint_every_n_steps=1")
+        export_hf(tmp_path / name, tmp_path / f"{name}_hf")
+        exported[name] = load_file(tmp_path / f"{name}_hf" / "model.safetensors")
+    initial, lr = load_file(tmp_path / "in" / "model.safetensors"), cfg.optimizer.lr
+    assert sorted(exported["ep"]) == sorted(exported["single"]) == sorted(initial)
+    for key, p0 in initial.items():
+        single, ep = exported["single"][key], exported["ep"][key]
+        gradient = (p0 - single) / lr
+        assert gradient.abs().max() > 0, key  # every tensor moved, each expert's included
+        bound = lr * (GRADIENT_RTOL * gradient.abs() + GRADIENT_SCALE_ATOL * gradient.abs().max()) \
+            + GRADIENT_RECOVERY_EPS * p0.abs()
+        assert ((ep - single).abs() <= bound).all(), key
+
+
 RUN_QWEN3 = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64, initializer_range=0.1)
 

@@ -63,13 +63,15 @@ receive-first on odd ranks, so a communicator that runs a rank's operations one 
 completes them (each sender's partner posts its receive first); all ranks issue the same sequence of
 exchanges: forward KV_1..KV_{c−1}; backward KV_1, dKV_0, KV_2, dKV_1, …, dKV_{c−1}.
 
-The exact path here computes every block in fp32 with explicit matrix products (scores of one
-(s/2c) × (s/2c) block at a time), on any device. On a GPU the blocks would run a flash kernel that
-returns the log-sum-exp (aten._scaled_dot_product_flash_attention / _efficient_attention_forward and
-their backwards, given the final output and lse: exactly `block_backward`), or FlexAttention's block
-mask for packed rows, and the ring's send and receive would be one batched group
-(ncclGroupStart/End, torch.distributed.batch_isend_irecv) so both directions move at once. None of
-that has run on a GPU here.
+Every block is computed in fp32 (inputs upcast, output rounded once to the compute dtype): on CPU by
+torch's flash kernel for CPU, which returns the block's log-sum-exp and whose backward, given the
+final output and lse, gives exactly the block's share of the gradients (tiled: no (s/2c)² scores are
+held); elsewhere by explicit matrix products (scores of one (s/2c) × (s/2c) block at a time). The two
+engines are equal block by block (tests/test_context_parallel.py). On a GPU the blocks would run the
+CUDA flash kernels the same way (aten._scaled_dot_product_flash_attention / _efficient_attention and
+their backwards, in bf16), or FlexAttention's block mask for packed rows, and the ring's send and
+receive would be one batched group (ncclGroupStart/End, torch.distributed.batch_isend_irecv) so both
+directions move at once. None of that has run on a GPU here: there the explicit engine runs.
 
 The loss: each rank scores its s/c tokens of every row and takes their mean. Every shard holds the
 same number of scored targets, so with gradients averaged over the `data_context` group the result is
@@ -187,11 +189,19 @@ def block_mask(queries: Documents, keys: Documents) -> torch.Tensor:
     return (same & earlier)[:, None, None]
 
 
-# ----------------------------------------------------------------------------- one block, exact
+# ----------------------------------------------------------------------------- one block
+#
+# A block is one (query chunk, key chunk) pair: grouped queries q [b, kv, g, Lq, d] (kv head j serves
+# its g = heads/kv_heads query heads), k, v [b, kv, Lk, d], the documents' mask bool [b, 1, 1, Lq, Lk].
+# Two engines, equal to rounding (tests/test_context_parallel.py checks them block by block): explicit
+# fp32 products (`exact_block_forward`/`_backward`, any device; scores of the whole block) and, on CPU,
+# torch's flash kernel for CPU (aten._scaled_dot_product_flash_attention_for_cpu and its backward: tiled,
+# so no Lq × Lk scores are held; it returns the log-sum-exp, and its backward takes the final output and
+# lse, which is exactly one block's share of the gradient).
 
 
 def _scores(query, key, mask, scale):
-    """q [b, kv, g, Lq, d] against k [b, kv, Lk, d]: masked fp32 scores [b, kv, g, Lq, Lk]."""
+    """Masked fp32 scores [b, kv, g, Lq, Lk]."""
     scores = torch.matmul(query, key.unsqueeze(2).transpose(-1, -2)) * scale
     return scores.masked_fill(~mask, float("-inf"))
 
@@ -201,12 +211,72 @@ def _finite(lse):
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def block_forward(query, key, value, mask, scale):
-    """(o_b, lse_b) of one (query chunk, key chunk) block."""
+def exact_block_forward(query, key, value, mask, scale):
+    """(o_b [b, kv, g, Lq, d], lse_b [b, kv, g, Lq]) of one block; lse_b = −∞ and o_b = 0 on a row
+    with no key in the block."""
     scores = _scores(query, key, mask, scale)
     lse = torch.logsumexp(scores, dim=-1)
     probabilities = torch.exp(scores - _finite(lse).unsqueeze(-1))
     return torch.matmul(probabilities, value.unsqueeze(2)), lse
+
+
+def exact_block_backward(query, key, value, mask, scale, grad_output, output, lse):
+    """(dq, dk, dv) of one block given the final output and lse (FlashAttention-2's backward, Dao 2023,
+    Algorithm 2): P = exp(S − lse), dV = Pᵀ dO, dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O)), dQ = dS K·scale,
+    dK = dSᵀ Q·scale; dk, dv summed over the query heads of each kv head."""
+    delta = (grad_output * output).sum(-1, keepdim=True)
+    probabilities = torch.exp(_scores(query, key, mask, scale) - lse.unsqueeze(-1))
+    grad_value = torch.matmul(probabilities.transpose(-1, -2), grad_output).sum(2)
+    grad_scores = probabilities * (torch.matmul(grad_output, value.unsqueeze(2).transpose(-1, -2)) - delta)
+    grad_query = torch.matmul(grad_scores, key.unsqueeze(2)) * scale
+    grad_key = torch.matmul(grad_scores.transpose(-1, -2), query).sum(2) * scale
+    return grad_query, grad_key, grad_value
+
+
+def _per_head(query, key, value):
+    """[b, heads, L, d] operands for the kernel: K/V repeated over each kv head's query heads here,
+    on this rank (what travels is never expanded)."""
+    groups = query.shape[2]
+    return (query.flatten(1, 2).contiguous(), key.repeat_interleave(groups, 1).contiguous(),
+            value.repeat_interleave(groups, 1).contiguous())
+
+
+def _additive(mask):
+    """The kernel's mask: None for a block every query sees whole, else 0 / −∞ [b, 1, Lq, Lk]."""
+    if bool(mask.all()):
+        return None
+    return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))[:, 0]
+
+
+def flash_block_forward(query, key, value, mask, scale):
+    """`exact_block_forward` by the CPU flash kernel (which gives lse 0 on a row with no key: set to −∞)."""
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *_per_head(query, key, value), 0.0, False, attn_mask=_additive(mask), scale=scale)
+    lse = lse.reshape(query.shape[:-1]).masked_fill(~mask.any(-1), float("-inf"))
+    return output.reshape(query.shape), lse
+
+
+def flash_block_backward(query, key, value, mask, scale, grad_output, output, lse):
+    """`exact_block_backward` by the CPU flash kernel's backward."""
+    batch, kv_heads, groups = query.shape[:3]
+    grad_query, grad_key, grad_value = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_output.flatten(1, 2).contiguous(), *_per_head(query, key, value), output.flatten(1, 2).contiguous(),
+        lse.flatten(1, 2).contiguous(), 0.0, False, attn_mask=_additive(mask), scale=scale)
+    per_kv_head = (batch, kv_heads, groups, *grad_key.shape[2:])
+    return (grad_query.reshape(query.shape), grad_key.reshape(per_kv_head).sum(2),
+            grad_value.reshape(per_kv_head).sum(2))
+
+
+def block_forward(query, key, value, mask, scale):
+    """One block's (o_b, lse_b): the flash kernel on CPU, the explicit products elsewhere."""
+    engine = flash_block_forward if query.device.type == "cpu" else exact_block_forward
+    return engine(query, key, value, mask, scale)
+
+
+def block_backward(query, key, value, mask, scale, grad_output, output, lse):
+    """One block's (dq, dk, dv) given the final output and lse: as `block_forward` chooses."""
+    engine = flash_block_backward if query.device.type == "cpu" else exact_block_backward
+    return engine(query, key, value, mask, scale, grad_output, output, lse)
 
 
 def merge(output, lse, block_output, block_lse):
@@ -217,19 +287,6 @@ def merge(output, lse, block_output, block_lse):
     safe = _finite(merged)
     old, new = torch.exp(lse - safe).unsqueeze(-1), torch.exp(block_lse - safe).unsqueeze(-1)
     return output * old + block_output * new, merged
-
-
-def block_backward(query, key, value, mask, scale, grad_output, lse, delta):
-    """(dq, dk, dv) of one block given the final lse and delta = rowsum(dO ⊙ O) (FlashAttention-2's
-    backward, Dao 2023, Algorithm 2): P = exp(S − lse), dV = Pᵀ dO, dS = P ⊙ (dO Vᵀ − delta),
-    dQ = dS K·scale, dK = dSᵀ Q·scale; dk, dv summed over the query heads of each kv head."""
-    probabilities = torch.exp(_scores(query, key, mask, scale) - lse.unsqueeze(-1))
-    grad_value = torch.matmul(probabilities.transpose(-1, -2), grad_output).sum(2)
-    grad_probabilities = torch.matmul(grad_output, value.unsqueeze(2).transpose(-1, -2))
-    grad_scores = probabilities * (grad_probabilities - delta.unsqueeze(-1))
-    grad_query = torch.matmul(grad_scores, key.unsqueeze(2)) * scale
-    grad_key = torch.matmul(grad_scores.transpose(-1, -2), query).sum(2) * scale
-    return grad_query, grad_key, grad_value
 
 
 # ----------------------------------------------------------------------------- the ring
@@ -320,11 +377,10 @@ class _RingAttention(torch.autograd.Function):
         with torch.autocast(query.device.type, enabled=False):
             q = _grouped(query.float(), key.shape[1])
             grad = grad_output.float().reshape(output.shape)
-            delta = (grad * output.float()).sum(-1)
             grad_query = torch.zeros_like(q)
             pending = None  # (incoming accumulator, works) posted after the previous step
             for step, blocks in _ring_steps(ring, torch.stack((key, value)), degree):
-                accumulator = attention.block_gradients(q, blocks, keys, step, grad, lse, delta, grad_query)
+                accumulator = attention.block_gradients(q, blocks, keys, step, grad, output.float(), lse, grad_query)
                 if pending is not None:  # rank i−step's accumulator from i−1, every earlier rank's share in
                     ring.wait(pending[1])
                     accumulator += pending[0].float()
@@ -365,12 +421,12 @@ class _GatheredAttention(torch.autograd.Function):
         with torch.autocast(query.device.type, enabled=False):
             q = _grouped(query.float(), gathered.shape[3])
             grad = grad_output.float().reshape(output.shape)
-            delta = (grad * output.float()).sum(-1)
             grad_query = torch.zeros_like(q)
             grad_gathered = torch.zeros(gathered.shape, dtype=torch.float32, device=gathered.device)
             for step, blocks in _gathered_steps(gathered, keys.index, keys.degree):
                 source = (keys.index - step) % keys.degree
-                grad_gathered[source] = attention.block_gradients(q, blocks, keys, step, grad, lse, delta, grad_query)
+                grad_gathered[source] = attention.block_gradients(q, blocks, keys, step, grad, output.float(), lse,
+                                                                  grad_query)
             grad_gathered = grad_gathered.to(gathered.dtype)
             mine = grad_gathered[0]
             if keys.degree > 1:
@@ -445,9 +501,9 @@ class ContextParallelAttention:
             yield block_forward(q[:, :, :, half * size:(half + 1) * size], blocks[0][:, :, cut].float(),
                                           blocks[1][:, :, cut].float(), mask, q.shape[-1] ** -0.5)
 
-    def block_gradients(self, q, blocks, keys: KeySide, step, grad, lse, delta, grad_query):
-        """dK/dV [2, b, kv, n, d] (fp32) of the block of rank index−step from this rank's queries;
-        adds their dQ into `grad_query`."""
+    def block_gradients(self, q, blocks, keys: KeySide, step, grad, output, lse, grad_query):
+        """dK/dV [2, b, kv, n, d] (fp32) of the block of rank index−step from this rank's queries, given
+        the final output and lse; adds their dQ into `grad_query`."""
         source = (keys.index - step) % keys.degree
         size = q.shape[3] // 2
         contribution = torch.zeros((2, *blocks.shape[1:]), dtype=torch.float32, device=blocks.device)
@@ -461,7 +517,7 @@ class ContextParallelAttention:
                 mask = block_mask(queries, keys.chunk(source, key_half))
                 dq, dk, dv = block_backward(q[:, :, :, rows], blocks[0][:, :, cut].float(),
                                             blocks[1][:, :, cut].float(), mask, q.shape[-1] ** -0.5,
-                                            grad[:, :, :, rows], lse[:, :, :, rows], delta[:, :, :, rows])
+                                            grad[:, :, :, rows], output[:, :, :, rows], lse[:, :, :, rows])
                 grad_query[:, :, :, rows] += dq
                 contribution[0][:, :, cut] += dk
                 contribution[1][:, :, cut] += dv

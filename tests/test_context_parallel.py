@@ -30,6 +30,8 @@ from parallel.comm import KINDS, Communicator, Group, IssuedOperation, first_ord
 from parallel.dims import Layout
 from parallel.layout import ParallelLayout
 from strategies.context_parallel import (TAG_GRADIENTS, TAG_KEYS_VALUES, BlockCounts, _Ring, apply_context_parallel,
+                                         exact_block_backward, exact_block_forward, flash_block_backward,
+                                         flash_block_forward,
                                          causal_pairs, context_parallel_batch, load_balance, saved_bytes, shard_indices,
                                          shard_sequence)
 from tests.ranks import run_on_ranks
@@ -233,6 +235,34 @@ def test_one_context_rank_is_the_exact_attention_also_under_bf16(comm):
               f"scale {scale:.2f}")
         assert sharded.dtype == own.dtype == torch.bfloat16
         assert (sharded.float() - own.float()).abs().max().item() <= BF16_ATTENTION_RTOL * scale
+
+
+def test_flash_blocks_equal_the_explicit_products():
+    """The two block engines (strategies/context_parallel.py "one block"): the CPU flash kernel and the
+    explicit fp32 products give the same (o_b, lse_b) and the same (dq, dk, dv) from a final (O, lse),
+    with 2 query heads per kv head, on a dense block, a causal (diagonal) block and a packed block
+    whose rows 5 and 6 see no key (lse_b = −∞, o_b = 0). fp32, a softmax over 24 keys: round-off only."""
+    generator = torch.Generator().manual_seed(5)
+    batch_size, kv, groups, length, width = 2, 2, 2, 24, 8
+    query = torch.randn(batch_size, kv, groups, length, width, generator=generator)
+    key, value = (torch.randn(batch_size, kv, length, width, generator=generator) for _ in range(2))
+    grad = torch.randn(query.shape, generator=generator)
+    causal = torch.ones(length, length, dtype=torch.bool).tril().expand(batch_size, 1, 1, length, length)
+    packed = causal.clone()
+    packed[..., 5:7, :] = False
+    final = exact_block_forward(query, key, value, torch.ones_like(causal), width ** -0.5)  # a finite (O, lse)
+    for name, mask in (("dense", torch.ones_like(causal)), ("causal", causal), ("packed", packed)):
+        exact = exact_block_forward(query, key, value, mask, width ** -0.5)
+        flash = flash_block_forward(query, key, value, mask, width ** -0.5)
+        assert torch.equal(torch.isinf(exact[1]), torch.isinf(flash[1])), name
+        assert (exact[0] - flash[0]).abs().max().item() <= LOGIT_ATOL, name
+        finite = torch.isfinite(exact[1])
+        assert (exact[1][finite] - flash[1][finite]).abs().max().item() <= LOGIT_ATOL, name
+        gradients = [engine(query, key, value, mask, width ** -0.5, grad, *final)
+                     for engine in (exact_block_backward, flash_block_backward)]
+        for exact_gradient, flash_gradient in zip(*gradients):
+            scale = exact_gradient.abs().max().item()
+            assert (exact_gradient - flash_gradient).abs().max().item() <= LOGIT_ATOL * max(scale, 1.0), name
 
 
 class RecordingCommunicator:

@@ -275,6 +275,10 @@ class SafetensorsFiles:
             entry = json.loads(handle.read(length))[name]
         return file, 8 + length + entry["data_offsets"][0], DTYPES[entry["dtype"]], tuple(entry["shape"])
 
+    def shape(self, name: str) -> tuple:
+        """Tensor `name`'s shape, from the file's header (nothing of its data read)."""
+        return self._entry(name)[3]
+
     def get(self, name: str) -> torch.Tensor:
         return self.read(name)
 

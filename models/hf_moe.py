@@ -21,7 +21,10 @@ embedding, head); this module adds what an MoE block (models/moe.py `MoE`) has b
                                                             .w2.weight      mlp.experts.down[e]ᵀ
       Qwen3-MoE  model.layers.{i}.mlp.gate.weight, mlp.experts.{e}.gate_proj / up_proj / down_proj
   Experts stacks them as [E, in, out] (gate, up [E, h, f], down [E, f, h]): each expert's stored
-  matrix is transposed in and out, so a round trip is bit-identical.
+  matrix is transposed in and out, so a round trip is bit-identical. A file holding transformers'
+  fused in-memory layout instead (`safetensors.torch.save_file(model.state_dict())`: router
+  model.layers.{i}.mlp.gate.weight, mlp.experts.gate_up_proj [E, 2f, h] with gate the first f rows of
+  each expert, mlp.experts.down_proj [E, h, f]) is read too; export writes the per-expert layout.
 - rank-local loading (`read_experts`): a block's experts [first, first + count) are read one
   per-expert tensor at a time, so an expert-parallel rank never reads another rank's experts' bytes.
 """
@@ -36,6 +39,8 @@ EXPERT = {"mixtral": "model.layers.{i}.block_sparse_moe.experts.{e}.{which}.weig
           "qwen3_moe": "model.layers.{i}.mlp.experts.{e}.{which}.weight"}
 WHICH = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"},
          "qwen3_moe": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}}
+FUSED = {"router": "model.layers.{i}.mlp.gate.weight", "gate_up": "model.layers.{i}.mlp.experts.gate_up_proj",
+         "down": "model.layers.{i}.mlp.experts.down_proj"}  # transformers 5's modules, both families
 OURS = re.compile(r"blocks\.(\d+)\.mlp\.(router\.weight|experts\.(gate|up|down)|expert_bias|shared\..+)")
 
 
@@ -83,6 +88,8 @@ def read_experts(files, family: str, block: int, first: int, count: int, into: d
     bytes, each transposed from the file's [out, in]. `into` (the same keys: tensors of those shapes,
     an `Experts`' Parameters) is filled in place (cast to its dtype) and returned; else new tensors
     of the file's dtype are."""
+    if not _holds(files, expert_name(family, block, "gate", first)) and _holds(files, FUSED["down"].format(i=block)):
+        return _read_fused(files, block, first, count, dict(into or {}))
     out = dict(into or {})
     for which in ("gate", "up", "down"):
         for local in range(count):
@@ -91,6 +98,33 @@ def read_experts(files, family: str, block: int, first: int, count: int, into: d
                 out[which] = torch.empty((count,) + tuple(value.shape), dtype=value.dtype)
             out[which][local].copy_(value)
     return out
+
+
+def _holds(files, name: str) -> bool:
+    return name in files.files
+
+
+def _read_fused(files, block: int, first: int, count: int, out: dict) -> dict:
+    """read_experts from transformers' fused layout: rows [first, first + count) of gate_up_proj
+    [E, 2f, h] and down_proj [E, h, f] (their leading dimension: only those experts' bytes are read)."""
+    names = FUSED["gate_up"].format(i=block), FUSED["down"].format(i=block)
+    _, hidden, width = files.shape(names[1])
+    gate_up = files.read(names[0], rows=(first, first + count)).reshape(count, 2 * width, hidden)
+    down = files.read(names[1], rows=(first, first + count)).reshape(count, hidden, width)
+    values = {"gate": gate_up[:, :width].transpose(1, 2), "up": gate_up[:, width:].transpose(1, 2),
+              "down": down.transpose(1, 2)}
+    for which, value in values.items():
+        if which in out:
+            out[which].copy_(value)
+        else:
+            out[which] = value.contiguous()
+    return out
+
+
+def router_name(files, family: str, block: int) -> str:
+    """The router's name in `files`: the family's, or transformers' fused layout's."""
+    name = ROUTER[family].format(i=block)
+    return name if _holds(files, name) else FUSED["router"].format(i=block)
 
 
 @torch.no_grad()
@@ -106,7 +140,7 @@ def fill_moe(files, family: str, part: str, module: torch.nn.Module) -> set:
     if mlp.shared is not None:
         raise ValueError(f"model.shared_experts: {family} has no shared experts; the checkpoint cannot fill them")
     block = int(part.removeprefix("blocks."))
-    mlp.router.weight.copy_(files.get(ROUTER[family].format(i=block)))
+    mlp.router.weight.copy_(files.get(router_name(files, family, block)))
     experts = mlp.experts
     read_experts(files, family, block, experts.first, experts.count,
                  into={"gate": experts.gate, "up": experts.up, "down": experts.down})

@@ -331,3 +331,26 @@ def test_tensor_grids_refuse_qk_norm_by_name(hf_qwen3):
     cfg = compose_config(*QUICK, "model=hf", f"model.path={hf_qwen3}", "strategy=tp_1d", "strategy.tensor_grid=2")
     with pytest.raises(ConfigError, match=r"model.qk_norm=True: tp_1d supports only False so far. Fix: model.qk_norm=False"):
         validate(cfg)
+
+
+@pytest.mark.parametrize("case, family", [("mixtral", "mixtral"), ("qwen3_moe_mlp_only_0", "qwen3_moe")])
+def test_a_file_in_transformers_fused_layout_is_read_too(case, family, tmp_path):
+    """transformers 5 holds experts fused (gate_up_proj [E, 2f, h], down_proj [E, h, f]); a file saved
+    from its state_dict as it is gives the same model, and an expert-parallel rank reads rows
+    [first, first + count) of each fused tensor only."""
+    from safetensors.torch import save_file
+    from models.hf_moe import FUSED, read_experts
+    reference = hf_model(case, tmp_path / "split")
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "split" / "config.json").read_text())
+    state = {name: value.contiguous() for name, value in reference.state_dict().items()}
+    assert FUSED["gate_up"].format(i=1) in state  # the installed transformers fuses
+    save_file(state, str(tmp_path / "fused" / "model.safetensors"))
+    split, fused = load_pretrained(tmp_path / "split"), load_pretrained(tmp_path / "fused")
+    assert all(torch.equal(a, b) for a, b in zip(split.state_dict().values(), fused.state_dict().values()))
+    files = CountingFiles(tmp_path / "fused")
+    got = read_experts(files, family, 1, first=2, count=2)
+    assert [name for name, _ in files.reads] == [FUSED["gate_up"].format(i=1), FUSED["down"].format(i=1)]
+    assert sum(size for _, size in files.reads) == 2 * 3 * 32 * split.blocks["1"].mlp.experts.width * 4
+    for which in ("gate", "up", "down"):
+        assert torch.equal(got[which], getattr(split.blocks["1"].mlp.experts, which)[2:4])

@@ -376,6 +376,17 @@ HOW: Dict[str, How] = {
     "data.sequence_length=8192 data=token_bin data.vocab_size=128256": How("real", planned),
     "python train.py mode=plan plan.search=true model=llama3_405b hardware=dgx_h100 hardware.nodes=64 "
     "data.global_batch_size=512 data.sequence_length=8192 data=token_bin data.vocab_size=128256": How("real", searched),
+    # ----- docs/plan.md: mixtures of experts (issue 58 item 6)
+    "python train.py mode=plan plan.efficiency=0.64 model=qwen3_30b_a3b hardware=dgx_h100 strategy=zero_depth_first "
+    "strategy.micro_batches=16 strategy.expert_parallel=8 data.global_batch_size=512 data.sequence_length=4096 "
+    "data=token_bin data.vocab_size=151936": How("real", planned),
+    "python train.py mode=plan plan.efficiency=0.64 model=qwen3_30b_a3b hardware=dgx_h100 strategy=zero_depth_first "
+    "strategy.micro_batches=16 strategy.expert_parallel=8 strategy.activation_recompute=full "
+    "data.global_batch_size=512 data.sequence_length=4096 data=token_bin data.vocab_size=151936": How("real", planned),
+    "python train.py mode=plan plan.search=true model=qwen3_235b_a22b hardware=dgx_h100 hardware.nodes=32 "
+    "data.global_batch_size=2048 data.sequence_length=4096 data=token_bin data.vocab_size=151936": How("real", searched),
+    "python train.py model=moe_small strategy=single trainer.max_steps=100":
+        How("capped", trained(), why="trains 100 steps (minutes): capped at 2"),
     "python train.py mode=calibrate": How("capped", calibrated, cap=QUICK_CALIBRATION,
                                           why="~15 s of measurements; quick: the same terms at small sizes"),
     "python train.py mode=plan hardware=calibrated strategy=tp_1d strategy.tensor_grid=2":

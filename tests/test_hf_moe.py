@@ -354,3 +354,50 @@ def test_a_file_in_transformers_fused_layout_is_read_too(case, family, tmp_path)
     assert sum(size for _, size in files.reads) == 2 * 3 * 32 * split.blocks["1"].mlp.experts.width * 4
     for which in ("gate", "up", "down"):
         assert torch.equal(got[which], getattr(split.blocks["1"].mlp.experts, which)[2:4])
+
+
+# ----- the published configurations: hf_shape of each config.json gives the parameter counts their
+# model cards state and the planning-only shapes in conf/model/ (issue 58 item 5) block for block
+
+PUBLISHED = {
+    # https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json; model card and Jiang et
+    # al. 2024 (arXiv:2401.04088): 46.7B parameters, 12.9B active per token
+    "mixtral_8x7b": (dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1e6,
+        router_aux_loss_coef=0.02, sliding_window=None, tie_word_embeddings=False, vocab_size=32000,
+        hidden_act="silu", attention_dropout=0.0, output_router_logits=False), 46.7e9, 12.9e9),
+    # https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json; Qwen3 Technical Report
+    # (arXiv:2505.09388) table 2 and the model card: 30.5B parameters, 3.3B activated
+    "qwen3_30b_a3b": (dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
+        router_aux_loss_coef=0.001, use_sliding_window=False, sliding_window=None, max_window_layers=48,
+        tie_word_embeddings=False, vocab_size=151936, hidden_act="silu", attention_bias=False,
+        attention_dropout=0.0, output_router_logits=False), 30.5e9, 3.3e9),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_a_published_config_gives_its_parameter_counts_and_our_planning_shape(name):
+    from omegaconf import OmegaConf
+    from models import blocks_of
+    from models.hf import hf_shape
+    from tests.ranks import compose_config
+    config, total, active = PUBLISHED[name]
+    shape = OmegaConf.create(hf_shape(config, sequence_length=4096))
+    blocks = blocks_of(shape)
+    outside = 2 * shape.vocab_size * shape.hidden + shape.hidden  # untied embedding and head, final norm
+    counted = outside + sum(block.parameters() for block in blocks)
+    activated = counted - sum((block.experts - block.experts_per_token) * block.expert_weights() for block in blocks)
+    print(f"{name}: {counted:,} parameters, {activated:,} active")
+    # the cards give 0.1B digits (Qwen3's 3.3B activated is 3.35B cut, not rounded): within one of them
+    assert abs(counted - total) < 0.1e9 and abs(activated - active) < 0.1e9
+    planned = compose_config(f"model={name}").model
+    assert blocks_of(planned) == blocks
+    for field in ("layers", "experts", "experts_per_token", "router", "router_normalize", "aux_loss_coefficient",
+                  "rope_theta", "norm_eps", "max_sequence_length", "qk_norm", "head_dim", "kv_heads"):
+        assert planned[field] == shape[field], field

@@ -163,6 +163,7 @@ class KeySide:
     index: int
     degree: int
     shards: list  # [Documents] by context rank
+    packed: bool = False  # rows of several documents: masks from the documents, not from chunk order alone
 
     def chunk(self, rank: int, half: int) -> Documents:
         """Documents of chunk `half` (0 head, 1 tail) of context rank `rank`'s tokens."""
@@ -173,12 +174,26 @@ class KeySide:
 
 def key_side(documents, rows: int, length: int, index: int, degree: int, device) -> KeySide:
     """The KeySide of full-row `documents` (None: plain causal rows, one document, global positions)."""
-    if documents is None:
+    packed = documents is not None
+    if not packed:
         positions = torch.arange(length, device=device).expand(rows, length)
         documents = Documents(ids=torch.zeros_like(positions), positions=positions)
     shards = [Documents(ids=shard_sequence(documents.ids, rank, degree),
                         positions=shard_sequence(documents.positions, rank, degree)) for rank in range(degree)]
-    return KeySide(index, degree, shards)
+    return KeySide(index, degree, shards, packed=packed)
+
+
+CAUSAL = "causal"  # a block mask: query chunk = key chunk of one document, query position >= key position
+
+
+def mask_of(keys: KeySide, half: int, source: int, key_half: int):
+    """The mask of query chunk `half` of this rank against key chunk `key_half` of rank `source`
+    (the key chunk not wholly in the future): None (every query sees every key: an earlier chunk
+    of plain rows), CAUSAL (the same chunk of plain rows) or, for packed rows, `block_mask`'s."""
+    if keys.packed:
+        return block_mask(keys.chunk(keys.index, half), keys.chunk(source, key_half))
+    same = chunks_of(keys.index, keys.degree)[half] == chunks_of(source, keys.degree)[key_half]
+    return CAUSAL if same else None
 
 
 def block_mask(queries: Documents, keys: Documents) -> torch.Tensor:
@@ -192,7 +207,8 @@ def block_mask(queries: Documents, keys: Documents) -> torch.Tensor:
 # ----------------------------------------------------------------------------- one block
 #
 # A block is one (query chunk, key chunk) pair: grouped queries q [b, kv, g, Lq, d] (kv head j serves
-# its g = heads/kv_heads query heads), k, v [b, kv, Lk, d], the documents' mask bool [b, 1, 1, Lq, Lk].
+# its g = heads/kv_heads query heads), k, v [b, kv, Lk, d], and the block's mask (`mask_of`): None,
+# CAUSAL, or the documents' mask bool [b, 1, 1, Lq, Lk].
 # Two engines, equal to rounding (tests/test_context_parallel.py checks them block by block): explicit
 # fp32 products (`exact_block_forward`/`_backward`, any device; scores of the whole block) and, on CPU,
 # torch's flash kernel for CPU (aten._scaled_dot_product_flash_attention_for_cpu and its backward: tiled,
@@ -203,6 +219,10 @@ def block_mask(queries: Documents, keys: Documents) -> torch.Tensor:
 def _scores(query, key, mask, scale):
     """Masked fp32 scores [b, kv, g, Lq, Lk]."""
     scores = torch.matmul(query, key.unsqueeze(2).transpose(-1, -2)) * scale
+    if mask is None:
+        return scores
+    if isinstance(mask, str):  # CAUSAL
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
     return scores.masked_fill(~mask, float("-inf"))
 
 
@@ -241,27 +261,35 @@ def _per_head(query, key, value):
             value.repeat_interleave(groups, 1).contiguous())
 
 
-def _additive(mask):
-    """The kernel's mask: None for a block every query sees whole, else 0 / −∞ [b, 1, Lq, Lk]."""
-    if bool(mask.all()):
-        return None
-    return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))[:, 0]
+def _kernel_mask(mask) -> dict:
+    """The kernel's arguments for `mask`: is_causal for CAUSAL (whole tiles above the diagonal skipped),
+    no mask where every query sees every key, else an additive 0 / −∞ mask [b, 1, Lq, Lk]."""
+    if isinstance(mask, str):
+        return dict(is_causal=True, attn_mask=None)
+    if mask is None or bool(mask.all()):
+        return dict(is_causal=False, attn_mask=None)
+    additive = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))[:, 0]
+    return dict(is_causal=False, attn_mask=additive)
 
 
 def flash_block_forward(query, key, value, mask, scale):
     """`exact_block_forward` by the CPU flash kernel (which gives lse 0 on a row with no key: set to −∞)."""
+    arguments = _kernel_mask(mask)
     output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        *_per_head(query, key, value), 0.0, False, attn_mask=_additive(mask), scale=scale)
-    lse = lse.reshape(query.shape[:-1]).masked_fill(~mask.any(-1), float("-inf"))
+        *_per_head(query, key, value), 0.0, arguments["is_causal"], attn_mask=arguments["attn_mask"], scale=scale)
+    lse = lse.reshape(query.shape[:-1])
+    if isinstance(mask, torch.Tensor):
+        lse = lse.masked_fill(~mask.any(-1), float("-inf"))
     return output.reshape(query.shape), lse
 
 
 def flash_block_backward(query, key, value, mask, scale, grad_output, output, lse):
     """`exact_block_backward` by the CPU flash kernel's backward."""
     batch, kv_heads, groups = query.shape[:3]
+    arguments = _kernel_mask(mask)
     grad_query, grad_key, grad_value = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_output.flatten(1, 2).contiguous(), *_per_head(query, key, value), output.flatten(1, 2).contiguous(),
-        lse.flatten(1, 2).contiguous(), 0.0, False, attn_mask=_additive(mask), scale=scale)
+        lse.flatten(1, 2).contiguous(), 0.0, arguments["is_causal"], attn_mask=arguments["attn_mask"], scale=scale)
     per_kv_head = (batch, kv_heads, groups, *grad_key.shape[2:])
     return (grad_query.reshape(query.shape), grad_key.reshape(per_kv_head).sum(2),
             grad_value.reshape(per_kv_head).sum(2))
@@ -490,16 +518,15 @@ class ContextParallelAttention:
         index−step that is not wholly in its future (those are skipped and counted)."""
         source = (keys.index - step) % keys.degree
         query_chunk, size = chunks_of(keys.index, keys.degree)[half], q.shape[3] // 2
-        queries = keys.chunk(keys.index, half)
         for key_half, key_chunk in enumerate(chunks_of(source, keys.degree)):
             if key_chunk > query_chunk:  # wholly in the future of every query of the chunk (packed too)
                 self.blocks.skipped += 1
                 continue
             self.blocks.computed += 1
             cut = slice(key_half * size, (key_half + 1) * size)
-            mask = block_mask(queries, keys.chunk(source, key_half))
+            mask = mask_of(keys, half, source, key_half)
             yield block_forward(q[:, :, :, half * size:(half + 1) * size], blocks[0][:, :, cut].float(),
-                                          blocks[1][:, :, cut].float(), mask, q.shape[-1] ** -0.5)
+                                blocks[1][:, :, cut].float(), mask, q.shape[-1] ** -0.5)
 
     def block_gradients(self, q, blocks, keys: KeySide, step, grad, output, lse, grad_query):
         """dK/dV [2, b, kv, n, d] (fp32) of the block of rank index−step from this rank's queries, given
@@ -509,12 +536,11 @@ class ContextParallelAttention:
         contribution = torch.zeros((2, *blocks.shape[1:]), dtype=torch.float32, device=blocks.device)
         for half, query_chunk in enumerate(chunks_of(keys.index, keys.degree)):
             rows = slice(half * size, (half + 1) * size)
-            queries = keys.chunk(keys.index, half)
             for key_half, key_chunk in enumerate(chunks_of(source, keys.degree)):
                 if key_chunk > query_chunk:
                     continue
                 cut = slice(key_half * size, (key_half + 1) * size)
-                mask = block_mask(queries, keys.chunk(source, key_half))
+                mask = mask_of(keys, half, source, key_half)
                 dq, dk, dv = block_backward(q[:, :, :, rows], blocks[0][:, :, cut].float(),
                                             blocks[1][:, :, cut].float(), mask, q.shape[-1] ** -0.5,
                                             grad[:, :, :, rows], output[:, :, :, rows], lse[:, :, :, rows])

@@ -29,10 +29,10 @@ from models.documents import documents_of
 from parallel.comm import KINDS, Communicator, Group, IssuedOperation, first_order_mismatch
 from parallel.dims import Layout
 from parallel.layout import ParallelLayout
-from strategies.context_parallel import (TAG_GRADIENTS, TAG_KEYS_VALUES, BlockCounts, _Ring, apply_context_parallel,
-                                         exact_block_backward, exact_block_forward, flash_block_backward,
-                                         flash_block_forward,
-                                         causal_pairs, context_parallel_batch, load_balance, saved_bytes, shard_indices,
+from strategies.context_parallel import (CAUSAL, TAG_GRADIENTS, TAG_KEYS_VALUES, BlockCounts, _Ring,
+                                         apply_context_parallel, exact_block_backward, exact_block_forward,
+                                         flash_block_backward, flash_block_forward, causal_pairs,
+                                         context_parallel_batch, load_balance, saved_bytes, shard_indices,
                                          shard_sequence)
 from tests.ranks import run_on_ranks
 from tests.tolerances import EXACT_RTOL, GRADIENT_RTOL, GRADIENT_SCALE_ATOL, LOSS_RTOL
@@ -240,8 +240,9 @@ def test_one_context_rank_is_the_exact_attention_also_under_bf16(comm):
 def test_flash_blocks_equal_the_explicit_products():
     """The two block engines (strategies/context_parallel.py "one block"): the CPU flash kernel and the
     explicit fp32 products give the same (o_b, lse_b) and the same (dq, dk, dv) from a final (O, lse),
-    with 2 query heads per kv head, on a dense block, a causal (diagonal) block and a packed block
-    whose rows 5 and 6 see no key (lse_b = −∞, o_b = 0). fp32, a softmax over 24 keys: round-off only."""
+    with 2 query heads per kv head, on a dense block, a causal (diagonal) block, each as the mask
+    names them (None, CAUSAL: the kernel's is_causal) and as tensors, and a packed block whose rows 5
+    and 6 see no key (lse_b = −∞, o_b = 0). fp32, a softmax over 24 keys: round-off only."""
     generator = torch.Generator().manual_seed(5)
     batch_size, kv, groups, length, width = 2, 2, 2, 24, 8
     query = torch.randn(batch_size, kv, groups, length, width, generator=generator)
@@ -251,7 +252,8 @@ def test_flash_blocks_equal_the_explicit_products():
     packed = causal.clone()
     packed[..., 5:7, :] = False
     final = exact_block_forward(query, key, value, torch.ones_like(causal), width ** -0.5)  # a finite (O, lse)
-    for name, mask in (("dense", torch.ones_like(causal)), ("causal", causal), ("packed", packed)):
+    for name, mask in (("dense", None), ("dense_tensor", torch.ones_like(causal)), ("causal", CAUSAL),
+                       ("causal_tensor", causal), ("packed", packed)):
         exact = exact_block_forward(query, key, value, mask, width ** -0.5)
         flash = flash_block_forward(query, key, value, mask, width ** -0.5)
         assert torch.equal(torch.isinf(exact[1]), torch.isinf(flash[1])), name

@@ -67,13 +67,16 @@ ROUTERS = ("softmax_topk", "sigmoid_bias")
 
 
 def grouped_products_available(x: torch.Tensor, weights: tuple) -> bool:
-    """Whether F.grouped_mm can run these products (checked on torch 2.11 and 2.13): fp32/bf16/fp16
-    on CPU, bf16 on CUDA (the kernel torch ships for Hopper), every row stride a multiple of 16
-    bytes ("strides should be multiple of 16 bytes"); float64 never. Elsewhere: the loop."""
+    """Whether F.grouped_mm can run these products (checked on CPU with torch 2.11 and 2.13):
+    fp32/bf16/fp16 on CPU, bf16 on CUDA devices of compute capability 9.0 and later (the kernel torch
+    ships for Hopper; not run here: no GPU), every row stride a multiple of 16 bytes ("strides should
+    be multiple of 16 bytes"); float64 never. Elsewhere: the loop."""
     if not hasattr(F, "grouped_mm"):
         return False
-    allowed = (torch.bfloat16,) if x.device.type == "cuda" else (torch.float32, torch.bfloat16, torch.float16)
-    if x.dtype not in allowed:
+    if x.device.type == "cuda":  # torch's CUDA kernel: bf16 on Hopper (sm90) and later; else the loop
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
+            return False
+    elif x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
     return all(weight.dtype == x.dtype and weight.shape[-1] * weight.element_size() % 16 == 0
                and weight.shape[-2] * weight.element_size() % 16 == 0 for weight in weights)
@@ -265,6 +268,16 @@ class MoE(SeededParameters):
         otherwise keep whatever memory it got."""
         if self.expert_bias.device.type != "meta":
             self.expert_bias.zero_()
+
+    def _apply(self, fn, recurse=True):
+        """Keep `expert_bias` in float32 through a module-wide cast (bf16-true): sums of ±u steps
+        would round away in 16 bits. Moves (device, to_empty) still apply to it."""
+        before = self.expert_bias
+        super()._apply(fn, recurse)
+        if self.expert_bias.dtype != torch.float32:
+            kept = before if before.device.type != "meta" else self.expert_bias
+            self.expert_bias = kept.to(device=self.expert_bias.device, dtype=torch.float32)
+        return self
 
     # ----- the step's record
     def reset_step(self) -> None:

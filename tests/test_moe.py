@@ -209,6 +209,9 @@ def test_bias_moves_against_the_load():
     update_expert_biases(moe, lambda tensor: 2 * tensor)
     torch.testing.assert_close(moe.expert_bias, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
     assert moe.expert_bias.dtype == torch.float32 and "expert_bias" in moe.state_dict()
+    cast = moe.to(torch.bfloat16)  # bf16-true casts the module: the bias stays float32, values kept
+    assert cast.expert_bias.dtype == torch.float32 and cast.router.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(cast.expert_bias, torch.tensor([-0.01, 0.01, 0.0, 0.0]), rtol=0, atol=0)
     softmax = tiny_moe("softmax_topk")
     softmax.load = torch.tensor([5, 1, 3, 3])
     update_expert_biases(softmax, lambda tensor: tensor)
@@ -349,3 +352,33 @@ def test_a_single_moe_run_writes_its_expert_evidence(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_val_loss"] < summary["initial_val_loss"]
     assert summary["experts"]["expert_load_ratio_max"] >= 1 and summary["experts"]["dropped_tokens"] > 0
+
+
+def test_expert_bias_updates_equal_under_ddp_and_a_pipeline(tmp_path):
+    """sigmoid_bias with u = 0.05 (large enough that the bias decides the choices from step 2 on):
+    ddp (2 data ranks, loads summed by RunHooks.sum_over_data) and modular_pipeline (2 stages, 1/m
+    loss scale per micro-batch) route every step's tokens exactly as single does, so their biases
+    moved alike; the step's aux loss is equal too (float64 sums of float32 values: 1e-6)."""
+    import csv
+    import os
+    import sys
+    from pathlib import Path
+    from tests.warm_python import python
+    root = Path(__file__).resolve().parent.parent
+    runs = {}
+    for strategy in ("single", "ddp", "modular_pipeline"):
+        directory = tmp_path / strategy
+        result = python([sys.executable, "train.py", "debug=fast", f"strategy={strategy}", "model=moe_tiny",
+                         "model.router=sigmoid_bias", "model.bias_update_rate=0.05", "trainer.max_steps=5",
+                         "trainer.limit_val_batches=0", "trainer.charts=false", "data.max_bytes=2000000",
+                         f"hydra.run.dir={directory}"],
+                        cwd=root, env={**os.environ, "WANDB_MODE": "disabled"}, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        with (directory / "metrics.csv").open() as handle:
+            aux = [float(row["aux_loss"]) for row in csv.DictReader(handle)]
+        runs[strategy] = (directory / "expert_load.csv").read_text(), aux
+    loads, aux = runs["single"]
+    assert len(set(loads.splitlines()[3:])) > 2  # the later steps' loads differ from step to step
+    for strategy in ("ddp", "modular_pipeline"):
+        assert runs[strategy][0] == loads, strategy
+        assert runs[strategy][1] == pytest.approx(aux, rel=1e-6, abs=1e-6), strategy

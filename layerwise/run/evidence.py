@@ -101,9 +101,10 @@ class StepExchange:
 
 def model_flops_per_step(cfg, vocab_size: int) -> float:
     """6·N + 12·L·h·s per token (models.transformer.model_flops_per_token) × tokens per step."""
-    from models import block_of, model_flops_per_token
+    from models import block_of, blocks_of, model_flops_per_token
+    # a mixture of experts: each block's active weights (dense blocks outside model.moe_layers)
     per_token = model_flops_per_token(cfg.model.layers, cfg.model.hidden, cfg.data.sequence_length,
-                                      vocab_size, cfg.model.mlp_ratio, block_of(cfg.model))
+                                      vocab_size, cfg.model.mlp_ratio, block_of(cfg.model), blocks_of(cfg.model))
     return per_token * cfg.data.global_batch_size * cfg.data.sequence_length
 
 

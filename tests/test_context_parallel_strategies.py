@@ -7,12 +7,12 @@ steps) and, for the cases AdamW lists, under AdamW (losses, parameters within th
 bound). The c ranks of a sequence read the same rows, keep their head and tail chunks and exchange
 keys and values (strategies/context_parallel.py); the gradients are averaged over data × context
 (strategies/context_layout.py). Ids: c{c} context ranks (ring unless `ag`: all_gather), dp{d} data
-replicas, pp{p} pipeline ranks, p{t} 1-D tensor ranks, sp sequence parallelism.
+replicas, pp{p} pipeline ranks, p{t} 1-D tensor ranks, sp sequence parallelism, full: full activation
+recomputation.
 """
 
 import pytest
 
-from layerwise.config.errors import ConfigError
 from layerwise.preflight import validate
 from layerwise.run.fit import train
 from tests.ranks import QUICK, compose_config
@@ -26,7 +26,10 @@ ALL_GATHER = "strategy.context_parallel_comm=all_gather"
 CASES = {
     "ddp_c4_ag": (["strategy=ddp", "strategy.context_parallel=4", ALL_GATHER, "hardware.devices_per_node=4"], 4, ()),
     "ddp_c2_dp2": (["strategy=ddp", "strategy.context_parallel=2", "hardware.devices_per_node=4"], 4, ()),
-    "ddp_c4": (["strategy=ddp", "strategy.context_parallel=4", "hardware.devices_per_node=4"], 4, ()),
+    # with full recomputation: each block reruns its forward, exchange included, in its backward (one
+    # micro-batch: the key side and positions it reads are still this step's)
+    "ddp_c4_full": (["strategy=ddp", "strategy.context_parallel=4", "strategy.activation_recompute=full",
+                     "hardware.devices_per_node=4"], 4, ()),
     # 8 ranks: data 2 × pipeline 2 × context 2, the distributed optimizer's slices over data × context
     "modular_pipeline_pp2_c2_dp2_distopt": (["strategy=modular_pipeline", "strategy.pipeline_degree=2",
                                              "strategy.context_parallel=2", "strategy.distributed_optimizer=true",
@@ -106,3 +109,22 @@ def test_resume_moves_between_context_degrees(tmp_path):
                   save_steps=range(len(RESUME_CHAIN) + 2))
     rows = walk_chain(tmp_path, (reference, summary), RESUME_CHAIN, SGD_OVERRIDES)
     assert_within_tolerance(rows)
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    """tests/test_packing.py's short EOS-ended documents (several per 32-token row) and their tokenizer."""
+    from tests import test_packing
+    return test_packing.short_documents.__wrapped__(tmp_path_factory)
+
+
+def test_packed_rows_under_a_context_parallel_pipeline_equal_single(short_documents, tmp_path_factory):
+    """data.packing composes with c: 1F1B p2 × c2 (m = 4 micro-batches of packed rows, each cut to its
+    chunks with its own documents and key side, interleaved forwards and backwards) equals packed
+    `single` under SGD."""
+    packed = [*short_documents, "data.packing=true"]
+    single = SgdRun(tmp_path_factory.mktemp("packed_single"), "strategy=single", *packed, initial=True)
+    pipeline = SgdRun(tmp_path_factory.mktemp("packed_cp"), "strategy=one_f_one_b", "strategy.context_parallel=2",
+                      "hardware.devices_per_node=4", *packed)
+    assert pipeline.summary["layout"]["context"] == 2
+    SgdComparison(pipeline, single).check()

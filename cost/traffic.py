@@ -239,6 +239,24 @@ def expert_dispatch_traffic(tokens: float, hidden: int, experts_per_token: int, 
     return tokens * experts_per_token * hidden * (expert_parallel - 1) / expert_parallel * element_bytes
 
 
+COUNT_BYTES = 8  # the per-expert row counts travel as int64 (strategies/expert_parallel.py)
+
+
+def expert_exchange_traffic(rows_to_others: int, rows_from_others: int, hidden: int, local_experts: int,
+                            expert_parallel: int, element_bytes: int = BYTES, backward: bool = True) -> float:
+    """all_to_all bytes one rank counts for ONE MoE layer on one micro-batch, from the routing it saw
+    (strategies/expert_parallel.py AllToAllDispatcher): the counts' exchange, (e − 1)·E/e int64 to
+    the other members; the dispatch, its `rows_to_others` rows (slots routed to experts on other
+    members); the combine, the `rows_from_others` rows other members sent it, back to them; and in
+    the backward the same two with the splits swapped (`backward`): each row `hidden` values of
+    `element_bytes`. Uniform routing's expectation of one of these all-to-alls is
+    `expert_dispatch_traffic`."""
+    if expert_parallel <= 1:
+        return 0.0
+    rows = (rows_to_others + rows_from_others) * (2 if backward else 1)
+    return (expert_parallel - 1) * local_experts * COUNT_BYTES + rows * hidden * element_bytes
+
+
 # ----- a whole step of one rank
 
 

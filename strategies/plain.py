@@ -4,18 +4,24 @@
 proven equal to it. `ddp` is Lightning's DDPStrategy with one change: its gradient all-reduce is
 routed through the layout's communicator (a DDP communication hook), so metrics.csv shows DDP's
 volume, 2(n-1)/n·P·bytes per step, counted where every other strategy's traffic is counted.
+With `strategy.expert_parallel=e` (strategies/expert_parallel.py) each MoE block's experts are split
+over e data ranks: DDP reduces every other parameter over `data` and ignores the experts, whose
+gradients are summed over `expert_data` and divided by d after the backward (`optimizer_step`).
 """
 
 from datetime import timedelta
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
 from parallel.dims import Layout
 from parallel.layout import ParallelLayout
 from strategies.hooks import RunHooks
-from strategies.checkpoint.portable import PortableCheckpoints
+from strategies.checkpoint.portable import PortableCheckpoints, is_portable, portable_path
+from strategies.expert_parallel import (ExpertParallelHooks, apply_expert_parallel, expert_errors, expert_parallel_of,
+                                        expert_parameters, install_dispatchers, sum_expert_gradients)
 from strategies.context_layout import ContextParallelHooks, context_errors, context_of, eager_unless_context
 from strategies.recompute import apply_activation_recompute, recompute_errors
 from strategies.compile import compiles
@@ -29,7 +35,9 @@ class WholeModelHooks(RunHooks):
 
     @override
     def materialise_model(self, model) -> None:
+        apply_expert_parallel(model, self.layout)  # on meta: only this rank's experts get built
         super().materialise_model(model)  # DDP wraps the model later: the blocks are patched first
+        install_dispatchers(model, self.layout)
         apply_activation_recompute(model, self.activation_recompute)
 
     @override
@@ -62,13 +70,15 @@ def _counted_all_reduce_hook(layout: ParallelLayout, bucket):
     return work.get_future().then(lambda future: future.value()[0])
 
 
-class CountedDDPStrategy(ContextParallelHooks, WholeModelHooks, PortableCheckpoints, DDPStrategy):
+class CountedDDPStrategy(ContextParallelHooks, WholeModelHooks, ExpertParallelHooks, PortableCheckpoints, DDPStrategy):
     """Data parallel: replicas on every rank, slices of the global batch, averaged gradients.
 
     1. every rank builds the same weights from the seed (DDP also broadcasts rank 0's);
     2. each rank takes its contiguous slice of the global batch (by its data index);
     3. backward all-reduces gradient buckets (through our counter) and divides by n;
     4. every rank applies the same optimizer step.
+    With `expert_parallel` e > 1 a rank builds only its experts (strategies/expert_parallel.py), which
+    DDP ignores; their gradients are summed over `expert_data` and divided by d after the backward.
     With `context_degree` c > 1 (strategy.context_parallel) the world is d = n/c replicas × c context
     shards: the c ranks of a replica read the same rows and each keeps its head and tail chunks
     (`context_batch`), their attention exchanges keys and values (strategies/context_parallel.py), and
@@ -78,16 +88,18 @@ class CountedDDPStrategy(ContextParallelHooks, WholeModelHooks, PortableCheckpoi
     strategy_name = "ddp"
 
     def __init__(self, timeout_seconds: float = 300.0, activation_recompute: str = "none",
-                 context_degree: int = 1, context_comm: str = "ring", **kwargs):
+                 context_degree: int = 1, context_comm: str = "ring", expert_parallel: int = 1, **kwargs):
         super().__init__(timeout=timedelta(seconds=timeout_seconds), **kwargs)
         self.activation_recompute = activation_recompute
+        self.expert_parallel = expert_parallel
         self.context_degree, self.context_comm = context_degree, context_comm
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # creates the process group
         if self.layout is None:  # setup_environment runs again for validate/test: stay idempotent
-            degrees = Layout(data=self.world_size // self.context_degree, context=self.context_degree)
+            degrees = Layout(data=self.world_size // self.context_degree, context=self.context_degree,
+                             expert=self.expert_parallel)
             self.layout = ParallelLayout(degrees, rank=self.global_rank)
 
     @override
@@ -97,9 +109,37 @@ class CountedDDPStrategy(ContextParallelHooks, WholeModelHooks, PortableCheckpoi
 
     @override
     def configure_ddp(self) -> None:
+        if self.expert_parallel > 1:  # split experts are no replicas: DDP leaves them to optimizer_step
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                self.model, [f"model.{name}" for name in expert_parameters(self.lightning_module.model)])
         super().configure_ddp()
         # Lightning registers comm hooks only on CUDA; on every device we want the counted hook.
         self.model.register_comm_hook(self.layout, _counted_all_reduce_hook)
+
+    @override
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        if self.expert_parallel == 1:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        experts = [parameter for parameter, _ in expert_parameters(self.lightning_module.model).values()]
+
+        def closure_then_experts():
+            result = closure()  # forward and backward: DDP has reduced everything else
+            sum_expert_gradients(experts, self.layout, self.layout.degrees.data)
+            return result
+        return super().optimizer_step(optimizer, closure_then_experts, model, **kwargs)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # a portable checkpoint loads into the experts this rank materialised: after setup
+        return True if self.expert_parallel > 1 else super().restore_checkpoint_after_setup
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        beside = portable_path(checkpoint_path)
+        if self.expert_parallel > 1 and not is_portable(checkpoint_path) and is_portable(beside):
+            checkpoint_path = beside  # rank 0's file holds its own experts' optimizer state only
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
 
 # ----- the registry interface (see strategies/__init__.py)
@@ -116,12 +156,21 @@ def check(cfg, world_size: int) -> list:
 def degrees_ddp(cfg, world_size: int) -> Layout:
     """d = world / c replicas × c context shards of each sequence (strategy.context_parallel)."""
     context = context_of(cfg.strategy)[0]
-    return Layout(data=max(1, world_size // max(1, context)), context=max(1, context))
+    data = max(1, world_size // max(1, context))
+    expert = expert_parallel_of(cfg.strategy)
+    return Layout(data=data, context=max(1, context), expert=expert if data % expert == 0 else 1)
 
 
 def check_ddp(cfg, world_size: int) -> list:
     """strategy.activation_recompute's, and strategy.context_parallel's (context_layout.context_errors)."""
-    return check(cfg, world_size) + context_errors(cfg, world_size, other_ranks=1)
+    errors = check(cfg, world_size) + context_errors(cfg, world_size, other_ranks=1)
+    refused = {}
+    if cfg.strategy.layer_drop > 0:
+        refused["with strategy.layer_drop > 0: a dropped block's experts get no gradient on some steps, which "
+                "DDP's find_unused_parameters handles for its own parameters only (not built for the experts it "
+                "ignores)"] = "strategy.layer_drop=0"
+    context = max(1, context_of(cfg.strategy)[0])
+    return errors + expert_errors(cfg, max(1, world_size // context), refused)
 
 
 def one_process_device(accelerator: str) -> str:
@@ -141,6 +190,7 @@ def build_ddp(cfg, world_size: int) -> "CountedDDPStrategy":
     return CountedDDPStrategy(process_group_backend=cfg.hardware.process_group_backend,
                               activation_recompute=cfg.strategy.activation_recompute,
                               context_degree=context, context_comm=exchange,
+                              expert_parallel=expert_parallel_of(cfg.strategy),
                               bucket_cap_mb=cfg.strategy.bucket_mb,
                               # a LayerDrop step leaves the dropped blocks without gradients
                               find_unused_parameters=cfg.strategy.layer_drop > 0)

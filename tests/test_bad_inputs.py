@@ -193,6 +193,24 @@ BAD_INPUTS = [
      "with strategy.activation_recompute=full and several micro-batches"),
     ("strategy=modular_pipeline strategy.context_parallel=2 strategy.data_degree=2 hardware.devices_per_node=4",
      "strategy.data_degree", "strategy.data_degree=2 but world 4 / (pipeline 2 × tensor 1 × context 2) = 1"),
+    # ----- expert parallelism (issue 58): strategy.expert_parallel (e)
+    ("strategy=ddp strategy.expert_parallel=2", "strategy.expert_parallel",
+     "strategy.expert_parallel=2 splits the experts of a mixture of experts, and model=gpt_tiny has none"),
+    ("strategy=ddp strategy.expert_parallel=0 model=llama_tiny model.experts=4", "strategy.expert_parallel",
+     "strategy.expert_parallel=0: need e >= 1"),
+    ("strategy=ddp strategy.expert_parallel=3 model=llama_tiny model.experts=6 hardware.devices_per_node=4",
+     "strategy.expert_parallel", "strategy.expert_parallel=3 must divide the 4 data-parallel ranks"),
+    ("strategy=ddp strategy.expert_parallel=2 model=llama_tiny model.experts=3", "strategy.expert_parallel",
+     "strategy.expert_parallel=2 must divide model.experts=3"),
+    ("strategy=ddp strategy.expert_parallel=2 strategy.context_parallel=2 model=llama_tiny model.experts=4 "
+     "hardware.devices_per_node=8", "strategy.context_parallel",
+     "strategy.expert_parallel=2 with strategy.context_parallel=2 is refused"),
+    ("strategy=modular_pipeline strategy.expert_parallel=2 strategy.distributed_optimizer=true model=llama_tiny "
+     "model.experts=4 hardware.devices_per_node=4", "strategy.distributed_optimizer",
+     "strategy.expert_parallel=2 with strategy.distributed_optimizer=true"),
+    ("strategy=modular_pipeline strategy.expert_parallel=2 strategy.tensor_parallel=1d strategy.tensor_grid=2 "
+     "model=llama_tiny model.experts=4 hardware.devices_per_node=8", "strategy.tensor_parallel",
+     "strategy.expert_parallel=2 with strategy.tensor_parallel=1d"),
     # ----- a key the schema lacks, in an option's file (a typo; a profile mode=calibrate wrote under another version)
     ("hardware=stale hydra.searchpath=[file://{stale}]", "hardware=stale",
      "its file sets 'gather_overlapp', which schema HardwareConfig has no setting for. Fix: rename it to gather_overlap"),

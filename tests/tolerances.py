@@ -304,7 +304,13 @@ def adam_parameter_excess(actual: dict, expected: dict, trace: OptimizerTrace, s
     first `steps` traced steps (all by default); > 1 fails."""
     import torch
     assert actual.keys() == expected.keys(), set(actual) ^ set(expected)
-    assert expected.keys() <= trace.names(), sorted(set(expected) - trace.names())
+    # state no optimizer moves (an MoE's expert bias, stepped by sign(load) from integer loads): equal,
+    # to PARAMETER_RTOL, as the same integers give the same steps
+    untraced = sorted(set(expected) - trace.names())
+    assert all(name.endswith("expert_bias") for name in untraced), untraced
+    for name in untraced:
+        torch.testing.assert_close(actual[name], expected[name], rtol=PARAMETER_RTOL, atol=0, msg=name)
+    expected = {name: value for name, value in expected.items() if name not in untraced}
     records = trace.steps[:steps] if steps is not None else trace.steps
     worst = {"masked": (0.0, "-"), "free": (0.0, "-")}
     counted = [0, 0]

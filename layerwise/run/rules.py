@@ -147,13 +147,14 @@ def check_resume_from(cfg) -> list:
         return []
     from layerwise.run.task import model_arguments  # Lightning: imported only when a run resumes
     from models import build_model
-    from strategies.checkpoint.portable import resume_errors
+    from strategies.checkpoint.portable import persistent_buffers, resume_errors
 
     def expected_shapes(vocabulary: int) -> dict:
         arguments = model_arguments(cfg.model, vocabulary, cfg.seed)
         arguments["layers"] = resumed_depth(cfg)
         model = build_model(cfg.model.architecture, device="meta", **arguments)
-        return {name: tuple(parameter.shape) for name, parameter in model.named_parameters()}
+        # what a portable checkpoint holds: the parameters and the persistent buffers (an MoE's expert bias)
+        return {name: tuple(tensor.shape) for name, tensor in [*model.named_parameters(), *persistent_buffers(model)]}
     return resume_errors(cfg.resume_from, expected_shapes)
 
 

@@ -40,6 +40,7 @@ from typing_extensions import override
 
 from parallel.memory import ComputeMemoryMeter, host_side
 from strategies.checkpoint.per_rank import CheckpointError, portable_problems, read_checkpoint_file, swap_in
+from strategies.expert_parallel import expert_placements
 from strategies.checkpoint.safe_load import (UnsafeCheckpointError, dcp_file_problems, dcp_load, dcp_metadata,
                                              read_dcp_tensors)
 
@@ -308,15 +309,33 @@ def _split_rows(where: Placement, offsets, sizes, start: int, strides) -> list:
 def local_pieces(model, layout) -> dict:
     """{name of a parameter of `model`: [Piece]} for every parameter this rank holds."""
     grid, pieces = _grid(layout), {}
+    experts = expert_placements(model)  # an expert-parallel rank's experts: a block of the plain [E, ...] tensor
     for name, parameter in model.named_parameters():
-        if not name.startswith("zero_shards."):
+        if name in experts:
+            shape, origin = experts[name]
+            pieces[name] = [Piece(name, shape, [Rectangle(origin, tuple(parameter.shape), 0,
+                                                          _contiguous(parameter.shape))])]
+        elif not name.startswith("zero_shards."):
             where = placement(name, parameter.shape, grid)
             pieces[name] = [Piece(name, where.shape, rectangles(where, 0, parameter.numel()))]
+    for name, buffer in persistent_buffers(model):  # saved state that is no parameter (an MoE's expert bias): whole
+        pieces[name] = [Piece(name, tuple(buffer.shape), rectangles(Placement(tuple(buffer.shape), tuple(buffer.shape),
+                                                                              (0,) * buffer.dim()), 0, buffer.numel()))]
     if getattr(model, "zero_shards", None) is not None:
         # the shard's index over data × context (strategies/zero_layered.py shards over data_context)
         replica = layout.group("data_context").ranks.index(layout.rank)
         pieces.update(_zero_pieces(model.zero_shards, replica, grid))
     return pieces
+
+
+def persistent_buffers(model) -> list:
+    """(name, buffer) of the buffers `model`'s state dict holds (models/moe.py's expert_bias), in order."""
+    found = []
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                found.append((f"{prefix}.{name}" if prefix else name, buffer))
+    return found
 
 
 def _zero_pieces(container, data_rank: int, grid) -> dict:
@@ -372,6 +391,8 @@ class PortableState:
         names = {id(parameter): name for name, parameter in model.named_parameters()}
         for name, parameter in model.named_parameters():
             self._add(MODEL, name, parameter.data, parameter.dtype)
+        for name, buffer in persistent_buffers(model):
+            self._add(MODEL, name, buffer, buffer.dtype)
         optimizer_pieces = optimizer_pieces or {}
         for optimizer in optimizers:
             for parameter in (p for group in optimizer.param_groups for p in group["params"]):

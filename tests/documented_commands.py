@@ -386,6 +386,10 @@ HOW: Dict[str, How] = {
     "python train.py mode=plan plan.search=true model=qwen3_235b_a22b hardware=dgx_h100 hardware.nodes=32 "
     "data.global_batch_size=2048 data.sequence_length=4096 data=token_bin data.vocab_size=151936": How("real", searched),
     "python train.py mode=plan model=moe_small strategy=single": How("real", planned),
+    "python train.py model=moe_small strategy=ddp strategy.expert_parallel=2 hardware.devices_per_node=2 "
+    "trainer.max_steps=4": How("real", trained(4)),
+    "python train.py mode=plan model=moe_small strategy=ddp strategy.expert_parallel=2 hardware.devices_per_node=2":
+        How("real", planned),
     "python train.py model=moe_small strategy=single trainer.max_steps=100":
         How("capped", trained(), why="trains 100 steps (minutes): capped at 2"),
     "python train.py mode=calibrate": How("capped", calibrated, cap=QUICK_CALIBRATION,

@@ -22,6 +22,7 @@ from strategies.schedule.ir import POST_RECV_ACTIVATION, POST_RECV_GRADIENT, SEN
 from cost.traffic import local_parameters, padded_buckets
 from cost.inputs import BYTES, OPTIMIZER_STATE, Workload
 from cost.experts import extra_saved_elements, local_expert_elements, zero_extra_shard
+from cost.context import exchange_buffers, gathered_kv_elements, key_length
 
 
 def stage_parameters(workload: "Workload", stage: int, stages: int) -> float:
@@ -47,11 +48,12 @@ def block_saved_bytes(workload: "Workload", tokens: float, flash: bool) -> float
     (Dropout masks, 1 byte each, are left out.)"""
     shape, ranks = workload.shape, workload.tensor_ranks
     h = shape.hidden
-    scores = 0 if flash or workload.recompute_attention else workload.heads * shape.length + _expanded_kv(shape)
+    scores = 0 if flash or workload.recompute_attention else workload.heads * key_length(workload) + _expanded_kv(shape)
     if workload.layout.tensor_grid in ("2d", "3d"):
         return grid_block_saved_elements(workload, tokens, scores) * workload.activation_bytes
     residual = len(shape.block.norms) * shape.norm_saves * h / stream_split(workload)
     split = (_attention_saved(shape) + _mlp_saved(shape) + extra_saved_elements(workload) + scores) / ranks
+    split += gathered_kv_elements(workload)  # context parallelism's all_gather keeps the gathered K/V (a rank's share)
     return ((residual + split) * tokens + shape.rotary_elements()) * workload.activation_bytes
 
 
@@ -362,7 +364,7 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     last_alive = alive if last_alive is None else last_alive
     part = {stage: stage_parameters(workload, stage, total_stages) * BYTES for stage in stages}
     held, largest = sum(part.values()), max(part.values())
-    sharded = held / layout.data if layout.zero else held
+    sharded = held / layout.data_context if layout.zero else held
     sharded += zero_extra_shard(workload, len(stages) * per_stage) * BYTES  # MoE experts: over d/e (cost/experts.py)
     # ZeRO (strategies/zero_layered.py): a stage's weights are gathered whole for each run, the next
     # run's gather posted one ahead (two stages; the same one twice when a rank holds one), and its
@@ -377,7 +379,7 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     persistent = workload.distributed_optimizer and not layout.zero
     if persistent:
         sharded = gradients = sum(distributed_buckets(workload, part[stage] / BYTES) * BYTES for stage in stages)
-    state = sharded / (layout.data if persistent else 1)
+    state = sharded / (layout.data_context if persistent else 1)
     tokens = workload.micro_batch_rows * shape.length
     block = block_saved_bytes(workload, tokens, flash) + block_extra_bytes(workload, tokens)
     piece = workload.piece * BYTES  # the stream's fp32 piece: an output kept for its backward, an input arrived
@@ -389,7 +391,8 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     kept = piece if workload.recompute else per_stage * block  # recompute: stage inputs
     loops, last = len(stages), total_stages - 1 in stages
     head = head_saved_bytes(workload, tokens) if last else 0.0
-    working = backward_working_bytes(workload, tokens, last)
+    # a backward's working set, and beside it the K/V blocks context parallelism's exchange holds (cost/context.py)
+    working = backward_working_bytes(workload, tokens, last) + exchange_buffers(workload)
     pipelined = layout.pipeline > 1  # sends are kept until proven received, receives from their post
     sent_first = (alive - (last_alive if last else 0)) * pipelined
     # gloo's reduce-scatter temporaries live inside a backward's wait() (`gloo_temporaries`): beside the
@@ -421,7 +424,7 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     every_send = sends_held[1] * pipelined * message
     # Only the one-stage strategies' own reductions copy (three_d's sum_over_groups, DDP's buckets);
     # ZeRO's gathered buffers are counted below, the pipeline stages' buckets are reduced in place.
-    flat = largest if layout.data > 1 and not layout.zero and workload.gradients_through_forward else 0
+    flat = largest if layout.data_context > 1 and not layout.zero and workload.gradients_through_forward else 0
     forward = alive * kept + last_alive * head + working if workload.gradients_through_forward or persistent else 0
     moments = {"start": (gradients, 0, 0), "first backward": (gradients if persistent else 0, first_backward, 0),
                "forward": (gradients, forward, 0),
@@ -440,7 +443,7 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
 def distributed_buckets(workload: Workload, elements: float) -> int:
     """Elements of a stage's flat buckets under the distributed optimizer: its `elements` padded to
     a multiple of d per bucket of strategy.bucket_mb (cost.traffic.padded_buckets)."""
-    return padded_buckets(elements, workload.layout.data, workload.gradient_bucket_bytes // BYTES)
+    return padded_buckets(elements, workload.layout.data_context, workload.gradient_bucket_bytes // BYTES)
 
 
 def boundary_message_bytes(workload: Workload) -> float:
@@ -494,7 +497,7 @@ def optimizer_temporaries(workload: Workload, stages: list, total_stages: int) -
     if workload.distributed_optimizer and not layout.zero:  # it steps this rank's slice of each bucket
         stage = max(stage_parameters(workload, stage, total_stages) for stage in stages)
         bucket = min(stage, workload.gradient_bucket_bytes // BYTES or stage)
-        largest = min(largest, -(-bucket // layout.data))
+        largest = min(largest, -(-bucket // layout.data_context))
     return OPTIMIZER_TEMPORARIES.get(workload.optimizer, 2) * largest * BYTES
 
 

@@ -34,6 +34,7 @@ from strategies.schedule.zero import GATHER_FOR, GATHERS, REDUCE_SCATTER, comput
 from cost.inputs import BYTES
 from cost.experts import block_exchange_seconds, computed_weights, exchange_bytes, experts_product_seconds
 from cost.traffic import all_gather, all_reduce, block_traffic, grid_collectives, head_traffic, step_traffic
+from cost.context import data_context_span, exchange_seconds, key_length
 
 
 PRODUCTS_PER_BLOCK = 6  # per micro-batch forward: QKV, Q·Kᵀ, scores·V, the projection, the MLP's two
@@ -43,10 +44,11 @@ PRODUCTS_PER_BLOCK = 6  # per micro-batch forward: QKV, Q·Kᵀ, scores·V, the 
 
 def forward_flops(workload: Workload, stage: int, stages: int) -> float:
     """One micro-batch through one stage, on one rank of the tensor grid: 2 FLOPs per weight per
-    token for the blocks' matrix products, 4·s·h per token for attention, plus the head's on the last."""
+    token for the blocks' matrix products, 4·s·h per token for attention (s the keys a query
+    attends: under context parallelism the whole sequence, cost/context.py), plus the head's on the last."""
     shape = workload.shape
     h, tokens = shape.hidden, workload.micro_batch_rows * shape.length
-    block = tokens * (2 * computed_weights(workload) + 4 * shape.length * h)
+    block = tokens * (2 * computed_weights(workload) + 4 * key_length(workload) * h)
     head = 2 * tokens * h * shape.vocabulary if stage == stages - 1 else 0
     return (workload.layers_per_stage * block + head) / workload.tensor_ranks
 
@@ -134,6 +136,11 @@ def stage_seconds(workload: Workload, device: Device, stage: int, stages: int) -
     forward += workload.layers_per_stage * exchange_forward
     backward += workload.layers_per_stage * exchange_backward
     forward_sends, backward_sends = communication, communication * (factor - 1.0)
+    # context parallelism's K/V exchange (cost/context.py): what the attention does not hide; a
+    # recomputed backward runs the forward's again
+    exchange = exchange_seconds(workload, device, collective_seconds, core_attention_seconds(workload, device))
+    forward += exchange[0]
+    backward += exchange[1] + (exchange[0] if workload.recompute else 0.0)
     if workload.tensor_overlap:  # Megatron-Core's userbuffers: each collective hides behind a product
         return max(forward, forward_sends), max(backward, backward_sends)
     return forward + forward_sends, backward + backward_sends
@@ -182,10 +189,11 @@ def roofline(workload: Workload, device: Device, m: int, k: int, n: int, count: 
 
 def attention_products_seconds(workload: Workload, device: Device) -> float:
     """A block's Q·Kᵀ and scores·V on one 1-D grid rank: per sequence and local head an s × d by
-    d × s product and an s × s by s × d one (d = h/a), at their roofline."""
-    b, s = workload.micro_batch_rows, workload.shape.length
+    d × s product and an s × s by s × d one (d = h/a), at their roofline; under context parallelism
+    the rank's s/c queries against the sequence's s keys."""
+    b, s, keys = workload.micro_batch_rows, workload.shape.length, key_length(workload)
     heads, width = workload.heads // workload.tensor_ranks, workload.shape.hidden // workload.heads
-    return roofline(workload, device, s, width, s, b * heads) + roofline(workload, device, s, s, width, b * heads)
+    return roofline(workload, device, s, width, keys, b * heads) + roofline(workload, device, s, keys, width, b * heads)
 
 
 def core_attention_seconds(workload: Workload, device: Device) -> float:
@@ -197,8 +205,8 @@ def core_attention_seconds(workload: Workload, device: Device) -> float:
     LinearWithGradAccumulationAndAsyncCommunication issues it asynchronously before that product)."""
     b, s, h = workload.micro_batch_rows, workload.shape.length, workload.shape.hidden
     if not device.memory_bandwidth:
-        return 4 * b * s * s * h / workload.tensor_ranks / (device.flops_per_second * device.efficiency)
-    scores = memory_bound_bytes_per_token(workload.shape, workload.heads)[2] / workload.tensor_ranks
+        return 4 * b * s * key_length(workload) * h / workload.tensor_ranks / (device.flops_per_second * device.efficiency)
+    scores = memory_bound_bytes_per_token(workload.shape, workload.heads, key_length(workload))[2] / workload.tensor_ranks
     passes = 2 * b * s * scores / device.memory_bandwidth if workload.attention_scores else 0.0  # flash: inside the kernel
     return attention_products_seconds(workload, device) + passes
 
@@ -258,12 +266,12 @@ def memory_bound_block_seconds(workload: Workload, device: Device) -> float:
         return 0.0
     t, tokens = workload.tensor_ranks, workload.micro_batch_rows * workload.shape.length
     split_stream = workload.sequence_parallel or workload.layout.tensor_grid not in (None, "1d")  # 2-D/3-D split it
-    whole, split, scores = memory_bound_bytes_per_token(workload.shape, workload.heads)
+    whole, split, scores = memory_bound_bytes_per_token(workload.shape, workload.heads, key_length(workload))
     per_token = whole / (t if split_stream else 1) + split / t + (scores / t if workload.attention_scores else 0)
     return 2 * tokens * per_token / device.memory_bandwidth
 
 
-def memory_bound_bytes_per_token(shape, heads: int) -> tuple:
+def memory_bound_bytes_per_token(shape, heads: int, keys: int = None) -> tuple:
     """(residual stream, split by a tensor grid, attention scores) bytes a block's forward saves per
     token in 16-bit training, from the block description (Korthikanti et al. 2022 §4.1 counts GPT's:
     10h + 24h + 5·a·s, which this reproduces):
@@ -276,7 +284,8 @@ def memory_bound_bytes_per_token(shape, heads: int) -> tuple:
       gate, up and their product (3·ffn: Megatron's fused bias_swiglu keeps no silu(gate)) — and
       RoPE's pass over q and k (rotated from the product's output: (heads + kv_heads)·d more),
       2 bytes each;
-    - scores: per head s softmax outputs (2 bytes), with dropout its mask and output (1 + 2)."""
+    - scores: per head s softmax outputs (2 bytes), with dropout its mask and output (1 + 2); s the
+      `keys` a query attends (default the shape's length; the whole sequence under context parallelism)."""
     block, h = shape.block, shape.hidden
     dropout = block.norm == "layer"  # GPT/BERT blocks train with dropout, Llama's without (above)
     width = h / heads
@@ -285,7 +294,7 @@ def memory_bound_bytes_per_token(shape, heads: int) -> tuple:
     split = 2 * ((heads + 2 * kv_heads) * width + h + (3 if block.gated else 2) * shape.mlp_width)
     if block.rotary:
         split += 2 * (heads + kv_heads) * width
-    scores = heads * shape.length * (5 if dropout else 2)
+    scores = heads * (keys or shape.length) * (5 if dropout else 2)
     return whole, split, scores
 
 
@@ -293,7 +302,7 @@ def optimizer_seconds(workload: Workload, device: Device, stages: list, total_st
     """The optimizer step of a rank holding `stages`: its local parameters (ZeRO: its 1/n shard)
     × the calibrated seconds per parameter (0 in spec-sheet profiles)."""
     held = sum(stage_parameters(workload, stage, total_stages) for stage in stages)
-    return (held / workload.layout.data if workload.layout.zero else held) * device.optimizer_seconds_per_parameter
+    return (held / workload.layout.data_context if workload.layout.zero else held) * device.optimizer_seconds_per_parameter
 
 
 def receive_seconds(workload: Workload, device: Device) -> float:
@@ -308,14 +317,14 @@ def receive_seconds(workload: Workload, device: Device) -> float:
 
 
 def gather_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
-    """One ZeRO gather of a stage's shards over the data group ((n − 1)/n of the stage's local
-    parameters; the flat shards' padding to a multiple of n is left out)."""
+    """One ZeRO gather of a stage's shards over the data group (× the context shards: n ranks, (n − 1)/n
+    of the stage's local parameters; the flat shards' padding to a multiple of n is left out)."""
     layout = workload.layout
-    if not layout.zero or layout.data == 1:
+    if not layout.zero or layout.data_context == 1:
         return 0.0
     held = stage_parameters(workload, stage, stages)
-    return collective_seconds(device, all_gather(held, layout.data), workload.tensor_ranks * layout.pipeline * layout.data,
-                              stride=workload.tensor_ranks * layout.pipeline)
+    extent, stride = data_context_span(workload, device)
+    return collective_seconds(device, all_gather(held, layout.data_context), extent, stride=stride)
 
 
 def step_cost(workload: Workload, device: Device, plan):
@@ -385,7 +394,8 @@ def rank_traffic(workload: Workload, plan, pipeline_rank: int) -> Counter:
     return step_traffic(plan, workload.layout, pipeline_rank, workload.shape, workload.layers_per_stage,
                         workload.micro_batch_rows, workload.message_bytes, split, split > 1,
                         workload.distributed_optimizer, workload.sequence_parallel, workload.activation_bytes,
-                        workload.gradient_bucket_bytes // BYTES, workload.tensor_bytes, workload.reduction_bytes)
+                        workload.gradient_bucket_bytes // BYTES, workload.tensor_bytes, workload.reduction_bytes,
+                        workload.context_comm)
 
 
 def predict_step(workload: Workload, device: Device, plan) -> dict:
@@ -424,16 +434,18 @@ def _last_reduction_seconds(workload: Workload, device: Device, plan, rank: int)
 
 def reduction_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
     """One stage's gradient over the data-parallel group: all-reduce, or under ZeRO the all-gather-
-    sized reduce-scatter; over the link the whole group crosses (data ranks are the outermost axis)."""
+    sized reduce-scatter; over the link the whole group crosses (data ranks are the outermost axis;
+    with context shards the group is data × context, Layout.data_context)."""
     layout = workload.layout
-    if layout.data == 1:
+    n = layout.data_context
+    if n == 1:
         return 0.0
     held = stage_parameters(workload, stage, stages)
     sharded = layout.zero or workload.distributed_optimizer  # a reduce-scatter: all_gather's bytes
-    volume = all_gather(held, layout.data) if sharded else all_reduce(held, layout.data)
+    volume = all_gather(held, n) if sharded else all_reduce(held, n)
     volume *= workload.reduction_bytes / BYTES  # 4: our fp32 master gradients; 2: a run reducing fp16/bf16 ones
-    return collective_seconds(device, volume, workload.tensor_ranks * layout.pipeline * layout.data,
-                              stride=workload.tensor_ranks * layout.pipeline)
+    extent, stride = data_context_span(workload, device)
+    return collective_seconds(device, volume, extent, stride=stride)
 
 
 def exposed_reduction_seconds(workload: Workload, device: Device, stage: int, stages: int) -> float:
@@ -517,7 +529,7 @@ def zero_pipeline_gathers(workload: Workload, device: Device, loops: int, breadt
     slower forwards only lengthen it: left out). At v = 1 the turnaround's gather is the next
     group's first, so what the wait hides comes off that group's start stall."""
     p = workload.layout.pipeline
-    if not workload.layout.zero or workload.layout.data == 1:
+    if not workload.layout.zero or workload.layout.data_context == 1:
         return 0.0, 0.0
     pieces = {rank: rank_gathers(workload, device, rank, loops, breadth_first) for rank in {0, min(1, p - 1), p - 1}}
     of = [pieces.get(rank, pieces[min(1, p - 1)]) for rank in range(p)]

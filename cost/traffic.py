@@ -168,8 +168,9 @@ def local_parameters(grid, q: int, shape: GptShape, embed: bool, blocks: int, he
 
 
 def model_parameters(shape: GptShape, layers: int) -> float:
-    """The whole model's parameter count (every block, the tables and the head): the one count."""
-    return local_parameters(None, 1, shape, True, layers, True)["all"]
+    """The whole model's parameter count (every block, the tables and the head): the one count. An
+    MoE block's routed experts are not among its linears: added (every block taken as `shape.block`)."""
+    return local_parameters(None, 1, shape, True, layers, True)["all"] + layers * shape.block.experts * shape.block.expert_weights()
 
 
 # ----- context parallelism: the keys and values of a sequence's shards exchanged every layer
@@ -216,6 +217,13 @@ def context_traffic(comm: str, context: int, rows: int, length: int, kv_heads: i
     return traffic
 
 
+def context_kv_heads(layout: Layout, shape: GptShape) -> float:
+    """Key (and value) heads a rank computes, so exchanges: kv_heads over the tensor grid's head split
+    (1-D: t)."""
+    parts = grid_of(layout.tensor_grid, layout.tensor, 0).head_parts if layout.tensor_grid else 1
+    return shape.block.kv_heads / parts
+
+
 def context_step_traffic(comm: str, context: int, rows: int, length: int, kv_heads: int, head_dim: int,
                          layers: int, micro_batches: int, element_bytes: int = BYTES) -> Counter:
     """`context_traffic` of every layer a rank holds (`layers`) on each of its `micro_batches`."""
@@ -257,6 +265,22 @@ def expert_exchange_traffic(rows_to_others: int, rows_from_others: int, hidden: 
     return (expert_parallel - 1) * local_experts * COUNT_BYTES + rows * hidden * element_bytes
 
 
+# ----- mixtures of experts: the tokens' rows dispatched to their experts' ranks and combined back
+
+
+def expert_dispatch_traffic(tokens: float, hidden: int, experts_per_token: int, expert_parallel: int,
+                            element_bytes: int = BYTES) -> float:
+    """Bytes one rank sends to the other members of its expert group in ONE all-to-all (a dispatch or
+    a combine; the backward's are the same with the splits swapped) of one MoE block, expected under
+    uniform routing: its `tokens` × k routed rows of `hidden` values, each row's expert on one of the
+    e = `expert_parallel` members with equal chance, so (e − 1)/e of them leave the rank — what
+    parallel.comm counts of an all-to-all (the rows a rank keeps never leave it). e = 1 moves nothing.
+    Skewed routing moves more from the busiest rank (cost/experts.py `rank_imbalance`)."""
+    if expert_parallel <= 1:
+        return 0.0
+    return tokens * experts_per_token * hidden * (expert_parallel - 1) / expert_parallel * element_bytes
+
+
 # ----- a whole step of one rank
 
 
@@ -270,7 +294,7 @@ def step_traffic(plan, layout: Layout, pipeline_rank: int, shape: GptShape, laye
                  micro_batch_rows: int, message_bytes: int = BYTES, message_split: int = 1,
                  gathered: bool = False, distributed_optimizer: bool = False, sequence_parallel: bool = False,
                  gather_bytes: int = BYTES, bucket_elements: int = 0, sum_bytes: int = BYTES,
-                 reduction_bytes: int = BYTES) -> Counter:
+                 reduction_bytes: int = BYTES, context_comm: str = "ring") -> Counter:
     """Logical bytes by kind (parallel.comm.KINDS) one rank at `pipeline_rank` moves in one step. A
     boundary message carries `message_bytes` per element and 1/`message_split` of the rank's piece
     (cost.inputs.Workload.message_elements); `gathered`: each receive then all-gathers the slices
@@ -283,7 +307,10 @@ def step_traffic(plan, layout: Layout, pipeline_rank: int, shape: GptShape, laye
     boundary piece is the rank's sequence shard (cost.inputs.activation_piece). `sum_bytes`: a 1-D
     grid's sums of activations per element (`block_traffic`); `reduction_bytes`: the data-parallel
     gradient's (its all-reduce, or the distributed optimizer's reduce-scatter; the weights it
-    gathers back stay fp32). The loss's scalars and the partial gradients summed over a grid stay fp32."""
+    gathers back stay fp32). The loss's scalars and the partial gradients summed over a grid stay fp32.
+    Under context parallelism (layout.context = c; `shape.length` the rank's s/c tokens) each forward
+    and backward of a block adds `context_traffic` of `context_comm` in `gather_bytes` per element
+    (K and V in the compute dtype), and the gradients are reduced over data × context ranks."""
     row = [action for action in plan.ranks[pipeline_rank] if action is not None]
     traffic = Counter()
     sends = sum(action.kind in (SEND_ACTIVATION, SEND_GRADIENT) for action in row)
@@ -297,6 +324,10 @@ def step_traffic(plan, layout: Layout, pipeline_rank: int, shape: GptShape, laye
         traffic += _stage_traffic(row, stage, plan.stages, layout, shape, layers_per_stage, micro_batch_rows,
                                   distributed_optimizer, sequence_parallel, gather_bytes, bucket_elements, sum_bytes,
                                   reduction_bytes)
+        forwards = sum(action.kind == FORWARD and action.stage == stage for action in row)
+        traffic += context_step_traffic(context_comm, layout.context, micro_batch_rows, shape.length * layout.context,
+                                        context_kv_heads(layout, shape), shape.block.head_dim, layers_per_stage,
+                                        forwards, gather_bytes)
     return traffic
 
 
@@ -316,7 +347,7 @@ def padded_buckets(elements: float, n: int, bucket_elements: int = 0) -> int:
 def _stage_traffic(row, stage: int, stages: int, layout: Layout, shape: GptShape, layers_per_stage: int, rows: int,
                    distributed_optimizer: bool = False, sequence_parallel: bool = False, gather_bytes: int = BYTES,
                    bucket_elements: int = 0, sum_bytes: int = BYTES, reduction_bytes: int = BYTES) -> Counter:
-    grid, q, n = layout.tensor_grid, layout.edge, layout.data
+    grid, q, n = layout.tensor_grid, layout.edge, layout.data_context
     forwards = sum(action.kind == FORWARD and action.stage == stage for action in row)
     parameters = local_parameters(grid, q, shape, stage == 0, layers_per_stage, stage == stages - 1, sequence_parallel)
     traffic = Counter()
@@ -343,7 +374,7 @@ def _zero_traffic(row, stage, stages, layout, shape, layers_per_stage) -> Counte
     """Gathers and reduce-scatters of the stage's two flat shards ("matrices", "vectors"), each
     padded to a multiple of n (strategies/sharding.py); before each reduce-scatter, the grid's
     replicated pieces summed over the tensor groups holding them."""
-    n, grid, q = layout.data, layout.tensor_grid, layout.edge
+    n, grid, q = layout.data_context, layout.tensor_grid, layout.edge
     ranks = layout.tensor
     split = 1 if grid in (None, "1d") else q
     parameters = local_parameters(grid, q, shape, stage == 0, layers_per_stage, stage == stages - 1)

@@ -57,6 +57,12 @@ class Layout:
         return tensor_ranks(self.tensor_grid, self.edge)
 
     @property
+    def data_context(self) -> int:
+        """Ranks holding the same parameters once the pipeline and tensor splits are fixed: the data
+        replicas × the context shards (the `data_context` group), over which gradients are reduced."""
+        return self.data * self.context
+
+    @property
     def world_size(self) -> int:
         return self.data * self.pipeline * self.context * self.tensor
 

@@ -40,3 +40,93 @@ def test_one_context_rank_moves_nothing_and_a_step_multiplies_layers_and_micro_b
 def test_an_unknown_exchange_is_named():
     with pytest.raises(ValueError, match="context_parallel_comm"):
         context_traffic("a2a", 2, 1, 16, 1, 8)
+
+
+# ----- plan mode: a config with strategy.context_parallel priced from the config (layerwise/planning)
+
+LLAMA_LONG = ["mode=plan", "model=llama3_8b", "model.max_sequence_length=131072", "hardware=dgx_h100",
+              "data.global_batch_size=1", "data.sequence_length=131072", "data=token_bin",
+              "data.vocab_size=128256", "logger=none"]
+
+
+def planned(tmp_path, *overrides):
+    from layerwise.planning.mode import plan
+    from layerwise.preflight import validate
+    from tests.ranks import compose_config
+    cfg = compose_config(*LLAMA_LONG, *overrides)
+    return cfg, plan(cfg, validate(cfg), tmp_path, charts=False)
+
+
+@pytest.mark.parametrize("comm", ["ring", "all_gather"])
+def test_plan_json_prices_the_exchange_from_the_config(tmp_path, comm):
+    """ddp with c = 8 on one H100 node: a rank holds 131,072 / 8 tokens of the sequence; its bytes by
+    kind are context_traffic's, 32 layers × 1 micro-batch, in bf16 (the only traffic besides the
+    gradient all-reduce over the data × context group of 8)."""
+    import json
+    from cost.traffic import all_reduce, model_parameters
+    from layerwise.planning.inputs import shape_of
+    cfg, result = planned(tmp_path, "strategy=ddp", "strategy.context_parallel=8",
+                          f"strategy.context_parallel_comm={comm}")
+    written = json.loads((tmp_path / "plan.json").read_text())
+    context = written["context"]
+    assert written["layout"]["context"] == 8 and written["layout"]["data"] == 1
+    assert context["context_parallel"] == 8 and context["context_parallel_comm"] == comm
+    assert context["sequence_tokens_per_rank"] == 131072 // 8
+    per_layer = context_traffic(comm, 8, 1, 131072, 8, 128, element_bytes=2)  # 8 kv heads of 128
+    assert context["exchange_bytes_per_layer"] == pytest.approx(dict(per_layer), rel=1e-12)
+    traffic = written["comm_bytes_per_step_by_pipeline_rank"][0]
+    for kind, volume in per_layer.items():
+        assert traffic[kind] == pytest.approx(32 * volume, rel=1e-12)
+    gradients = all_reduce(model_parameters(shape_of(cfg), 32), 8)  # data × context: 8 ranks
+    assert traffic["all_reduce"] == pytest.approx(gradients, rel=1e-9)
+    forward, backward = context["exposed_exchange_s_per_micro_batch"].values()
+    if comm == "ring":  # NVLink hops hide behind 1/8 of a layer's attention; the last dK/dV hop home does not
+        assert forward == 0 and 0 < backward
+    else:
+        assert forward > 0 and backward > 0
+
+
+def test_a_context_rank_computes_its_tokens_and_one_cth_of_the_attention():
+    """The workload's shape is the rank's s/c tokens; the forward FLOPs are the model's over c (the
+    attention's 4·s·h per token against the whole sequence's keys); activations per rank ÷ c up to the
+    exchange's buffers."""
+    from cost.context import exchange_buffers, sharded_shape
+    from cost.inputs import GptShape, Workload
+    from cost.memory import block_saved_bytes
+    from cost.step_time import forward_flops
+    from models import describe_block
+    from parallel.dims import Layout
+    block = describe_block("llama", hidden=512, heads=8, kv_heads=2, ffn_hidden=1536)
+    shape = GptShape(512, 4, 1000, 8192, 8192, block, False)
+    whole = Workload(shape, 4, 8, Layout(), 4, 2, activation_bytes=2)
+    for c in (2, 4, 8):
+        split = Workload(sharded_shape(shape, c), 4, 8, Layout(context=c), 4, 2, activation_bytes=2)
+        assert split.shape.length == 8192 // c
+        assert forward_flops(split, 0, 2) == pytest.approx(forward_flops(whole, 0, 2) / c, rel=1e-12)
+        tokens = 2 * split.shape.length
+        assert block_saved_bytes(split, tokens, True) == pytest.approx(block_saved_bytes(whole, 2 * 8192, True) / c)
+        assert exchange_buffers(split) == 3 * 2 * (2 * 8192 // c * 2 * 64 * 2)  # ring: 2 K/V blocks + dK/dV
+    with pytest.raises(ValueError, match="2·strategy.context_parallel"):
+        sharded_shape(GptShape(512, 4, 1000, 8190, 8192, block, False), 4)
+
+
+def test_the_search_takes_context_parallelism_where_nothing_else_fits(tmp_path):
+    """Llama 3 8B (vocabulary 32,000), one 524,288-token sequence on 16 H100s cut to 45 GB: without
+    context parallelism no layout fits (the smallest, a 1-D q8 pipeline with recomputation, needs
+    48.1 GiB with the margin: a tensor block stops at one node and at the 8 kv heads); with c up to 16
+    the search ranks layouts with c > 1 first (the smallest 33.0 GiB), and its closed form agrees
+    with the full plan path."""
+    from layerwise.planning.search import search
+    from layerwise.preflight import validate
+    from tests.ranks import compose_config
+    common = [*LLAMA_LONG, "model.max_sequence_length=524288", "data.sequence_length=524288", "data.vocab_size=32000",
+              "hardware.nodes=2", "hardware.device_memory_bytes=4.5e10", "plan.search=true", "plan.search_top=3",
+              "plan.search_replan=1"]
+    without = compose_config(*common, "plan.search_max_context=1")
+    assert search(without, validate(without), tmp_path / "without")["fitting"] == 0
+    allowed = compose_config(*common, "plan.search_max_context=16")
+    result = search(allowed, validate(allowed), tmp_path / "with")
+    assert result["fitting"] > 0 and all(row["context_parallel"] > 1 for row in result["top"])
+    replanned = result["replanned"][0]
+    assert replanned["simulated_step_time_s"] == pytest.approx(replanned["closed_form_step_time_s"], rel=0.01)
+    assert replanned["planned_worst_role_bytes"] == pytest.approx(replanned["closed_form_worst_role_bytes"], rel=0.01)

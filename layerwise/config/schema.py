@@ -410,6 +410,9 @@ class PlanConfig:
     search_top: int = 10  # layouts printed, fastest first
     search_replan: int = 3  # of those, re-planned through the full plan path (simulated plan) side by side
     search_max_tensor_ranks: int = 0  # largest tensor block searched; 0 = hardware.devices_per_node (one node)
+    # largest context-parallel degree c searched (powers of two dividing the world, 2c dividing
+    # data.sequence_length; the families whose strategy accepts it): 1 = no context parallelism
+    search_max_context: int = 1
     # plan.dry_run=true: also dry-run one rank of each role with the real code under a fake process group
     # and compare its step's peak memory and collective bytes with the analytic plan (layerwise/tools/cross_check.py)
     dry_run: bool = False

@@ -91,6 +91,7 @@ RANGES = {
     "plan.expert_load_imbalance": ("count", 1.25),  # the busiest expert over the mean: never below 1
     "plan.search_top": ("count", 10), "plan.search_replan": ("non_negative", 3),
     "plan.search_max_tensor_ranks": ("non_negative", 8),
+    "plan.search_max_context": ("count", 16),
     "optimizer.lr": ("positive", "3e-4"), "optimizer.weight_decay": ("non_negative", 0.1),
     "optimizer.beta1": ("probability", 0.9), "optimizer.beta2": ("probability", 0.95),
     "optimizer.eps": ("positive", "1e-8"), "optimizer.momentum": ("probability", 0.9),

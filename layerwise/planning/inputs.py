@@ -6,6 +6,7 @@ inputs (cost/inputs.py) here, and nowhere else.
 
 from omegaconf import OmegaConf
 
+from cost.context import sharded_shape
 from cost.inputs import BYTES, Device, GptShape, Workload
 from models import block_of
 from layerwise.config.errors import ConfigError
@@ -66,7 +67,9 @@ def one_stage_pipeline(cfg, grid: str, edge: int, data_degree=None, activation_r
         "message_dtype": cfg.strategy.get("message_dtype", "fp32"),  # (one stage: nothing crosses a boundary)
         "scatter_gather": cfg.strategy.get("scatter_gather", False),
         "expert_parallel": cfg.strategy.get("expert_parallel", 1),
-        "distributed_optimizer": cfg.strategy.get("distributed_optimizer", False)})
+        "distributed_optimizer": cfg.strategy.get("distributed_optimizer", False),
+        "context_parallel": cfg.strategy.get("context_parallel", 1),
+        "context_parallel_comm": cfg.strategy.get("context_parallel_comm", "ring")})
     return planned
 
 
@@ -78,7 +81,9 @@ def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
     through_forward = cfg.strategy.name in ONE_STAGE  # Lightning's closure zeroes gradients after the forward
     cfg = as_planned(cfg)
     layout = layout_of(cfg, world_size)  # the run's own: the cost model prices what the ranks build
-    return Workload(shape_of(cfg, vocabulary), cfg.model.layers, cfg.model.heads, layout, cfg.strategy.layers_per_stage,
+    # under context parallelism a rank computes s/c tokens of each sequence (cost/context.py)
+    return Workload(sharded_shape(shape_of(cfg, vocabulary), layout.context), cfg.model.layers, cfg.model.heads,
+                    layout, cfg.strategy.layers_per_stage,
                     cfg.data.global_batch_size // (layout.data * cfg.strategy.micro_batches),
                     cfg.optimizer.name, cfg.strategy.activation_recompute == "full",
                     compute_bytes(cfg), through_forward, cfg.hardware.process_group_backend == "gloo",
@@ -108,7 +113,8 @@ def communication_of(strategy, precision: str, layout, flash_attention: bool = T
       sequence parallelism: it chunks the sequence-parallel gathers and scatters);
     - distributed_optimizer: the switch (ZeRO-1 over the data ranks);
     - recompute_attention: strategy.activation_recompute=selective (the core attention rerun);
-    - attention_scores: plan.flash_attention=false (the math kernel materialises the scores)."""
+    - attention_scores: plan.flash_attention=false (the math kernel materialises the scores);
+    - context_comm: strategy.context_parallel_comm (ring | all_gather; the degree c is the layout's)."""
     one_d = layout.tensor_grid == "1d" and layout.tensor > 1
     sequence_parallel = bool(strategy.get("sequence_parallel", False)) and one_d
     stream = activation_dtype(precision)
@@ -126,6 +132,7 @@ def communication_of(strategy, precision: str, layout, flash_attention: bool = T
             "attention_scores": not flash_attention, "sequence_parallel": sequence_parallel,
             "distributed_optimizer": bool(strategy.get("distributed_optimizer", False)),
             "recompute_attention": strategy.get("activation_recompute", "none") == "selective",
+            "context_comm": strategy.get("context_parallel_comm", "ring"),
             # the pipeline stages' gradient buckets (the strategies with the overlap_reduction switch)
             "gradient_bucket_bytes": bucket_bytes(strategy.get("bucket_mb", 0)) if "overlap_reduction" in strategy else 0}
 

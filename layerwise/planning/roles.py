@@ -37,9 +37,15 @@ def _result_header(cfg, world_size: int, workload: Workload, device: Device, ste
                                   workload.shape.vocabulary, cfg.model.mlp_ratio, workload.shape.block,
                                   blocks_of(cfg.model)) * tokens  # MoE: active weights, dense blocks apart
     return {"strategy": cfg.strategy.name, "model": cfg.model.name, "hardware": cfg.hardware.name,
-            "world_size": world_size, "layout": workload.layout.__dict__, "step_time_s": step_seconds,
+            "world_size": world_size, "layout": plan_layout(workload.layout), "step_time_s": step_seconds,
             "tokens_per_s": tokens / step_seconds, "mfu": model_flops_utilization(flops, step_seconds, device.flops_per_second, world_size),
             "allocator_margin": cfg.plan.allocator_margin, "efficiency_assumed": device.efficiency}
+
+
+def plan_layout(layout) -> dict:
+    """plan.json `layout`: the Layout's fields, `context` and `expert` only where they split something
+    (as Layout.as_dict lists them), so plans written before they existed read the same."""
+    return {name: value for name, value in layout.__dict__.items() if name not in ("context", "expert") or value > 1}
 
 
 def _role(label: str, ranks: list, breakdown: dict, margin: float, device: Device) -> dict:

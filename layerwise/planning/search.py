@@ -6,7 +6,9 @@
 1. enumerate: strategy family (the pipeline schedules, zero-bubble ZB-H1/ZBV without recomputation,
    ZeRO-layered and depth-first ZeRO), tensor
    grid (none, 1-D q, 2-D q², 3-D q³ ranks, at most plan.search_max_tensor_ranks), pipeline degree,
-   layers per stage, micro-batches and recomputation; data = world / (pipeline × tensor). Placement
+   context-parallel degree c and exchange (powers of two up to plan.search_max_context, ring and
+   all_gather), layers per stage, micro-batches and recomputation; data = world / (pipeline ×
+   context × tensor). Placement
    follows the schedule (contiguous or looping, the tensor axis innermost). Only what validation
    accepts is produced: the same divisibility rules, the schedules' own `_check_combination`, the
    grids' splits and the strategies' precision/optimizer rules;
@@ -34,6 +36,7 @@ from omegaconf import OmegaConf
 
 from layerwise.config.schema import PipelineStrategyConfig, ZeroLayeredStrategyConfig
 from layerwise.planning.inputs import communication_of, compute_bytes, device_of, efficiency_of, shape_of
+from cost.context import sharded_shape
 from layerwise.planning.result import plan_result
 from layerwise.planning.experts import expert_degrees
 from models import blocks_of
@@ -64,7 +67,8 @@ TWO_STAGES_PER_RANK = ("zbv",)  # the V: layers_per_stage = layers / 2p
 
 # plan_search.csv's first columns: a point under the strategy group's own field names
 COLUMNS = ("family", "pipeline_degree", "tensor_parallel", "tensor_grid", "layers_per_stage", "micro_batches",
-           "activation_recompute", "data_degree", "sequence_parallel", "distributed_optimizer")
+           "activation_recompute", "data_degree", "sequence_parallel", "distributed_optimizer", "context_parallel",
+           "context_parallel_comm")
 
 COLUMNS += ("expert_parallel",)  # e: the data ranks each MoE block's experts are split over (1: dense, or none)
 
@@ -82,6 +86,7 @@ class Point:
     activation_recompute: str  # none | selective | full
     sequence_parallel: bool = False  # 1-D grids (Korthikanti et al. 2022 §4.2.2)
     distributed_optimizer: bool = False  # ZeRO-1 over the data ranks (the non-ZeRO families)
+    context_parallel_comm: str = "ring"  # the exchange where layout.context > 1 (ring | all_gather)
 
     @property
     def schedule(self) -> str:
@@ -94,13 +99,14 @@ class Point:
     @classmethod
     def of(cls, family: str, pipeline_degree: int, tensor_parallel: str, tensor_grid: int, layers_per_stage: int,
            micro_batches: int, activation_recompute: str, data_degree: int, sequence_parallel=False,
-           distributed_optimizer=False) -> "Point":
+           distributed_optimizer=False, context_parallel=1, context_parallel_comm="ring") -> "Point":
         """The point of these strategy fields (tensor_parallel none | 1d | 2d | 3d, tensor_grid q);
         ZeRO is the family's. The switches may come as a csv's strings."""
         grid = None if tensor_parallel == "none" else tensor_parallel
-        return cls(family, Layout(data_degree, pipeline_degree, grid, tensor_grid, FAMILIES[family][1]),
-                   layers_per_stage, micro_batches, activation_recompute, _flag(sequence_parallel),
-                   _flag(distributed_optimizer))
+        layout = Layout(int(data_degree), int(pipeline_degree), grid, int(tensor_grid), FAMILIES[family][1],
+                        context=int(context_parallel))
+        return cls(family, layout, int(layers_per_stage), int(micro_batches), activation_recompute,
+                   _flag(sequence_parallel), _flag(distributed_optimizer), context_parallel_comm)
 
     @property
     def pipeline_degree(self) -> int:
@@ -120,6 +126,10 @@ class Point:
         return self.layout.edge
 
     @property
+    def context_parallel(self) -> int:
+        return self.layout.context
+
+    @property
     def expert_parallel(self) -> int:
         return self.layout.expert
 
@@ -136,6 +146,8 @@ class Point:
                   "activation_recompute": self.activation_recompute, "tensor_parallel": self.tensor_parallel,
                   "tensor_grid": self.tensor_grid if self.tensor_parallel != "none" else 2,
                   "sequence_parallel": self.sequence_parallel}
+        if self.context_parallel > 1:  # (without it the schema's defaults: sweep lines stay as they were)
+            fields.update(context_parallel=self.context_parallel, context_parallel_comm=self.context_parallel_comm)
         if self.expert_parallel > 1:  # (without it the schema's default: dense sweep lines stay as they were)
             fields["expert_parallel"] = self.expert_parallel
         if not self.layout.zero:  # ZeRO's families shard everything already: no such field
@@ -152,6 +164,7 @@ class Point:
         grid = f"{self.tensor_parallel} q{self.tensor_grid}" if self.tensor_parallel != "none" else "-"
         recompute = {"full": " recompute", "selective": " selective"}.get(self.activation_recompute, "")
         switches = (" sp" if self.sequence_parallel else "") + (" dist-opt" if self.distributed_optimizer else "")
+        switches += f" cp{self.context_parallel} {self.context_parallel_comm}" if self.context_parallel > 1 else ""
         switches += f" e{self.expert_parallel}" if self.expert_parallel > 1 else ""
         return (f"{self.family} d{self.data_degree} p{self.pipeline_degree} {grid}{switches} k{self.layers_per_stage} "
                 f"m{self.micro_batches}{recompute}")
@@ -212,29 +225,47 @@ def layouts(cfg, world: int):
         for mode, q in tensor_options(cfg, world):
             tensor = q ** DIMENSION[mode] if mode != "none" else 1
             rows_split = grid_of(mode, tensor, 0).input_rows()[1] if mode != "none" else 1
-            for pipeline in divisors(world // tensor):
+            for pipeline, context, comm in _pipeline_context(cfg, world // tensor):
                 if pipeline > 1 and cfg.model.tie_embeddings:
                     continue
-                data = world // (tensor * pipeline)
+                data = world // (tensor * pipeline * context)
                 for per_stage in stage_sizes(family, layers, pipeline):
                     for micro in divisors(batch // data) if batch % data == 0 else ():
                         if (batch // (data * micro)) % rows_split or not _schedule_accepts(
                                 schedule, pipeline, layers // per_stage, micro, breadth_first):
                             continue
-                        for recompute in recomputations(cfg, schedule):
-                            point = switches.chosen(Point.of(family, pipeline, mode, q, per_stage, micro, recompute, data))
+                        for recompute in recomputations(cfg, schedule, context):
+                            point = switches.chosen(Point.of(family, pipeline, mode, q, per_stage, micro, recompute,
+                                                             data, context_parallel=context,
+                                                             context_parallel_comm=comm))
                             if point is not None:
                                 yield from switches.experts(point)
 
 
-def recomputations(cfg, schedule: str) -> tuple:
+def _pipeline_context(cfg, ranks: int) -> list:
+    """(pipeline degree, context degree c, exchange) over `ranks` = world / tensor: c = 1, and each
+    power of two up to plan.search_max_context that divides what the pipeline leaves and splits
+    data.sequence_length into 2c chunks (a head and a tail per rank), with either exchange."""
+    options = []
+    for pipeline in divisors(ranks):
+        options.append((pipeline, 1, "ring"))
+        context = 2
+        while context <= cfg.plan.get("search_max_context", 1) and (ranks // pipeline) % context == 0 \
+                and cfg.data.sequence_length % (2 * context) == 0:
+            options += [(pipeline, context, "ring"), (pipeline, context, "all_gather")]
+            context *= 2
+    return options
+
+
+def recomputations(cfg, schedule: str, context: int = 1) -> tuple:
     """strategy.activation_recompute values worth searching: none and full; selective (the core
     attention rerun) only where attention keeps its scores (plan.flash_attention=false): a flash
-    kernel keeps none, so there it would cost a rerun and save nothing. A split backward keeps the
-    graph from I to W: no recomputation (modular_pipeline.check)."""
+    kernel keeps none, so there it would cost a rerun and save nothing; and not under context
+    parallelism, whose core attention is the exchange (strategies/context_layout.py refuses it). A
+    split backward keeps the graph from I to W: no recomputation (modular_pipeline.check)."""
     if schedule in ZERO_BUBBLE:
         return ("none",)
-    return ("none", "full") if cfg.plan.flash_attention else ("none", "selective", "full")
+    return ("none", "full") if cfg.plan.flash_attention or context > 1 else ("none", "selective", "full")
 
 
 _ACCEPTED = {}  # Switches.accepts' answers
@@ -265,7 +296,8 @@ class Switches:
         searches (the training-time reproduction searches each model at many GPU counts)."""
         from layerwise.config.validate import check_strategy
         key = (self.config_key, point.family, point.tensor_parallel, point.tensor_grid, point.data_degree > 1,
-               point.activation_recompute, point.sequence_parallel, point.distributed_optimizer)
+               point.activation_recompute, point.sequence_parallel, point.distributed_optimizer,
+               point.context_parallel > 1, point.context_parallel_comm)
         key += (point.expert_parallel > 1,)
         if key not in _ACCEPTED:
             _ACCEPTED[key] = not check_strategy(point_config(self.cfg, point), self.world)
@@ -282,8 +314,8 @@ class Switches:
 
     def chosen(self, point: Point):
         """The point with each switch its strategy accepts; None where it refuses the point's
-        recomputation (selective) itself."""
-        if point.activation_recompute == "selective" and not self.accepts(point):
+        recomputation (selective) or its context parallelism itself."""
+        if (point.activation_recompute == "selective" or point.context_parallel > 1) and not self.accepts(point):
             return None
         if point.tensor_parallel == "1d" and self.accepts(dataclasses.replace(point, sequence_parallel=True)):
             point = dataclasses.replace(point, sequence_parallel=True)
@@ -338,7 +370,7 @@ class Evaluator:
 
     def _workload(self, point: Point) -> Workload:
         rows = self.cfg.data.global_batch_size // (point.data_degree * point.micro_batches)
-        return Workload(self.shape, self.cfg.model.layers, self.cfg.model.heads, point.layout, point.layers_per_stage,
+        return Workload(sharded_shape(self.shape, point.context_parallel), self.cfg.model.layers, self.cfg.model.heads, point.layout, point.layers_per_stage,
                         rows, self.cfg.optimizer.name, point.activation_recompute == "full", self.activation_bytes,
                         gloo=self.cfg.hardware.process_group_backend == "gloo",
                         expert_imbalance=self.cfg.plan.expert_load_imbalance,

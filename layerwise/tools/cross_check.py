@@ -38,7 +38,7 @@ def model_parameters(cfg) -> float:
 
 def role_rank(cfg, world_size: int, pipeline_rank: int) -> int:
     """The global rank at `pipeline_rank` with data and tensor index 0 (parallel/layout.py's order)."""
-    return rank_of({"data": 0, "pipeline": pipeline_rank, "tensor": 0}, layout_of(cfg, world_size))
+    return rank_of({"data": 0, "pipeline": pipeline_rank, "context": 0, "tensor": 0}, layout_of(cfg, world_size))
 
 
 def compare(role: dict, analytic_kinds: dict, measured: dict) -> dict:

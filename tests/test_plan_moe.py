@@ -135,3 +135,17 @@ def test_plan_json_has_the_experts():
     assert experts["all_to_all_bytes_intra_node_per_step"] == pytest.approx(4 * 32 * 6 * one)
     assert result["comm_bytes_per_step_by_pipeline_rank"][0]["all_to_all"] == pytest.approx(4 * 32 * 6 * one)
     assert experts["expert_parameter_bytes_per_rank"] == 32 * 3 * 4096 * 14336 * BYTES
+
+
+def test_the_whole_model_count_holds_the_routed_experts():
+    """cost/traffic.py model_parameters (the one count) against the parameters an all-MoE model holds;
+    plan.json's parameters_total is the same count."""
+    from cost.traffic import model_parameters
+    from layerwise.planning.inputs import shape_of
+    from models import build_model
+    cfg = compose_config("model=moe_tiny")
+    model = build_model("llama", vocab_size=256, sequence_length=64, layers=2, hidden=64, heads=4, kv_heads=2,
+                        ffn_hidden=128, experts=8, experts_per_token=2, moe_ffn_hidden=64)
+    held = sum(p.numel() for p in model.parameters())
+    assert model_parameters(shape_of(cfg), 2) == held
+    assert parameter_counts(cfg.model, 256)["total"] == held

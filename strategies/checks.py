@@ -48,6 +48,11 @@ def grid_errors(cfg, mode: str, q: int, batch_splits: int, splitter: str) -> lis
     dimension, grid = DIMENSION[mode], grid_of(mode, tensor_ranks(mode, q), 0)
     batch_parts = grid.input_rows()[1]  # ranks that split a piece's sequences
     errors = unsupported_model_errors(cfg)
+    if cfg.model.get("qk_norm") and mode != "1d":
+        # Qwen3's q/k norms act on whole heads; the 1-D grid keeps them whole and sums their gradients
+        # over "tensor" (grids.py Grid1D); the 2-D and 3-D grids' plans have no such rule yet
+        errors.append(f"model.qk_norm=true: the {mode} grid does not place Qwen3's q/k norms yet. Fix: "
+                      f"strategy=tp_1d (or strategy.tensor_parallel=1d in a pipeline), or no tensor grid.")
     if cfg.data.global_batch_size % (batch_splits * batch_parts):
         errors.append(
             f"data.global_batch_size={cfg.data.global_batch_size}: {splitter} must get a multiple of "
@@ -76,10 +81,7 @@ def unsupported_model_errors(cfg) -> list:
     """What tensor-grid shards need: an untied GPT or Llama, and an optimizer without whole-tensor rules."""
     errors = []
     for field, value, wanted in (("model.architecture", cfg.model.architecture, ("gpt", "llama")),
-                                 ("model.tie_embeddings", cfg.model.tie_embeddings, (False,)),
-                                 # Qwen3's q/k norms act on a rank's heads: their weights' gradients would
-                                 # need a sum over the tensor group, which the plan does not give them yet
-                                 ("model.qk_norm", cfg.model.get("qk_norm", False), (False,))):
+                                 ("model.tie_embeddings", cfg.model.tie_embeddings, (False,))):
         if value not in wanted:
             errors.append(f"{field}={value}: {cfg.strategy.name} supports only {' or '.join(map(str, wanted))} "
                           f"so far. Fix: {field}={wanted[0]}.")

@@ -14,6 +14,8 @@ its up, a transposed weight, a missing q/k norm, unnormalised top-k weights) mov
 order-1 fraction of their scale (≥ 1e4 × this; test_mapping_bugs_are_seen shows two).
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -273,34 +275,42 @@ def test_initial_validation_loss_of_an_imported_mixtral_under_expert_parallelism
     assert abs(summary["initial_val_loss"] - expected) <= 1e-5 * expected
 
 
-def test_the_hf_export_of_an_expert_parallel_run_equals_the_one_of_a_single_run(tmp_path):
-    """One SGD step of the imported Mixtral under `single` and under ddp with e = 2, each exported with
-    --format hf: every tensor, each expert's three included (rank 1's experts 2 and 3 gathered back
-    into place), equal within the first-step gradient tolerance of tests/tolerances.py. With
-    p1 = p0 − lr·g, two correct runs differ by lr·Δg, |Δg| ≤ GRADIENT_RTOL·|g| + GRADIENT_SCALE_ATOL·max|g|
-    per tensor, plus one fp32 rounding of p1 on each side (GRADIENT_RECOVERY_EPS·|p0|). An expert
-    written in another's place differs by the weights' own scale (~0.1)."""
+def one_sgd_step_equals_single(tmp_path, model_path, overrides) -> float:
+    """One SGD step (lr 0.1: a step well above fp32 rounding of the weights) of the imported model
+    under `single` and under `overrides`, each exported with
+    --format hf: every tensor equal within the first-step gradient tolerance of tests/tolerances.py.
+    With p1 = p0 − lr·g, two correct runs differ by lr·Δg, |Δg| ≤ GRADIENT_RTOL·|g| +
+    GRADIENT_SCALE_ATOL·max|g| per tensor, plus one fp32 rounding of p1 on each side
+    (GRADIENT_RECOVERY_EPS·|p0|). Returns the worst |Δp| / bound."""
     from layerwise.tools.export import export_hf
     from tests.test_hf import hf_run
     from tests.tolerances import GRADIENT_RECOVERY_EPS, GRADIENT_RTOL, GRADIENT_SCALE_ATOL
-    torch.manual_seed(0)
-    transformers.MixtralForCausalLM(transformers.MixtralConfig(**RUN_MIXTRAL)).save_pretrained(tmp_path / "in")
     exported = {}
-    for name, overrides in (("single", ["strategy=single"]), ("ep", ["strategy=ddp", "strategy.expert_parallel=2"])):
+    for name, chosen in (("single", ["strategy=single"]), ("other", overrides)):
         (tmp_path / name).mkdir()
-        cfg, _ = hf_run(tmp_path / name, tmp_path / "in", *overrides, "optimizer.name=sgd", "trainer.max_steps=1",
+        cfg, _ = hf_run(tmp_path / name, model_path, *chosen, "optimizer.name=sgd", "optimizer.lr=0.1", "trainer.max_steps=1",
                         "trainer.checkpoint_every_n_steps=1")
         export_hf(tmp_path / name, tmp_path / f"{name}_hf")
         exported[name] = load_file(tmp_path / f"{name}_hf" / "model.safetensors")
-    initial, lr = load_file(tmp_path / "in" / "model.safetensors"), cfg.optimizer.lr
-    assert sorted(exported["ep"]) == sorted(exported["single"]) == sorted(initial)
+    initial, lr, worst = load_file(Path(model_path) / "model.safetensors"), cfg.optimizer.lr, 0.0
+    assert sorted(exported["other"]) == sorted(exported["single"]) == sorted(initial)
     for key, p0 in initial.items():
-        single, ep = exported["single"][key], exported["ep"][key]
+        single, other = exported["single"][key], exported["other"][key]
         gradient = (p0 - single) / lr
-        assert gradient.abs().max() > 0, key  # every tensor moved, each expert's included
+        assert gradient.abs().max() > 0, key  # every tensor moved (each expert, each q/k norm)
         bound = lr * (GRADIENT_RTOL * gradient.abs() + GRADIENT_SCALE_ATOL * gradient.abs().max()) \
             + GRADIENT_RECOVERY_EPS * p0.abs()
-        assert ((ep - single).abs() <= bound).all(), key
+        worst = max(worst, float(((other - single).abs() / bound).max()))
+        assert ((other - single).abs() <= bound).all(), key
+    return worst
+
+
+def test_the_hf_export_of_an_expert_parallel_run_equals_the_one_of_a_single_run(tmp_path):
+    """ddp with e = 2: rank 1's experts 2 and 3 are gathered back into place; an expert written in
+    another's place would differ by the weights' own scale (~0.1)."""
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(**RUN_MIXTRAL)).save_pretrained(tmp_path / "in")
+    one_sgd_step_equals_single(tmp_path, tmp_path / "in", ["strategy=ddp", "strategy.expert_parallel=2"])
 
 
 RUN_QWEN3 = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -324,12 +334,32 @@ def test_initial_validation_loss_of_an_imported_qwen3_is_transformers(overrides,
     assert abs(summary["initial_val_loss"] - expected) <= 1e-5 * expected
 
 
-def test_tensor_grids_refuse_qk_norm_by_name(hf_qwen3):
+@pytest.mark.parametrize("overrides", [
+    ["strategy=tp_1d", "strategy.tensor_grid=2"],
+    ["strategy=tp_1d", "strategy.tensor_grid=2", "strategy.sequence_parallel=true"],
+    ["strategy=modular_pipeline", "strategy.tensor_parallel=1d", "strategy.tensor_grid=2", "hardware.devices_per_node=4"],
+], ids=["tp_1d_p2", "tp_1d_p2_sequence_parallel", "modular_pipeline_pp2_p2"])
+def test_a_qwen3_under_the_1d_grid_sums_its_q_k_norm_gradients_over_the_tensor_group(overrides, hf_qwen3, tmp_path):
+    """Each tensor rank holds half the heads, so its q/k norm weights see half the gradient: summed
+    over "tensor" (grids.py Grid1D.replicated_over), one SGD step equals `single`'s: worst 0.36 of the
+    bound; without the sum those weights miss the other rank's share, measured 99-371 × the bound.
+    Each rank reads its shards."""
+    from tests.test_hf import hf_run, transformers_validation_loss
+    (tmp_path / "first").mkdir()
+    cfg, summary = hf_run(tmp_path / "first", hf_qwen3, "trainer.max_steps=1", *overrides)
+    expected = transformers_validation_loss(cfg, hf_qwen3)
+    assert abs(summary["initial_val_loss"] - expected) <= 1e-5 * expected
+    worst = one_sgd_step_equals_single(tmp_path, hf_qwen3, overrides)
+    print(f"{overrides}: worst |Δp| / bound {worst:.3g}")
+
+
+def test_the_2d_and_3d_grids_refuse_qk_norm_by_name(hf_qwen3):
     from layerwise.preflight import validate
     from layerwise.config.errors import ConfigError
     from tests.ranks import QUICK, compose_config
-    cfg = compose_config(*QUICK, "model=hf", f"model.path={hf_qwen3}", "strategy=tp_1d", "strategy.tensor_grid=2")
-    with pytest.raises(ConfigError, match=r"model.qk_norm=True: tp_1d supports only False so far. Fix: model.qk_norm=False"):
+    cfg = compose_config(*QUICK, "model=hf", f"model.path={hf_qwen3}", "strategy=tp_2d", "strategy.tensor_grid=2",
+                         "hardware.devices_per_node=4")
+    with pytest.raises(ConfigError, match=r"model.qk_norm=true: the 2d grid does not place Qwen3's q/k norms yet"):
         validate(cfg)
 
 

@@ -44,8 +44,9 @@ def interleave_fused(tensor: torch.Tensor, fused: int, parts: int) -> torch.Tens
 
 @dataclass(frozen=True)
 class Style:
-    """How a module is parallelised: kind (linear | norm | embedding), its place in a pair of
-    linears, and how many outputs a linear fuses (3 for qkv)."""
+    """How a module is parallelised: kind (linear | norm | embedding | head_norm: a norm over each
+    head's features, Qwen3's q/k norms, whole on every rank), its place in a pair of linears, and how
+    many outputs a linear fuses (3 for qkv)."""
 
     kind: str
     position: str = "first"
@@ -228,7 +229,10 @@ class Grid1D:
     def replicated_over(self, style: Style, name: str) -> tuple:
         """Without sequence parallelism copies see identical inputs and gradients: nothing to sum.
         With it, whatever acts on the sequence shard (norms, embedding tables, the row-parallel
-        bias added after the reduce-scatter) holds a partial gradient: summed over "tensor"."""
+        bias added after the reduce-scatter) holds a partial gradient: summed over "tensor". A head
+        norm (Qwen3's q/k norms) acts on this rank's heads only: partial whatever the sequence."""
+        if style.kind == "head_norm":
+            return ("tensor",)
         if not self.sequence_parallel:
             return ()
         partial = style.kind in ("norm", "embedding") or (style.kind, style.position, name) == ("linear", "second", "bias")

@@ -35,13 +35,15 @@ def block_plan(description) -> Dict[str, Style]:
     plan = {name: Style("norm") for name in description.norms}
     plan.update({linear.name: Style("linear", "first" if linear.role == "column" else "second",
                                     fused=linear.fused) for linear in description.linears})
+    if description.qk_norm:  # after q and k's column linears, on whole heads: kept whole (1-D grid only)
+        plan.update({name: Style("head_norm") for name in ("attention.q_norm", "attention.k_norm")})
     return plan
 
 
 # Every architecture's block plan in one: their linears' names differ (GPT's fused qkv and fc_in,
 # Llama's q/k/v and gate/up), so a parameter's name alone finds its style (checkpoints, K-FAC).
 BLOCK_PLAN = {name: style for architecture in DESCRIPTIONS
-              for name, style in block_plan(describe_block(architecture, hidden=8, heads=2)).items()}
+              for name, style in block_plan(describe_block(architecture, hidden=8, heads=2, qk_norm=True)).items()}
 
 
 def plan_of_parts(parts, model: nn.Module = None) -> Dict[str, Style]:
@@ -99,6 +101,8 @@ def parallel_module(module: nn.Module, style: Style, grid, layout, shard=None, r
         return ParallelEmbedding(shard("token.weight", "weight", module.token.weight),
                                  None if position is None else shard("position.weight", "weight", position.weight),
                                  getattr(getattr(module, "dropout", None), "p", 0.0), grid.input_rows(), region)
+    if style.kind == "head_norm":  # whole on every rank; its gradient is summed over "tensor"
+        return module
     weight = shard("weight", "weight", module.weight)
     bias = None if getattr(module, "bias", None) is None else shard("bias", "bias", module.bias)
     if style.kind == "norm":

@@ -400,6 +400,7 @@ class Relay:
         inputs = self.input(stage, micro_batch, keep=False)
         if stage > 0:
             inputs = inputs.detach().requires_grad_(True)
+        self.model.set_loss_scale(self.weights_of_loss[micro_batch])  # its share of the loss (MoE aux loss)
         with torch.enable_grad():
             output = self.run(stage, micro_batch, BACKWARD, inputs)
             if stage == len(self.modules) - 1:

@@ -291,7 +291,8 @@ def config_problems(*overrides):
     from layerwise.preflight import validate
     from tests.ranks import compose_config
     try:
-        validate(compose_config("strategy=single", "logger=none", *overrides))
+        strategy = () if any(item.startswith("strategy=") for item in overrides) else ("strategy=single",)
+        validate(compose_config(*strategy, "logger=none", *overrides))
     except ConfigError as error:
         return error.problems
     return []
@@ -305,6 +306,11 @@ def config_problems(*overrides):
     (("model=moe_tiny", "model.router=top1"), ["model.router='top1'", "softmax_topk"]),
     (("model=moe_tiny", "model.capacity_factor=0"), ["model.capacity_factor=0", "> 0"]),
     (("model=llama_tiny", "model.moe_layers=[1]"), ["model.moe_layers=[1]", "model.experts=0"]),
+    (("model=moe_tiny", "hardware.precision=16-mixed"), ["hardware.precision=16-mixed", "Fix: hardware.precision=bf16-mixed"]),
+    (("model=moe_tiny", "strategy=kfac"), ["strategy=kfac", "K-FAC"]),
+    (("model=moe_tiny", "strategy=tp_2d", "hardware.devices_per_node=4"), ["strategy=tp_2d", "Fix: strategy=tp_1d"]),
+    (("model=moe_tiny", "strategy=tp_1d", "strategy.tensor_grid=2", "strategy.sequence_parallel=true"),
+     ["sequence parallelism", "Fix: strategy.sequence_parallel=false"]),
 ])
 def test_the_config_refuses_what_moe_cannot_run(overrides, words):
     problems = " ".join(config_problems(*overrides))

@@ -244,6 +244,26 @@ def moe_errors(cfg) -> list:
         errors.append(f"hardware.precision={cfg.hardware.precision} with model.experts={experts}: fp16 loss "
                       f"scaling would not reach the auxiliary loss's gradient (models/moe.py attaches it "
                       f"unscaled). Fix: hardware.precision=bf16-mixed (or 32-true).")
+    if cfg.mode != "plan":  # what a run cannot do yet; plan mode prices these layouts all the same
+        errors += moe_strategy_errors(cfg.strategy, experts)
+    return errors
+
+
+def moe_strategy_errors(strategy, experts: int) -> list:
+    """Strategies whose layer form has no MoE block yet: K-FAC (its factors come from nn.Linear hooks;
+    the router runs as a float32 product and the experts are stacked weights), the 2-D/3-D tensor grids
+    (they cut the block's input features; the MoE block expects whole rows), and sequence parallelism
+    (its norms hand the MLP s/t tokens). tp_1d without it replicates the MoE block over the tensor ranks."""
+    head, errors = f"model.experts={experts} with strategy={strategy.name}", []
+    if strategy.name in ("kfac", "pipefisher"):
+        errors.append(f"{head}: K-FAC has no curvature factors for the MoE router and stacked experts. "
+                      f"Fix: strategy=ddp (or a pipeline such as strategy=modular_pipeline), or model.experts=0.")
+    if strategy.name in ("tp_2d", "three_d") or strategy.get("tensor_parallel") in ("2d", "3d"):
+        errors.append(f"{head}: the 2-D/3-D tensor grids cut a block's input features, and an MoE block "
+                      f"routes whole rows. Fix: strategy=tp_1d, or strategy.tensor_parallel=1d (or none).")
+    if strategy.get("sequence_parallel"):
+        errors.append(f"{head}: sequence parallelism hands the MLP 1/t of the tokens, which the MoE block "
+                      f"does not gather. Fix: strategy.sequence_parallel=false.")
     return errors
 
 

@@ -53,6 +53,13 @@ def grid_errors(cfg, mode: str, q: int, batch_splits: int, splitter: str) -> lis
         # over "tensor" (grids.py Grid1D); the 2-D and 3-D grids' plans have no such rule yet
         errors.append(f"model.qk_norm=true: the {mode} grid does not place Qwen3's q/k norms yet. Fix: "
                       f"strategy=tp_1d (or strategy.tensor_parallel=1d in a pipeline), or no tensor grid.")
+    if cfg.model.get("experts"):
+        # the plan has no style for an MoE layer: it would stay whole on every rank, its input gradient
+        # summed t times by the all-reduce behind norm_mlp (Megatron's f), and, loaded from
+        # model.path, never filled (only planned modules read their cut)
+        errors.append(f"model.experts={cfg.model.experts}: a tensor grid does not shard mixtures of experts. "
+                      f"Fix: no tensor grid (strategy.expert_parallel shards the experts under ddp, the "
+                      f"pipelines and zero_layered).")
     if cfg.data.global_batch_size % (batch_splits * batch_parts):
         errors.append(
             f"data.global_batch_size={cfg.data.global_batch_size}: {splitter} must get a multiple of "

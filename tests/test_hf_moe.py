@@ -431,3 +431,20 @@ def test_a_published_config_gives_its_parameter_counts_and_our_planning_shape(na
     for field in ("layers", "experts", "experts_per_token", "router", "router_normalize", "aux_loss_coefficient",
                   "rope_theta", "norm_eps", "max_sequence_length", "qk_norm", "head_dim", "kv_heads"):
         assert planned[field] == shape[field], field
+
+
+@pytest.mark.parametrize("overrides", [
+    ["strategy=tp_1d", "strategy.tensor_grid=2"],
+    ["strategy=modular_pipeline", "strategy.tensor_parallel=1d", "strategy.tensor_grid=2", "hardware.devices_per_node=4"],
+], ids=["tp_1d", "modular_pipeline_1d"])
+def test_tensor_grids_refuse_experts_by_name(overrides, tmp_path):
+    """An MoE layer has no tensor-parallel plan (it would stay whole on every rank, its input gradient
+    summed t times, and a model.path checkpoint would never fill it): refused before launch."""
+    from layerwise.preflight import validate
+    from layerwise.config.errors import ConfigError
+    from tests.ranks import QUICK, compose_config
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(**RUN_MIXTRAL)).save_pretrained(tmp_path)
+    cfg = compose_config(*QUICK, "model=hf", f"model.path={tmp_path}", *overrides)
+    with pytest.raises(ConfigError, match=r"model.experts=4: a tensor grid does not shard mixtures of experts"):
+        validate(cfg)

@@ -23,6 +23,10 @@ are split over the d data ranks:
    brings every replica's updated slice into the flat weight buffer; each stage's gathers are waited
    for before its first forward of the next step (validation and checkpoints wait for all first).
 
+With strategy.expert_parallel=e the split experts (strategies/expert_parallel.py) are buckets of their
+own, sliced over expert_data (the d/e ranks holding the same experts): reduce-scattered, divided by d
+and all-gathered there.
+
 Bytes: a reduce-scatter plus an all-gather of a bucket are, per rank, (d−1)/d·N each: together the
 2(d−1)/d·N of the all-reduce they replace (parallel/comm.py), N the bucket padded to a multiple of d.
 Optimizer state per rank: 1/d of the replicated optimizer's (docs/strategies/distributed_optimizer.md).
@@ -32,6 +36,7 @@ import torch
 from torch import nn
 
 from strategies.buckets import on_wire, parameter_buckets
+from strategies.expert_parallel import expert_parameter_ids
 from strategies.schedule import FORWARD, REDUCE_GRADIENT
 from strategies.stages import stage_parameter_names
 
@@ -43,7 +48,8 @@ class Bucket:
     optimizer's parameters: (name, parameter, piece) with piece = weights[a:b], the part of the
     parameter that falls in this rank's slice, and `.grad` = gradients[a:b] once reduced."""
 
-    def __init__(self, named_parameters: list, rank: int, size: int):
+    def __init__(self, named_parameters: list, rank: int, size: int, group=None):
+        self.group = group  # where it is reduce-scattered and gathered (None: the optimizer's data group)
         self.names = [name for name, _ in named_parameters]
         self.parameters = [parameter for _, parameter in named_parameters]
         first = self.parameters[0]
@@ -119,7 +125,7 @@ class DistributedOptimizer:
     `post_gathers` and `settle` are called by the strategy around the step."""
 
     def __init__(self, work, local_stages: list, capacity_bytes: int, communicator, group, rank: int,
-                 wire: torch.dtype = torch.float32):
+                 wire: torch.dtype = torch.float32, experts=None):
         self.work, self.communicator, self.group = work, communicator, group
         self.wire = wire  # the dtype the reduce-scatters move (strategy.reduction_dtype)
         model = work.model
@@ -127,13 +133,17 @@ class DistributedOptimizer:
         # and the last stage: the check refuses ties across ranks): it is sharded once, under the
         # model's name for it, in the lowest stage, whose REDUCE_GRADIENT follows every backward.
         named = {id(parameter): name for name, parameter in model.named_parameters()}
+        # split experts (experts = (rank, size, group) of expert_data): buckets of their own, sliced there
+        split = expert_parameter_ids(model) if experts is not None else set()
         self.buckets, seen = {}, set()  # stage -> [Bucket], in backward order
         for stage in sorted(local_stages):
             names = stage_parameter_names(model, stage, work.stages, work.layers_per_stage)[::-1]
             parameters = [p for p in {id(p): p for p in map(model.get_parameter, names)}.values() if id(p) not in seen]
             seen.update(map(id, parameters))
-            self.buckets[stage] = [Bucket([(named[id(p)], p) for p in bucket], rank, group.size)
-                                   for bucket in parameter_buckets(parameters, capacity_bytes)]
+            self.buckets[stage] = [Bucket([(named[id(p)], p) for p in bucket],
+                                          *(experts if id(bucket[0]) in split else (rank, group.size)))
+                                   for bucket in parameter_buckets(parameters, capacity_bytes,
+                                                                   apart=lambda p: id(p) in split)]
         self.reductions = []  # (bucket, work) posted this step
         self.gathers = {}  # stage -> [work] posted after the last step, waited before its first forward
 
@@ -186,7 +196,8 @@ class DistributedOptimizer:
         """REDUCE_GRADIENT(c): the grid's replicated gradients summed, then c's reduce-scatters posted."""
         self.work.sum_replicated_gradients(action.stage)
         for bucket in self.buckets[action.stage]:
-            self.reductions.append((bucket, bucket.post_reduce_scatter(self.communicator, self.group, self.wire)))
+            self.reductions.append((bucket, bucket.post_reduce_scatter(self.communicator, bucket.group or self.group,
+                                                                       self.wire)))
 
     def wait_for_reductions(self) -> None:
         """Before the optimizer: the reduce-scatters summed; average, and hand each shard its gradient.
@@ -202,7 +213,7 @@ class DistributedOptimizer:
     def post_gathers(self) -> None:
         """After the optimizer step: each bucket's updated slice all-gathered, waited for at its stage's next forward."""
         for stage, buckets in self.buckets.items():
-            self.gathers[stage] = [bucket.post_gather(self.communicator, self.group) for bucket in buckets]
+            self.gathers[stage] = [bucket.post_gather(self.communicator, bucket.group or self.group) for bucket in buckets]
 
     def _wait_gathers(self, stage: int) -> None:
         for work in self.gathers.pop(stage, ()):
@@ -236,10 +247,14 @@ class DistributedOptimizerSeams:
         from strategies.buckets import bucket_bytes
         from strategies.context_layout import replica_index
         # sliced over the ranks holding the same parameters: data replicas × context shards (data alone without CP)
+        experts = None
+        if self.layout.degrees.expert > 1:  # split experts: sliced over the ranks holding the same ones
+            group = self.layout.group("expert_data")
+            experts = (self.layout.index("expert_data"), group.size, group)
         self.sharded = DistributedOptimizer(self.work, self.local_stages(), bucket_bytes(self.bucket_mb),
                                             self.layout.communicator, self.layout.group("data_context"),
                                             replica_index(self.layout),
-                                            getattr(self, "reduction_dtype", torch.float32))
+                                            getattr(self, "reduction_dtype", torch.float32), experts)
         for optimizer in self.optimizers:
             self.sharded.adopt(optimizer)
 

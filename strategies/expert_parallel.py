@@ -229,6 +229,17 @@ def local_experts_of(state: dict, model: nn.Module, prefix: str = "model.") -> d
     return state
 
 
+def expert_origin(model: nn.Module, name: str):
+    """(first, total) of the Experts module holding parameter `name` of `model` (also once a flat shard
+    replaced it by a plain tensor), or None when `name` is no expert."""
+    path = name.rpartition(".")[0]
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        return None
+    return (module.first, module.total) if is_experts(module) else None
+
+
 def expert_placements(model: nn.Module) -> dict:
     """{parameter name: (plain shape, origin)}: where a rank's experts lie in the plain [E, ...] tensor."""
     return {name: ((module.total,) + tuple(parameter.shape[1:]), (module.first,) + (0,) * (parameter.dim() - 1))

@@ -442,10 +442,6 @@ def expert_refusals(strategy_config, mode) -> dict:
         refused[f"with strategy.tensor_parallel={mode}: the grids cut the blocks' linears, not the experts' "
                 f"stacked weights, and the token exchange would run per grid position (not built)"] = \
             "strategy.tensor_parallel=none"
-    if strategy_config.get("distributed_optimizer"):
-        refused["with strategy.distributed_optimizer=true: its flat buckets are reduce-scattered over the data "
-                "ranks, and split experts would need buckets of their own over expert_data (not built)"] = \
-            "strategy.distributed_optimizer=false"
     return refused
 
 

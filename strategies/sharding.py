@@ -44,7 +44,8 @@ class FlatShard:
        reduce-scattered (sum) into this rank's slice; the caller averages and accumulates.
     """
 
-    def __init__(self, model: nn.Module, names: list, rank: int, size: int, matrix: bool):
+    def __init__(self, model: nn.Module, names: list, rank: int, size: int, matrix: bool, group=None):
+        self.group = group  # where it is gathered and reduce-scattered (None: the caller's data group)
         offsets, entries = 0, []
         for name in names:
             shape = tuple(model.get_parameter(name).shape)

@@ -26,22 +26,30 @@ from strategies.buckets import sum_over_groups
 from strategies.checks import divisors
 from strategies.compile import pipeline_eager_blocks
 from strategies.context_layout import eager_unless_context, replica_index
+from strategies.expert_parallel import apply_expert_parallel, expert_parameters, install_dispatchers
 from strategies.registry import StrategyEntry
 from strategies.sharding import FlatShard, ShardContainer, unshard
 from strategies.stages import Peers, StageWork, keep_local_stages, stage_parameter_names, stage_part_names
 
 
-def shard_stages(model, local_stages, stages: int, layers_per_stage: int, rank: int, size: int) -> dict:
+def shard_stages(model, local_stages, stages: int, layers_per_stage: int, rank: int, size: int,
+                 experts=None) -> dict:
     """(stage, kind) -> FlatShard for each local stage, kind "matrices" (weight-decayed) or "vectors"
-    (not), like optim.py's parameter groups."""
+    (not), like optim.py's parameter groups; with `experts` = (this rank's index, size, group) of the
+    ranks holding the same split experts (strategy.expert_parallel: expert_data), the stage's
+    experts are a kind of their own, "experts", sharded over that group (matrices: decayed)."""
     shards = {}
+    split = set(expert_parameters(model)) if experts is not None else set()
     for stage in local_stages:
         names = stage_parameter_names(model, stage, stages, layers_per_stage)
         is_matrix = {name: model.get_parameter(name).dim() >= 2 for name in names}
         for kind, matrix in (("matrices", True), ("vectors", False)):
-            chosen = [name for name in names if is_matrix[name] == matrix]
+            chosen = [name for name in names if is_matrix[name] == matrix and name not in split]
             if chosen:
                 shards[(stage, kind)] = FlatShard(model, chosen, rank, size, matrix)
+        chosen = [name for name in names if name in split]
+        if chosen:
+            shards[(stage, "experts")] = FlatShard(model, chosen, *experts[:2], True, group=experts[2])
     return shards
 
 
@@ -77,7 +85,7 @@ class ShardedStageWork(StageWork):
     def gather(self, action) -> None:
         self._release()  # by the plan's construction, the installed run is over
         group, communicator = self.peers.data_group, self.peers.communicator
-        posted = [shard.post_gather(communicator, group) for shard in self.shards_of[action.stage]]
+        posted = [shard.post_gather(communicator, shard.group or group) for shard in self.shards_of[action.stage]]
         kind = FORWARD if action.kind == GATHER_FORWARD else BACKWARD
         self.gathers.append((action.stage, kind, posted))
 
@@ -143,7 +151,7 @@ class ShardedStageWork(StageWork):
         self._settle_scatters()  # at most one stage's full gradient in flight
         self.sum_replicated_gradients(action.stage)  # over the tensor grid first, then scattered over data
         for shard in self.shards_of[action.stage]:
-            work, piece, gradient = shard.post_reduce_scatter(self.peers.communicator, self.peers.data_group)
+            work, piece, gradient = shard.post_reduce_scatter(self.peers.communicator, shard.group or self.peers.data_group)
             self.scatters.append((shard, work, piece, gradient))
 
     def sum_replicated_gradients(self, stage: int) -> None:
@@ -178,6 +186,9 @@ class ZeroLayeredStrategy(ModularPipelineStrategy):
     2. each step runs the plan: gather a stage before each run of its compute (one run ahead), reduce-
        scatter its gradient after each backward run — twice + once per step under layered order;
     3. before the optimizer: wait for the reduce-scatters; the optimizer updates only the shards.
+    With strategy.expert_parallel=e a rank builds only its E/e experts of each MoE block, and they are a
+    flat shard of their own per stage ("experts"), cut over expert_data (the d/e ranks holding the
+    same experts), gathered and reduce-scattered there and divided by d as the others.
     """
 
     def __init__(self, *arguments, **kwargs):
@@ -202,6 +213,7 @@ class ZeroLayeredStrategy(ModularPipelineStrategy):
         """Stage by stage: materialise it on the device, make the replicas bit-identical, cut this
         rank's flat shards; cutting replaces the stage's parameters, so the full stage is freed."""
         local_stages = self.local_stages()
+        apply_expert_parallel(model, self.layout)  # on meta: only this rank's experts get built
         keep_local_stages(model, local_stages, self.plan.stages, self.layers_per_stage)
         # Shards over data_context (the data ranks alone without CP): a sequence's c context shards hold
         # the same parameters, so they share the sharding as torchtitan's FSDP mesh (dp_shard × cp) and
@@ -215,10 +227,18 @@ class ZeroLayeredStrategy(ModularPipelineStrategy):
             self.convert_to_fp8(model)  # fp8-mixed: before cutting, while the linears hold Parameters
             for part in parts:
                 self.synchronise_replicas(model.get_submodule(part), "data_context")
+                install_dispatchers(model.get_submodule(part), self.layout)  # before its experts are cut
             self.shards.update(shard_stages(model, [stage], self.plan.stages, self.layers_per_stage,
-                                            replica_index(self.layout), data.size))
+                                            replica_index(self.layout), data.size, self.expert_sharding()))
         model.zero_shards = ShardContainer(self.shards)  # the optimizer's only parameters
         self.install_context_parallel(model)
+
+    def expert_sharding(self):
+        """(index, size, group) of expert_data, over which split experts are sharded; None at e = 1."""
+        if self.layout.degrees.expert == 1:
+            return None
+        group = self.layout.group("expert_data")
+        return self.layout.index("expert_data"), group.size, group
 
     @override
     def make_stage_work(self, model, local_stages: list, peers: Peers) -> ShardedStageWork:
@@ -279,10 +299,18 @@ def consolidate(rank_state_dicts: list, layout: dict) -> dict:
 
 
 def unshard_over_data(states: list) -> dict:
-    """One (pipeline, tensor) position's state dict with its flat shards joined into parameters."""
+    """One (pipeline, tensor) position's state dict with its flat shards joined into parameters. A
+    shard cut over fewer ranks than `states` (split experts over expert_data: e = len(states) / its
+    size) is joined per expert index i from ranks i, i + e, ... (data index = i + e·j), and the e
+    slices of experts concatenated in order: the plain [E, ...] tensors."""
     merged = {}
     for key, group in states[0]["model.zero_shards._extra_state"].items():
         pieces = [state[f"model.zero_shards.flat.{key}"] for state in states]
+        split = len(pieces) // group["size"]
+        if split > 1:
+            slices = [unshard(group, pieces[index::split]) for index in range(split)]
+            merged.update({f"model.{name}": torch.cat([part[name] for part in slices]) for name in slices[0]})
+            continue
         merged.update({f"model.{name}": value for name, value in unshard(group, pieces).items()})
     merged.update({k: v for k, v in states[0].items() if not k.startswith("model.zero_shards.")})
     return merged

@@ -205,9 +205,6 @@ BAD_INPUTS = [
     ("strategy=ddp strategy.expert_parallel=2 strategy.context_parallel=2 model=llama_tiny model.experts=4 "
      "hardware.devices_per_node=8", "strategy.context_parallel",
      "strategy.expert_parallel=2 with strategy.context_parallel=2 is refused"),
-    ("strategy=modular_pipeline strategy.expert_parallel=2 strategy.distributed_optimizer=true model=llama_tiny "
-     "model.experts=4 hardware.devices_per_node=4", "strategy.distributed_optimizer",
-     "strategy.expert_parallel=2 with strategy.distributed_optimizer=true"),
     ("strategy=modular_pipeline strategy.expert_parallel=2 strategy.tensor_parallel=1d strategy.tensor_grid=2 "
      "model=llama_tiny model.experts=4 hardware.devices_per_node=8", "strategy.tensor_parallel",
      "strategy.expert_parallel=2 with strategy.tensor_parallel=1d"),

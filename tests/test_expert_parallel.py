@@ -180,6 +180,15 @@ SGD_CASES = {
     # ... under ZB-H1 (the split backward: the all-to-all's backward runs in I, the experts' W later)
     "zero_bubble_h1_pp2_dp2_e2_E8": (["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1",
                                       "hardware.devices_per_node=4", "strategy.expert_parallel=2"], 4, experts(8)),
+    # ZeRO-3: the experts a flat shard of their own per stage, cut over expert_data (2 ranks here)
+    # the distributed optimizer: split experts in buckets of their own, sliced over expert_data (2 ranks)
+    "modular_pipeline_pp1_dp4_e2_E4_distributed_optimizer": (["strategy=modular_pipeline", "strategy.pipeline_degree=1",
+                                                              "hardware.devices_per_node=4", "strategy.expert_parallel=2",
+                                                              "strategy.distributed_optimizer=true"], 4, experts(4)),
+    "zero_layered_dp4_e2_E4": (["strategy=zero_layered", "hardware.devices_per_node=4",
+                                "strategy.expert_parallel=2"], 4, experts(4)),
+    "zero_layered_pp2_dp2_e2_E8": (["strategy=zero_layered", "strategy.pipeline_degree=2",
+                                    "hardware.devices_per_node=4", "strategy.expert_parallel=2"], 4, experts(8)),
 }
 
 
@@ -191,7 +200,8 @@ def test_expert_parallel_equals_single_under_sgd(case, tmp_path, tmp_path_factor
     expected = sgd_reference(tmp_path_factory, "strategy=single", *model)
     comparison = SgdComparison(SgdRun(tmp_path, *overrides, *model), expected)
     assert comparison.actual.summary["world_size"] == world
-    assert comparison.actual.summary["layout"]["expert"] == int(overrides[-1].split("=")[1])
+    degree = next(int(o.split("=")[1]) for o in overrides if o.startswith("strategy.expert_parallel="))
+    assert comparison.actual.summary["layout"]["expert"] == degree
     if "model.router=sigmoid_bias" in model:  # the bias moved (and is compared with the parameters)
         assert all(expected.last[name].abs().sum() > 0 for name in expected.last if name.endswith("expert_bias"))
     comparison.check()
@@ -303,11 +313,17 @@ def test_expert_parallel_equals_single_under_adamw(case, adamw_single, tmp_path)
 # ----- portable checkpoints: resume across e --------------------------------------------------------
 
 # Each link resumes from the previous link's portable checkpoint under another e and runs one more
-# AdamW step (tests/test_resume_matrix.py's chain): e2 -> e4, e4 -> a pipeline's e2, e2 -> 1
-# (single). The sigmoid_bias router's expert bias travels in the checkpoint too.
+# AdamW step (tests/test_resume_matrix.py's chain): e2 -> e4, e4 -> ZeRO-3's e2 (experts in flat
+# shards over expert_data), -> the distributed optimizer's e2 (AdamW's moments of the experts sliced
+# over expert_data), -> a pipeline's e2, e2 -> 1 (single). The sigmoid_bias router's expert
+# bias travels in the checkpoint too.
 RESUME_CHAIN = [
     ("ddp_dp4_e2", ["strategy=ddp", "hardware.devices_per_node=4", "strategy.expert_parallel=2"]),
     ("ddp_dp4_e4", ["strategy=ddp", "hardware.devices_per_node=4", "strategy.expert_parallel=4"]),
+    ("zero_layered_dp4_e2", ["strategy=zero_layered", "hardware.devices_per_node=4", "strategy.expert_parallel=2"]),
+    ("distributed_optimizer_dp4_e2", ["strategy=modular_pipeline", "strategy.pipeline_degree=1",
+                                      "hardware.devices_per_node=4", "strategy.expert_parallel=2",
+                                      "strategy.distributed_optimizer=true"]),
     ("modular_pipeline_pp2_dp2_e2", ["strategy=modular_pipeline", "strategy.pipeline_degree=2",
                                      "hardware.devices_per_node=4", "strategy.expert_parallel=2"]),
     ("single", ["strategy=single"]),

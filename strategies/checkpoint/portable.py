@@ -40,7 +40,7 @@ from typing_extensions import override
 
 from parallel.memory import ComputeMemoryMeter, host_side
 from strategies.checkpoint.per_rank import CheckpointError, portable_problems, read_checkpoint_file, swap_in
-from strategies.expert_parallel import expert_placements
+from strategies.expert_parallel import expert_origin, expert_placements
 from strategies.checkpoint.safe_load import (UnsafeCheckpointError, dcp_file_problems, dcp_load, dcp_metadata,
                                              read_dcp_tensors)
 
@@ -324,8 +324,39 @@ def local_pieces(model, layout) -> dict:
     if getattr(model, "zero_shards", None) is not None:
         # the shard's index over data × context (strategies/zero_layered.py shards over data_context)
         replica = layout.group("data_context").ranks.index(layout.rank)
-        pieces.update(_zero_pieces(model.zero_shards, replica, grid))
+        pieces.update(_zero_pieces(model.zero_shards, replica, grid, layout, model))
     return pieces
+
+
+def expert_rectangles(local_shape, first: int, begin: int, end: int, base: int = 0) -> list:
+    """[Rectangle] of flat elements [begin, end) of a contiguous local tensor of experts
+    [first, first + n) (shape (n, ...)), at positions base + e of the flat shard, in the plain
+    [E, ...] tensor: boxes of whole experts, whole rows and partial rows (`_boxes`)."""
+    strides = _contiguous(local_shape)
+    return [Rectangle((first + offsets[0], *offsets[1:]), sizes, base + start, strides)
+            for offsets, sizes, start in _boxes(tuple(local_shape), begin, end)]
+
+
+def _boxes(shape: tuple, begin: int, end: int) -> list:
+    """[(offsets, sizes, flat start)]: flat range [begin, end) of a row-major tensor of `shape` as boxes:
+    a partial head along dim 0, the whole indices between, a partial tail (each partial one recursively)."""
+    if len(shape) == 1:
+        return [((begin,), (end - begin,), begin)]
+    inner = math.prod(shape[1:])
+    first, last = begin // inner, (end - 1) // inner
+    if first == last:
+        return [((first, *offsets), (1, *sizes), first * inner + start)
+                for offsets, sizes, start in _boxes(shape[1:], begin - first * inner, end - first * inner)]
+    found = []
+    if begin % inner:
+        found += _boxes(shape, begin, (first + 1) * inner)
+        first += 1
+    whole = end // inner
+    if whole > first:
+        found.append(((first, *(0,) * (len(shape) - 1)), (whole - first, *shape[1:]), first * inner))
+    if end % inner:
+        found += _boxes(shape, whole * inner, end)
+    return found
 
 
 def persistent_buffers(model) -> list:
@@ -338,14 +369,21 @@ def persistent_buffers(model) -> list:
     return found
 
 
-def _zero_pieces(container, data_rank: int, grid) -> dict:
-    """A flat shard holds elements [r·S, (r+1)·S) of its entries flattened in order (sharding.py)."""
+def _zero_pieces(container, data_rank: int, grid, layout=None, model=None) -> dict:
+    """A flat shard holds elements [r·S, (r+1)·S) of its entries flattened in order (sharding.py); r is
+    this rank's index in the shard's own group where it has one (split experts: expert_data), and a
+    split expert's elements lie in its block of the plain [E, ...] tensor (`expert_rectangles`)."""
     pieces = {}
     for key, shard in container.shards.items():
-        start, end, found = data_rank * shard.shard_size, (data_rank + 1) * shard.shard_size, []
+        index = data_rank if getattr(shard, "group", None) is None else shard.group.ranks.index(layout.rank)
+        start, end, found = index * shard.shard_size, (index + 1) * shard.shard_size, []
         for entry in shard.entries:
             first, last = max(start, entry.offset), min(end, entry.offset + entry.numel)
-            if first < last:
+            origin = expert_origin(model, entry.name) if model is not None else None
+            if first < last and origin is not None:
+                found.append(Piece(entry.name, (origin[1], *entry.shape[1:]), expert_rectangles(
+                    entry.shape, origin[0], first - entry.offset, last - entry.offset, base=entry.offset - start)))
+            elif first < last:
                 where = placement(entry.name, entry.shape, grid)
                 found.append(Piece(entry.name, where.shape, rectangles(
                     where, first - entry.offset, last - entry.offset, base=entry.offset - start)))
@@ -387,6 +425,7 @@ class PortableState:
     def __init__(self, module, optimizers, layout, rank: int, optimizer_pieces: dict = None):
         self.rank, self.entries, self.scalars = rank, [], {}
         model, self.grid = module.model, _grid(layout)
+        self.model = model
         self.pieces = local_pieces(model, layout)
         names = {id(parameter): name for name, parameter in model.named_parameters()}
         for name, parameter in model.named_parameters():
@@ -423,9 +462,14 @@ class PortableState:
     def _add_range_state(self, name: str, parameter, begin: int, end: int, key: str, value) -> None:
         """State of an optimizer parameter holding flat elements [begin, end) of model parameter `name`."""
         if isinstance(value, torch.Tensor) and value.numel() == end - begin and value.dim() > 0:
-            where = placement(name, parameter.shape, self.grid)
             if not value.is_contiguous():
                 raise CheckpointError(f"{OPTIMIZER}{name}.{key} is not contiguous. Fix: keep optimizer state contiguous.")
+            origin = expert_origin(self.model, name)  # a split expert: its block of the plain [E, ...] tensor
+            if origin is not None:
+                self.entries.append((f"{OPTIMIZER}{name}.{key}", (origin[1], *parameter.shape[1:]), value.view(-1),
+                                     expert_rectangles(parameter.shape, origin[0], begin, end, base=-begin), value.dtype))
+                return
+            where = placement(name, parameter.shape, self.grid)
             self.entries.append((f"{OPTIMIZER}{name}.{key}", where.shape, value.view(-1),
                                  rectangles(where, begin, end, base=-begin), value.dtype))  # element begin at 0
         elif isinstance(value, torch.Tensor) and value.numel() == 1:

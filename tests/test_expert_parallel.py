@@ -15,7 +15,7 @@ from parallel.layout import ParallelLayout
 from strategies.expert_parallel import AllToAllDispatcher, source_to_expert_order
 from tests.ranks import run_on_ranks
 from tests.references import SgdComparison, SgdRun, sgd_reference
-from tests.tolerances import EXACT_RTOL, OPERATOR_RTOL, OPERATOR_SCALE_ATOL
+from tests.tolerances import EXACT_RTOL, LOSS_RTOL, OPERATOR_RTOL, OPERATOR_SCALE_ATOL
 
 HIDDEN = 6
 
@@ -205,6 +205,12 @@ def test_expert_parallel_equals_single_under_sgd(case, tmp_path, tmp_path_factor
     if "model.router=sigmoid_bias" in model:  # the bias moved (and is compared with the parameters)
         assert all(expected.last[name].abs().sum() > 0 for name in expected.last if name.endswith("expert_bias"))
     comparison.check()
+    # the auxiliary loss (summary.json, its last step over every rank) and the loads: equal too
+    actual, reference = comparison.actual.summary["experts"], expected.summary["experts"]
+    print(f"aux loss {actual['aux_loss_final']!r} vs {reference['aux_loss_final']!r}; busiest expert / mean "
+          f"{actual['expert_load_ratio_median']!r} vs {reference['expert_load_ratio_median']!r}")
+    assert actual["aux_loss_final"] == pytest.approx(reference["aux_loss_final"], rel=LOSS_RTOL)
+    assert actual["expert_load_ratio_median"] == reference["expert_load_ratio_median"]  # counts of slots: integers
 
 
 # ----- bytes: counted against the closed form with the routing the run saw -----------------------

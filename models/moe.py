@@ -70,9 +70,11 @@ def grouped_products_available(x: torch.Tensor, weights: tuple) -> bool:
     """Whether F.grouped_mm can run these products (checked on CPU with torch 2.11 and 2.13):
     fp32/bf16/fp16 on CPU, bf16 on CUDA devices of compute capability 9.0 and later (the kernel torch
     ships for Hopper; not run here: no GPU), every row stride a multiple of 16 bytes ("strides should
-    be multiple of 16 bytes"); float64 never. Elsewhere: the loop."""
+    be multiple of 16 bytes"); float64 never; under torch.compile bf16 only. Elsewhere: the loop."""
     if not hasattr(F, "grouped_mm"):
         return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # compiled, grouped_mm takes bf16 only ("Expected inputs of BF16 type", TORCH.md)
     if x.device.type == "cuda":  # torch's CUDA kernel: bf16 on Hopper (sm90) and later; else the loop
         if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
             return False

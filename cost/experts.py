@@ -39,14 +39,16 @@ e = 1 (a rank holding every expert computes all its k·T rows however they split
 It scales the busiest rank's expert products and its all-to-all bytes (the others wait for it).
 
 Not priced (docs/plan.md): grouped-product efficiency beyond the roofline of each expert's rows; a
-dropping capacity factor (plan mode prices dropless routing); expert gradients reduced over the d/e
-expert-data ranks instead of d (the data reduction is priced over d for every weight); blocks of one
-model that differ (model.moe_layers: every block is priced as the MoE block).
+dropping capacity factor (plan mode prices dropless routing); the time of the expert gradients'
+reduction over the d/e expert-data ranks (priced over d with every weight; their bytes are counted over
+d/e, `expert_reduction_bytes`). Where only some blocks are MoE blocks (model.moe_layers), every term of
+the experts is priced per block × `Workload.moe_share`, the share of MoE blocks, and the dense blocks'
+own MLP as the MoE block's router and shared experts (`shape.block`'s linears).
 """
 
-from cost.inputs import Device, Workload
-from cost.traffic import expert_dispatch_traffic
-from strategies.schedule import FORWARD
+from cost.inputs import BYTES, Device, Workload
+from cost.traffic import all_reduce, expert_dispatch_traffic
+from strategies.schedule import FORWARD, REDUCE_GRADIENT
 
 
 def is_moe(block) -> bool:
@@ -82,7 +84,8 @@ def computed_weights(workload: Workload) -> float:
     block = workload.shape.block
     if not is_moe(block):
         return block.matmul_weights()
-    return dense_weights(block) + block.experts_per_token * block.expert_weights() * busiest(workload)
+    routed = block.experts_per_token * block.expert_weights() * busiest(workload)
+    return dense_weights(block) + routed * workload.moe_share
 
 
 def local_experts(workload: Workload) -> int:
@@ -105,21 +108,23 @@ def experts_product_seconds(workload: Workload, device: Device, roofline) -> flo
     if not is_moe(block):
         return 0.0
     rows, local = expert_rows(workload), local_experts(workload)
-    return (roofline(workload, device, rows, block.hidden, block.expert_width, 2 * local, peak=device.linear_peak)
-            + roofline(workload, device, rows, block.expert_width, block.hidden, local, peak=device.linear_peak))
+    products = (roofline(workload, device, rows, block.hidden, block.expert_width, 2 * local, peak=device.linear_peak)
+                + roofline(workload, device, rows, block.expert_width, block.hidden, local, peak=device.linear_peak))
+    return products * workload.moe_share
 
 
 def local_expert_elements(workload: Workload) -> float:
     """Per MoE block: the weights of the E/e routed experts a rank keeps (the tensor grid does not
     cut them: they are not among the block's `linears`)."""
     block = workload.shape.block
-    return local_experts(workload) * block.expert_weights() if is_moe(block) else 0.0
+    return local_experts(workload) * block.expert_weights() * workload.moe_share if is_moe(block) else 0.0
 
 
 def remote_expert_elements(workload: Workload) -> float:
     """Per MoE block: the routed experts' weights the other e − 1 members of the expert group keep."""
     block = workload.shape.block
-    return (block.experts - local_experts(workload)) * block.expert_weights() if is_moe(block) else 0.0
+    remote = (block.experts - local_experts(workload)) * block.expert_weights()
+    return remote * workload.moe_share if is_moe(block) else 0.0
 
 
 def zero_extra_shard(workload: Workload, blocks: int) -> float:
@@ -132,14 +137,16 @@ def zero_extra_shard(workload: Workload, blocks: int) -> float:
 
 def extra_saved_elements(workload: Workload) -> float:
     """Per token of the rank, what an MoE block saves for its backward beyond the dense block's MLP
-    (cost/memory.py `_mlp_saved`, one SwiGLU of `mlp_width` = w): the k·busiest routed rows' SwiGLU
-    activations (4w each, one already counted), the dispatched input rows and the expert outputs
-    before the weighted combine (h each per routed row), and the router's probabilities (E)."""
+    (cost/memory.py `_mlp_saved`, one SwiGLU of `mlp_width` = w): the k·busiest routed rows' and the
+    shared experts' SwiGLU activations (4w each, one already counted), the dispatched input rows and
+    the expert outputs before the weighted combine (h each per routed row), and the router's logits
+    and probabilities (2E)."""
     block = workload.shape.block
     if not is_moe(block):
         return 0.0
     routed = block.experts_per_token * busiest(workload)
-    return (routed - 1) * 4 * block.expert_width + 2 * routed * block.hidden + block.experts
+    experts = (routed - 1 + block.shared_experts) * 4 * block.expert_width
+    return (experts + 2 * routed * block.hidden + 2 * block.experts) * workload.moe_share
 
 
 # ----- the all-to-all
@@ -190,7 +197,7 @@ ALL_TO_ALLS_FORWARD = 2  # dispatch and combine; the backward runs the same two 
 def block_exchange_seconds(workload: Workload, device: Device) -> tuple:
     """(forward, backward) seconds of one MoE block's all-to-alls on one micro-batch: two each way,
     two more in a backward that recomputes the forward."""
-    one = dispatch_seconds(workload, device)
+    one = dispatch_seconds(workload, device) * workload.moe_share  # per block: the MoE blocks' share
     backward = ALL_TO_ALLS_FORWARD * one * (2 if workload.recompute else 1)
     return ALL_TO_ALLS_FORWARD * one, backward
 
@@ -199,7 +206,7 @@ def step_exchange(workload: Workload, device: Device, micro_batches: int, blocks
     """A rank's all-to-all traffic over one step of `micro_batches` through `blocks` MoE blocks:
     bytes inside and across nodes, and seconds (plan.json's `experts`)."""
     per_block = ALL_TO_ALLS_FORWARD * (2 + (1 if workload.recompute else 0))  # forward, backward, recompute
-    count = per_block * micro_batches * blocks
+    count = per_block * micro_batches * blocks * workload.moe_share
     inside, across = dispatch_split(workload, device)
     return {"all_to_all_bytes_intra_node": count * inside, "all_to_all_bytes_inter_node": count * across,
             "all_to_all_s": count * dispatch_seconds(workload, device)}
@@ -213,4 +220,19 @@ def exchange_bytes(workload: Workload, plan, pipeline_rank: int) -> float:
         return 0.0
     forwards = sum(action is not None and action.kind == FORWARD for action in plan.ranks[pipeline_rank])
     per_block = ALL_TO_ALLS_FORWARD * (2 + (1 if workload.recompute else 0))
-    return forwards * workload.layers_per_stage * per_block * dispatch_bytes(workload)
+    return forwards * workload.layers_per_stage * workload.moe_share * per_block * dispatch_bytes(workload)
+
+
+def expert_reduction_bytes(workload: Workload, plan, pipeline_rank: int) -> float:
+    """all_reduce bytes one rank at `pipeline_rank` sends over a step to sum its local experts'
+    gradients over the d/e expert-data ranks holding the same experts (strategies/expert_parallel.py:
+    ddp in one flat buffer, the pipelines in their stage's buckets, in `reduction_bytes` per element),
+    once per stage reduction it runs; the rest of the stage is all-reduced over d (cost/traffic.py,
+    whose count leaves the routed experts out). ZeRO's expert shards: not counted here."""
+    layout = workload.layout
+    group = layout.data // layout.expert
+    if layout.zero or layout.expert <= 1 or group <= 1 or not is_moe(workload.shape.block):
+        return 0.0
+    reductions = sum(action is not None and action.kind == REDUCE_GRADIENT for action in plan.ranks[pipeline_rank])
+    experts = workload.layers_per_stage * local_expert_elements(workload)
+    return reductions * all_reduce(experts, group) * workload.reduction_bytes / BYTES

@@ -182,6 +182,9 @@ class Workload:
     # Mixtures of experts (cost/experts.py): the busiest expert's routed tokens over the mean
     # (plan.expert_load_imbalance); 1: perfectly balanced. The degree e is layout.expert.
     expert_imbalance: float = 1.0
+    # The share of the blocks that are MoE blocks (model.moe_layers; `shape.block` is the MoE one): the
+    # experts' terms are priced per block × this share, the dense blocks as the MoE block's linears.
+    moe_share: float = 1.0
     # Context parallelism's exchange (strategy.context_parallel_comm; the degree is layout.context):
     # ring (K/V blocks passed around, overlapped with the blockwise attention) or all_gather. Under
     # context parallelism `shape.length` is the c-th of each sequence a rank holds (cost/context.py).

@@ -32,7 +32,8 @@ from strategies.schedule import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORW
                                  SEND_ACTIVATION, SEND_GRADIENT, simulate)
 from strategies.schedule.zero import GATHER_FOR, GATHERS, REDUCE_SCATTER, compute_runs
 from cost.inputs import BYTES
-from cost.experts import block_exchange_seconds, computed_weights, exchange_bytes, experts_product_seconds
+from cost.experts import (block_exchange_seconds, computed_weights, exchange_bytes, experts_product_seconds,
+                          expert_reduction_bytes)
 from cost.traffic import all_gather, all_reduce, block_traffic, grid_collectives, head_traffic, step_traffic
 from cost.context import data_context_span, exchange_seconds, key_length
 
@@ -406,6 +407,7 @@ def predict_step(workload: Workload, device: Device, plan) -> dict:
     traffic = [rank_traffic(workload, plan, rank) for rank in range(plan.pipeline_degree)]
     for rank, counted in enumerate(traffic):  # an MoE block's all-to-alls (cost/experts.py)
         counted["all_to_all"] += exchange_bytes(workload, plan, rank)
+        counted["all_reduce"] += expert_reduction_bytes(workload, plan, rank)  # split experts, over d/e
     return {**step, "bytes_by_rank": [{kind: traffic_rank[kind] for kind in KINDS} for traffic_rank in traffic]}
 
 

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from cost.context import sharded_shape
 from cost.inputs import BYTES, Device, GptShape, Workload
-from models import block_of
+from models import block_of, blocks_of
 from layerwise.config.errors import ConfigError
 from layerwise.config.schema import PipelineStrategyConfig
 from layerwise.config.layout import layout_of
@@ -87,7 +87,7 @@ def workload_of(cfg, world_size: int, vocabulary: int = None) -> Workload:
                     cfg.data.global_batch_size // (layout.data * cfg.strategy.micro_batches),
                     cfg.optimizer.name, cfg.strategy.activation_recompute == "full",
                     compute_bytes(cfg), through_forward, cfg.hardware.process_group_backend == "gloo",
-                    expert_imbalance=cfg.plan.expert_load_imbalance,
+                    expert_imbalance=cfg.plan.expert_load_imbalance, moe_share=moe_share_of(cfg.model),
                     **communication_of(cfg.strategy, cfg.hardware.precision, layout, cfg.plan.flash_attention))
 
 
@@ -135,6 +135,15 @@ def communication_of(strategy, precision: str, layout, flash_attention: bool = T
             "context_comm": strategy.get("context_parallel_comm", "ring"),
             # the pipeline stages' gradient buckets (the strategies with the overlap_reduction switch)
             "gradient_bucket_bytes": bucket_bytes(strategy.get("bucket_mb", 0)) if "overlap_reduction" in strategy else 0}
+
+
+def moe_share_of(model) -> float:
+    """The share of a model's blocks that are MoE blocks (model.moe_layers; 1 for a dense model, whose
+    blocks price no experts): cost.inputs.Workload.moe_share."""
+    if not model.get("experts"):
+        return 1.0
+    blocks = blocks_of(model)
+    return sum(1 for block in blocks if block.experts) / len(blocks)
 
 
 def compute_bytes(cfg) -> int:

@@ -35,7 +35,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from layerwise.config.schema import PipelineStrategyConfig, ZeroLayeredStrategyConfig
-from layerwise.planning.inputs import communication_of, compute_bytes, device_of, efficiency_of, shape_of
+from layerwise.planning.inputs import communication_of, compute_bytes, device_of, efficiency_of, moe_share_of, shape_of
 from cost.context import sharded_shape
 from layerwise.planning.result import plan_result
 from layerwise.planning.experts import expert_degrees
@@ -374,6 +374,7 @@ class Evaluator:
                         rows, self.cfg.optimizer.name, point.activation_recompute == "full", self.activation_bytes,
                         gloo=self.cfg.hardware.process_group_backend == "gloo",
                         expert_imbalance=self.cfg.plan.expert_load_imbalance,
+                        moe_share=moe_share_of(self.cfg.model),
                         **communication_of(point.switches(), self.cfg.hardware.precision, point.layout,
                                            self.cfg.plan.flash_attention))
 

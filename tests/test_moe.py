@@ -391,3 +391,13 @@ def test_expert_bias_updates_equal_under_ddp_and_a_pipeline(tmp_path):
     for strategy in ("ddp", "modular_pipeline"):
         assert runs[strategy][0] == loads, strategy
         assert runs[strategy][1] == pytest.approx(aux, rel=1e-6, abs=1e-6), strategy
+
+
+def test_progressive_stacking_copies_each_block_with_its_kind():
+    """grow(L) appends block L + i as a copy of block i: an MoE block's copy is an MoE block."""
+    model = build_model("llama", **{**MOE_TINY, "layers": 2, "moe_layers": [1]})
+    model.grow(2)
+    kinds = [type(model.blocks[str(index)].mlp).__name__ for index in range(4)]
+    assert kinds == ["SwiGLU", "MoE", "SwiGLU", "MoE"]
+    for name, value in model.blocks["1"].state_dict().items():
+        assert torch.equal(model.blocks["3"].state_dict()[name], value), name

@@ -149,3 +149,23 @@ def test_the_whole_model_count_holds_the_routed_experts():
     held = sum(p.numel() for p in model.parameters())
     assert model_parameters(shape_of(cfg), 2) == held
     assert parameter_counts(cfg.model, 256)["total"] == held
+
+
+def test_dense_blocks_among_moe_ones_and_the_experts_reduction():
+    """moe_small (blocks 1-3 MoE: 8 experts of 256, top 2, one shared expert; block 0 dense) under ddp
+    with e = 2 on 4 ranks: the experts' terms count 3 of 4 blocks (Workload.moe_share), the split
+    experts' gradients are all-reduced over their d/e = 2 expert-data ranks and the rest over the 4
+    data ranks; the all-to-all sends half of each rank's 512 tokens × 2 rows of 128 fp32 values, 4
+    times per MoE block, × the busiest rank's 1 + 0.25·(2 − 1)/(8 − 1). (Measured on this run:
+    docs/plan.md, "Measured imbalance beside the assumption".)"""
+    cfg = compose_config("mode=plan", "model=moe_small", "strategy=ddp", "strategy.expert_parallel=2",
+                         "hardware.devices_per_node=4")
+    result = plan_result(cfg, 4)
+    traffic = result["comm_bytes_per_step_by_pipeline_rank"][0]
+    h, attention, router, shared, norms = 128, 2 * 128 * 128 + 2 * 128 * 64, 128 * 8, 3 * 128 * 256, 2 * 128
+    dense = 4 * (attention + router + shared + norms) + 256 * h + (h * 256 + h)  # block 0's SwiGLU as router + shared
+    experts = 3 * 4 * 3 * 128 * 256  # 3 MoE blocks × E/e = 4 local experts
+    assert traffic["all_reduce"] == pytest.approx(1.5 * dense * BYTES + 1.0 * experts * BYTES)
+    one = 512 * 2 * 128 * 4 / 2 * (1 + 0.25 / 7)
+    assert traffic["all_to_all"] == pytest.approx(3 * 4 * one)
+    assert result["experts"]["parameters_total"] == 3117184  # blocks_of: the dense block 0 counted as it is

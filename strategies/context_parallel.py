@@ -129,7 +129,7 @@ def causal_pairs(length: int, index: int, degree: int, balanced: bool = True) ->
         positions = shard_indices(length, index, degree)
     else:
         size = length // degree
-        positions = torch.arange(index * size, (index + 1) * size)
+        positions = torch.arange(index * size, (index + 1) * size)  # host: a count, never on the device
     return int((positions + 1).sum())
 
 

@@ -23,7 +23,9 @@ and `check_point_to_point_order` checks what NCCL needs (docs/architecture.md, "
    collectives in the same sequence, with the same kind, dtype and size (an all-to-all: what rank a
    sends to b is what b expects from a). gloo matches these too, but a mismatch in a group whose
    messages happen to have equal sizes runs here and mixes or deadlocks on GPUs. Each rank records
-   its collectives per group (`IssuedCollective`) and the check compares the members' sequences.
+   its collectives per communicator (`IssuedCollective`, keyed by `Group.channel`: groups that share
+   a process group, e.g. `expert` = `data` at e = d, share one sequence) and the check compares the
+   members' sequences.
 
 Flight record (`recorder`, a parallel.flight.FlightRecorder, set by the run's watchdog): every
 operation issued here is recorded, and every wait on it (a synchronous call, or `wait()` on the
@@ -62,6 +64,9 @@ class Group:
     name: str
     ranks: tuple
     process_group: Optional[object] = None  # None when the group is this rank alone
+    # the communicator it runs on, by the name of the group that made it ("world" for the default
+    # group): a joint group reusing an axis's process group shares that axis's order (rule 3)
+    channel: Optional[str] = None
 
     @property
     def size(self) -> int:
@@ -212,8 +217,8 @@ class Communicator:
         one returns a handle whose wait is. In strict mode it is also kept for rule 3 (`sizes`: an
         all-to-all's elements toward and from each member)."""
         if self.collectives is not None:
-            self.collectives.append(IssuedCollective(group.name, tuple(group.ranks), kind, tensor.numel(),
-                                                     str(tensor.dtype), *sizes))
+            self.collectives.append(IssuedCollective(group.channel or group.name, tuple(group.ranks), kind,
+                                                     tensor.numel(), str(tensor.dtype), *sizes))
         if self.recorder is None:
             return call()
         operation = self.recorder.issue(kind, group.name, group.ranks,

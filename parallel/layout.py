@@ -124,7 +124,7 @@ class ParallelLayout:
         for axis in AXES:
             if set(members) == set(group_members(axis, self.degrees)) and self.groups[axis] is not None:
                 built = self.groups[axis]
-                return Group(name, built.ranks, built.process_group)
+                return Group(name, built.ranks, built.process_group, built.channel or axis)
         return self._create_groups(name, members)
 
     def _create_groups(self, name: str, member_lists, backend: Optional[str] = None) -> Group:
@@ -139,7 +139,7 @@ class ParallelLayout:
             elif len(members) > 1:
                 handle = dist.group.WORLD
             if self.rank in members:
-                mine = Group(name, tuple(members), handle)
+                mine = Group(name, tuple(members), handle, "world" if handle is dist.group.WORLD else name)
         return mine
 
     def group(self, axis: str) -> Group:

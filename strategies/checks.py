@@ -40,13 +40,10 @@ def gradient_clipping_errors(strategy_name: str, clip_value: float) -> list:
             f"trainer.gradient_clip_val=0, or a strategy that clips: {', '.join(clipping)}."]
 
 
-def grid_errors(cfg, mode: str, q: int, batch_splits: int, splitter: str) -> list:
-    """What a tensor grid needs of the model and the batch, wherever it runs: `batch_splits` pieces of
-    the global batch (data ranks, × micro-batches in a pipeline) must each split over the grid's
-    rows; hidden, heads and kv heads over its feature and head chunks; an untied GPT or Llama; whole-tensor-free
-    optimizers. Each error names the field and the fix."""
-    dimension, grid = DIMENSION[mode], grid_of(mode, tensor_ranks(mode, q), 0)
-    batch_parts = grid.input_rows()[1]  # ranks that split a piece's sequences
+def model_grid_errors(cfg, mode: str) -> list:
+    """What a tensor grid of `mode` (1d | 2d | 3d) needs of the model and the optimizer, whatever its
+    size and the batch (`grid_errors`; the search offers only grids these accept): an untied GPT or
+    Llama, whole-tensor-free optimizers, Qwen3's q/k norms on the 1-D grid only, no experts."""
     errors = unsupported_model_errors(cfg)
     if cfg.model.get("qk_norm") and mode != "1d":
         # Qwen3's q/k norms act on whole heads; the 1-D grid keeps them whole and sums their gradients
@@ -60,6 +57,17 @@ def grid_errors(cfg, mode: str, q: int, batch_splits: int, splitter: str) -> lis
         errors.append(f"model.experts={cfg.model.experts}: a tensor grid does not shard mixtures of experts. "
                       f"Fix: no tensor grid (strategy.expert_parallel shards the experts under ddp, the "
                       f"pipelines and zero_layered).")
+    return errors
+
+
+def grid_errors(cfg, mode: str, q: int, batch_splits: int, splitter: str) -> list:
+    """What a tensor grid needs of the model and the batch, wherever it runs: `batch_splits` pieces of
+    the global batch (data ranks, × micro-batches in a pipeline) must each split over the grid's
+    rows; hidden, heads and kv heads over its feature and head chunks; an untied GPT or Llama; whole-tensor-free
+    optimizers. Each error names the field and the fix."""
+    dimension, grid = DIMENSION[mode], grid_of(mode, tensor_ranks(mode, q), 0)
+    batch_parts = grid.input_rows()[1]  # ranks that split a piece's sequences
+    errors = model_grid_errors(cfg, mode)
     if cfg.data.global_batch_size % (batch_splits * batch_parts):
         errors.append(
             f"data.global_batch_size={cfg.data.global_batch_size}: {splitter} must get a multiple of "

@@ -111,10 +111,12 @@ def test_the_search_ranges_over_the_expert_degree():
     cfg = compose_config("mode=plan", "plan.search=true", *MIXTRAL, "hardware.nodes=1", "model.layers=4",
                          "data.global_batch_size=16")
     assert expert_degrees(cfg.model, 8) == [1, 2, 4, 8] and expert_degrees(cfg.model, 6) == [1, 2]
-    seen = {}
+    seen, grids = {}, set()
     for point in layouts(cfg, 8):
         seen.setdefault(point.data_degree, set()).add(point.expert_parallel)
-    assert seen[8] == {1, 2, 4, 8} and seen[4] == {1, 2, 4} and seen[1] == {1}
+        grids.add(point.tensor_parallel)
+    assert grids == {"none"}  # strategies/checks.py model_grid_errors: a tensor grid does not shard experts
+    assert seen[8] == {1, 2, 4, 8} and seen[4] == {1, 2, 4} and seen[2] == {1, 2}
     dense = compose_config("mode=plan", "plan.search=true", "model=llama_tiny", "hardware.nodes=1")
     assert expert_degrees(dense.model, 8) == [1]
 

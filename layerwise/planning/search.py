@@ -41,7 +41,7 @@ from layerwise.planning.result import plan_result
 from layerwise.planning.experts import expert_degrees
 from models import blocks_of
 from models.transformer import model_flops_per_token
-from strategies.checks import divisors, fp16_errors, gradient_clipping_errors
+from strategies.checks import divisors, fp16_errors, gradient_clipping_errors, model_grid_errors
 from cost.inputs import Workload
 from cost.step_time import closed_form_step, model_flops_utilization, step_lower_bound
 from cost.memory import closed_form_held, closed_form_in_flight, closed_form_moments, closed_form_pending, stage_memory
@@ -190,9 +190,9 @@ def tensor_options(cfg, world: int) -> list:
     """(mode, q) of every grid whose block fits the bound and divides the world and the model."""
     bound = cfg.plan.search_max_tensor_ranks or cfg.hardware.devices_per_node
     options = [("none", 1)]
-    if cfg.model.architecture not in ("gpt", "llama") or cfg.model.tie_embeddings or cfg.optimizer.name == "lamb":
-        return options  # strategies/checks.py unsupported_model_errors: grids need an untied GPT or Llama
     for mode, dimension in DIMENSION.items():
+        if model_grid_errors(cfg, mode):  # the strategies' own rule: an untied GPT or Llama, no experts, ...
+            continue
         for q in range(2, int(round(bound ** (1 / dimension))) + 1):
             ranks = q ** dimension
             grid = grid_of(mode, ranks, 0)

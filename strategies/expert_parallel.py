@@ -97,6 +97,10 @@ class AllToAllDispatcher:
         self._pending = None
 
     def dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor):
+        from models.moe import compute_dtype
+        # the rows travel in the dtype the experts compute in (bf16 under bf16-mixed), to which they
+        # would cast them anyway: the same rounding, half the bytes of the fp32 residual stream
+        x_sorted = x_sorted.to(compute_dtype(x_sorted))
         members, local = self.group.size, self.local
         send_counts = counts.to(torch.long).reshape(members, local).contiguous()
         received_counts = torch.empty_like(send_counts)

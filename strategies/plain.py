@@ -169,6 +169,11 @@ def check_ddp(cfg, world_size: int) -> list:
         refused["with strategy.layer_drop > 0: a dropped block's experts get no gradient on some steps, which "
                 "DDP's find_unused_parameters handles for its own parameters only (not built for the experts it "
                 "ignores)"] = "strategy.layer_drop=0"
+    if cfg.trainer.gradient_clip_val:
+        refused[f"with trainer.gradient_clip_val={cfg.trainer.gradient_clip_val}: Lightning clips by the norm of "
+                f"this rank's gradients, which hold only its E/e experts, so each rank would scale by another "
+                f"factor and the replicas drift apart (a norm summed over the expert group is not built)"] = \
+            "trainer.gradient_clip_val=0, or strategy.expert_parallel=1"
     context = max(1, context_of(cfg.strategy)[0])
     return errors + expert_errors(cfg, max(1, world_size // context), refused)
 

@@ -205,6 +205,8 @@ BAD_INPUTS = [
     ("strategy=ddp strategy.expert_parallel=2 strategy.context_parallel=2 model=llama_tiny model.experts=4 "
      "hardware.devices_per_node=8", "strategy.context_parallel",
      "strategy.expert_parallel=2 with strategy.context_parallel=2 is refused"),
+    ("strategy=ddp strategy.expert_parallel=2 trainer.gradient_clip_val=1.0 model=llama_tiny model.experts=4",
+     "trainer.gradient_clip_val", "strategy.expert_parallel=2 with trainer.gradient_clip_val=1.0"),
     ("strategy=modular_pipeline strategy.expert_parallel=2 strategy.tensor_parallel=1d strategy.tensor_grid=2 "
      "model=llama_tiny model.experts=4 hardware.devices_per_node=8", "strategy.tensor_parallel",
      "strategy.expert_parallel=2 with strategy.tensor_parallel=1d"),

@@ -236,10 +236,13 @@ class RoutingAndBytes:
         return Callback()
 
 
-def test_counted_all_to_all_bytes_equal_the_formula_with_the_routing_counts(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision,element_bytes", [("32-true", 4), ("bf16-mixed", 2)])
+def test_counted_all_to_all_bytes_equal_the_formula_with_the_routing_counts(precision, element_bytes, tmp_path,
+                                                                            monkeypatch):
     """ddp, d = e = 2, E = 4, 2 steps: each step's counted all_to_all bytes of each rank equal
     cost/traffic.py expert_exchange_traffic summed over the MoE layers, with the rows each rank's
-    tokens routed to the other rank's experts and the rows the other rank routed to its own."""
+    tokens routed to the other rank's experts and the rows the other rank routed to its own, each
+    row in the experts' compute dtype (bf16 under bf16-mixed)."""
     import json
 
     from cost.traffic import expert_exchange_traffic
@@ -248,7 +251,7 @@ def test_counted_all_to_all_bytes_equal_the_formula_with_the_routing_counts(tmp_
     from tests.ranks import QUICK, add_callbacks, compose_config
     add_callbacks(monkeypatch.setattr, first=[RoutingAndBytes(tmp_path)])
     cfg = compose_config(*QUICK, *experts(4), "strategy=ddp", "strategy.expert_parallel=2", "trainer.max_steps=2",
-                         "hardware.devices_per_node=2")
+                         "hardware.devices_per_node=2", f"hardware.precision={precision}")
     summary = train(cfg, tmp_path / "run", validate(cfg))
     assert summary["status"] == "completed", summary.get("error")
     records = [[json.loads(line) for line in (tmp_path / f"routing{rank}.jsonl").read_text().splitlines()]
@@ -259,7 +262,7 @@ def test_counted_all_to_all_bytes_equal_the_formula_with_the_routing_counts(tmp_
             other = 1 - rank
             mine, theirs = slice(rank * local, (rank + 1) * local), slice(other * local, (other + 1) * local)
             expected = sum(expert_exchange_traffic(sum(load[theirs]), sum(records[other][step]["loads"][layer][mine]),
-                                                   hidden, local, 2)
+                                                   hidden, local, 2, element_bytes)
                            for layer, load in enumerate(records[rank][step]["loads"]))
             counted = records[rank][step]["bytes"]
             print(f"step {step + 1} rank {rank}: counted {counted:.0f} B, formula {expected:.0f} B")

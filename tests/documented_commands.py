@@ -494,4 +494,7 @@ HOW: Dict[str, How] = {
     # ----- conf/experiment/ (those not named in a document)
     "python train.py experiment=default": How("check", valid, why="composes to `make run`'s config, "
                                               "which runs above"),
+    "python train.py experiment=long_context": How("check", valid, why="10 steps of 2,048-token rows on 2 context "
+                                                   "ranks (minutes); tests/test_context_parallel_strategies.py "
+                                                   "trains ddp with context parallelism against single"),
 }

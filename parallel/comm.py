@@ -330,7 +330,8 @@ def _collective_mismatch(name: str, ranks: tuple, index: int, at: dict) -> Optio
     first = at[first_rank]
     for rank, collective in at.items():
         same = (first is not None and collective is not None and collective.kind == first.kind
-                and collective.dtype == first.dtype and (first.kind == "all_to_all" or collective.elements == first.elements))
+                and collective.dtype == first.dtype
+                and (first.kind == "all_to_all" or collective.elements == first.elements))
         if not same:
             return (f"collective order mismatch on group {name} {list(ranks)} at collective #{index}: rank {first_rank} "
                     f"issued {first or 'nothing'}, rank {rank} issued {collective or 'nothing'}. NCCL runs a group's "

@@ -46,6 +46,31 @@ def test_source_to_expert_order_groups_rows_by_local_expert():
     assert source_to_expert_order(torch.zeros(2, 2, dtype=torch.long)).tolist() == []
 
 
+def test_a_rank_builds_only_its_experts_with_the_whole_models_values():
+    """apply_expert_parallel on the meta model, then materialise: member i of e holds experts
+    [i·E/e, (i+1)·E/e) of every MoE block (`first` says so), bit-identical to the whole model's, and
+    no block ever held more than its E/e experts off the meta device."""
+    from types import SimpleNamespace
+
+    from models import build_model
+    from models.moe import moe_modules
+    from strategies.expert_parallel import apply_expert_parallel, expert_parameters
+    shape = dict(vocab_size=64, sequence_length=16, layers=2, hidden=32, heads=2, kv_heads=2, ffn_hidden=64,
+                 experts=8, experts_per_token=2, seed=3)
+    whole = build_model("llama", device="cpu", **shape)
+    for index in range(4):
+        model = build_model("llama", device="meta", **shape)
+        apply_expert_parallel(model, SimpleNamespace(degrees=Layout(data=4, expert=4), index=lambda axis: index))
+        assert all(parameter.shape[0] == 2 for parameter, _ in expert_parameters(model).values())  # on meta already
+        model.materialise("cpu")
+        for (name, layer), (_, reference) in zip(moe_modules(model), moe_modules(whole)):
+            assert (layer.experts.first, layer.experts.count, layer.experts.total) == (2 * index, 2, 8), name
+            for leaf in ("gate", "up", "down"):
+                expected = getattr(reference.experts, leaf)[2 * index:2 * index + 2]
+                torch.testing.assert_close(getattr(layer.experts, leaf), expected, rtol=0, atol=0)
+            torch.testing.assert_close(layer.router.weight, reference.router.weight, rtol=0, atol=0)
+
+
 def dispatch_on_rank(rank: int, world: int, experts: int):
     """Dispatch, a per-expert product, combine; forward and gradients against the reference."""
     dist.init_process_group("gloo")

@@ -206,6 +206,9 @@ SGD_CASES = {
     "zero_bubble_h1_pp2_dp2_e2_E8": (["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1",
                                       "hardware.devices_per_node=4", "strategy.expert_parallel=2"], 4, experts(8)),
     # ZeRO-3: the experts a flat shard of their own per stage, cut over expert_data (2 ranks here)
+    # ... and ZBV (the V placement: two stages per rank, each exchanging its own tokens)
+    "zbv_pp2_dp2_e2_E4": (["strategy=one_f_one_b", "strategy.schedule=zbv", "strategy.layers_per_stage=1",
+                           "hardware.devices_per_node=4", "strategy.expert_parallel=2"], 4, experts(4)),
     # the distributed optimizer: split experts in buckets of their own, sliced over expert_data (2 ranks)
     "modular_pipeline_pp1_dp4_e2_E4_distributed_optimizer": (["strategy=modular_pipeline", "strategy.pipeline_degree=1",
                                                               "hardware.devices_per_node=4", "strategy.expert_parallel=2",

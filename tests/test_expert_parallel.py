@@ -241,6 +241,24 @@ def test_expert_parallel_equals_single_under_sgd(case, tmp_path, tmp_path_factor
     assert actual["expert_load_ratio_median"] == reference["expert_load_ratio_median"]  # counts of slots: integers
 
 
+def test_expert_gradients_divided_by_the_expert_data_ranks_instead_of_d_fail_the_comparison(
+        tmp_path, tmp_path_factory, monkeypatch):
+    """The SGD comparison sees the classic slip (each rank's expert gradient already sums its expert
+    group's tokens, so it is divided by d, not by the d/e ranks it is summed over): a factor e."""
+    import strategies.plain as plain
+    from strategies.expert_parallel import sum_expert_gradients
+    monkeypatch.setattr(plain, "sum_expert_gradients", lambda parameters, layout, replicas: sum_expert_gradients(
+        parameters, layout, replicas // layout.degrees.expert))
+    overrides, _, model = SGD_CASES["ddp_dp2_e2_E4"]
+    comparison = SgdComparison(SgdRun(tmp_path, *overrides, *model),
+                               sgd_reference(tmp_path_factory, "strategy=single", *model))
+    worst, where = comparison.excess()["gradients"]
+    print(f"gradients {worst:.3g} x their tolerance at {where}")
+    assert worst > 1 and ".experts." in where
+    with pytest.raises(AssertionError):
+        comparison.check()
+
+
 # ----- bytes: counted against the closed form with the routing the run saw -----------------------
 
 class RoutingAndBytes:

@@ -1,7 +1,10 @@
 """Context parallelism in the cost model and plan mode (issue 57, items 4 and 5).
 
 The exchange's bytes against hand counts (cost/traffic.py `context_traffic`, the formula the
-strategies' counted bytes are compared against), ...
+strategies' counted bytes are compared against in tests/test_context_parallel.py); plan.json's
+`context` and bytes from a config; a rank's shape, FLOPs and saved activations ÷ c (cost/context.py);
+the search taking c > 1 where nothing else fits; plan mode's bytes equal to a CP run's counted ones.
+The activation memory against measured runs is benchmarks/context_memory.py's (docs/plan.md).
 """
 
 import pytest
@@ -130,3 +133,26 @@ def test_the_search_takes_context_parallelism_where_nothing_else_fits(tmp_path):
     replanned = result["replanned"][0]
     assert replanned["simulated_step_time_s"] == pytest.approx(replanned["closed_form_step_time_s"], rel=0.01)
     assert replanned["planned_worst_role_bytes"] == pytest.approx(replanned["closed_form_worst_role_bytes"], rel=0.01)
+
+
+@pytest.mark.parametrize("strategy,comm", [("modular_pipeline", "ring"), ("ddp", "all_gather")])
+def test_planned_bytes_equal_a_context_parallel_runs_counted_bytes(tmp_path, strategy, comm):
+    """llama_tiny, c = 2 on 2 forked ranks, 256 tokens: plan.json's bytes by kind equal the run's counted
+    ones (summary.json comm_bytes_per_step) exactly — the exchange (`context_traffic` × 4 layers × the
+    micro-batches) and the gradients' all-reduce over the data × context group."""
+    from layerwise.planning.mode import plan
+    from layerwise.preflight import validate
+    from layerwise.run.fit import train
+    from tests.ranks import compose_config
+    stage = ["strategy.pipeline_degree=1", "strategy.layers_per_stage=4", "strategy.micro_batches=2"] \
+        if strategy == "modular_pipeline" else []
+    common = ["model=llama_tiny", f"strategy={strategy}", *stage, "logger=none", "trainer.progress=none",
+              "trainer.limit_val_batches=0", "data.global_batch_size=2", "data.sequence_length=256",
+              "hardware.devices_per_node=2", "strategy.context_parallel=2", f"strategy.context_parallel_comm={comm}"]
+    cfg = compose_config(*common, "mode=plan")
+    predicted = plan(cfg, validate(cfg), tmp_path / "plan", charts=False)["comm_bytes_per_step_by_pipeline_rank"][0]
+    cfg = compose_config(*common, "trainer.max_steps=2", "trainer.charts=false", "data.max_bytes=2000000")
+    measured = train(cfg, tmp_path / "run", validate(cfg))["comm_bytes_per_step"]
+    assert {kind: volume for kind, volume in predicted.items() if volume} == \
+        {kind: volume for kind, volume in measured.items() if volume}
+    assert predicted["send_recv" if comm == "ring" else "all_gather"] > 0

@@ -60,14 +60,15 @@ def context_errors(cfg, world_size: int, other_ranks: int, refused: dict = None,
     if c < 1:
         return errors + [f"strategy.context_parallel={c} must be at least 1 (ranks one sequence is split over). "
                          f"Fix: strategy.context_parallel=1 (off) or 2."]
+    if c == 1:  # no split: the strategy's own check names a world that its other degrees do not divide
+        return errors
     if world_size % (c * other_ranks):
         fits = [n for n in range(1, world_size + 1) if world_size % (n * other_ranks) == 0]
+        choices = f"strategy.context_parallel in {fits}, or " if fits else ""
         errors.append(f"strategy.context_parallel={c} × {other_ranks} pipeline × tensor ranks does not divide the "
                       f"world size {world_size} (hardware.nodes × hardware.devices_per_node); world = data × "
-                      f"pipeline × context × tensor. Fix: strategy.context_parallel in {fits}, or "
+                      f"pipeline × context × tensor. Fix: {choices}"
                       f"hardware.devices_per_node={c * other_ranks} or {2 * c * other_ranks}.")
-    if c == 1:
-        return errors
     length = cfg.data.sequence_length
     if length % (2 * c):
         errors.append(f"data.sequence_length={length} does not split into 2 × strategy.context_parallel={c} "

@@ -397,3 +397,32 @@ def test_resume_across_expert_parallel_degrees_continues_as_single(tmp_path, tmp
     chain = [(name, [*overrides, *model]) for name, overrides in RESUME_CHAIN]
     rows = walk_chain(tmp_path, reference, chain, ADAMW, with_optimizer_state=True)
     assert_within_tolerance(rows)
+
+
+@pytest.mark.parametrize("layout", [
+    ["strategy=ddp"],
+    ["strategy=modular_pipeline", "strategy.pipeline_degree=2", "hardware.devices_per_node=4"],
+    ["strategy=zero_layered", "strategy.pipeline_degree=2", "hardware.devices_per_node=4"],
+], ids=["ddp_dp2_e2", "modular_pipeline_pp2_dp2_e2", "zero_layered_pp2_dp2_e2"])
+def test_a_run_resumes_its_own_checkpoint_bit_identically(layout, tmp_path):
+    """A run stopped after 2 steps and run again to 3 in the same directory (resuming from last.ckpt:
+    ddp reads the portable checkpoint beside it, rank 0's file holding only its experts' AdamW
+    moments; the pipeline its per-rank files, whose gathered experts are cut back to the rank's;
+    zero_layered its per-rank files, the experts' flat shards among them) ends bit-identical
+    to 3 uninterrupted steps: weights, expert bias and moments."""
+    from layerwise.preflight import validate
+    from layerwise.run.fit import train
+    from strategies.checkpoint.portable import read_portable
+    from tests.ranks import QUICK, compose_config
+    overrides = [*QUICK, *experts(4, "sigmoid_bias"), *layout, "strategy.expert_parallel=2", "optimizer=adamw",
+                 "trainer.limit_val_batches=0", "trainer.val_check_interval=10", "trainer.checkpoint_every_n_steps=1"]
+    stopped, straight = tmp_path / "stopped", tmp_path / "straight"
+    for directory, steps in ((stopped, 2), (stopped, 3), (straight, 3)):
+        cfg = compose_config(*overrides, f"trainer.max_steps={steps}")
+        summary = train(cfg, directory, validate(cfg))
+        assert summary["status"] == "completed" and summary["steps"] == steps, summary.get("error")
+    for prefix in ("model.", "optimizer."):
+        resumed, expected = (read_portable(run / "checkpoints" / "last", prefix) for run in (stopped, straight))
+        assert resumed.keys() == expected.keys()
+        for name in expected:
+            torch.testing.assert_close(resumed[name], expected[name], rtol=0, atol=0, msg=name)

@@ -34,7 +34,7 @@ COLUMNS = (["step", "loss", "lr", "step_time_s", "tokens_per_s", "tokens_per_s_p
            + ["stragglers"])  # ranks flagged slow at that step, "2 3" (layerwise/run/hangs.py)
 # The counter's kinds that are collectives (one call of every rank of a group); sends and host<->device
 # copies are not: `comm_calls` counts what bucketing gradient reductions would make fewer.
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 # The compute-memory meter (a Python dispatch mode on every operator) slows a step by ~25% on a small
 # model: it runs on these first steps of every start or resume, every trainer.measure_every_n_steps,
 # and on the last step (so the executed Gantt chart is the last step's).

@@ -199,6 +199,9 @@ SGD_CASES = {
     "ddp_dp4_e4_E8": (["strategy=ddp", "hardware.devices_per_node=4", "strategy.expert_parallel=4"], 4, experts(8)),
     "ddp_dp4_e2_E4_sigmoid": (["strategy=ddp", "hardware.devices_per_node=4", "strategy.expert_parallel=2"], 4,
                               experts(4, "sigmoid_bias")),
+    # full recomputation: each block's forward, its token exchange included, reruns in the backward
+    "ddp_dp2_e2_E4_recompute": (["strategy=ddp", "hardware.devices_per_node=2", "strategy.expert_parallel=2",
+                                 "strategy.activation_recompute=full"], 2, experts(4)),
     # a pipeline of 2 stages × 2 replicas, the experts of each stage split over the replicas
     "modular_pipeline_pp2_dp2_e2_E4": (["strategy=modular_pipeline", "strategy.pipeline_degree=2",
                                         "hardware.devices_per_node=4", "strategy.expert_parallel=2"], 4, experts(4)),

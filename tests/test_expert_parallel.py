@@ -205,6 +205,10 @@ SGD_CASES = {
     # a pipeline of 2 stages × 2 replicas, the experts of each stage split over the replicas
     "modular_pipeline_pp2_dp2_e2_E4": (["strategy=modular_pipeline", "strategy.pipeline_degree=2",
                                         "hardware.devices_per_node=4", "strategy.expert_parallel=2"], 4, experts(4)),
+    # DeepSeek's shape: block 0 dense, a shared expert beside the routed ones (replicated: reduced over data)
+    "modular_pipeline_pp2_dp2_e2_E4_shared": (["strategy=modular_pipeline", "strategy.pipeline_degree=2",
+                                               "hardware.devices_per_node=4", "strategy.expert_parallel=2"], 4,
+                                              (*experts(4), "model.shared_experts=1", "model.moe_layers=[1,2,3]")),
     # ... under ZB-H1 (the split backward: the all-to-all's backward runs in I, the experts' W later)
     "zero_bubble_h1_pp2_dp2_e2_E8": (["strategy=one_f_one_b", "strategy.schedule=zero_bubble_h1",
                                       "hardware.devices_per_node=4", "strategy.expert_parallel=2"], 4, experts(8)),

@@ -86,15 +86,22 @@ def exchange_seconds(workload: Workload, device, transfer, attention_seconds: fl
     return workload.layers_per_stage * forward, workload.layers_per_stage * backward
 
 
-def gathered_kv_elements(workload: Workload) -> float:
-    """Elements per local token a layer keeps for its backward beyond the flash kernel's q, k, v,
-    output and log-sum-exp (which cost/memory.py counts already): the all_gather exchange keeps the
-    gathered K/V of all c blocks in place of the local k, v, (c − 1)·2·kv_heads·d more; the ring keeps
-    only its local block (strategies/context_parallel.py `saved_bytes`)."""
+def context_saved_elements(workload: Workload) -> float:
+    """Elements per local token a layer keeps for its backward beyond what cost/memory.py counts for a
+    flash kernel (q, k, v, the output and the log-sum-exp), measured with the meter
+    (benchmarks/context_memory.py): the exchange returns its output head-major ([b, heads, s/c, d],
+    strategies/context_parallel.py), so merging the heads for the output projection copies it and the
+    projection keeps that copy beside the attention's own (heads·d, a rank's heads; one process's
+    kernel returns it token-major and the merge is a view); and the all_gather exchange keeps the
+    gathered K/V of all c blocks in place of the local k, v, (c − 1)·2·kv_heads·d more (its
+    `saved_bytes`)."""
     c = workload.layout.context
-    if c <= 1 or workload.context_comm != "all_gather":
+    if c <= 1:
         return 0.0
-    return (c - 1) * 2 * local_kv_heads(workload) * workload.shape.block.head_dim
+    block = workload.shape.block
+    heads = block.heads / (workload.tensor_ranks if workload.layout.tensor_grid else 1)
+    gathered = (c - 1) * 2 * local_kv_heads(workload) * block.head_dim if workload.context_comm == "all_gather" else 0
+    return heads * block.head_dim + gathered
 
 
 def exchange_buffers(workload: Workload) -> float:
@@ -102,7 +109,9 @@ def exchange_buffers(workload: Workload) -> float:
     backward, the larger): ring — two stacked K/V blocks in flight (the one computed on, the next
     arriving) and, in the backward, a dK/dV accumulator travelling with them; all_gather — in the
     backward the gradients of the whole sequence's K and V before the reduce-scatter (the gathered
-    K/V themselves are kept for the backward: `gathered_kv_elements`)."""
+    K/V themselves are kept for the backward: `context_saved_elements`). They live while a layer's
+    attention runs its backward, after its MLP's saved tensors and working set are gone, so cost/memory.py
+    takes the larger of them and a backward's working set."""
     c = workload.layout.context
     if c <= 1:
         return 0.0

@@ -22,7 +22,7 @@ from strategies.schedule.ir import POST_RECV_ACTIVATION, POST_RECV_GRADIENT, SEN
 from cost.traffic import local_parameters, padded_buckets
 from cost.inputs import BYTES, OPTIMIZER_STATE, Workload
 from cost.experts import extra_saved_elements, local_expert_elements, zero_extra_shard
-from cost.context import exchange_buffers, gathered_kv_elements, key_length
+from cost.context import context_saved_elements, exchange_buffers, key_length
 
 
 def stage_parameters(workload: "Workload", stage: int, stages: int) -> float:
@@ -53,7 +53,7 @@ def block_saved_bytes(workload: "Workload", tokens: float, flash: bool) -> float
         return grid_block_saved_elements(workload, tokens, scores) * workload.activation_bytes
     residual = len(shape.block.norms) * shape.norm_saves * h / stream_split(workload)
     split = (_attention_saved(shape) + _mlp_saved(shape) + extra_saved_elements(workload) + scores) / ranks
-    split += gathered_kv_elements(workload)  # context parallelism's all_gather keeps the gathered K/V (a rank's share)
+    split += context_saved_elements(workload)  # context parallelism's own (cost/context.py), a rank's share
     return ((residual + split) * tokens + shape.rotary_elements()) * workload.activation_bytes
 
 
@@ -391,8 +391,9 @@ def stage_memory(workload: Workload, stages: list, total_stages: int, alive: int
     kept = piece if workload.recompute else per_stage * block  # recompute: stage inputs
     loops, last = len(stages), total_stages - 1 in stages
     head = head_saved_bytes(workload, tokens) if last else 0.0
-    # a backward's working set, and beside it the K/V blocks context parallelism's exchange holds (cost/context.py)
-    working = backward_working_bytes(workload, tokens, last) + exchange_buffers(workload)
+    # a backward's working set, or the K/V blocks context parallelism's exchange holds in a layer's
+    # attention backward, after that layer's MLP has freed its saved tensors (cost/context.py)
+    working = max(backward_working_bytes(workload, tokens, last), exchange_buffers(workload))
     pipelined = layout.pipeline > 1  # sends are kept until proven received, receives from their post
     sent_first = (alive - (last_alive if last else 0)) * pipelined
     # gloo's reduce-scatter temporaries live inside a backward's wait() (`gloo_temporaries`): beside the

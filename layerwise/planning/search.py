@@ -297,7 +297,7 @@ class Switches:
         from layerwise.config.validate import check_strategy
         key = (self.config_key, point.family, point.tensor_parallel, point.tensor_grid, point.data_degree > 1,
                point.activation_recompute, point.sequence_parallel, point.distributed_optimizer,
-               point.context_parallel > 1, point.context_parallel_comm)
+               point.context_parallel, point.context_parallel_comm)
         key += (point.expert_parallel > 1,)
         if key not in _ACCEPTED:
             _ACCEPTED[key] = not check_strategy(point_config(self.cfg, point), self.world)

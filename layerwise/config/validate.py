@@ -278,40 +278,6 @@ def moe_strategy_errors(strategy, experts: int) -> list:
     return errors
 
 
-def moe_errors(cfg) -> list:
-    """The mixture-of-experts fields (models/moe.py) against each other and the model: Llama blocks
-    only, k ≤ E, MoE layer indices inside the model, and no fp16 loss scaling (the aux loss's gradient
-    is attached with α·loss_scale and would miss the scaler's factor)."""
-    model, errors = cfg.model, []
-    experts, layers = model.get("experts") or 0, model.layers
-    if experts <= 0:
-        if model.get("moe_layers") is not None:
-            errors.append(f"model.moe_layers={list(model.moe_layers)} is set but model.experts=0 (a dense "
-                          f"model): it would be ignored. Fix: model.moe_layers=null, or model.experts=8.")
-        return errors
-    if model.architecture != "llama":
-        errors.append(f"model.experts={experts}: mixture-of-experts blocks replace Llama's SwiGLU, and "
-                      f"model.architecture={model.architecture} has none. Fix: model.architecture=llama "
-                      f"(e.g. model=moe_tiny), or model.experts=0.")
-    k = model.experts_per_token
-    if k > experts:
-        errors.append(f"model.experts_per_token={k} exceeds model.experts={experts} (each token picks k "
-                      f"distinct experts). Fix: model.experts_per_token={min(2, experts)}.")
-    outside = [index for index in (model.get("moe_layers") or []) if not 0 <= index < layers]
-    if outside:
-        errors.append(f"model.moe_layers holds {outside}, outside the model's blocks [0, {layers}). "
-                      f"Fix: model.moe_layers={[index for index in model.moe_layers if 0 <= index < layers]} "
-                      f"(or null: every block).")
-    if model.get("moe_layers") is not None and len(set(model.moe_layers)) != len(model.moe_layers):
-        errors.append(f"model.moe_layers={list(model.moe_layers)} names a block twice. "
-                      f"Fix: model.moe_layers={sorted(set(model.moe_layers))}.")
-    if cfg.hardware.precision in ("16-mixed", "16"):
-        errors.append(f"hardware.precision={cfg.hardware.precision} with model.experts={experts}: fp16 loss "
-                      f"scaling would not reach the auxiliary loss's gradient (models/moe.py attaches it "
-                      f"unscaled). Fix: hardware.precision=bf16-mixed (or 32-true).")
-    return errors
-
-
 def sequence_length_problem(cfg) -> str:
     """data.sequence_length past the model's positions. model=hf sets model.max_sequence_length from
     its config.json (layerwise/run/rules.py fill_hf_model), so raising it there changes nothing:

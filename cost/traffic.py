@@ -265,22 +265,6 @@ def expert_exchange_traffic(rows_to_others: int, rows_from_others: int, hidden: 
     return (expert_parallel - 1) * local_experts * COUNT_BYTES + rows * hidden * element_bytes
 
 
-# ----- mixtures of experts: the tokens' rows dispatched to their experts' ranks and combined back
-
-
-def expert_dispatch_traffic(tokens: float, hidden: int, experts_per_token: int, expert_parallel: int,
-                            element_bytes: int = BYTES) -> float:
-    """Bytes one rank sends to the other members of its expert group in ONE all-to-all (a dispatch or
-    a combine; the backward's are the same with the splits swapped) of one MoE block, expected under
-    uniform routing: its `tokens` × k routed rows of `hidden` values, each row's expert on one of the
-    e = `expert_parallel` members with equal chance, so (e − 1)/e of them leave the rank — what
-    parallel.comm counts of an all-to-all (the rows a rank keeps never leave it). e = 1 moves nothing.
-    Skewed routing moves more from the busiest rank (cost/experts.py `rank_imbalance`)."""
-    if expert_parallel <= 1:
-        return 0.0
-    return tokens * experts_per_token * hidden * (expert_parallel - 1) / expert_parallel * element_bytes
-
-
 # ----- a whole step of one rank
 
 

@@ -49,16 +49,6 @@ MODEL, OPTIMIZER = "model.", "optimizer."
 NOT_CARRIED = ("state_dict", "optimizer_states", "kfac")  # rebuilt from the pieces, or per layout
 
 
-@dataclass
-class Piece:
-    """Elements `positions` of a local tensor (flat) are elements `indices` of plain tensor `name`."""
-
-    name: str
-    shape: tuple
-    positions: torch.Tensor  # host: index bookkeeping, never on the device
-    indices: torch.Tensor  # host
-
-
 def portable_path(path) -> Path:
     """The portable checkpoint beside a per-rank or single-file one: `last.ckpt` -> `last`."""
     path = Path(path)

@@ -56,6 +56,9 @@ stacked K/V block of one rank (e bytes per element: the compute dtype; cost/traf
                 backward send_recv (c−1)·B + c·B    (K/V again, and the dK/dV accumulators, c hops)
     all_gather  forward  all_gather (c−1)/c · c·B   (the gathered [c, 2, b, kv_heads, s/c, d])
                 backward reduce_scatter (c−1)/c · c·B
+Under full recomputation (strategy.activation_recompute=full) a block's forward reruns in its
+backward, exchange included (with the key side of its own micro-batch: strategies/recompute.py): the
+forward's bytes once more per layer and micro-batch (`context_traffic(..., recomputed=True)`).
 
 NCCL order (parallel/comm.py, checked by `check_point_to_point_order` in every multi-process test):
 every ring exchange is one send to i+1 and one receive from i−1, issued send-first on even ranks and

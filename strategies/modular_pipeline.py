@@ -452,10 +452,6 @@ def context_refusals(strategy_config, mode) -> dict:
         refused[f"with strategy.tensor_parallel={mode}: the 2-D/3-D grids split each block's activations over "
                 f"rows of the grid, and the key/value exchange would have to run inside their SUMMA/3-D attention "
                 f"(not built)"] = "strategy.tensor_parallel=1d or none"
-    if strategy_config.get("activation_recompute", "none") == "full" and strategy_config.micro_batches > 1:
-        refused["with strategy.activation_recompute=full and several micro-batches: a block recomputed in its "
-                "backward would read the positions and key side of the micro-batch whose forward ran last (as "
-                "data.packing's rule)"] = "strategy.activation_recompute=none, or strategy.micro_batches=1"
     if strategy_config.schedule in ZERO_BUBBLE:
         refused[f"with strategy.schedule={strategy_config.schedule}: the split backward runs the attention's "
                 f"input gradient (I) apart from the weights' (W); that the key/value gradients returned around the "

@@ -14,11 +14,25 @@ probabilities per head (and, in a model with attention dropout, its mask and out
 fused (flash) kernel only the log-sum-exp (the output is the projection's saved input). The
 backward reruns the core's forward, `attention_share` of a block's forward.
 
+A recomputed forward reruns with its own micro-batch's context. Some inputs of a block are not its
+arguments but a context the strategy sets on the model before each micro-batch's forward: the packed
+documents and positions (`LanguageModel.set_documents`: RoPE, the core attention's masks), the MoE
+loss share (`set_loss_scale`), and under context parallelism the attention's key side
+(strategies/context_parallel.py `ContextParallelAttention.keys`). A pipeline runs a micro-batch's
+backward after later micro-batches' forwards have set theirs, so the rerun would read another
+micro-batch's documents and key side. `micro_batch_context` takes those values when the forward runs
+and checkpoint's `context_fn` hands the rerun a context manager (`RerunWith`) that sets them for the
+rerun and puts back the current ones after it. Under context parallelism the rerun's attention
+exchanges K/V again: one more forward exchange per layer and micro-batch (cost/traffic.py
+`context_traffic`'s `recomputed`).
+
 The module's `forward` is replaced on the instance rather than the module wrapped in another,
 so parameter names, checkpoints and flat shards are unchanged; models/ stays plain. The recompute
 reads the block's weights when the backward runs: under ZeRO those are the re-gathered ones (the
 core has none).
 """
+
+import contextlib
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -63,16 +77,60 @@ def backward_factor(activation_recompute: str, attention_share: float = 0.0) -> 
     return BACKWARD_FACTORS[activation_recompute]
 
 
-class RecomputedForward:
-    """A module's own forward, run under checkpoint whenever autograd records (training)."""
+# What a strategy sets on a model's modules per micro-batch (models/transformer.py `set_documents`,
+# `set_loss_scale`), and on a core attention's `context` hook (ContextParallelAttention.keys).
+MODULE_CONTEXT = ("documents", "loss_scale")
+HOOK_CONTEXT = ("keys",)
 
-    def __init__(self, forward):
-        self.forward = forward
+
+def micro_batch_context(module) -> list:
+    """[(holder, attribute, value)] of the per-micro-batch context `module`'s forward reads now: each
+    submodule's MODULE_CONTEXT attributes and its `context` hook's HOOK_CONTEXT ones (instance
+    attributes only, read from vars(): a ModuleDict's `keys` is a method, not a context)."""
+    taken = []
+    for holder in module.modules():
+        attributes = vars(holder)
+        taken += [(holder, name, attributes[name]) for name in MODULE_CONTEXT if name in attributes]
+        hook = attributes.get("context")
+        if hook is not None and hasattr(hook, "__dict__"):
+            taken += [(hook, name, vars(hook)[name]) for name in HOOK_CONTEXT if name in vars(hook)]
+    return taken
+
+
+class RerunWith:
+    """A context manager that sets the `micro_batch_context` values `taken` at the forward for the
+    rerun and afterwards puts back what the model holds then (the micro-batch whose forward ran last,
+    which may still run its own). Re-entrant one use after another: a split backward's I and W may
+    each rerun the forward (checkpoint enters its recompute context once per rerun)."""
+
+    def __init__(self, taken: list):
+        self.taken, self.held = taken, []
+
+    def __enter__(self):
+        self.held.append([(holder, name, getattr(holder, name)) for holder, name, _ in self.taken])
+        for holder, name, value in self.taken:
+            setattr(holder, name, value)
+
+    def __exit__(self, *exception):
+        for holder, name, value in self.held.pop():
+            setattr(holder, name, value)
+
+
+class RecomputedForward:
+    """A module's own forward, run under checkpoint whenever autograd records (training); the rerun
+    sees the micro-batch context its forward saw (module docstring)."""
+
+    def __init__(self, forward, module):
+        self.forward, self.module = forward, module
 
     def __call__(self, *arguments):
         if not torch.is_grad_enabled():  # validation: nothing would be saved anyway
             return self.forward(*arguments)
-        return checkpoint(self.forward, *arguments, use_reentrant=False, preserve_rng_state=True)
+        if torch.compiler.is_compiling():  # the compiled backward recomputes from its graph's saved inputs
+            return checkpoint(self.forward, *arguments, use_reentrant=False, preserve_rng_state=True)
+        taken = micro_batch_context(self.module)
+        return checkpoint(self.forward, *arguments, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=lambda: (contextlib.nullcontext(), RerunWith(taken)))
 
 
 def recomputed_modules(block, activation_recompute: str) -> list:
@@ -95,4 +153,4 @@ def apply_activation_recompute(model, activation_recompute: str) -> None:
     for block in model.blocks.values():
         for module in recomputed_modules(block, activation_recompute):
             if not isinstance(module.forward, RecomputedForward):  # applied once: Lightning may set up twice
-                module.forward = RecomputedForward(module.forward)
+                module.forward = RecomputedForward(module.forward, module)

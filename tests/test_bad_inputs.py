@@ -188,9 +188,6 @@ BAD_INPUTS = [
      "strategy.context_parallel=2 with strategy=tp_2d (2d)"),
     ("strategy=one_f_one_b strategy.schedule=zero_bubble_h1 strategy.context_parallel=2 hardware.devices_per_node=4",
      "strategy.schedule", "strategy.context_parallel=2 with strategy.schedule=zero_bubble_h1"),
-    ("strategy=modular_pipeline strategy.context_parallel=2 strategy.activation_recompute=full "
-     "hardware.devices_per_node=4", "strategy.activation_recompute",
-     "with strategy.activation_recompute=full and several micro-batches"),
     ("strategy=modular_pipeline strategy.context_parallel=2 strategy.data_degree=2 hardware.devices_per_node=4",
      "strategy.data_degree", "strategy.data_degree=2 but world 4 / (pipeline 2 × tensor 1 × context 2) = 1"),
     # ----- expert parallelism (issue 58): strategy.expert_parallel (e)

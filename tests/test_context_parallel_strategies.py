@@ -128,3 +128,19 @@ def test_packed_rows_under_a_context_parallel_pipeline_equal_single(short_docume
                       "hardware.devices_per_node=4", *packed)
     assert pipeline.summary["layout"]["context"] == 2
     SgdComparison(pipeline, single).check()
+
+
+def test_recomputed_packed_rows_under_a_context_parallel_pipeline_equal_single(short_documents, tmp_path_factory):
+    """Full recomputation with micro-batches in flight: Llama GQA, 1F1B p2 × c2, m = 4 micro-batches of
+    packed rows, every block rerun in its backward (its ring exchange included). A micro-batch's
+    backward runs after later micro-batches' forwards have set their own documents and key side on the
+    model; the rerun must read those its forward read (strategies/recompute.py restores them), or
+    RoPE's positions, the document masks and the key side are another micro-batch's. Equals packed
+    `single` under SGD. (Unpacked rows would not show it: every micro-batch's positions and key side
+    are then equal in value.)"""
+    packed = [*short_documents, "data.packing=true", *LLAMA]
+    single = SgdRun(tmp_path_factory.mktemp("packed_llama_single"), "strategy=single", *packed, initial=True)
+    pipeline = SgdRun(tmp_path_factory.mktemp("packed_cp_full"), "strategy=one_f_one_b", "strategy.context_parallel=2",
+                      "strategy.activation_recompute=full", "hardware.devices_per_node=4", *packed)
+    assert pipeline.summary["layout"]["context"] == 2 and pipeline.cfg.strategy.micro_batches == 4
+    SgdComparison(pipeline, single).check()

@@ -463,8 +463,8 @@ PACKING_STRATEGIES = ("single", "ddp", "modular_pipeline", "gpipe", "one_f_one_b
 
 def packing_errors(cfg) -> list:
     """data.packing (docs/packing.md): the documents reach the blocks through a per-micro-batch context
-    (LanguageModel.set_documents) that the strategies above set and test; recomputation would rerun a
-    block after the next micro-batch's documents are set, and a masked (BERT) model has no EOS rows."""
+    (LanguageModel.set_documents) that the strategies above set and test (a recomputed block reruns with
+    the documents its forward read: strategies/recompute.py), and a masked (BERT) model has no EOS rows."""
     if not cfg.data.get("packing", False):
         return []
     errors = []
@@ -472,10 +472,6 @@ def packing_errors(cfg) -> list:
         errors.append(f"data.packing=true is not supported by strategy={cfg.strategy.name} (the packed documents "
                       f"reach the blocks of {', '.join(PACKING_STRATEGIES)} only). Fix: one of those strategies, "
                       f"or data.packing=false.")
-    if cfg.strategy.get("activation_recompute", "none") != "none":
-        errors.append(f"data.packing=true with strategy.activation_recompute={cfg.strategy.activation_recompute}: "
-                      f"a recomputed block would read a later micro-batch's documents. "
-                      f"Fix: strategy.activation_recompute=none, or data.packing=false.")
     if cfg.model.architecture == "bert" or cfg.data.corpus != "text":
         errors.append(f"data.packing=true needs EOS-ended documents and a causal model (data.corpus="
                       f"{cfg.data.corpus}, model.architecture={cfg.model.architecture}). Fix: data=text with "

@@ -396,7 +396,7 @@ def rank_traffic(workload: Workload, plan, pipeline_rank: int) -> Counter:
                         workload.micro_batch_rows, workload.message_bytes, split, split > 1,
                         workload.distributed_optimizer, workload.sequence_parallel, workload.activation_bytes,
                         workload.gradient_bucket_bytes // BYTES, workload.tensor_bytes, workload.reduction_bytes,
-                        workload.context_comm)
+                        workload.context_comm, workload.recompute)
 
 
 def predict_step(workload: Workload, device: Device, plan) -> dict:

@@ -186,7 +186,7 @@ def context_block(rows: int, length: int, kv_heads: int, head_dim: int, context:
 
 
 def context_traffic(comm: str, context: int, rows: int, length: int, kv_heads: int, head_dim: int,
-                    element_bytes: int = BYTES, backward: bool = True) -> Counter:
+                    element_bytes: int = BYTES, backward: bool = True, recomputed: bool = False) -> Counter:
     """Logical bytes by kind one context rank moves in ONE layer's attention on one micro-batch of
     `rows` sequences of `length` tokens (the whole sequence, before the split over c = `context`
     ranks), forward and (`backward`) backward, each element `element_bytes` (the dtype K/V and their
@@ -200,6 +200,8 @@ def context_traffic(comm: str, context: int, rows: int, length: int, kv_heads: i
       all_gather  forward: K and V all-gathered over the c ranks (full tensors of c·B each):
                   2·(c−1)/c·c·B = 2(c−1)·B of all_gather; backward: dK and dV reduce-scattered back
                   to their owners, as much again of reduce_scatter.
+    `recomputed` (strategy.activation_recompute=full, with `backward`): the block's forward reruns in
+    its backward (strategies/recompute.py), exchange included, so the forward's bytes travel twice.
     c = 1 moves nothing. Multiply by the layers and the micro-batches a rank runs for a step
     (`context_step_traffic`)."""
     if comm not in CONTEXT_EXCHANGES:
@@ -207,11 +209,12 @@ def context_traffic(comm: str, context: int, rows: int, length: int, kv_heads: i
     block = context_block(rows, length, kv_heads, head_dim, context) * element_bytes
     if context <= 1:
         return Counter()
+    forwards = 2 if backward and recomputed else 1
     if comm == "ring":
-        hops = (context - 1) + ((context - 1) + context if backward else 0)
+        hops = forwards * (context - 1) + ((context - 1) + context if backward else 0)
         return Counter(send_recv=2 * hops * block)
     full = context * block  # K (or V) of the whole sequence
-    traffic = Counter(all_gather=2 * ring_factor("all_gather", context) * full)
+    traffic = Counter(all_gather=forwards * 2 * ring_factor("all_gather", context) * full)
     if backward:
         traffic["reduce_scatter"] = 2 * ring_factor("reduce_scatter", context) * full
     return traffic
@@ -225,9 +228,12 @@ def context_kv_heads(layout: Layout, shape: GptShape) -> float:
 
 
 def context_step_traffic(comm: str, context: int, rows: int, length: int, kv_heads: int, head_dim: int,
-                         layers: int, micro_batches: int, element_bytes: int = BYTES) -> Counter:
-    """`context_traffic` of every layer a rank holds (`layers`) on each of its `micro_batches`."""
-    per_layer = context_traffic(comm, context, rows, length, kv_heads, head_dim, element_bytes)
+                         layers: int, micro_batches: int, element_bytes: int = BYTES,
+                         recomputed: bool = False) -> Counter:
+    """`context_traffic` of every layer a rank holds (`layers`) on each of its `micro_batches`
+    (`recomputed`: each layer's forward exchange once more, in its backward)."""
+    per_layer = context_traffic(comm, context, rows, length, kv_heads, head_dim, element_bytes,
+                                recomputed=recomputed)
     return Counter({kind: volume * layers * micro_batches for kind, volume in per_layer.items()})
 
 
@@ -278,7 +284,7 @@ def step_traffic(plan, layout: Layout, pipeline_rank: int, shape: GptShape, laye
                  micro_batch_rows: int, message_bytes: int = BYTES, message_split: int = 1,
                  gathered: bool = False, distributed_optimizer: bool = False, sequence_parallel: bool = False,
                  gather_bytes: int = BYTES, bucket_elements: int = 0, sum_bytes: int = BYTES,
-                 reduction_bytes: int = BYTES, context_comm: str = "ring") -> Counter:
+                 reduction_bytes: int = BYTES, context_comm: str = "ring", context_recomputed: bool = False) -> Counter:
     """Logical bytes by kind (parallel.comm.KINDS) one rank at `pipeline_rank` moves in one step. A
     boundary message carries `message_bytes` per element and 1/`message_split` of the rank's piece
     (cost.inputs.Workload.message_elements); `gathered`: each receive then all-gathers the slices
@@ -294,7 +300,8 @@ def step_traffic(plan, layout: Layout, pipeline_rank: int, shape: GptShape, laye
     gathers back stay fp32). The loss's scalars and the partial gradients summed over a grid stay fp32.
     Under context parallelism (layout.context = c; `shape.length` the rank's s/c tokens) each forward
     and backward of a block adds `context_traffic` of `context_comm` in `gather_bytes` per element
-    (K and V in the compute dtype), and the gradients are reduced over data × context ranks."""
+    (K and V in the compute dtype; the forward's once more per backward when `context_recomputed`,
+    full recomputation), and the gradients are reduced over data × context ranks."""
     row = [action for action in plan.ranks[pipeline_rank] if action is not None]
     traffic = Counter()
     sends = sum(action.kind in (SEND_ACTIVATION, SEND_GRADIENT) for action in row)
@@ -311,7 +318,7 @@ def step_traffic(plan, layout: Layout, pipeline_rank: int, shape: GptShape, laye
         forwards = sum(action.kind == FORWARD and action.stage == stage for action in row)
         traffic += context_step_traffic(context_comm, layout.context, micro_batch_rows, shape.length * layout.context,
                                         context_kv_heads(layout, shape), shape.block.head_dim, layers_per_stage,
-                                        forwards, gather_bytes)
+                                        forwards, gather_bytes, context_recomputed)
     return traffic
 
 

@@ -40,6 +40,17 @@ def test_one_context_rank_moves_nothing_and_a_step_multiplies_layers_and_micro_b
     assert step == {"send_recv": 3 * 2 * 2 * (1 + 1 + 2) * (1 * 8 * 1 * 8 * 4)}
 
 
+def test_full_recomputation_moves_the_forward_exchange_once_more():
+    """A recomputed block's backward reruns its forward, exchange included: + the forward's bytes."""
+    for comm in ("ring", "all_gather"):
+        forward = context_traffic(comm, 4, 2, 1024, 2, 64, element_bytes=2, backward=False)
+        plain = context_traffic(comm, 4, 2, 1024, 2, 64, element_bytes=2)
+        recomputed = context_traffic(comm, 4, 2, 1024, 2, 64, element_bytes=2, recomputed=True)
+        assert recomputed == plain + forward
+    assert context_traffic("ring", 4, 2, 1024, 2, 64, element_bytes=2, recomputed=True) == {
+        "send_recv": 2 * (3 + 3 + 3 + 4) * BLOCK_BYTES}
+
+
 def test_an_unknown_exchange_is_named():
     with pytest.raises(ValueError, match="context_parallel_comm"):
         context_traffic("a2a", 2, 1, 16, 1, 8)
@@ -139,11 +150,13 @@ def test_the_search_takes_context_parallelism_where_nothing_else_fits(tmp_path):
     assert replanned["planned_worst_role_bytes"] == pytest.approx(replanned["closed_form_worst_role_bytes"], rel=0.01)
 
 
-@pytest.mark.parametrize("strategy,comm", [("modular_pipeline", "ring"), ("ddp", "all_gather")])
-def test_planned_bytes_equal_a_context_parallel_runs_counted_bytes(tmp_path, strategy, comm):
+@pytest.mark.parametrize("strategy,comm,recompute", [("modular_pipeline", "ring", "none"), ("ddp", "all_gather", "none"),
+                                                     ("modular_pipeline", "all_gather", "full")])
+def test_planned_bytes_equal_a_context_parallel_runs_counted_bytes(tmp_path, strategy, comm, recompute):
     """llama_tiny, c = 2 on 2 forked ranks, 256 tokens: plan.json's bytes by kind equal the run's counted
     ones (summary.json comm_bytes_per_step) exactly — the exchange (`context_traffic` × 4 layers × the
-    micro-batches) and the gradients' all-reduce over the data × context group."""
+    micro-batches; under full recomputation each layer's forward exchange once more, rerun in its
+    backward) and the gradients' all-reduce over the data × context group."""
     from layerwise.planning.mode import plan
     from layerwise.preflight import validate
     from layerwise.run.fit import train
@@ -152,7 +165,8 @@ def test_planned_bytes_equal_a_context_parallel_runs_counted_bytes(tmp_path, str
         if strategy == "modular_pipeline" else []
     common = ["model=llama_tiny", f"strategy={strategy}", *stage, "logger=none", "trainer.progress=none",
               "trainer.limit_val_batches=0", "data.global_batch_size=2", "data.sequence_length=256",
-              "hardware.devices_per_node=2", "strategy.context_parallel=2", f"strategy.context_parallel_comm={comm}"]
+              "hardware.devices_per_node=2", "strategy.context_parallel=2", f"strategy.context_parallel_comm={comm}",
+              f"strategy.activation_recompute={recompute}"]
     cfg = compose_config(*common, "mode=plan")
     predicted = plan(cfg, validate(cfg), tmp_path / "plan", charts=False)["comm_bytes_per_step_by_pipeline_rank"][0]
     cfg = compose_config(*common, "trainer.max_steps=2", "trainer.charts=false", "data.max_bytes=2000000")

@@ -383,6 +383,12 @@ HOW: Dict[str, How] = {
     "strategy.distributed_optimizer=true strategy.context_parallel=16 strategy.context_parallel_comm=all_gather "
     "strategy.micro_batches=16 data.global_batch_size=128 data.sequence_length=131072 data=token_bin "
     "data.vocab_size=128256": How("real", planned),
+    "python train.py mode=plan model=llama3_405b model.layers=128 model.max_sequence_length=131072 hardware=dgx_h100 "
+    "hardware.nodes=2048 strategy=interleaved_1f1b strategy.pipeline_degree=16 strategy.layers_per_stage=1 "
+    "strategy.tensor_parallel=1d strategy.tensor_grid=8 strategy.sequence_parallel=true "
+    "strategy.distributed_optimizer=true strategy.context_parallel=16 strategy.context_parallel_comm=all_gather "
+    "strategy.micro_batches=16 strategy.activation_recompute=full data.global_batch_size=128 "
+    "data.sequence_length=131072 data=token_bin data.vocab_size=128256": How("real", planned),
     "python train.py mode=plan plan.search=true plan.search_max_context=128 model=llama3_405b "
     "model.max_sequence_length=131072 hardware=dgx_h100 hardware.nodes=2048 data.global_batch_size=128 "
     "data.sequence_length=131072 data=token_bin data.vocab_size=128256": How("real", searched),

@@ -119,12 +119,13 @@ class ParallelLayout:
 
     def _build_joint(self, name: str, axes) -> Group:
         """A group across `axes`; where its member lists are an axis's (context 1: data_context is
-        data), that axis's process groups serve it: the same decision on every rank, no new communicator."""
+        data), it IS that axis's group, name included (counts, flight records and a hang's diagnosis say
+        "data" as they did before context existed): the same decision on every rank, no new communicator."""
         members = group_members(axes, self.degrees)
         for axis in AXES:
             if set(members) == set(group_members(axis, self.degrees)) and self.groups[axis] is not None:
                 built = self.groups[axis]
-                return Group(name, built.ranks, built.process_group, built.channel or axis)
+                return Group(built.name, built.ranks, built.process_group, built.channel or axis)
         return self._create_groups(name, members)
 
     def _create_groups(self, name: str, member_lists, backend: Optional[str] = None) -> Group:

@@ -272,7 +272,9 @@ def one_rank_step(cfg, world_size: int, emulate_object_broadcast: bool = False,
     return {
         "rank": trainer.global_rank, "world_size": world_size, "strategy": cfg.strategy.name,
         "layout": layout.degrees.as_dict() if layout is not None else None,
-        "coordinates": dict(layout.coordinates) if layout is not None else None,
+        # the axes the layout lists (context and the expert split only where they split something)
+        "coordinates": ({axis: index for axis, index in layout.coordinates.items() if axis in layout.degrees.as_dict()}
+                        if layout is not None else None),
         "vocabulary": vocabulary,
         "collectives": [asdict(c) for c in probe.collectives],
         "bytes_by_kind": by_kind(probe.collectives, "step"),

@@ -51,7 +51,8 @@ def rank_of(coords: Dict[str, int], degrees: Layout) -> int:
 
 
 def _sizes(degrees: Layout) -> Dict[str, int]:
-    sizes = {axis: getattr(degrees, axis) for axis in AXES if axis != "data"}
+    """Every coordinate's range: the axes, and the data axis split as (expert_data, expert)."""
+    sizes = {axis: getattr(degrees, axis) for axis in AXES}
     sizes.update(expert=degrees.expert, expert_data=degrees.data // degrees.expert)
     return sizes
 
@@ -61,9 +62,8 @@ def group_members(axes, degrees: Layout) -> Tuple[Tuple[int, ...], ...]:
     coordinates, in a fixed order; the data axis is addressed whole or as (expert, expert_data)."""
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     sizes = _sizes(degrees)
-    split_data = not ("data" in axes)
+    split_data = "data" not in axes
     coordinate_names = (["expert_data", "expert"] if split_data else ["data"]) + [a for a in AXES if a != "data"]
-    sizes["data"] = degrees.data
     others = [a for a in coordinate_names if a not in axes]
     groups = []
     for fixed in itertools.product(*(range(sizes[a]) for a in others)):

@@ -33,6 +33,7 @@ from collections import Counter
 from cost.inputs import BYTES, GptShape, activation_piece
 from parallel.comm import ring_factor
 from parallel.dims import Layout, tensor_ranks
+from strategies.context_parallel import EXCHANGES
 from strategies.schedule import (FORWARD, RECV_ACTIVATION, RECV_GRADIENT, REDUCE_GRADIENT, SEND_ACTIVATION,
                                  SEND_GRADIENT)
 from strategies.schedule.zero import GATHERS, REDUCE_SCATTER
@@ -175,9 +176,6 @@ def model_parameters(shape: GptShape, layers: int) -> float:
 
 # ----- context parallelism: the keys and values of a sequence's shards exchanged every layer
 
-CONTEXT_EXCHANGES = ("ring", "all_gather")
-
-
 def context_block(rows: int, length: int, kv_heads: int, head_dim: int, context: int) -> float:
     """Elements of one key (or value) block a context rank holds: b · (s/c) · kv_heads · head_dim (its
     head and tail chunks together; with GQA only the kv heads, and under a 1-D tensor grid the
@@ -204,8 +202,8 @@ def context_traffic(comm: str, context: int, rows: int, length: int, kv_heads: i
     its backward (strategies/recompute.py), exchange included, so the forward's bytes travel twice.
     c = 1 moves nothing. Multiply by the layers and the micro-batches a rank runs for a step
     (`context_step_traffic`)."""
-    if comm not in CONTEXT_EXCHANGES:
-        raise ValueError(f"strategy.context_parallel_comm: {comm!r} is not one of {CONTEXT_EXCHANGES}")
+    if comm not in EXCHANGES:
+        raise ValueError(f"strategy.context_parallel_comm: {comm!r} is not one of {EXCHANGES}")
     block = context_block(rows, length, kv_heads, head_dim, context) * element_bytes
     if context <= 1:
         return Counter()

@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.documents import batch_documents
+from strategies.context_parallel import EXCHANGES, apply_context_parallel, context_parallel_batch
 
-EXCHANGES = ("ring", "all_gather")
 # trainer.compile with c > 1: the exchange (point-to-point sends or an all-gather through the counted
 # communicator) runs inside every block's attention; dynamo refuses the communicator's tallies as a side
 # effect (compile.py TENSOR_GRID, the same tally), and a graph break per layer would leave eager islands.
@@ -119,7 +119,6 @@ class ContextCut:
     degree: int
 
     def __call__(self, model, batch: dict) -> dict:
-        from strategies.context_parallel import context_parallel_batch
         tokens, targets = context_parallel_batch(model, batch["tokens"], batch["targets"], batch_documents(batch),
                                                  self.index, self.degree)
         return {"tokens": tokens, "targets": targets}
@@ -144,7 +143,6 @@ class ContextParallelHooks:
 
     def install_context_parallel(self, model) -> None:
         if self.context_degree > 1:
-            from strategies.context_parallel import apply_context_parallel
             apply_context_parallel(model, self.layout.group("context"), self.layout.communicator, self.context_comm)
 
     def context_cut(self) -> ContextCut | None:

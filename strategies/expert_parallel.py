@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from parallel.comm import Group
+from strategies.checks import divisors
 
 EXPERT_GROUP = "expert"
 EXPERT_DATA_GROUP = "expert_data"
@@ -279,6 +280,12 @@ def expert_parallel_of(strategy_config) -> int:
     return int(strategy_config.get("expert_parallel", 1) or 1)
 
 
+def expert_degrees(experts: int, data: int) -> list:
+    """Every e dividing both the `data` data-parallel ranks and the `experts` E (each member keeps E/e
+    whole experts), ascending: what strategy.expert_parallel may be."""
+    return [e for e in divisors(data) if experts % e == 0]
+
+
 def expert_errors(cfg, data: int, refused: dict = None) -> list:
     """strategy.expert_parallel=e against the model and the layout: e ≥ 1; e > 1 needs a model with
     experts, e dividing model.experts and the `data` data-parallel ranks the experts are split over,
@@ -294,16 +301,14 @@ def expert_errors(cfg, data: int, refused: dict = None) -> list:
         return [f"strategy.expert_parallel={e} splits the experts of a mixture of experts, and "
                 f"model={cfg.model.get('name', cfg.model.architecture)} has none (model.experts=0). "
                 f"Fix: strategy.expert_parallel=1, or a model with experts (model.experts=8, model=llama_tiny)."]
-    errors = []
+    errors, fits = [], expert_degrees(experts, data)
     if data % e:
-        fits = [d for d in range(1, data + 1) if data % d == 0 and experts % d == 0]
         errors.append(f"strategy.expert_parallel={e} must divide the {data} data-parallel ranks the experts are "
                       f"split over (world / (pipeline × tensor × context)). Fix: strategy.expert_parallel in "
                       f"{fits}, or more devices (hardware.devices_per_node).")
     if experts % e:
         errors.append(f"strategy.expert_parallel={e} must divide model.experts={experts} (each rank holds "
-                      f"E/e experts). Fix: strategy.expert_parallel in "
-                      f"{[d for d in range(1, experts + 1) if experts % d == 0 and data % d == 0]}.")
+                      f"E/e experts). Fix: strategy.expert_parallel in {fits}.")
     if cfg.strategy.get("context_parallel", 1) > 1:
         errors.append(f"strategy.expert_parallel={e} with strategy.context_parallel="
                       f"{cfg.strategy.context_parallel} is refused: each context rank routes only its chunk "

@@ -4,14 +4,14 @@ expert-parallel degrees the search ranges over. The prices themselves are cost/e
 from cost.experts import busiest, expert_group_on_node, local_expert_elements, step_exchange
 from cost.inputs import BYTES, Device, Workload
 from models import blocks_of
-from strategies.checks import divisors
+from strategies.expert_parallel import expert_degrees as expert_parallel_degrees
 
 
 def expert_degrees(model, data: int) -> list:
     """strategy.expert_parallel values for `data` data ranks: every e dividing both the data degree
     and the experts E (each member keeps E/e whole experts; parallel.dims.Layout); [1] for a dense model."""
     experts = model.get("experts") or 0
-    return [e for e in divisors(data) if experts % e == 0] if experts else [1]
+    return expert_parallel_degrees(experts, data) if experts else [1]
 
 
 def parameter_counts(model, vocabulary: int) -> dict:

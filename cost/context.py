@@ -27,7 +27,7 @@ the pipeline messages, the tensor grid's collectives, the loss — is already a 
 from dataclasses import replace
 
 from cost.inputs import GptShape, Workload
-from cost.traffic import context_kv_heads, context_traffic
+from cost.traffic import context_block, context_kv_heads, context_traffic
 
 
 def sharded_shape(shape: GptShape, context: int) -> GptShape:
@@ -115,8 +115,8 @@ def exchange_buffers(workload: Workload) -> float:
     c = workload.layout.context
     if c <= 1:
         return 0.0
-    block = (workload.micro_batch_rows * workload.shape.length * local_kv_heads(workload)
-             * workload.shape.block.head_dim * workload.activation_bytes)  # one K (or V) block
+    block = context_block(workload.micro_batch_rows, key_length(workload), local_kv_heads(workload),
+                          workload.shape.block.head_dim, c) * workload.activation_bytes  # one K (or V) block
     if workload.context_comm == "all_gather":
         return 2 * c * block
     return 2 * 2 * block + 2 * block

@@ -7,6 +7,7 @@ exactly the weights those parts have in the full model. A model built on the `me
 shapes only; `materialise` gives chosen parts storage and their seeded values, one part at a time.
 """
 
+import abc
 import hashlib
 import math
 from dataclasses import dataclass
@@ -31,13 +32,15 @@ def derived_seed(seed: int, name) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-class SeededParameters(nn.Module):
+class SeededParameters(nn.Module, metaclass=abc.ABCMeta):
     """A module whose own Parameters (not Linear/Embedding/norm children) `initialize` cannot draw:
     it draws them itself in `initialize_seeded(seed, name, residual_std)` (models/moe.py Experts:
-    one generator per expert, so a rank holding some experts gets the full model's values)."""
+    one generator per expert, so a rank holding some experts gets the full model's values).
+    nn.Module's metaclass is `type`, so ABCMeta (a subclass of it) is its compatible metaclass."""
 
+    @abc.abstractmethod
     def initialize_seeded(self, seed: int, name, residual_std: float) -> None:
-        raise NotImplementedError
+        """Draw this module's own Parameters (and reset its buffers) from (seed, name)."""
 
 
 @torch.no_grad()

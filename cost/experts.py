@@ -194,6 +194,12 @@ def dispatch_seconds(workload: Workload, device: Device) -> float:
 ALL_TO_ALLS_FORWARD = 2  # dispatch and combine; the backward runs the same two with the splits swapped
 
 
+def all_to_alls_per_block(workload: Workload) -> int:
+    """All-to-alls one MoE block runs per micro-batch: dispatch and combine in the forward, the
+    backward and a recomputed forward."""
+    return ALL_TO_ALLS_FORWARD * (2 + (1 if workload.recompute else 0))
+
+
 def block_exchange_seconds(workload: Workload, device: Device) -> tuple:
     """(forward, backward) seconds of one MoE block's all-to-alls on one micro-batch: two each way,
     two more in a backward that recomputes the forward."""
@@ -205,8 +211,7 @@ def block_exchange_seconds(workload: Workload, device: Device) -> tuple:
 def step_exchange(workload: Workload, device: Device, micro_batches: int, blocks: int) -> dict:
     """A rank's all-to-all traffic over one step of `micro_batches` through `blocks` MoE blocks:
     bytes inside and across nodes, and seconds (plan.json's `experts`)."""
-    per_block = ALL_TO_ALLS_FORWARD * (2 + (1 if workload.recompute else 0))  # forward, backward, recompute
-    count = per_block * micro_batches * blocks * workload.moe_share
+    count = all_to_alls_per_block(workload) * micro_batches * blocks * workload.moe_share
     inside, across = dispatch_split(workload, device)
     return {"all_to_all_bytes_intra_node": count * inside, "all_to_all_bytes_inter_node": count * across,
             "all_to_all_s": count * dispatch_seconds(workload, device)}
@@ -219,8 +224,8 @@ def exchange_bytes(workload: Workload, plan, pipeline_rank: int) -> float:
     if workload.layout.expert <= 1 or not is_moe(workload.shape.block):
         return 0.0
     forwards = sum(action is not None and action.kind == FORWARD for action in plan.ranks[pipeline_rank])
-    per_block = ALL_TO_ALLS_FORWARD * (2 + (1 if workload.recompute else 0))
-    return forwards * workload.layers_per_stage * workload.moe_share * per_block * dispatch_bytes(workload)
+    return (forwards * workload.layers_per_stage * workload.moe_share * all_to_alls_per_block(workload)
+            * dispatch_bytes(workload))
 
 
 def expert_reduction_bytes(workload: Workload, plan, pipeline_rank: int) -> float:

@@ -1,7 +1,7 @@
 """Plan mode's answers for mixtures of experts (issue 58 item 6): plan.json `experts`, and the
 expert-parallel degrees the search ranges over. The prices themselves are cost/experts.py's."""
 
-from cost.experts import busiest, expert_group_on_node, local_expert_elements, step_exchange
+from cost.experts import busiest, expert_group_on_node, local_expert_elements, local_experts, step_exchange
 from cost.inputs import BYTES, Device, Workload
 from models import blocks_of
 from strategies.expert_parallel import expert_degrees as expert_parallel_degrees
@@ -37,7 +37,7 @@ def experts_plan(cfg, workload: Workload, device: Device) -> dict:
     exchange = step_exchange(workload, device, micro_batches, blocks)
     return {"experts": block.experts, "experts_per_token": block.experts_per_token,
             "shared_experts": block.shared_experts, "expert_width": block.expert_width,
-            "expert_parallel": layout.expert, "local_experts": block.experts // layout.expert,
+            "expert_parallel": layout.expert, "local_experts": local_experts(workload),
             "parameters_total": counts["total"], "parameters_active": counts["active"],
             "expert_load_imbalance_assumed": workload.expert_imbalance,
             "busiest_rank_load_over_mean": busiest(workload),

@@ -68,9 +68,7 @@ TWO_STAGES_PER_RANK = ("zbv",)  # the V: layers_per_stage = layers / 2p
 # plan_search.csv's first columns: a point under the strategy group's own field names
 COLUMNS = ("family", "pipeline_degree", "tensor_parallel", "tensor_grid", "layers_per_stage", "micro_batches",
            "activation_recompute", "data_degree", "sequence_parallel", "distributed_optimizer", "context_parallel",
-           "context_parallel_comm")
-
-COLUMNS += ("expert_parallel",)  # e: the data ranks each MoE block's experts are split over (1: dense, or none)
+           "context_parallel_comm", "expert_parallel")  # e: the data ranks an MoE block's experts split over
 
 
 @dataclass(frozen=True)
@@ -99,12 +97,12 @@ class Point:
     @classmethod
     def of(cls, family: str, pipeline_degree: int, tensor_parallel: str, tensor_grid: int, layers_per_stage: int,
            micro_batches: int, activation_recompute: str, data_degree: int, sequence_parallel=False,
-           distributed_optimizer=False, context_parallel=1, context_parallel_comm="ring") -> "Point":
+           distributed_optimizer=False, context_parallel=1, context_parallel_comm="ring", expert_parallel=1) -> "Point":
         """The point of these strategy fields (tensor_parallel none | 1d | 2d | 3d, tensor_grid q);
         ZeRO is the family's. The switches may come as a csv's strings."""
         grid = None if tensor_parallel == "none" else tensor_parallel
         layout = Layout(int(data_degree), int(pipeline_degree), grid, int(tensor_grid), FAMILIES[family][1],
-                        context=int(context_parallel))
+                        context=int(context_parallel), expert=int(expert_parallel))
         return cls(family, layout, int(layers_per_stage), int(micro_batches), activation_recompute,
                    _flag(sequence_parallel), _flag(distributed_optimizer), context_parallel_comm)
 
@@ -297,8 +295,7 @@ class Switches:
         from layerwise.config.validate import check_strategy
         key = (self.config_key, point.family, point.tensor_parallel, point.tensor_grid, point.data_degree > 1,
                point.activation_recompute, point.sequence_parallel, point.distributed_optimizer,
-               point.context_parallel, point.context_parallel_comm)
-        key += (point.expert_parallel > 1,)
+               point.context_parallel, point.context_parallel_comm, point.expert_parallel > 1)
         if key not in _ACCEPTED:
             _ACCEPTED[key] = not check_strategy(point_config(self.cfg, point), self.world)
         return _ACCEPTED[key]
@@ -522,8 +519,8 @@ def write_csv(rows: list, path: Path) -> None:
 
 
 def point_of(row: dict) -> Point:
-    point = Point.of(**{name: row[name] for name in COLUMNS if name != "expert_parallel"})
-    return with_expert(point, int(row.get("expert_parallel", 1)))
+    """The point of a plan_search.csv row (one written before e was searched: e = 1)."""
+    return Point.of(**{name: row.get(name, 1) if name == "expert_parallel" else row[name] for name in COLUMNS})
 
 
 def with_expert(point: Point, degree: int) -> Point:

@@ -33,6 +33,8 @@ import re
 
 import torch
 
+from models.moe import MoE
+
 MOE_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
 ROUTER = {"mixtral": "model.layers.{i}.block_sparse_moe.gate.weight", "qwen3_moe": "model.layers.{i}.mlp.gate.weight"}
 EXPERT = {"mixtral": "model.layers.{i}.block_sparse_moe.experts.{e}.{which}.weight",
@@ -132,8 +134,6 @@ def fill_moe(files, family: str, part: str, module: torch.nn.Module) -> set:
     """Fill the MoE parts of block `part` ("blocks.<i>", empty storage): its router, the experts it
     holds (`experts.first` .. + count: an expert-parallel rank's own), and a zero expert_bias
     (sigmoid_bias's; Mixtral and Qwen3-MoE route by softmax). Returns the local names filled."""
-    from models.moe import MoE  # models/moe.py imports nothing of ours but transformer.py
-
     mlp = getattr(module, "mlp", None)
     if not isinstance(mlp, MoE):
         return set()

@@ -92,6 +92,12 @@ def read_loads(path: Path) -> dict:
     return found
 
 
+def shares_of_mean(loads: list) -> list:
+    """Each expert's load over the mean load (1 = balanced); all 1.0 for a step without tokens."""
+    mean = sum(loads) / len(loads)
+    return [load / mean for load in loads] if mean else [1.0] * len(loads)
+
+
 def write_expert_load_chart(run_directory: Path) -> list:
     """expert_load.png from expert_load.csv: on top, each MoE block's busiest expert over the mean
     per step (1 = balanced); below, one heat map row per (block, expert), its share of the mean
@@ -106,11 +112,10 @@ def write_expert_load_chart(run_directory: Path) -> list:
     rows, labels = [], []
     for block, by_step in sorted(loads.items()):
         steps = sorted(by_step)
-        ratios = [max(by_step[s]) / (sum(by_step[s]) / len(by_step[s])) if sum(by_step[s]) else 1.0 for s in steps]
-        top.plot(steps, ratios, linewidth=1, label=f"block {block}")
-        for expert in range(len(by_step[steps[0]])):
-            rows.append([by_step[s][expert] / (sum(by_step[s]) / len(by_step[s])) if sum(by_step[s]) else 1.0
-                         for s in steps])
+        shares = [shares_of_mean(by_step[s]) for s in steps]
+        top.plot(steps, [max(share) for share in shares], linewidth=1, label=f"block {block}")
+        for expert in range(len(shares[0])):
+            rows.append([share[expert] for share in shares])
             labels.append(f"{block}.{expert}")
     top.axhline(1.0, color="0.4", linewidth=0.8)
     top.set_ylabel("busiest expert / mean")

@@ -1,12 +1,12 @@
 """What plan.json holds for any planned strategy: the pipeline family's simulated plan, PipeFisher's
 (planning/pipefisher.py) and L2L's relay in closed form."""
 
-from cost.context import exchange_buffers, exchange_bytes, exchange_seconds
 from cost.inputs import Workload
+from layerwise.planning.context import context_plan
 from layerwise.planning.experts import experts_plan
 from cost.memory import memory
 from cost.relay import relay_host_memory, relay_memory, relay_step
-from cost.step_time import collective_seconds, core_attention_seconds, predict_step
+from cost.step_time import predict_step
 from cost.traffic import all_reduce
 from layerwise.planning.inputs import (TENSOR_ONLY, compute_bytes, device_of, shape_of, training_plan_of,
                                        workload_of)
@@ -61,16 +61,3 @@ def plan_result(cfg, world_size: int, with_timeline: bool = False):
     if workload.shape.block.experts:  # a mixture of experts (layerwise/planning/experts.py)
         result["experts"] = experts_plan(cfg, workload, device)
     return (result, step["timeline"]) if with_timeline else result
-
-
-def context_plan(workload: Workload, device) -> dict:
-    """plan.json `context` (context parallelism, cost/context.py): the degree and the exchange, the
-    tokens of a sequence each rank holds, the exchange's bytes per layer and micro-batch by kind
-    (cost.traffic.context_traffic), its exposed seconds per micro-batch through a stage (forward,
-    backward: what the attention does not hide) and the K/V buffers it holds beside the activations."""
-    forward, backward = exchange_seconds(workload, device, collective_seconds, core_attention_seconds(workload, device))
-    return {"context_parallel": workload.layout.context, "context_parallel_comm": workload.context_comm,
-            "sequence_tokens_per_rank": workload.shape.length,
-            "exchange_bytes_per_layer": dict(exchange_bytes(workload)),
-            "exposed_exchange_s_per_micro_batch": {"forward": forward, "backward": backward},
-            "exchange_buffers_bytes": exchange_buffers(workload)}

@@ -38,6 +38,7 @@ from layerwise.config.schema import PipelineStrategyConfig, ZeroLayeredStrategyC
 from layerwise.planning.inputs import communication_of, compute_bytes, device_of, efficiency_of, moe_share_of, shape_of
 from cost.context import sharded_shape
 from layerwise.planning.result import plan_result
+from layerwise.planning.context import pipeline_context
 from layerwise.planning.experts import expert_degrees
 from models import blocks_of
 from models.transformer import model_flops_per_token
@@ -223,7 +224,7 @@ def layouts(cfg, world: int):
         for mode, q in tensor_options(cfg, world):
             tensor = q ** DIMENSION[mode] if mode != "none" else 1
             rows_split = grid_of(mode, tensor, 0).input_rows()[1] if mode != "none" else 1
-            for pipeline, context, comm in _pipeline_context(cfg, world // tensor):
+            for pipeline, context, comm in pipeline_context(cfg, world // tensor):
                 if pipeline > 1 and cfg.model.tie_embeddings:
                     continue
                 data = world // (tensor * pipeline * context)
@@ -238,21 +239,6 @@ def layouts(cfg, world: int):
                                                              context_parallel_comm=comm))
                             if point is not None:
                                 yield from switches.experts(point)
-
-
-def _pipeline_context(cfg, ranks: int) -> list:
-    """(pipeline degree, context degree c, exchange) over `ranks` = world / tensor: c = 1, and each
-    power of two up to plan.search_max_context that divides what the pipeline leaves and splits
-    data.sequence_length into 2c chunks (a head and a tail per rank), with either exchange."""
-    options = []
-    for pipeline in divisors(ranks):
-        options.append((pipeline, 1, "ring"))
-        context = 2
-        while context <= cfg.plan.get("search_max_context", 1) and (ranks // pipeline) % context == 0 \
-                and cfg.data.sequence_length % (2 * context) == 0:
-            options += [(pipeline, context, "ring"), (pipeline, context, "all_gather")]
-            context *= 2
-    return options
 
 
 def recomputations(cfg, schedule: str, context: int = 1) -> tuple:

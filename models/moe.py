@@ -58,7 +58,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.transformer import INIT_STD, BlockDescription, LinearShape, SeededParameters, derived_seed
+from models.transformer import INIT_STD, BlockDescription, LinearShape, SeededParameters, _normal, derived_seed
 
 ROUTERS = ("softmax_topk", "sigmoid_bias")
 
@@ -129,8 +129,7 @@ class Experts(SeededParameters):
             generator = torch.Generator(device="cpu").manual_seed(
                 derived_seed(seed, f"{name}/expert/{self.first + local}"))
             for parameter, std in ((self.gate, INIT_STD), (self.up, INIT_STD), (self.down, residual_std)):
-                values = torch.empty(parameter.shape[1:], dtype=torch.float32, device="cpu")
-                parameter[local].copy_(values.normal_(0.0, std, generator=generator))
+                _normal(parameter[local], std, generator)  # initialize's draw: float32 on the CPU, copied
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [m, h], rows grouped by local expert in order, counts [E_local] rows each -> [m, h]."""

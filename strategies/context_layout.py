@@ -97,7 +97,7 @@ def context_errors(cfg, world_size: int, other_ranks: int, refused: dict = None,
 def eager_unless_context(eager_blocks):
     """`eager_blocks` of a strategy offering c: eager with CONTEXT_EAGER when c > 1, else its own."""
     def chosen(cfg):
-        if cfg.strategy.get("context_parallel", 1) > 1:
+        if context_of(cfg.strategy)[0] > 1:
             return CONTEXT_EAGER
         return eager_blocks(cfg)
     return chosen

@@ -1,6 +1,8 @@
 """Plan mode's answers for mixtures of experts (issue 58 item 6): plan.json `experts`, and the
 expert-parallel degrees the search ranges over. The prices themselves are cost/experts.py's."""
 
+import dataclasses
+
 from cost.experts import busiest, expert_group_on_node, local_expert_elements, local_experts, step_exchange
 from cost.inputs import BYTES, Device, Workload
 from models import blocks_of
@@ -12,6 +14,16 @@ def expert_degrees(model, data: int) -> list:
     and the experts E (each member keeps E/e whole experts; parallel.dims.Layout); [1] for a dense model."""
     experts = model.get("experts") or 0
     return expert_parallel_degrees(experts, data) if experts else [1]
+
+
+def expert_points(point, model, accepts):
+    """A search point (layerwise/planning/search.py `Point`) at every degree e of `expert_degrees` for
+    its data degree that `accepts` (the search's cached strategy check, asked for e > 1 only: once per
+    family, grid and switches); a dense model: the point as it is."""
+    for degree in expert_degrees(model, point.data_degree):
+        candidate = dataclasses.replace(point, layout=dataclasses.replace(point.layout, expert=degree))
+        if degree == 1 or accepts(candidate):
+            yield candidate
 
 
 def parameter_counts(model, vocabulary: int) -> dict:

@@ -39,7 +39,7 @@ from layerwise.planning.inputs import communication_of, compute_bytes, device_of
 from cost.context import sharded_shape
 from layerwise.planning.result import plan_result
 from layerwise.planning.context import pipeline_context
-from layerwise.planning.experts import expert_degrees
+from layerwise.planning.experts import expert_points
 from models import blocks_of
 from models.transformer import model_flops_per_token
 from strategies.checks import divisors, fp16_errors, gradient_clipping_errors, model_grid_errors
@@ -238,7 +238,7 @@ def layouts(cfg, world: int):
                                                              data, context_parallel=context,
                                                              context_parallel_comm=comm))
                             if point is not None:
-                                yield from switches.experts(point)
+                                yield from expert_points(point, cfg.model, switches.accepts)
 
 
 def recomputations(cfg, schedule: str, context: int = 1) -> tuple:
@@ -285,15 +285,6 @@ class Switches:
         if key not in _ACCEPTED:
             _ACCEPTED[key] = not check_strategy(point_config(self.cfg, point), self.world)
         return _ACCEPTED[key]
-
-    def experts(self, point: Point):
-        """The point at every expert-parallel degree e its strategy's check accepts (e dividing its data
-        degree and the experts, layerwise/planning/experts.py `expert_degrees`; asked once per family,
-        grid and switches with e > 1, as `accepts` asks). A dense model: the point as it is."""
-        for degree in expert_degrees(self.cfg.model, point.data_degree):
-            candidate = with_expert(point, degree)
-            if degree == 1 or self.accepts(candidate):
-                yield candidate
 
     def chosen(self, point: Point):
         """The point with each switch its strategy accepts; None where it refuses the point's
@@ -507,11 +498,6 @@ def write_csv(rows: list, path: Path) -> None:
 def point_of(row: dict) -> Point:
     """The point of a plan_search.csv row (one written before e was searched: e = 1)."""
     return Point.of(**{name: row.get(name, 1) if name == "expert_parallel" else row[name] for name in COLUMNS})
-
-
-def with_expert(point: Point, degree: int) -> Point:
-    """`point` with its MoE blocks' experts split over `degree` of its data ranks."""
-    return dataclasses.replace(point, layout=dataclasses.replace(point.layout, expert=degree))
 
 
 def top_table(rows: list) -> str:

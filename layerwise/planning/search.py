@@ -333,6 +333,7 @@ class Evaluator:
                                                  self.shape.vocabulary, cfg.model.mlp_ratio, self.shape.block,
                                                  blocks_of(cfg.model)) * self.tokens
         self.activation_bytes = compute_bytes(cfg)
+        self.moe_share = moe_share_of(cfg.model)  # the model's, the same at every point
         self.workloads = {}
 
     def workload(self, point: Point) -> Workload:
@@ -344,11 +345,11 @@ class Evaluator:
 
     def _workload(self, point: Point) -> Workload:
         rows = self.cfg.data.global_batch_size // (point.data_degree * point.micro_batches)
-        return Workload(sharded_shape(self.shape, point.context_parallel), self.cfg.model.layers, self.cfg.model.heads, point.layout, point.layers_per_stage,
+        return Workload(sharded_shape(self.shape, point.context_parallel), self.cfg.model.layers, self.cfg.model.heads,
+                        point.layout, point.layers_per_stage,
                         rows, self.cfg.optimizer.name, point.activation_recompute == "full", self.activation_bytes,
                         gloo=self.cfg.hardware.process_group_backend == "gloo",
-                        expert_imbalance=self.cfg.plan.expert_load_imbalance,
-                        moe_share=moe_share_of(self.cfg.model),
+                        expert_imbalance=self.cfg.plan.expert_load_imbalance, moe_share=self.moe_share,
                         **communication_of(point.switches(), self.cfg.hardware.precision, point.layout,
                                            self.cfg.plan.flash_attention))
 

@@ -58,7 +58,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.transformer import INIT_STD, BlockDescription, LinearShape, SeededParameters, _normal, derived_seed
+from models.transformer import INIT_STD, BlockDescription, LinearShape, SeededParameters, _normal, compute_dtype, derived_seed
 
 ROUTERS = ("softmax_topk", "sigmoid_bias")
 
@@ -154,14 +154,6 @@ class Experts(SeededParameters):
         pieces = x.split(counts.tolist())  # a host sync on CUDA: the fallback's price
         outputs = [(F.silu(piece @ gate[e]) * (piece @ up[e])) @ down[e] for e, piece in enumerate(pieces)]
         return torch.cat(outputs) if outputs else x.new_zeros(0, down.shape[-1])
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a matrix product of x runs in: autocast's where it is on (F.grouped_mm is not in
-    autocast's lists, so the experts cast themselves, as a linear would be cast), else x's."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 # ----------------------------------------------------------------------------- routing

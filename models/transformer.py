@@ -43,6 +43,14 @@ class SeededParameters(nn.Module, metaclass=abc.ABCMeta):
         """Draw this module's own Parameters (and reset its buffers) from (seed, name)."""
 
 
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype a matrix product of `tensor` runs in: autocast's where it is on, else the tensor's
+    own. Whoever casts by hand what autocast would cast reads it here: the experts (F.grouped_mm is not
+    in autocast's lists, models/moe.py) and the tensor grids' collectives (strategies/tensor_parallel)."""
+    device = tensor.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
+
+
 @torch.no_grad()
 def initialize(module: nn.Module, *, seed: int, name, residual_std: float = INIT_STD) -> None:
     """Overwrite every parameter of `module` from a generator seeded with (seed, name).

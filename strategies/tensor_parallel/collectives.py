@@ -7,6 +7,8 @@ move the wanted dimension to the front and back. A group of one is the identity.
 
 import torch
 
+from models.transformer import compute_dtype
+
 
 def gather(communicator, shard: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """Concatenate every member's `shard` along `dim`, in the group's rank order."""
@@ -86,12 +88,6 @@ class GatherMatmulScatter(torch.autograd.Function):
         grad_w = x_full.reshape(-1, x_full.shape[-1]).t() @ grad_full.reshape(-1, grad_full.shape[-1])
         # autograd casts each gradient back to its input's dtype (fp32 masters stay fp32)
         return summed(communicator, grad_x, x_spec), summed(communicator, grad_w, w_spec), None, None, None, None
-
-
-def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """The dtype autocast runs a matrix product in here, or the tensor's own outside autocast."""
-    device = tensor.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
 
 
 def summed(communicator, partial: torch.Tensor, spec) -> torch.Tensor:

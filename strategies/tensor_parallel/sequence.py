@@ -50,7 +50,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from strategies.schedule.generators import ZERO_BUBBLE
-from strategies.tensor_parallel.collectives import compute_dtype, gather, scatter_sum, wire_dtype
+from models.transformer import compute_dtype
+from strategies.tensor_parallel.collectives import gather, scatter_sum, wire_dtype
 
 
 class SequenceRegion:
